@@ -1,0 +1,1 @@
+"""gpp-jax: graph pipeline parallelism for JAX."""

@@ -1,0 +1,21 @@
+"""Exception types. Every error names what is wrong and how to fix it."""
+
+
+class GppError(Exception):
+  """Base class of gpp-jax errors."""
+
+
+class PlanError(GppError, ValueError):
+  """A plan that is invalid for the model or the devices."""
+
+
+class ScheduleError(GppError, ValueError):
+  """A schedule that violates a dependency, is incomplete, or deadlocks."""
+
+
+class CaptureError(GppError, ValueError):
+  """A train step or loss function that cannot be captured or staged."""
+
+
+class BatchError(GppError, ValueError):
+  """A batch that does not split into micro-batches."""

@@ -1,0 +1,1 @@
+"""Experiment scripts (reproductions of the GraphPipe paper comparisons)."""

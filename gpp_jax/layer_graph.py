@@ -1,0 +1,115 @@
+"""LayerGraph: the layer-level DAG with costs that planners consume.
+
+A LayerGraph is a plain ``networkx.DiGraph`` with documented attributes, so every graph
+algorithm of networkx applies directly.
+
+Graph attributes:
+  name: str; batch_size: int, the number of samples the costs below were taken for.
+
+Node (layer) attributes, all for ``batch_size`` samples, forward pass only:
+  flops: float        forward FLOPs (exact for dot_general/conv, estimated for the rest)
+  bytes: float        bytes read + written by the forward equations
+  param_bytes: float  bytes of the parameters this layer owns
+  act_bytes: float    bytes of this layer's outputs that other layers (or the loss) read
+  saved_bytes: float  bytes of the intermediates kept for the backward pass (activation memory)
+  order: int          position in a topological order of the source program (deterministic)
+  time_f, time_b: float (optional)  measured forward/backward seconds at ``batch_size``;
+                      a cost model uses them instead of the roofline when present.
+
+Edge attributes:
+  bytes: float        bytes flowing along the edge per ``batch_size`` samples.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import networkx as nx
+
+NODE_ATTRS = ("flops", "bytes", "param_bytes", "act_bytes", "saved_bytes")
+
+
+def new_layer_graph(name: str, batch_size: int) -> nx.DiGraph:
+  """Returns an empty LayerGraph for costs measured at ``batch_size`` samples."""
+  if batch_size <= 0:
+    raise ValueError(f"batch_size must be positive, got {batch_size}")
+  return nx.DiGraph(name=name, batch_size=int(batch_size))
+
+
+def add_layer(g: nx.DiGraph, name: str, *, flops: float = 0.0, bytes: float = 0.0,  # pylint: disable=redefined-builtin
+              param_bytes: float = 0.0, act_bytes: float = 0.0,
+              saved_bytes: float | None = None, **extra: Any) -> None:
+  """Adds a layer with its costs; ``order`` defaults to insertion order."""
+  if name in g:
+    raise ValueError(f"layer {name!r} already exists")
+  g.add_node(name, flops=float(flops), bytes=float(bytes), param_bytes=float(param_bytes),
+             act_bytes=float(act_bytes),
+             saved_bytes=float(act_bytes if saved_bytes is None else saved_bytes),
+             order=extra.pop("order", g.number_of_nodes()), **extra)
+
+
+def add_edge(g: nx.DiGraph, src: str, dst: str, bytes: float) -> None:  # pylint: disable=redefined-builtin
+  """Adds (or accumulates onto) the edge src -> dst carrying ``bytes`` per batch."""
+  for n in (src, dst):
+    if n not in g:
+      raise ValueError(f"edge {src!r} -> {dst!r}: unknown layer {n!r}")
+  if g.has_edge(src, dst):
+    g.edges[src, dst]["bytes"] += float(bytes)
+  else:
+    g.add_edge(src, dst, bytes=float(bytes))
+
+
+def validate_layer_graph(g: nx.DiGraph) -> None:
+  """Raises ValueError unless ``g`` is a well-formed LayerGraph."""
+  if "batch_size" not in g.graph:
+    raise ValueError("LayerGraph lacks the graph attribute 'batch_size'")
+  if not nx.is_directed_acyclic_graph(g):
+    cycle = nx.find_cycle(g)
+    raise ValueError(f"LayerGraph has a cycle: {cycle}")
+  for n, d in g.nodes(data=True):
+    missing = [a for a in NODE_ATTRS + ("order",) if a not in d]
+    if missing:
+      raise ValueError(f"layer {n!r} lacks attributes {missing}")
+  for u, v, d in g.edges(data=True):
+    if "bytes" not in d:
+      raise ValueError(f"edge {u!r} -> {v!r} lacks 'bytes'")
+
+
+def topo_layers(g: nx.DiGraph) -> list[str]:
+  """Layers in a deterministic topological order (ties broken by ``order``)."""
+  return list(nx.lexicographical_topological_sort(g, key=lambda n: (g.nodes[n]["order"], n)))
+
+
+def scaled(g: nx.DiGraph, batch_size: int) -> nx.DiGraph:
+  """A copy with activation-dependent costs rescaled linearly to ``batch_size`` samples."""
+  f = batch_size / g.graph["batch_size"]
+  h = g.copy()
+  h.graph["batch_size"] = int(batch_size)
+  for _, d in h.nodes(data=True):
+    for a in ("flops", "bytes", "act_bytes", "saved_bytes", "time_f", "time_b"):
+      if a in d:
+        d[a] = d[a] * f
+  for _, _, d in h.edges(data=True):
+    d["bytes"] *= f
+  return h
+
+
+def to_json(g: nx.DiGraph) -> str:
+  return json.dumps(nx.node_link_data(g, edges="edges"), sort_keys=True)
+
+
+def from_json(s: str) -> nx.DiGraph:
+  return nx.node_link_graph(json.loads(s), directed=True, edges="edges")
+
+
+def describe(g: nx.DiGraph) -> str:
+  """A readable table of the layers and their costs."""
+  rows = [f"LayerGraph {g.graph.get('name', '')!s} (batch {g.graph['batch_size']}): "
+          f"{g.number_of_nodes()} layers, {g.number_of_edges()} edges",
+          f"{'layer':40s} {'GFLOP':>10s} {'param MiB':>10s} {'act MiB':>10s}  inputs"]
+  for n in topo_layers(g):
+    d = g.nodes[n]
+    preds = ", ".join(sorted(g.predecessors(n)))
+    rows.append(f"{n:40.40s} {d['flops'] / 1e9:10.4f} {d['param_bytes'] / 2**20:10.3f} "
+                f"{d['act_bytes'] / 2**20:10.3f}  {preds}")
+  return "\n".join(rows)

@@ -1,0 +1,173 @@
+"""Schedule IR: per-stage ordered action lists over (stage, micro-batch), and its validator.
+
+Each stage owns disjoint devices, so a stage's action list is the program of its devices (a
+"lane"). Actions:
+  F(s, m)   forward of stage s on micro-batch m
+  B(s, m)   backward of stage s on micro-batch m (input and weight gradients together)
+  W(s, m)   weight-gradient part when a schedule splits it from B (optional; then B computes
+            input gradients only)
+  UPDATE(s) optimizer update of the parameters stage s owns, after all its backwards.
+Transfers are implied by the stage graph: an activation moves when its producer's F ends, a
+cotangent when its consumer's B ends. The simulator and the driver read the same Schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Iterable, Sequence
+
+import networkx as nx
+
+from gpp_jax.errors import ScheduleError
+
+KINDS = ("F", "B", "W", "UPDATE")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Action:
+  kind: str
+  stage: int
+  microbatch: int = -1
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
+
+  def __str__(self) -> str:
+    return f"{self.kind}{self.stage}" if self.kind == "UPDATE" else f"{self.kind}{self.stage}.{self.microbatch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Per-stage action lists.
+
+  Attributes:
+    name: generator name ("gpipe", "1f1b", ...).
+    num_microbatches: M; every stage runs F and B for each micro-batch 0..M-1.
+    edges: stage-graph edges (i, j): stage i's outputs feed stage j.
+    lanes: ``lanes[s]`` is the ordered action list of stage s.
+  """
+  name: str
+  num_microbatches: int
+  edges: tuple[tuple[int, int], ...]
+  lanes: tuple[tuple[Action, ...], ...]
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.lanes)
+
+  def stage_graph(self) -> nx.DiGraph:
+    g = nx.DiGraph()
+    g.add_nodes_from(range(self.num_stages))
+    g.add_edges_from(self.edges)
+    return g
+
+  def to_json(self) -> str:
+    return json.dumps({"name": self.name, "num_microbatches": self.num_microbatches,
+                       "edges": [list(e) for e in self.edges],
+                       "lanes": [[[a.kind, a.stage, a.microbatch] for a in lane] for lane in self.lanes]})
+
+  @classmethod
+  def from_json(cls, s: str) -> "Schedule":
+    d = json.loads(s)
+    return cls(d["name"], d["num_microbatches"], tuple(tuple(e) for e in d["edges"]),
+               tuple(tuple(Action(*a) for a in lane) for lane in d["lanes"]))
+
+  def grid(self, mark: Action | None = None) -> str:
+    """The schedule as a text grid, one row per stage; ``mark`` is shown in brackets."""
+    rows = []
+    for s, lane in enumerate(self.lanes):
+      cells = [f"[{a}]" if a == mark else f" {a} " for a in lane]
+      rows.append(f"stage {s:2d} |" + "".join(f"{c:9s}" for c in cells))
+    return "\n".join(rows)
+
+  def __str__(self) -> str:
+    return f"Schedule {self.name}: {self.num_stages} stages x {self.num_microbatches} micro-batches\n" + self.grid()
+
+
+def dependencies(a: Action, g: nx.DiGraph, split_w: bool = False) -> Iterable[Action]:
+  """Actions that must finish before ``a`` can start (cross-stage and same-stage)."""
+  m = a.microbatch
+  if a.kind == "F":
+    for p in g.predecessors(a.stage):
+      yield Action("F", p, m)
+  elif a.kind == "B":
+    yield Action("F", a.stage, m)
+    for c in g.successors(a.stage):
+      yield Action("B", c, m)
+  elif a.kind == "W":
+    yield Action("B", a.stage, m)
+
+
+def validate_schedule(sched: Schedule) -> None:
+  """Raises ScheduleError unless ``sched`` is complete, ordered, and runs without deadlock.
+
+  Checks: every stage runs F and B exactly once per micro-batch (and W if it uses W anywhere);
+  per-stage order F^k before F^(k+1), B^k before B^(k+1), F^k before B^k; UPDATE, if present,
+  comes last; and executing the lanes in order (each action waits for its dependencies)
+  finishes. The message shows the schedule grid with the offending action marked.
+  """
+  g = sched.stage_graph()
+  if not nx.is_directed_acyclic_graph(g):
+    raise ScheduleError(f"stage graph has a cycle {nx.find_cycle(g)}")
+  if set(g.nodes) != set(range(sched.num_stages)):
+    raise ScheduleError(f"edges {sched.edges} name stages outside 0..{sched.num_stages - 1}")
+  M = sched.num_microbatches
+  split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
+  for s, lane in enumerate(sched.lanes):
+    seen = set()
+    last = {"F": -1, "B": -1, "W": -1}
+    for i, a in enumerate(lane):
+      if a.stage != s:
+        _fail(sched, a, f"action {a} is in the lane of stage {s}")
+      if a in seen:
+        _fail(sched, a, f"action {a} appears twice")
+      seen.add(a)
+      if a.kind == "UPDATE":
+        if i != len(lane) - 1:
+          _fail(sched, a, f"UPDATE of stage {s} must be its last action")
+        continue
+      if not 0 <= a.microbatch < M:
+        _fail(sched, a, f"micro-batch {a.microbatch} outside 0..{M - 1}")
+      if a.microbatch != last[a.kind] + 1:
+        _fail(sched, a, f"stage {s} runs {a.kind} out of order: expected micro-batch "
+              f"{last[a.kind] + 1} next")
+      last[a.kind] = a.microbatch
+      if a.kind == "B" and Action("F", s, a.microbatch) not in seen:
+        _fail(sched, a, f"{a} comes before F{s}.{a.microbatch} on its stage")
+      if a.kind == "W" and Action("B", s, a.microbatch) not in seen:
+        _fail(sched, a, f"{a} comes before B{s}.{a.microbatch} on its stage")
+    kinds = ("F", "B", "W") if split_w else ("F", "B")
+    for k in kinds:
+      if last[k] != M - 1:
+        missing = Action(k, s, last[k] + 1)
+        raise ScheduleError(f"schedule incomplete: stage {s} never runs {missing}\n{sched.grid()}")
+  # Deadlock check: run the lanes in order, each action waiting for its dependencies.
+  done: set[Action] = set()
+  pos = [0] * sched.num_stages
+  total = sum(len(l) for l in sched.lanes)
+  while len(done) < total:
+    progressed = False
+    for s, lane in enumerate(sched.lanes):
+      while pos[s] < len(lane):
+        a = lane[pos[s]]
+        deps = list(dependencies(a, g)) if a.kind != "UPDATE" else []
+        if all(d in done for d in deps):
+          done.add(a)
+          pos[s] += 1
+          progressed = True
+        else:
+          break
+    if not progressed:
+      blocked = [sched.lanes[s][pos[s]] for s in range(sched.num_stages) if pos[s] < len(sched.lanes[s])]
+      waits = "; ".join(f"{a} waits for {[str(d) for d in dependencies(a, g) if d not in done]}"
+                        for a in blocked)
+      raise ScheduleError(f"schedule deadlocks: {waits}\n{sched.grid(mark=blocked[0])}")
+
+
+def _fail(sched: Schedule, a: Action, msg: str):
+  raise ScheduleError(f"{msg}\n{sched.grid(mark=a)}")
+
+
+def lanes_from(stage_lists: Sequence[Sequence[Action]]) -> tuple[tuple[Action, ...], ...]:
+  return tuple(tuple(l) for l in stage_lists)

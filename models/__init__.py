@@ -1,0 +1,1 @@
+"""Flax NNX models used in examples, tests and benchmarks."""

@@ -1,0 +1,1 @@
+"""Compiler passes: each a plain function from one IR to the next."""

@@ -1,0 +1,85 @@
+"""Schedule generation pass: stage graph + micro-batch count -> Schedule.
+
+Generators:
+  gpipe:  all forwards, then all backwards, then the update (GPipe, with a flush).
+  1f1b:   synchronous 1F1B (PipeDream-Flush) generalised to a stage DAG. Stage s issues
+          warmup(s) = min(L(s), M) forwards before its first backward, where L(s) is the length
+          (in stages) of the longest path from s to a sink; then alternates one backward and
+          one forward; then drains its backwards. For a chain of S stages, stage i (0-based)
+          warms up with S - i forwards, the classic schedule.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import networkx as nx
+
+from gpp_jax.schedule import Action, Schedule, validate_schedule
+
+
+def _graph(num_stages: int, edges: Sequence[tuple[int, int]]) -> nx.DiGraph:
+  g = nx.DiGraph()
+  g.add_nodes_from(range(num_stages))
+  g.add_edges_from(edges)
+  return g
+
+
+def longest_path_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> list[int]:
+  """L(s): number of stages on the longest path from s to a sink (sinks have L = 1)."""
+  g = _graph(num_stages, edges)
+  L = [1] * num_stages
+  for s in reversed(list(nx.topological_sort(g))):
+    L[s] = 1 + max((L[t] for t in g.successors(s)), default=0)
+  return L
+
+
+def gpipe(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int,
+          update: bool = True) -> Schedule:
+  """GPipe: F for every micro-batch, then B for every micro-batch, per stage."""
+  M = num_microbatches
+  lanes = []
+  for s in range(num_stages):
+    lane = [Action("F", s, m) for m in range(M)] + [Action("B", s, m) for m in range(M)]
+    if update:
+      lane.append(Action("UPDATE", s))
+    lanes.append(tuple(lane))
+  sched = Schedule("gpipe", M, tuple(sorted(edges)), tuple(lanes))
+  validate_schedule(sched)
+  return sched
+
+
+def one_f_one_b(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int,
+                warmup: Sequence[int] | None = None, update: bool = True) -> Schedule:
+  """Synchronous 1F1B on a stage DAG; ``warmup[s]`` overrides the forwards before the first B."""
+  M = num_microbatches
+  L = longest_path_to_sink(num_stages, edges) if warmup is None else list(warmup)
+  lanes = []
+  for s in range(num_stages):
+    w = max(1, min(L[s], M))
+    lane = [Action("F", s, m) for m in range(w)]
+    f, b = w, 0
+    while b < M:
+      lane.append(Action("B", s, b))
+      b += 1
+      if f < M:
+        lane.append(Action("F", s, f))
+        f += 1
+    if update:
+      lane.append(Action("UPDATE", s))
+    lanes.append(tuple(lane))
+  sched = Schedule("1f1b", M, tuple(sorted(edges)), tuple(lanes))
+  validate_schedule(sched)
+  return sched
+
+
+GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def make_schedule(name: str, num_stages: int, edges: Sequence[tuple[int, int]],
+                  num_microbatches: int) -> Schedule:
+  """Builds the named schedule; raises ValueError naming the known generators."""
+  try:
+    gen = GENERATORS[name]
+  except KeyError:
+    raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(GENERATORS)}") from None
+  return gen(num_stages, edges, num_microbatches)
