@@ -1,0 +1,316 @@
+"""The user-facing decorator: ``@gpp_jax.graph_pipeline``."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.extend import core as xc
+
+from gpp_jax import layer_graph as lg
+from gpp_jax.capture_step import functionalize, recording, value_and_grad_p
+from gpp_jax.driver import BATCH, BROADCAST, KEY, PipelineRunner, _is_key
+from gpp_jax.errors import BatchError, CaptureError, PlanError
+from gpp_jax.manual import ManualPlan
+from gpp_jax.passes.capture import inline_calls
+from gpp_jax.passes.layering import layer_program
+from gpp_jax.passes.partition import get_planner
+from gpp_jax.passes.schedules import make_schedule
+from gpp_jax.passes.staging import stage_program
+from gpp_jax.passes.step_split import split_step
+from gpp_jax.plan import Plan, validate_plan
+
+
+class Compiled:
+  """Everything built for one input signature: plan, staged program, schedule, runner."""
+
+  def __init__(self, **kw):
+    self.__dict__.update(kw)
+
+
+class GraphPipeline:
+  """A train step run as a graph pipeline. Call it like the original step.
+
+  Attributes (after the first call): ``plan``, ``layer_graph``, ``schedule``, ``timeline``
+  (the last step's), and ``explain()``.
+  """
+
+  def __init__(self, fn: Callable, *, num_microbatches: int, devices: Sequence[Any] | None = None,
+               planner: str | Plan | ManualPlan | Callable = "balanced", schedule: str = "1f1b",
+               batch_argnums: int | Sequence[int] | None = None, remat: bool = False,
+               layer_depth: int | None = None, cluster: Any = None, measure: bool = False,
+               planner_options: dict | None = None):
+    if num_microbatches < 1:
+      raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    self.fn = fn
+    self.num_microbatches = int(num_microbatches)
+    self.devices = list(devices) if devices is not None else list(jax.devices())
+    self.planner = planner
+    self.schedule_name = schedule
+    self.batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+    self.remat = remat
+    self.layer_depth = layer_depth
+    self.cluster = cluster
+    self.measure = measure
+    self.planner_options = dict(planner_options or {})
+    self._compiled: dict[Any, Compiled] = {}
+    self._last: Compiled | None = None
+    functools.update_wrapper(self, fn)
+
+  # ------------------------------------------------------------------ public views
+  @property
+  def plan(self) -> Plan:
+    return self._require().plan
+
+  @property
+  def layer_graph(self):
+    return self._require().layer_graph
+
+  @property
+  def schedule(self):
+    return self._require().schedule
+
+  @property
+  def timeline(self):
+    return self._require().runner.last_timeline
+
+  def explain(self) -> str:
+    """Stages, devices, layers and the bytes cut between stages, as text."""
+    c = self._require()
+    g = c.layer_graph
+    where = c.plan.stage_of_layer()
+    lines = [str(c.plan), "", "cut edges (bytes per micro-batch):"]
+    cut: dict[tuple[int, int], float] = {}
+    for u, v, d in g.edges(data=True):
+      if where[u] != where[v]:
+        cut[(where[u], where[v])] = cut.get((where[u], where[v]), 0.0) + d["bytes"]
+    for (a, b), by in sorted(cut.items()):
+      lines.append(f"  stage {a} -> stage {b}: {by:,.0f} B")
+    lines.append("")
+    for s in c.plan.stages:
+      flops = sum(g.nodes[l]["flops"] for l in s.layers)
+      pbytes = sum(g.nodes[l]["param_bytes"] for l in s.layers)
+      devs = ", ".join(str(self.devices[d]) for d in s.devices)
+      lines.append(f"stage {s.index} on {devs}: {len(s.layers)} layers, {flops / 1e6:.3f} MFLOP "
+                   f"forward per micro-batch, {pbytes / 2**20:.3f} MiB parameters")
+    lines.append("")
+    lines.append(str(c.schedule))
+    return "\n".join(lines)
+
+  def _require(self) -> Compiled:
+    if self._last is None:
+      raise RuntimeError("the pipeline is built on the first call; call the step once first")
+    return self._last
+
+  # ------------------------------------------------------------------ building
+  def _batch_positions(self, args) -> tuple[int, ...]:
+    if self.batch_argnums is None:
+      return (len(args) - 1,)
+    for a in self.batch_argnums:
+      if not -len(args) <= a < len(args):
+        raise ValueError(f"batch_argnums {self.batch_argnums} out of range for {len(args)} arguments")
+    return tuple(a % len(args) for a in self.batch_argnums)
+
+  def _build(self, args, pure, leaves) -> Compiled:
+    M = self.num_microbatches
+    bpos = self._batch_positions(args)
+    # Flat indices of batch leaves: graph state first, then the other arguments in order.
+    nstate = len(jax.tree.leaves(nnx.state(tuple(args[i] for i in pure.graph_positions)))) \
+        if pure.graph_positions else 0
+    batch_idx, offset = [], nstate
+    for i, a in enumerate(args):
+      if i in pure.graph_positions:
+        if i in bpos:
+          raise CaptureError(f"argument {i} is an NNX object, not a batch; set batch_argnums")
+        continue
+      n = len(jax.tree.leaves(a))
+      if i in bpos:
+        batch_idx.extend(range(offset, offset + n))
+      offset += n
+    if not batch_idx:
+      raise BatchError(f"the batch arguments {bpos} hold no arrays; pass the batch there or set "
+                       "batch_argnums")
+    sizes = {np.shape(leaves[i])[0] if np.ndim(leaves[i]) else None for i in batch_idx}
+    if None in sizes or len(sizes) != 1:
+      raise BatchError(f"batch leaves must share one leading (batch) dimension; got sizes "
+                       f"{sorted(map(str, sizes))}")
+    B = sizes.pop()
+    if B % M:
+      raise BatchError(f"the batch of {B} examples does not split into {M} micro-batches; use a "
+                       f"batch size divisible by {M} or a num_microbatches that divides {B}")
+    mb = B // M
+    abstract = []
+    for i, x in enumerate(leaves):
+      shape = tuple(np.shape(x))
+      if i in batch_idx:
+        shape = (mb,) + shape[1:]
+      abstract.append(jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(_dtype(x))))
+    with recording() as recs:
+      step = jax.make_jaxpr(pure.fn)(*abstract)
+    if not recs:
+      raise CaptureError("the step never calls gpp_jax.value_and_grad; replace "
+                         "jax.value_and_grad / nnx.value_and_grad by gpp_jax.value_and_grad")
+    rec = recs[0]
+    step = inline_calls(step)
+    J = step.jaxpr
+    markers = [k for k, e in enumerate(J.eqns) if e.primitive is value_and_grad_p]
+    if len(markers) != 1:
+      raise CaptureError(f"expected one gpp_jax.value_and_grad in the step, found {len(markers)} "
+                         "(it may not sit inside jax.lax control flow)")
+    mk = markers[0]
+    marker = J.eqns[mk]
+    batch_vars = {J.invars[i] for i in batch_idx}
+    for k, e in enumerate(J.eqns):
+      if k != mk and any(isinstance(a, xc.Var) and a in batch_vars for a in e.invars):
+        raise CaptureError(
+            f"the batch is used outside the loss function (by `{e.primitive.name}` at "
+            f"{e.source_info.name_stack or 'top level'}); move every computation on the batch "
+            "into the function given to gpp_jax.value_and_grad")
+    if any(isinstance(a, xc.Var) and a in batch_vars for a in J.outvars):
+      raise CaptureError("the step returns its batch input; return only results")
+    nparam = rec.num_params
+    if any(isinstance(a, xc.Var) and a in batch_vars for a in marker.invars[:nparam]):
+      raise CaptureError("a batch array is passed as the differentiated argument")
+    roles: list[str | None] = [None] * nparam
+    for a in marker.invars[nparam:]:
+      if isinstance(a, xc.Var) and a in batch_vars:
+        roles.append(BATCH)
+      elif _is_key(a.aval):
+        roles.append(KEY)
+      else:
+        roles.append(BROADCAST)
+    if BATCH not in roles:
+      raise CaptureError("the loss function does not read the batch; the pipeline splits the "
+                         "batch read inside the loss into micro-batches")
+    loss = inline_calls(marker.params["loss_jaxpr"])
+    layering = layer_program(loss, rec.param_paths + [None] * (len(roles) - nparam),
+                             batch_size=mb, layer_depth=self.layer_depth,
+                             name=getattr(self.fn, "__name__", "step"))
+    plan = self._make_plan(layering.graph, B)
+    stage_devices = []
+    for s in plan.stages:
+      if len(s.devices) != 1:
+        raise PlanError(f"stage {s.index} spans devices {s.devices}; this runtime runs one device "
+                        "per stage")
+      stage_devices.append(self.devices[s.devices[0]])
+    staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
+    sched = make_schedule(plan.schedule, plan.num_stages, plan.edges, M)
+    nloss = len(loss.jaxpr.outvars)
+    in_home = [staged.param_owner[j] if j < nparam else -1 for j in range(len(marker.invars))]
+    out_home = [staged.loss_outputs[k][0] for k in range(nloss)] + list(staged.param_owner[:nparam])
+    prog = split_step(step, mk, in_home, out_home)
+    runner = PipelineRunner(staged, sched, stage_devices, roles, M, remat=self.remat)
+    pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
+    logging.info("graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
+                 plan.num_stages, plan.depth(), M, mb, len(pieces))
+    return Compiled(out_tree=pure.out_tree[-1], plan=plan, layer_graph=layering.graph, layering=layering, schedule=sched,
+                    staged=staged, runner=runner, prog=prog, pieces=pieces,
+                    nbefore=len(prog.before), stage_devices=stage_devices, batch_size=B)
+
+  def _make_plan(self, graph, batch_size) -> Plan:
+    M = self.num_microbatches
+    p = self.planner
+    nd = len(self.devices)
+    if isinstance(p, Plan):
+      plan = p if p.num_microbatches == M else p.replace(num_microbatches=M)
+      validate_plan(plan, graph, nd)
+      return plan
+    if isinstance(p, ManualPlan):
+      return p.resolve(graph, M, self.schedule_name, nd, batch_size)
+    if isinstance(p, str):
+      fn = get_planner(p)
+      cluster = self.cluster if self.cluster is not None else nd
+      plan = fn(lg.scaled(graph, batch_size), cluster, batch_size, num_microbatches=M,
+                **self.planner_options)
+    elif callable(p):
+      plan = p(graph, self.cluster if self.cluster is not None else nd, batch_size,
+               num_microbatches=M)
+    else:
+      raise TypeError(f"planner must be a name, a Plan, a gpp_jax.manual_plan or a callable; "
+                      f"got {type(p).__name__}")
+    if plan.num_microbatches != M:
+      plan = plan.replace(num_microbatches=M)
+    if plan.schedule != self.schedule_name and isinstance(p, str) and p == "balanced":
+      plan = plan.replace(schedule=self.schedule_name)
+    validate_plan(plan, graph, nd)
+    return plan
+
+  # ------------------------------------------------------------------ running
+  def __call__(self, *args):
+    pure, leaves = functionalize(self.fn, args)
+    key = (pure.in_tree, tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves),
+           pure.graph_positions)
+    c = self._compiled.get(key)
+    if c is None:
+      c = self._compiled[key] = self._build(args, pure, leaves)
+    self._last = c
+    outs = self._execute(c, leaves)
+    out, new_state = jax.tree.unflatten(c.out_tree, outs)
+    if pure.graph_positions:
+      nnx.update(tuple(args[i] for i in pure.graph_positions), new_state)
+    return out
+
+  def _execute(self, c: Compiled, leaves):
+    J = c.prog.jaxpr.jaxpr
+    devs = c.stage_devices
+    env: dict = {}
+    for v, x, h in zip(J.invars, leaves, c.prog.invar_home):
+      env[v] = jax.device_put(x, devs[h]) if h >= 0 else x
+
+    def read(a):
+      return a.val if isinstance(a, xc.Literal) else env[a]
+
+    def run_pieces(pieces):
+      for p, f in pieces:
+        args = [jax.device_put(read(v), devs[p.home]) for v in p.inputs]
+        for o, val in zip(p.outputs, f(*args)):
+          env[o] = val
+
+    run_pieces(c.pieces[:c.nbefore])
+    marker = c.prog.marker
+    nparam = sum(r is None for r in c.runner.roles)
+    vals = [read(a) for a in marker.invars]
+    outs, grads = c.runner.run(vals[:nparam], vals, measure=self.measure)
+    for o, val in zip(marker.outvars, list(outs) + list(grads)):
+      if not isinstance(o, xc.DropVar):
+        env[o] = val
+    run_pieces(c.pieces[c.nbefore:])
+    return [read(a) for a in J.outvars]
+
+
+def _dtype(x):
+  return getattr(x, "dtype", None) or np.result_type(x)
+
+
+def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
+  """Decorates a train step to run as a graph pipeline.
+
+  Usage::
+
+    @gpp_jax.graph_pipeline(num_microbatches=8, devices=jax.devices()[:4])
+    def train_step(state, batch):
+      def loss_fn(params):
+        return loss(state.apply_fn(params, batch["x"]), batch["y"])
+      loss, grads = gpp_jax.value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+
+  Args:
+    num_microbatches: micro-batches per step; the batch size must divide by it.
+    devices: devices to run on (default: ``jax.devices()``); plan device indices refer to it.
+    planner: a planner name (``"balanced"``, and the cost-model planners), a ``Plan``, a
+      ``gpp_jax.manual_plan(...)``, or a callable ``(layer_graph, cluster, batch_size,
+      num_microbatches=) -> Plan``.
+    schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+    batch_argnums: positions of the batch arguments (default: the last argument).
+    remat: recompute each stage's forward in its backward instead of keeping residuals.
+    layer_depth: truncate layer paths to this many components (coarser layers).
+    cluster: the Cluster description planners use (default: the device count).
+    measure: run each stage in its own thread, blocking per action, to record a measured
+      timeline (slower).
+  """
+  if fn is None:
+    return lambda f: GraphPipeline(f, **kwargs)
+  return GraphPipeline(fn, **kwargs)

@@ -1,0 +1,207 @@
+"""Capturing a train step: the ``value_and_grad`` marker and NNX functionalisation.
+
+``gpp_jax.value_and_grad(loss_fn)(params)`` behaves exactly like ``jax.value_and_grad`` (or
+``nnx.value_and_grad`` for an NNX module) when called outside a ``graph_pipeline``. Inside one,
+while the step is being traced, it records the loss function as a ClosedJaxpr (the part to
+partition into stages) and emits one marker equation whose outputs are the loss (and aux) and
+the gradients; the rest of the step stays ordinary JAX.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+from jax.extend import core as xc
+
+from gpp_jax.errors import CaptureError
+
+value_and_grad_p = xc.Primitive("gpp_value_and_grad")
+value_and_grad_p.multiple_results = True
+
+
+def _abstract_eval(*avals, loss_jaxpr, num_params, **_):
+  del avals
+  return ([v.aval for v in loss_jaxpr.jaxpr.outvars] +
+          [v.aval for v in loss_jaxpr.jaxpr.invars[:num_params]])
+
+
+def _impl(*args, **_):
+  raise CaptureError("the gpp_value_and_grad marker only exists while graph_pipeline traces a "
+                     "step; it cannot be executed directly")
+
+
+value_and_grad_p.def_abstract_eval(_abstract_eval)
+value_and_grad_p.def_impl(_impl)
+
+
+@dataclasses.dataclass
+class LossRecord:
+  """What the marker recorded about the loss function."""
+  param_paths: list[str]
+  num_params: int
+  has_aux: bool
+
+
+class _State(threading.local):
+  recording: list | None = None
+
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def recording():
+  """While active, ``value_and_grad`` emits the marker and appends a LossRecord."""
+  prev = _STATE.recording
+  _STATE.recording = []
+  try:
+    yield _STATE.recording
+  finally:
+    _STATE.recording = prev
+
+
+def _key_name(k) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def layer_path(path) -> str:
+  """Layer path of a parameter from its pytree path.
+
+  ``['params']['block0']['fc']['kernel']`` (Linen) and ``['block0']['fc']['kernel'].value``
+  (NNX) both give ``block0/fc``; a top-level leaf keeps its own name.
+  """
+  parts = [_key_name(k) for k in path]
+  if parts and parts[-1] == "value":
+    parts = parts[:-1]
+  if len(parts) > 1 and parts[0] == "params":
+    parts = parts[1:]
+  return "/".join(parts[:-1]) if len(parts) > 1 else "/".join(parts)
+
+
+def _is_graph_node(x) -> bool:
+  return isinstance(x, nnx.Module)
+
+
+def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
+  """Like ``jax.value_and_grad(fun, has_aux=has_aux)``, differentiating the first argument.
+
+  Inside a ``graph_pipeline`` step, marks where the pipelined forward ends: ``fun`` is the part
+  of the step that is split into stages. The first argument may be a pytree of parameters or a
+  Flax NNX module (its ``nnx.Param`` variables are differentiated, as ``nnx.value_and_grad``
+  does). The loss must be a scalar mean over the examples of the batch.
+  """
+  def wrapped(params, *args, **kwargs):
+    if _STATE.recording is None:
+      if _is_graph_node(params):
+        return nnx.value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
+      return jax.value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
+    if _STATE.recording:
+      raise CaptureError("gpp_jax.value_and_grad was called twice in one step; a pipelined "
+                         "step computes one loss. Combine the losses in one loss function.")
+    if _is_graph_node(params):
+      graphdef, pstate, rest = nnx.split(params, nnx.Param, ...)
+      with_path, ptree = jax.tree_util.tree_flatten_with_path(pstate)
+
+      def rebuild(leaves):
+        return nnx.merge(graphdef, jax.tree.unflatten(ptree, leaves), rest)
+    else:
+      with_path, ptree = jax.tree_util.tree_flatten_with_path(params)
+
+      def rebuild(leaves):
+        return jax.tree.unflatten(ptree, leaves)
+    leaves = [x for _, x in with_path]
+    paths = [layer_path(p) for p, _ in with_path]
+    out_tree = []
+
+    def flat(*ls):
+      out = fun(rebuild(ls), *args, **kwargs)
+      if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+          raise CaptureError("with has_aux=True the loss function must return (loss, aux)")
+        loss, aux = out
+      else:
+        loss, aux = out, None
+      if getattr(loss, "shape", None) != ():
+        raise CaptureError(f"the loss function must return a scalar loss (a mean over the "
+                           f"batch); got shape {getattr(loss, 'shape', type(loss))}")
+      flat_out, tree = jax.tree.flatten((loss, aux))
+      out_tree.append(tree)
+      return flat_out
+
+    closed = jax.make_jaxpr(flat)(*leaves)
+    J = closed.jaxpr
+    is_tr = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+    tracer_vars = [v for v, t in zip(J.constvars, is_tr) if t]
+    tracers = [c for c, t in zip(closed.consts, is_tr) if t]
+    const_vars = [v for v, t in zip(J.constvars, is_tr) if not t]
+    consts = [c for c, t in zip(closed.consts, is_tr) if not t]
+    dbg = xc.DebugInfo("graph_pipeline", "loss", tuple(f"in{i}" for i in range(len(J.invars) + len(tracer_vars))),
+                       tuple(f"out{i}" for i in range(len(J.outvars))))
+    loss_jaxpr = xc.ClosedJaxpr(
+        xc.Jaxpr(const_vars, list(J.invars) + tracer_vars, J.outvars, J.eqns, J.effects,
+                 debug_info=dbg), consts)
+    outs = value_and_grad_p.bind(*leaves, *tracers, loss_jaxpr=loss_jaxpr,
+                                 num_params=len(leaves))
+    _STATE.recording.append(LossRecord(paths, len(leaves), has_aux))
+    nout = len(J.outvars)
+    loss_aux = jax.tree.unflatten(out_tree[0], outs[:nout])
+    grads = jax.tree.unflatten(ptree, outs[nout:])
+    return (loss_aux if has_aux else loss_aux[0]), grads
+
+  return wrapped
+
+
+# ------------------------------------------------------------------ NNX functionalisation
+
+@dataclasses.dataclass
+class PureStep:
+  """A step function turned pure: ``pure(*leaves) -> (out leaves, new graph-state leaves)``."""
+  fn: Callable
+  in_tree: Any
+  graph_positions: tuple[int, ...]
+  graphdef: Any
+  out_tree: list
+
+
+def functionalize(step: Callable, args: tuple) -> tuple[PureStep, list]:
+  """Turns ``step(*args)`` into a pure function of flat leaves.
+
+  NNX modules and optimizers among ``args`` are split into a GraphDef and State (keeping
+  shared references), merged back inside, and their final state is returned as outputs, the
+  way ``nnx.jit`` does it.
+  """
+  pos = tuple(i for i, a in enumerate(args) if _is_graph_node(a) or isinstance(a, nnx.Optimizer))
+  graph_objs = tuple(args[i] for i in pos)
+  if graph_objs:
+    graphdef, state = nnx.split(graph_objs)
+  else:
+    graphdef, state = None, None
+  others = tuple(a for i, a in enumerate(args) if i not in pos)
+  leaves, in_tree = jax.tree.flatten((state, others))
+  out_tree = []
+
+  def pure(*flat):
+    st, oth = jax.tree.unflatten(in_tree, flat)
+    it = iter(oth)
+    objs = nnx.merge(graphdef, st) if graph_objs else ()
+    full, k = [], 0
+    for i in range(len(args)):
+      if i in pos:
+        full.append(objs[k])
+        k += 1
+      else:
+        full.append(next(it))
+    out = step(*full)
+    new_state = nnx.state(objs) if graph_objs else None
+    out_flat, tree = jax.tree.flatten((out, new_state))
+    out_tree.append(tree)
+    return out_flat
+
+  return PureStep(pure, in_tree, pos, graphdef, out_tree), leaves

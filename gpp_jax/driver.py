@@ -1,0 +1,321 @@
+"""Runtime driver: executes a StagedProgram over a Schedule on real devices.
+
+The driver walks the per-stage action lists round-robin and dispatches every action whose
+inputs exist, without blocking: JAX's asynchronous dispatch lets the devices overlap. Values
+move between stages only through explicit ``jax.device_put`` (one copy per consumer stage);
+cotangents from several consumers are summed inside the producer's backward; parameters read by
+several stages live on their owner and send gradients back to it.
+
+With ``measure=True`` each stage runs in its own thread that blocks on every action, which
+gives a measured per-action timeline (start/end on the device) at some cost in overhead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpp_jax.errors import BatchError, ScheduleError
+from gpp_jax.passes.staging import StagedProgram, stage_functions
+from gpp_jax.schedule import Action, Schedule
+
+BATCH, KEY, BROADCAST = "batch", "key", "broadcast"
+
+
+@dataclasses.dataclass
+class TimelineEvent:
+  action: str
+  stage: int
+  microbatch: int
+  start: float
+  end: float
+
+
+@dataclasses.dataclass
+class Timeline:
+  """Per-action times of one step (seconds from the step's start).
+
+  ``measured`` is True when ``end`` is when the device finished the action (measure mode);
+  otherwise start/end bracket only the host-side dispatch.
+  """
+  events: list[TimelineEvent]
+  total: float
+  measured: bool
+
+  def to_chrome_trace(self) -> dict:
+    return {"traceEvents": [
+        {"name": f"{e.action}{e.stage}.{e.microbatch}", "ph": "X", "pid": 0, "tid": e.stage,
+         "ts": e.start * 1e6, "dur": max(e.end - e.start, 0) * 1e6,
+         "args": {"microbatch": e.microbatch}} for e in self.events],
+        "displayTimeUnit": "ms"}
+
+
+def _is_key(x) -> bool:
+  dt = getattr(x, "dtype", None)
+  if dt is None:
+    return False
+  if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+    return True
+  return dt == np.uint32 and tuple(getattr(x, "shape", ())) == (2,)
+
+
+@jax.jit
+def _fold(key, m):
+  return jax.random.fold_in(key, m)
+
+
+@jax.jit
+def _mean(xs):
+  return sum(xs[1:], xs[0]) / len(xs)
+
+
+@jax.jit
+def _concat(xs):
+  return jnp.concatenate(xs, axis=0)
+
+
+@jax.jit
+def _add(a, b):
+  return jax.tree.map(jnp.add, a, b)
+
+
+class PipelineRunner:
+  """Runs the pipelined value-and-grad of a StagedProgram for one step."""
+
+  def __init__(self, staged: StagedProgram, schedule: Schedule, devices: Sequence[Any],
+               data_roles: Sequence[str | None], num_microbatches: int, remat: bool = False):
+    """
+    Args:
+      staged: the staged loss.
+      schedule: per-stage action lists (validated).
+      devices: ``devices[s]`` is the device of stage s.
+      data_roles: for each loss invar: None for a parameter, else BATCH (split into
+        micro-batches), KEY (micro-batch index folded in) or BROADCAST (same for all).
+      num_microbatches: M.
+    """
+    self.staged = staged
+    self.schedule = schedule
+    self.devices = list(devices)
+    self.roles = list(data_roles)
+    self.M = num_microbatches
+    self.fns = [stage_functions(s, remat=remat) for s in staged.stages]
+    self._zeros = [jax.jit(f.zeros_acc, out_shardings=jax.sharding.SingleDeviceSharding(d))
+                   for f, d in zip(self.fns, self.devices)]
+    # Producer output position of each value id, and expected cotangent counts.
+    self.out_pos = {}
+    for st in staged.stages:
+      for k, o in enumerate(st.outputs):
+        self.out_pos[o.vid] = (st.index, k)
+    self.expect = {}
+    for st in staged.stages:
+      for r in st.inputs:
+        if r.kind == "act" and r.diff:
+          key = self.out_pos[r.index]
+          self.expect[key] = self.expect.get(key, 0) + 1
+    self.last_timeline: Timeline | None = None
+
+  # ---------------------------------------------------------------- per-step inputs
+  def _prepare(self, params, data):
+    M = self.M
+    S = len(self.staged.stages)
+    self._params = [[None] * len(st.inputs) for st in self.staged.stages]
+    self._batch_chunks = {}
+    for s, st in enumerate(self.staged.stages):
+      dev = self.devices[s]
+      for j, r in enumerate(st.inputs):
+        if r.kind == "param":
+          x = params[r.index]
+          owner = self.staged.param_owner[r.index]
+          self._params[s][j] = x if owner == s else jax.device_put(x, dev)
+        elif r.kind == "data":
+          role = self.roles[r.index]
+          x = data[r.index]
+          if role == BROADCAST:
+            self._params[s][j] = jax.device_put(x, dev)
+          elif role == BATCH and r.index not in self._batch_chunks:
+            host = np.asarray(jax.device_get(x))
+            if host.shape[0] % M:
+              raise BatchError(f"batch input of shape {host.shape} does not split into {M} "
+                               "micro-batches")
+            self._batch_chunks[r.index] = np.split(host, M)
+    del S
+
+  def _stage_args(self, s, m):
+    st = self.staged.stages[s]
+    dev = self.devices[s]
+    diff, nondiff = [], []
+    for j, r in enumerate(st.inputs):
+      if r.kind == "param":
+        v = self._params[s][j]
+      elif r.kind == "act":
+        v = self._inbox.pop((s, r.index, m))
+      else:
+        role = self.roles[r.index]
+        if role == BATCH:
+          v = jax.device_put(self._batch_chunks[r.index][m], dev)
+        elif role == KEY:
+          v = jax.device_put(_fold(self._data[r.index], m), dev)
+        else:
+          v = self._params[s][j]
+      (diff if r.diff else nondiff).append(v)
+    return diff, nondiff
+
+  def _ready(self, a: Action) -> bool:
+    st = self.staged.stages[a.stage]
+    if a.kind == "F":
+      return all((a.stage, r.index, a.microbatch) in self._inbox for r in st.inputs if r.kind == "act")
+    if a.kind == "B":
+      if (a.stage, a.microbatch) not in self._res:
+        return False
+      return all(len(self._ctbox.get((a.stage, k, a.microbatch), ())) == self.expect.get((a.stage, k), 0)
+                 for k in range(len(st.outputs)))
+    return True
+
+  def _run_action(self, a: Action):
+    s, m = a.stage, a.microbatch
+    st = self.staged.stages[s]
+    fn = self.fns[s]
+    if a.kind == "F":
+      diff, nondiff = self._stage_args(s, m)
+      outs, res = fn.fwd(diff, nondiff)
+      self._res[(s, m)] = res
+      for k, o in enumerate(st.outputs):
+        for c in o.consumers:
+          self._inbox[(c, o.vid, m)] = jax.device_put(outs[k], self.devices[c])
+      for li, (ls, lk) in enumerate(self.staged.loss_outputs):
+        if ls == s:
+          self._loss_vals[m][li] = outs[lk]
+    elif a.kind == "B":
+      cts = []
+      for k, o in enumerate(st.outputs):
+        c = list(self._ctbox.pop((s, k, m), ()))
+        if o.diff and self.staged.loss_outputs[0] == (s, k):
+          c.append(self._seed)
+        cts.append(tuple(c))
+      self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), cts, self._acc[s])
+      acts = [r for r in st.inputs if r.diff and r.kind == "act"]
+      for r, ct in zip(acts, in_cts):
+        p, k = self.out_pos[r.index]
+        self._ctbox.setdefault((p, k, m), []).append(jax.device_put(ct, self.devices[p]))
+    elif a.kind == "UPDATE":
+      pass
+    else:
+      raise ScheduleError(f"the runtime cannot execute action kind {a.kind}")
+
+  # ---------------------------------------------------------------- one step
+  def run(self, params: Sequence[Any], data: Sequence[Any], measure: bool = False):
+    """Returns (loss outputs averaged over micro-batches, parameter gradients on owners)."""
+    M = self.M
+    self._data = data
+    self._inbox, self._ctbox, self._res = {}, {}, {}
+    nloss = len(self.staged.loss_outputs)
+    self._loss_vals = [[None] * nloss for _ in range(M)]
+    ls, _ = self.staged.loss_outputs[0]
+    loss_aval = self.staged.stages[ls].jaxpr.jaxpr.outvars[self.staged.loss_outputs[0][1]].aval
+    self._seed = jax.device_put(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.devices[ls])
+    t0 = time.perf_counter()
+    self._prepare(params, data)
+    self._acc = [z() for z in self._zeros]
+    events: list[TimelineEvent] = []
+    if measure:
+      self._run_threaded(events, t0)
+    else:
+      self._run_async(events, t0)
+    grads = self._gather_grads(params)
+    outs = []
+    chunks = next(iter(self._batch_chunks.values()), None)
+    mb = None if chunks is None else chunks[0].shape[0]
+    for li in range(nloss):
+      vals = [self._loss_vals[m][li] for m in range(M)]
+      v0 = vals[0]
+      if li > 0 and getattr(v0, "ndim", 0) >= 1 and mb is not None and v0.shape[0] == mb:
+        outs.append(_concat(vals))
+      else:
+        outs.append(_mean(vals) if jnp.issubdtype(v0.dtype, jnp.inexact) else vals[-1])
+    self.last_timeline = Timeline(events, time.perf_counter() - t0, measure)
+    return outs, grads
+
+  def _run_async(self, events, t0):
+    lanes = self.schedule.lanes
+    pos = [0] * len(lanes)
+    remaining = sum(len(l) for l in lanes)
+    while remaining:
+      progressed = False
+      for s, lane in enumerate(lanes):
+        while pos[s] < len(lane) and self._ready(lane[pos[s]]):
+          a = lane[pos[s]]
+          t = time.perf_counter()
+          self._run_action(a)
+          events.append(TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0))
+          pos[s] += 1
+          remaining -= 1
+          progressed = True
+      if not progressed:
+        stuck = [str(l[p]) for l, p in zip(lanes, pos) if p < len(l)]
+        raise ScheduleError(f"pipeline deadlock: no stage can proceed; next actions {stuck}\n"
+                            f"{self.schedule.grid()}")
+
+  def _run_threaded(self, events, t0):
+    cond = threading.Condition()
+    errors = []
+    lanes = self.schedule.lanes
+
+    def worker(s):
+      try:
+        for a in lanes[s]:
+          with cond:
+            while not self._ready(a) and not errors:
+              if not cond.wait(timeout=300):
+                raise ScheduleError(f"stage {s} waited 300 s for the inputs of {a}")
+            if errors:
+              return
+            t = time.perf_counter()
+            self._run_action(a)
+            produced = self._produced(a)
+          jax.block_until_ready(produced)
+          with cond:
+            events.append(TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0))
+            cond.notify_all()
+      except BaseException as e:  # propagate to the caller
+        with cond:
+          errors.append(e)
+          cond.notify_all()
+
+    threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(len(lanes))]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    if errors:
+      raise errors[0]
+    events.sort(key=lambda e: e.start)
+
+  def _produced(self, a: Action):
+    if a.kind == "F":
+      return self._res.get((a.stage, a.microbatch))
+    if a.kind == "B":
+      return self._acc[a.stage]
+    return None
+
+  def _gather_grads(self, params):
+    grads = [None] * len(params)
+    for s, st in enumerate(self.staged.stages):
+      k = 0
+      for r in st.inputs:
+        if r.kind != "param":
+          continue
+        g = self._acc[s][k]
+        k += 1
+        owner = self.staged.param_owner[r.index]
+        if owner != s:
+          g = jax.device_put(g, self.devices[owner])
+        grads[r.index] = g if grads[r.index] is None else _add(grads[r.index], g)
+    for i, x in enumerate(params):
+      if grads[i] is None and self.staged.param_owner[i] >= 0:  # a parameter the loss never reads
+        grads[i] = jax.device_put(np.zeros(np.shape(x), x.dtype), self.devices[self.staged.param_owner[i]])
+    return grads

@@ -1,0 +1,189 @@
+"""Layering pass: inlined loss ClosedJaxpr + parameter paths -> layers and a LayerGraph.
+
+Every equation is attributed to one layer by these rules, applied in program order:
+  1. An equation that reads parameters belongs to the layer of the largest parameter it reads.
+     The layer of a parameter is the module path of the first equation that reads it, taken
+     from the name stack when the model names its modules there (Flax Linen, explicit
+     ``jax.named_scope``), otherwise from the parameter's pytree path minus its leaf name
+     (Flax NNX, plain pytrees): ``['blocks'][0]['fc']['kernel']`` -> ``blocks/0/fc``.
+  2. An equation whose name-stack path lies inside a parameter layer's path joins that layer.
+  3. Any other equation (activations, residual adds, the loss itself) joins the layer of its
+     latest producer, i.e. the producing equation that comes last in program order.
+  4. Equations with no producer (they read only inputs and literals) join the layer of their
+     first consumer; what is left joins the last layer.
+  5. Layers must stay convex (the layer graph acyclic). An equation whose layer choice would
+     close a cycle, e.g. an output head reusing the embedding matrix, goes to a sibling layer
+     ``<layer>#2`` (``#3``, ...) instead; its parameters stay owned by the first layer.
+``layer_depth`` truncates layer paths to their first components to make coarser layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import networkx as nx
+from jax.extend import core as xc
+
+from gpp_jax import layer_graph as lg
+from gpp_jax.passes.capture import scope_path
+from gpp_jax.passes.costs import aval_bytes, eqn_bytes, eqn_flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Layering:
+  """Result of the layering pass.
+
+  Attributes:
+    eqn_layer: the layer of each equation of the (inlined) jaxpr.
+    param_layer: for each jaxpr invar, the layer owning it if it is a parameter, else None.
+    graph: the LayerGraph with costs (for the traced micro-batch size).
+  """
+  eqn_layer: tuple[str, ...]
+  param_layer: tuple[str | None, ...]
+  graph: nx.DiGraph
+
+
+def _truncate(path: str, depth: int | None) -> str:
+  if depth is None or not path:
+    return path
+  return "/".join(path.split("/")[:depth])
+
+
+def layer_program(closed: xc.ClosedJaxpr, param_paths: Sequence[str | None], *,
+                  batch_size: int, layer_depth: int | None = None,
+                  name: str = "model") -> Layering:
+  """Groups equations into layers and builds the LayerGraph with costs.
+
+  Args:
+    closed: the inlined loss ClosedJaxpr.
+    param_paths: one entry per invar: the parameter's layer path from its pytree path, or None
+      for a non-parameter input (batch data, keys, constants).
+    batch_size: samples the jaxpr was traced for (recorded in the LayerGraph).
+    layer_depth: truncate layer paths to this many components (None keeps full paths).
+  """
+  J = closed.jaxpr
+  if len(param_paths) != len(J.invars):
+    raise ValueError(f"{len(param_paths)} parameter paths for {len(J.invars)} inputs")
+  is_param = {v: i for i, v in enumerate(J.invars) if param_paths[i] is not None}
+  # Rule 1: the layer of each parameter, from the first reading equation's scope or its path.
+  param_layer: dict[int, str] = {}
+  for e in J.eqns:
+    sp = scope_path(e)
+    for v in e.invars:
+      if isinstance(v, xc.Var) and v in is_param and is_param[v] not in param_layer:
+        i = is_param[v]
+        param_layer[i] = _truncate(sp or param_paths[i] or f"param{i}", layer_depth)
+  param_layers = set(param_layer.values())
+
+  producer: dict[xc.Var, int] = {}
+  desired: list[str | None] = []
+  for k, e in enumerate(J.eqns):
+    reads = [(aval_bytes(v.aval), is_param[v]) for v in e.invars
+             if isinstance(v, xc.Var) and v in is_param]
+    want = None
+    if reads:
+      want = param_layer[max(reads)[1]]
+    else:
+      sp = scope_path(e)
+      while sp and want is None:
+        cand = _truncate(sp, layer_depth)
+        if cand in param_layers:
+          want = cand
+        sp = sp.rpartition("/")[0]
+      if want is None:
+        prods = [producer[v] for v in e.invars if isinstance(v, xc.Var) and v in producer]
+        if prods:
+          want = ("@", max(prods))  # resolved below to the producer's final layer
+    desired.append(want)
+    for o in e.outvars:
+      if not isinstance(o, xc.DropVar):
+        producer[o] = k
+
+  # Rule 4: equations with no anchor take their first consumer's wish.
+  consumers: dict[int, list[int]] = {k: [] for k in range(len(J.eqns))}
+  for k, e in enumerate(J.eqns):
+    for v in e.invars:
+      if isinstance(v, xc.Var) and v in producer:
+        consumers[producer[v]].append(k)
+  for k in reversed(range(len(J.eqns))):
+    if desired[k] is None:
+      for c in consumers[k]:
+        w = desired[c]
+        if isinstance(w, str) or (isinstance(w, tuple) and w[1] < k):
+          desired[k] = w
+          break
+
+  # Rule 5: assign in program order, keeping the layer graph acyclic.
+  q = nx.DiGraph()
+  final: list[str] = []
+  for k, e in enumerate(J.eqns):
+    want = desired[k]
+    if isinstance(want, tuple):
+      want = final[want[1]] if want[1] < k else None
+    if want is None:
+      want = final[-1] if final else (next(iter(param_layers)) if param_layers else name)
+    srcs = {final[producer[v]] for v in e.invars if isinstance(v, xc.Var) and v in producer}
+    base = want.split("#")[0]
+    cands = [want] + [n for n in q.nodes if n.split("#")[0] == base and n != want]
+    chosen = None
+    for c in cands:
+      if c not in q or not any(s != c and s in q and nx.has_path(q, c, s) for s in srcs):
+        chosen = c
+        break
+    if chosen is None:
+      j = 2
+      while f"{base}#{j}" in q:
+        j += 1
+      chosen = f"{base}#{j}"
+    q.add_node(chosen)
+    for s in srcs:
+      if s != chosen:
+        q.add_edge(s, chosen)
+    final.append(chosen)
+
+  graph = _annotate(closed, final, param_layer, batch_size, name)
+  plist = tuple(param_layer.get(i) if param_paths[i] is not None else None
+                for i in range(len(J.invars)))
+  # Parameters no equation reads still need an owner: the first layer.
+  first = lg.topo_layers(graph)[0] if graph.number_of_nodes() else name
+  plist = tuple(p if p is not None or param_paths[i] is None else first for i, p in enumerate(plist))
+  return Layering(eqn_layer=tuple(final), param_layer=plist, graph=graph)
+
+
+def _annotate(closed, eqn_layer, param_layer, batch_size, name) -> nx.DiGraph:
+  J = closed.jaxpr
+  g = lg.new_layer_graph(name, batch_size)
+  order: dict[str, int] = {}
+  for l in eqn_layer:
+    order.setdefault(l, len(order))
+  for l, o in order.items():
+    lg.add_layer(g, l, order=o, saved_bytes=0.0)
+  producer: dict[xc.Var, str] = {}
+  exported: dict[str, set] = {l: set() for l in order}
+  for e, l in zip(J.eqns, eqn_layer):
+    d = g.nodes[l]
+    d["flops"] += eqn_flops(e)
+    d["bytes"] += eqn_bytes(e)
+    d["saved_bytes"] += sum(aval_bytes(o.aval) for o in e.outvars)
+    d["num_eqns"] = d.get("num_eqns", 0) + 1
+    seen_here = set()
+    for v in e.invars:
+      if isinstance(v, xc.Var) and v in producer and producer[v] != l and v not in seen_here:
+        seen_here.add(v)
+        src = producer[v]
+        key = (v, l)
+        if key not in exported[src]:
+          exported[src].add(key)
+          lg.add_edge(g, src, l, aval_bytes(v.aval))
+    for o in e.outvars:
+      if not isinstance(o, xc.DropVar):
+        producer[o] = l
+  for v in J.outvars:
+    if isinstance(v, xc.Var) and v in producer:
+      exported[producer[v]].add((v, "<out>"))
+  for l, vs in exported.items():
+    g.nodes[l]["act_bytes"] = float(sum(aval_bytes(v.aval) for v in {v for v, _ in vs}))
+  for i, l in param_layer.items():
+    g.nodes[l]["param_bytes"] += aval_bytes(J.invars[i].aval)
+  lg.validate_layer_graph(g)
+  return g

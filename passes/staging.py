@@ -1,0 +1,256 @@
+"""Staging pass: (inlined loss ClosedJaxpr, Layering, Plan) -> StagedProgram.
+
+The loss jaxpr is split into one sub-jaxpr per stage with explicit cut-edge inputs and outputs.
+Each stage's inputs are, in order: its differentiable inputs (floating parameters, then floating
+activations from other stages) and its non-differentiable inputs (batch data, keys, constants,
+integer activations). Its outputs are the values other stages read plus the loss outputs it
+produces. A parameter lives on one owner stage (the stage of the layer that owns it); other
+stages that read it receive a copy once per step and send their gradient back to the owner.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as xc
+
+from gpp_jax.errors import CaptureError, PlanError
+from gpp_jax.passes.capture import host_constant
+from gpp_jax.plan import Plan
+
+_BOUNDARY_UNSUPPORTED = {"token", "ref"}
+
+
+@dataclasses.dataclass(frozen=True)
+class InputRef:
+  """Where a stage input comes from.
+
+  kind: "param" (loss invar ``index`` is a parameter), "data" (loss invar ``index`` is a
+  non-parameter input: batch data, key, constant), or "act" (output var ``index`` of stage
+  ``src``).
+  """
+  kind: str
+  index: int
+  src: int = -1
+  diff: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputRef:
+  """A stage output: global value id, consumer stages, and its position among the loss
+  outputs (-1 if none)."""
+  vid: int
+  consumers: tuple[int, ...]
+  loss_index: int
+  diff: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProgram:
+  index: int
+  jaxpr: xc.ClosedJaxpr
+  inputs: tuple[InputRef, ...]
+  outputs: tuple[OutputRef, ...]
+  num_diff: int
+  num_eqns: int
+
+  @property
+  def param_inputs(self) -> tuple[int, ...]:
+    """Positions (among the inputs) of the differentiable parameters."""
+    return tuple(i for i, r in enumerate(self.inputs) if r.kind == "param")
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedProgram:
+  """The loss split into stages.
+
+  Attributes:
+    stages: per-stage programs.
+    param_owner: for each loss invar that is a parameter, its owner stage (else -1).
+    loss_outputs: for each loss jaxpr output, the (stage, output position) producing it.
+    edges: stage edges (producer, consumer) that carry activations.
+  """
+  stages: tuple[StageProgram, ...]
+  param_owner: tuple[int, ...]
+  loss_outputs: tuple[tuple[int, int], ...]
+  edges: tuple[tuple[int, int], ...]
+
+  def __str__(self) -> str:
+    rows = []
+    for s in self.stages:
+      ins = ", ".join(f"{r.kind}{'' if r.src < 0 else f'<{r.src}'}#{r.index}" for r in s.inputs)
+      outs = ", ".join(f"v{o.vid}->{list(o.consumers) or 'loss'}" for o in s.outputs)
+      rows.append(f"stage {s.index}: {s.num_eqns} eqns; in [{ins}]; out [{outs}]")
+    return "\n".join(rows)
+
+
+def _is_float(aval) -> bool:
+  return jnp.issubdtype(aval.dtype, jnp.floating) or jnp.issubdtype(aval.dtype, jnp.complexfloating)
+
+
+def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
+                  param_layer: Sequence[str | None], plan: Plan) -> StagedProgram:
+  """Splits the loss jaxpr by ``plan`` into per-stage sub-jaxprs with cut edges."""
+  J = closed.jaxpr
+  where = plan.stage_of_layer()
+  try:
+    eqn_stage = [where[l] for l in eqn_layer]
+  except KeyError as e:
+    raise PlanError(f"layer {e.args[0]!r} is in no stage of the plan") from None
+  S = plan.num_stages
+  param_owner = tuple(where[p] if p is not None else -1 for p in param_layer)
+  for i, v in enumerate(J.invars):
+    if param_owner[i] >= 0 and not _is_float(v.aval):
+      raise CaptureError(f"parameter input {i} has dtype {v.aval.dtype}; only floating-point "
+                         "parameters can be differentiated (pass integer state outside the "
+                         "differentiated argument)")
+  defined: dict[xc.Var, int] = {}
+  for e, s in zip(J.eqns, eqn_stage):
+    for o in e.outvars:
+      if not isinstance(o, xc.DropVar):
+        defined[o] = s
+  invar_index = {v: i for i, v in enumerate(J.invars)}
+  const_index = {v: i for i, v in enumerate(J.constvars)}
+  consumers: dict[xc.Var, set[int]] = {}
+  for e, s in zip(J.eqns, eqn_stage):
+    for a in e.invars:
+      if isinstance(a, xc.Var) and a in defined and defined[a] != s:
+        consumers.setdefault(a, set()).add(s)
+        if any(x in str(a.aval) for x in _BOUNDARY_UNSUPPORTED):
+          raise CaptureError(f"value of type {a.aval} crosses from stage {defined[a]} to stage "
+                             f"{s}; it cannot be transferred between devices. Put the layers "
+                             "that produce and consume it in the same stage.")
+  loss_pos: dict[xc.Var, list[int]] = {}
+  for k, v in enumerate(J.outvars):
+    if not isinstance(v, xc.Var) or v not in defined:
+      raise CaptureError(
+          f"loss output {k} ({v}) is a constant or an input passed through unchanged; the loss "
+          "function must compute its outputs from the model (return e.g. a mean of per-example "
+          "losses)")
+    loss_pos.setdefault(v, []).append(k)
+  vid: dict[xc.Var, int] = {}
+  for e in J.eqns:
+    for o in e.outvars:
+      if not isinstance(o, xc.DropVar):
+        vid[o] = len(vid)
+
+  stages, edges = [], set()
+  out_pos: dict[xc.Var, tuple[int, int]] = {}
+  loss_outputs: list[tuple[int, int] | None] = [None] * len(J.outvars)
+  for s in range(S):
+    eqns = [e for e, t in zip(J.eqns, eqn_stage) if t == s]
+    if not eqns:
+      raise PlanError(f"stage {s} computes nothing: no equation of the loss falls into its "
+                      f"layers {plan.stages[s].layers}; remove the stage or give it layers")
+    seen, ins, refs, consts = set(), [], [], []
+    for e in eqns:
+      for a in e.invars:
+        if not isinstance(a, xc.Var) or a in seen or defined.get(a) == s:
+          continue
+        seen.add(a)
+        if a in const_index:
+          consts.append(a)
+          continue
+        if a in invar_index:
+          i = invar_index[a]
+          kind = "param" if param_owner[i] >= 0 else "data"
+          refs.append(InputRef(kind, i, diff=kind == "param"))
+        else:
+          p = defined[a]
+          edges.add((p, s))
+          refs.append(InputRef("act", vid[a], src=p, diff=_is_float(a.aval)))
+        ins.append(a)
+    # Differentiable inputs first: parameters, then activations.
+    order = sorted(range(len(ins)), key=lambda k: (not refs[k].diff, refs[k].kind != "param", k))
+    ins = [ins[k] for k in order]
+    refs = [refs[k] for k in order]
+    outs, orefs = [], []
+    for e in eqns:
+      for o in e.outvars:
+        if isinstance(o, xc.DropVar):
+          continue
+        cons = tuple(sorted(consumers.get(o, ())))
+        if cons or o in loss_pos:
+          out_pos[o] = (s, len(outs))
+          for k in loss_pos.get(o, ()):
+            loss_outputs[k] = (s, len(outs))
+          outs.append(o)
+          orefs.append(OutputRef(vid[o], cons, loss_pos.get(o, [-1])[0], _is_float(o.aval)))
+    cvals = [host_constant(closed.consts[const_index[c]]) for c in consts]
+    dbg = xc.DebugInfo("graph_pipeline", f"stage{s}", tuple(f"in{i}" for i in range(len(ins))),
+                       tuple(f"out{i}" for i in range(len(outs))))
+    effects = frozenset().union(*[e.effects for e in eqns])
+    if effects:
+      raise CaptureError(f"stage {s} has side effects {effects}; pipelined loss functions must "
+                         "be pure (no debug callbacks or io inside the loss)")
+    sub = xc.Jaxpr(consts, ins, outs, eqns, effects, debug_info=dbg)
+    stages.append(StageProgram(s, xc.ClosedJaxpr(sub, cvals), tuple(refs), tuple(orefs),
+                               sum(r.diff for r in refs), len(eqns)))
+  missing = set(plan.edges) ^ edges
+  if edges - set(plan.edges):
+    raise PlanError(f"the program needs stage edges {sorted(edges - set(plan.edges))} that the "
+                    "plan lacks; rebuild the plan from this model's layer graph")
+  del missing
+  return StagedProgram(tuple(stages), param_owner, tuple(loss_outputs), tuple(sorted(edges)))
+
+
+# ----------------------------------------------------------------------------- executables
+
+def _zeros_ct(aval):
+  if _is_float(aval):
+    return jnp.zeros(aval.shape, aval.dtype)
+  return np.zeros(aval.shape, dtype=jax.dtypes.float0)
+
+
+@dataclasses.dataclass
+class StageFunctions:
+  """Jitted forward/backward of one stage.
+
+  fwd(diff, nondiff) -> (outputs, residuals)
+  bwd(residuals, cts, acc) -> (acc + parameter grads, activation cotangents)
+  where ``cts[k]`` is a tuple of cotangent contributions for output k (summed inside; empty for
+  an output nobody differentiates) and ``acc`` the running parameter-gradient sums.
+  """
+  fwd: object
+  bwd: object
+  zeros_acc: object
+
+
+def stage_functions(stage: StageProgram, remat: bool = False) -> StageFunctions:
+  """Builds the jitted forward, backward and accumulator-init functions of a stage."""
+  f = xc.jaxpr_as_fun(stage.jaxpr)
+  out_avals = [v.aval for v in stage.jaxpr.jaxpr.outvars]
+  in_avals = [v.aval for v in stage.jaxpr.jaxpr.invars]
+  nparam = sum(1 for r in stage.inputs if r.kind == "param")
+
+  def call(diff, nondiff):
+    return f(*diff, *nondiff)
+
+  def cotangents(cts):
+    return [sum(c[1:], c[0]) if c else _zeros_ct(a) for c, a in zip(cts, out_avals)]
+
+  def finish(grads, acc):
+    return ([a + g for a, g in zip(acc, grads[:nparam])], list(grads[nparam:]))
+
+  if remat:
+    def fwd(diff, nondiff):
+      return call(diff, nondiff), (diff, nondiff)
+
+    def bwd(res, cts, acc):
+      diff, nondiff = res
+      _, vjp = jax.vjp(lambda *d: call(d, nondiff), *diff)
+      return finish(vjp(cotangents(cts)), acc)
+  else:
+    def fwd(diff, nondiff):
+      return jax.vjp(lambda *d: call(d, nondiff), *diff)
+
+    def bwd(vjp, cts, acc):
+      return finish(vjp(cotangents(cts)), acc)
+
+  def zeros_acc():
+    return [jnp.zeros(a.shape, a.dtype) for a in in_avals[:nparam]]
+
+  return StageFunctions(jax.jit(fwd), jax.jit(bwd, donate_argnums=(2,)), zeros_acc)

@@ -1,0 +1,169 @@
+"""Step-split pass: the whole train step's ClosedJaxpr -> pipeline marker + placed pieces.
+
+The train step is traced with the pipelined loss appearing as one marker equation (see
+``gpp_jax.capture_step``). Everything else in the step (reading parameters out of the state,
+the optimizer update, metrics) is split by where values live:
+
+* Known homes: a parameter and its gradient live on the stage that owns the parameter; the loss
+  lives on the stage that computes it.
+* Every other equation runs on the home of its largest input with a known home; equations with
+  no such input run on the home of their first consumer; what remains runs on stage 0.
+* Equations are grouped into pieces by (home, level), where the level grows by one whenever a
+  value crosses between homes (or into or out of the pipeline). Pieces form a DAG, ordered by
+  level, so cross-stage reductions (``optax.clip_by_global_norm``'s global norm) are computed
+  exactly: partial sums move between stages as small explicit transfers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jax.extend import core as xc
+
+from gpp_jax.passes.capture import host_constant
+
+from gpp_jax.passes.costs import aval_bytes
+
+PIPE = -1  # home of the pipeline marker
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """A group of step equations that run together on one stage's devices."""
+  home: int
+  level: int
+  jaxpr: xc.ClosedJaxpr
+  inputs: tuple[xc.Var, ...]
+  outputs: tuple[xc.Var, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+  """The train step around the pipeline.
+
+  Attributes:
+    jaxpr: the whole step's ClosedJaxpr (its invars are the flattened step arguments).
+    marker: the marker equation (the pipelined value-and-grad).
+    before, after: pieces that run before / after the pipeline, in a valid order.
+    invar_home: home stage of each step input (-1: not placed, e.g. batch data or unused).
+  """
+  jaxpr: xc.ClosedJaxpr
+  marker: xc.JaxprEqn
+  before: tuple[Piece, ...]
+  after: tuple[Piece, ...]
+  invar_home: tuple[int, ...]
+
+
+def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequence[int],
+               marker_out_home: Sequence[int]) -> StepProgram:
+  """Splits the step around the marker equation.
+
+  Args:
+    closed: the train step's ClosedJaxpr with exactly one marker equation.
+    marker_index: position of the marker in ``closed.jaxpr.eqns``.
+    marker_in_home: home stage of each marker input (-1 when any stage will do).
+    marker_out_home: home stage of each marker output.
+  """
+  J = closed.jaxpr
+  eqns = list(J.eqns)
+  home: dict[xc.Var, int] = {}
+  marker = eqns[marker_index]
+  for v, h in zip(marker.outvars, marker_out_home):
+    if not isinstance(v, xc.DropVar):
+      home[v] = h
+  # Parameters flow into the marker: their sources live on the owner stage.
+  for v, h in zip(marker.invars, marker_in_home):
+    if isinstance(v, xc.Var) and h >= 0 and v not in home:
+      home[v] = h
+  producer: dict[xc.Var, int] = {}
+  for k, e in enumerate(eqns):
+    for o in e.outvars:
+      if not isinstance(o, xc.DropVar):
+        producer[o] = k
+  eqn_home: list[int | None] = [None] * len(eqns)
+  eqn_home[marker_index] = PIPE
+  # Forward: the home of the largest input with a known home.
+  for k, e in enumerate(eqns):
+    if k == marker_index:
+      continue
+    outs_known = [home[o] for o in e.outvars if not isinstance(o, xc.DropVar) and o in home]
+    known = [(aval_bytes(v.aval), -home[v], home[v]) for v in e.invars
+             if isinstance(v, xc.Var) and v in home and home[v] != PIPE]
+    if outs_known:
+      eqn_home[k] = outs_known[0]
+    elif known:
+      eqn_home[k] = max(known)[2]
+    if eqn_home[k] is not None:
+      for o in e.outvars:
+        if not isinstance(o, xc.DropVar):
+          home.setdefault(o, eqn_home[k])
+  # Backward: undecided equations take their first consumer's home.
+  consumers: dict[int, list[int]] = {k: [] for k in range(len(eqns))}
+  for k, e in enumerate(eqns):
+    for v in e.invars:
+      if isinstance(v, xc.Var) and v in producer:
+        consumers[producer[v]].append(k)
+  for k in reversed(range(len(eqns))):
+    if eqn_home[k] is None:
+      hs = [eqn_home[c] for c in consumers[k] if eqn_home[c] not in (None, PIPE)]
+      eqn_home[k] = hs[0] if hs else 0
+      for o in eqns[k].outvars:
+        if not isinstance(o, xc.DropVar):
+          home.setdefault(o, eqn_home[k])
+  # Step inputs: their first consumer's home (parameters: their owner).
+  invar_home = []
+  for v in J.invars:
+    if v in home:
+      invar_home.append(home[v])
+      continue
+    h = -1
+    for k, e in enumerate(eqns):
+      if k != marker_index and any(a is v for a in e.invars):
+        h = eqn_home[k]
+        break
+    invar_home.append(h)
+    if h >= 0:
+      home[v] = h
+  # Levels.
+  level: dict[xc.Var, int] = {}
+  eqn_level = [0] * len(eqns)
+  for k, e in enumerate(eqns):
+    lv = 0
+    for v in e.invars:
+      if isinstance(v, xc.Var) and v in producer:
+        p = producer[v]
+        lv = max(lv, eqn_level[p] + (eqn_home[p] != eqn_home[k]))
+      elif isinstance(v, xc.Var):
+        lv = max(lv, 0)
+    eqn_level[k] = lv
+  groups: dict[tuple[int, int], list[int]] = {}
+  for k in range(len(eqns)):
+    if k != marker_index:
+      groups.setdefault((eqn_level[k], eqn_home[k]), []).append(k)
+  mlevel = eqn_level[marker_index]
+  pieces_before, pieces_after = [], []
+  out_set = {v for v in J.outvars if isinstance(v, xc.Var)}
+  const_val = dict(zip(J.constvars, closed.consts))
+  for key in sorted(groups):
+    ks = groups[key]
+    inside = set(ks)
+    defined = {o for k in ks for o in eqns[k].outvars if not isinstance(o, xc.DropVar)}
+    ins, consts, seen = [], [], set()
+    for k in ks:
+      for a in eqns[k].invars:
+        if isinstance(a, xc.Var) and a not in defined and a not in seen:
+          seen.add(a)
+          (consts if a in const_val else ins).append(a)
+    outs = [o for o in sorted(defined, key=lambda o: producer[o])
+            if o in out_set or any(c not in inside for c in consumers[producer[o]])]
+    dbg = xc.DebugInfo("graph_pipeline", f"step_piece_{key[1]}_{key[0]}",
+                       tuple(f"in{i}" for i in range(len(ins))),
+                       tuple(f"out{i}" for i in range(len(outs))))
+    sub = xc.Jaxpr(consts, ins, outs, [eqns[k] for k in ks],
+                   frozenset().union(*[eqns[k].effects for k in ks]), debug_info=dbg)
+    piece = Piece(key[1], key[0], xc.ClosedJaxpr(sub, [host_constant(const_val[c]) for c in consts]),
+                  tuple(ins), tuple(outs))
+    # The marker reads only values of lower levels, and whatever reads the marker sits above it.
+    (pieces_before if key[0] < mlevel else pieces_after).append(piece)
+  return StepProgram(closed, marker, tuple(pieces_before), tuple(pieces_after), tuple(invar_home))
+
