@@ -7,13 +7,16 @@ Every equation is attributed to one layer by these rules, applied in program ord
      ``jax.named_scope``), otherwise from the parameter's pytree path minus its leaf name
      (Flax NNX, plain pytrees): ``['blocks'][0]['fc']['kernel']`` -> ``blocks/0/fc``.
   2. An equation whose name-stack path lies inside a parameter layer's path joins that layer.
-  3. Any other equation (activations, residual adds, the loss itself) joins the layer of its
-     latest producer, i.e. the producing equation that comes last in program order.
+  3. Any other equation whose producers all lie in one layer (activations, the loss) joins
+     that layer. A join of several layers (a concat of branches, a residual add) joins the
+     layer of its first consumer, or, when nothing downstream decides, its latest producer's.
   4. Equations with no producer (they read only inputs and literals) join the layer of their
      first consumer; what is left joins the last layer.
   5. Layers must stay convex (the layer graph acyclic). An equation whose layer choice would
      close a cycle, e.g. an output head reusing the embedding matrix, goes to a sibling layer
      ``<layer>#2`` (``#3``, ...) instead; its parameters stay owned by the first layer.
+  6. An equation that reads only parameters (and literals) and feeds a single other layer
+     moves into that layer; the parameter is then shared between the two layers.
 ``layer_depth`` truncates layer paths to their first components to make coarser layers.
 """
 from __future__ import annotations
@@ -77,10 +80,11 @@ def layer_program(closed: xc.ClosedJaxpr, param_paths: Sequence[str | None], *,
 
   producer: dict[xc.Var, int] = {}
   desired: list[str | None] = []
+  fallback: list[str | None] = []
   for k, e in enumerate(J.eqns):
     reads = [(aval_bytes(v.aval), is_param[v]) for v in e.invars
              if isinstance(v, xc.Var) and v in is_param]
-    want = None
+    want, back = None, None
     if reads:
       want = param_layer[max(reads)[1]]
     else:
@@ -91,15 +95,19 @@ def layer_program(closed: xc.ClosedJaxpr, param_paths: Sequence[str | None], *,
           want = cand
         sp = sp.rpartition("/")[0]
       if want is None:
-        prods = [producer[v] for v in e.invars if isinstance(v, xc.Var) and v in producer]
-        if prods:
-          want = ("@", max(prods))  # resolved below to the producer's final layer
+        prods = sorted({producer[v] for v in e.invars if isinstance(v, xc.Var) and v in producer})
+        eff = [desired[p] or fallback[p] for p in prods]
+        if eff and len({x for x in eff if x is not None}) == 1 and None not in eff:
+          want = eff[0]
+        elif eff:
+          back = eff[-1]  # a join of several layers: decided by its consumer below
     desired.append(want)
+    fallback.append(back)
     for o in e.outvars:
       if not isinstance(o, xc.DropVar):
         producer[o] = k
 
-  # Rule 4: equations with no anchor take their first consumer's wish.
+  # Rules 3-4: joins and equations without producers take their first consumer's layer.
   consumers: dict[int, list[int]] = {k: [] for k in range(len(J.eqns))}
   for k, e in enumerate(J.eqns):
     for v in e.invars:
@@ -107,19 +115,13 @@ def layer_program(closed: xc.ClosedJaxpr, param_paths: Sequence[str | None], *,
         consumers[producer[v]].append(k)
   for k in reversed(range(len(J.eqns))):
     if desired[k] is None:
-      for c in consumers[k]:
-        w = desired[c]
-        if isinstance(w, str) or (isinstance(w, tuple) and w[1] < k):
-          desired[k] = w
-          break
+      desired[k] = next((desired[c] for c in consumers[k] if desired[c] is not None), fallback[k])
 
   # Rule 5: assign in program order, keeping the layer graph acyclic.
   q = nx.DiGraph()
   final: list[str] = []
   for k, e in enumerate(J.eqns):
     want = desired[k]
-    if isinstance(want, tuple):
-      want = final[want[1]] if want[1] < k else None
     if want is None:
       want = final[-1] if final else (next(iter(param_layers)) if param_layers else name)
     srcs = {final[producer[v]] for v in e.invars if isinstance(v, xc.Var) and v in producer}
@@ -140,6 +142,19 @@ def layer_program(closed: xc.ClosedJaxpr, param_paths: Sequence[str | None], *,
       if s != chosen:
         q.add_edge(s, chosen)
     final.append(chosen)
+
+  # Rule 6: weight preprocessing (equations reading only parameters and literals, such as the
+  # transpose of a tied embedding) moves to the one layer that consumes it, so the parameter
+  # is shared with that layer instead of a transformed copy being sent per micro-batch.
+  for k in reversed(range(len(J.eqns))):
+    e = J.eqns[k]
+    if any(isinstance(v, xc.Var) and v in producer for v in e.invars):
+      continue
+    if not any(isinstance(v, xc.Var) and v in is_param for v in e.invars):
+      continue
+    targets = {final[c] for c in consumers[k]}
+    if len(targets) == 1 and final[k] not in targets:
+      final[k] = targets.pop()
 
   graph = _annotate(closed, final, param_layer, batch_size, name)
   plist = tuple(param_layer.get(i) if param_paths[i] is not None else None

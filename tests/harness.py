@@ -1,0 +1,65 @@
+"""Shared helpers: tiny models as plain pytrees and a pipelined-vs-reference runner."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gpp_jax
+
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+}
+
+
+def dense(key, a, b):
+  return {"w": jax.random.normal(key, (a, b)) / np.sqrt(a), "b": 0.1 * jnp.ones(b)}
+
+
+def apply_dense(p, x):
+  return x @ p["w"] + p["b"]
+
+
+def make_batch(seed, batch, din, dout):
+  rng = np.random.default_rng(seed)
+  return {"x": rng.normal(size=(batch, din)).astype(np.float32),
+          "y": rng.normal(size=(batch, dout)).astype(np.float32)}
+
+
+def mse_step(model_fn, tx):
+  """A plain-pytree train step: MSE loss, optax update, loss metric."""
+  def step(params, opt_state, batch):
+    def loss_fn(p):
+      return jnp.mean((model_fn(p, batch["x"]) - batch["y"]) ** 2)
+    loss, grads = gpp_jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+  return step
+
+
+def max_diff(a, b) -> float:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb), (len(la), len(lb))
+  return max(float(np.max(np.abs(np.asarray(jax.device_get(x), np.float64) -
+                                 np.asarray(jax.device_get(y), np.float64)))) for x, y in zip(la, lb))
+
+
+def compare_steps(step, args, batch, steps=3, **pp_kwargs):
+  """Runs ``step`` jitted on one device and pipelined; returns (ref outputs, pp outputs, pp).
+
+  Both run under ``jax.transfer_guard("disallow")``; the pipelined one gets host batches.
+  """
+  ref = jax.jit(step)
+  pp = gpp_jax.graph_pipeline(step, **pp_kwargs)
+  dev0 = jax.devices()[0]
+  r_args = jax.device_put(args, dev0)
+  r_batch = jax.device_put(batch, dev0)
+  p_args = args
+  with jax.transfer_guard("disallow"):
+    for _ in range(steps):
+      r_out = ref(*r_args, r_batch)
+      p_out = pp(*p_args, batch)
+      r_args, p_args = r_out[:-1], p_out[:-1]
+  return r_out, p_out, pp

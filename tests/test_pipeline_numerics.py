@@ -1,0 +1,156 @@
+"""Pipelined steps equal the undecorated step on one device (3 steps, float32, 1e-5)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gpp_jax
+from harness import OPTIMIZERS, apply_dense, compare_steps, dense, make_batch, max_diff, mse_step
+
+TOL = 1e-5
+
+
+def chain_model(p, x):
+  for i in range(4):
+    x = apply_dense(p[f"l{i}"], x)
+    if i < 3:
+      x = jnp.tanh(x)
+  return x
+
+
+def chain_params():
+  ks = jax.random.split(jax.random.key(0), 4)
+  sizes = [6, 16, 16, 16, 3]
+  return {f"l{i}": dense(ks[i], sizes[i], sizes[i + 1]) for i in range(4)}
+
+
+CHAIN_PLAN = gpp_jax.manual_plan({"l0": 0, "l1": 1, "l2": 2, "l3": 3})
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_chain_four_stages(schedule, remat, opt):
+  tx = OPTIMIZERS[opt]()
+  params = chain_params()
+  r, p, pp = compare_steps(mse_step(chain_model, tx), (params, tx.init(params)),
+                           make_batch(0, 16, 6, 3), num_microbatches=4,
+                           devices=jax.devices()[:4], planner=CHAIN_PLAN, schedule=schedule,
+                           remat=remat)
+  assert pp.plan.num_stages == 4 and pp.plan.depth() == 4
+  assert pp.schedule.name == schedule
+  assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
+  assert max_diff(r[0], p[0]) <= TOL
+  assert max_diff(r[1], p[1]) <= TOL
+  # Parameters stay on their stage's device between steps.
+  for i in range(4):
+    assert p[0][f"l{i}"]["w"].devices() == {jax.devices()[i]}
+
+
+def diamond_model(p, x):
+  h = jnp.tanh(apply_dense(p["inp"], x))
+  a = jnp.tanh(apply_dense(p["left"], h))
+  b = jax.nn.relu(apply_dense(p["right"], h))
+  return apply_dense(p["head"], jnp.concatenate([a, b], axis=-1))
+
+
+def test_diamond_three_stages():
+  ks = jax.random.split(jax.random.key(1), 4)
+  params = {"inp": dense(ks[0], 5, 12), "left": dense(ks[1], 12, 8),
+            "right": dense(ks[2], 12, 8), "head": dense(ks[3], 16, 2)}
+  tx = OPTIMIZERS["adamw"]()
+  plan = gpp_jax.manual_plan({"inp": 0, "left": 1, "right": 2, "head": 2})
+  r, p, pp = compare_steps(mse_step(diamond_model, tx), (params, tx.init(params)),
+                           make_batch(1, 12, 5, 2), num_microbatches=3,
+                           devices=jax.devices()[:3], planner=plan)
+  assert sorted(pp.plan.edges) == [(0, 1), (0, 2), (1, 2)]
+  assert max_diff(r[:2], p[:2]) <= TOL
+  assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
+
+
+def branches_model(p, x):
+  outs = [jnp.tanh(apply_dense(p[f"b{i}"], x[:, 3 * i:3 * i + 3])) for i in range(4)]
+  return apply_dense(p["head"], jnp.concatenate(outs, axis=-1))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_four_branches_run_as_concurrent_stages(schedule):
+  ks = jax.random.split(jax.random.key(2), 5)
+  params = {**{f"b{i}": dense(ks[i], 3, 8) for i in range(4)}, "head": dense(ks[4], 32, 2)}
+  tx = OPTIMIZERS["clip_adam"]()
+  plan = gpp_jax.manual_plan({"b0": 0, "b1": 1, "b2": 2, "b3": 3, "head": 4})
+  r, p, pp = compare_steps(mse_step(branches_model, tx), (params, tx.init(params)),
+                           make_batch(2, 16, 12, 2), num_microbatches=4,
+                           devices=jax.devices()[:5], planner=plan, schedule=schedule)
+  g = pp.plan.stage_graph()
+  # The four branch stages are mutually independent: a DAG of depth 2, not a chain of 5.
+  assert pp.plan.depth() == 2
+  assert all(g.has_edge(i, 4) for i in range(4)) and g.number_of_edges() == 4
+  assert max_diff(r[:2], p[:2]) <= TOL
+
+
+def skip_model(p, x):
+  h0 = jnp.tanh(apply_dense(p["l0"], x))
+  h1 = jnp.tanh(apply_dense(p["l1"], h0))
+  h2 = jnp.tanh(apply_dense(p["l2"], h1))
+  return apply_dense(p["l3"], h2 + h0)  # h0 skips stages 1 and 2
+
+
+def test_skip_connection_to_non_adjacent_stage():
+  ks = jax.random.split(jax.random.key(3), 4)
+  params = {"l0": dense(ks[0], 4, 8), "l1": dense(ks[1], 8, 8), "l2": dense(ks[2], 8, 8),
+            "l3": dense(ks[3], 8, 2)}
+  tx = OPTIMIZERS["adamw"]()
+  r, p, pp = compare_steps(mse_step(skip_model, tx), (params, tx.init(params)),
+                           make_batch(3, 8, 4, 2), num_microbatches=2,
+                           devices=jax.devices()[:4], planner=CHAIN_PLAN, remat=True)
+  assert (0, 3) in pp.plan.edges
+  assert max_diff(r[:2], p[:2]) <= TOL
+
+
+def tied_model(p, tokens):
+  h = p["embed"][tokens].mean(axis=1)             # stage 0 reads the embedding
+  h = jnp.tanh(apply_dense(p["mid"], h))
+  return h @ p["embed"].T                         # the head reads it again, on another stage
+
+
+def test_parameter_shared_by_two_stages():
+  ks = jax.random.split(jax.random.key(4), 2)
+  params = {"embed": jax.random.normal(ks[0], (11, 6)), "mid": dense(ks[1], 6, 6)}
+  tx = OPTIMIZERS["adamw"]()
+
+  def step(params, opt_state, batch):
+    def loss_fn(p):
+      logits = tied_model(p, batch["x"])
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1))
+    loss, grads = gpp_jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    import optax
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+  rng = np.random.default_rng(4)
+  batch = {"x": rng.integers(0, 11, (8, 3)).astype(np.int32),
+           "y": rng.integers(0, 11, (8,)).astype(np.int32)}
+  plan = gpp_jax.manual_plan({"embed": 0, "mid": 1, "embed#2": 2})
+  r, p, pp = compare_steps(step, (params, tx.init(params)), batch, num_microbatches=4,
+                           devices=jax.devices()[:3], planner=plan)
+  staged = pp._last.staged
+  # The embedding lives on stage 0 and stage 2 reads a copy of it.
+  embed_in = [i for i, o in enumerate(staged.param_owner) if o == 0]
+  assert any(r_.kind == "param" and r_.index in embed_in for r_ in staged.stages[2].inputs)
+  assert p[0]["embed"].devices() == {jax.devices()[0]}
+  assert max_diff(r[:2], p[:2]) <= TOL
+  assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
+
+
+def test_balanced_default_planner_and_metrics():
+  tx = OPTIMIZERS["adamw"]()
+  params = chain_params()
+  r, p, pp = compare_steps(mse_step(chain_model, tx), (params, tx.init(params)),
+                           make_batch(5, 8, 6, 3), num_microbatches=2, devices=jax.devices()[:2])
+  assert pp.plan.planner == "balanced" and pp.plan.num_stages == 2
+  assert max_diff(r, p) <= TOL
+  text = pp.explain()
+  assert "stage 0 -> stage 1" in text and "cut edges" in text
+  tl = pp.timeline
+  assert {(e.action, e.stage, e.microbatch) for e in tl.events} >= {("F", 0, 0), ("B", 1, 1)}
