@@ -147,7 +147,7 @@ class GraphPipeline:
       shape = tuple(np.shape(x))
       if i in batch_idx:
         shape = (mb,) + shape[1:]
-      abstract.append(jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(_dtype(x))))
+      abstract.append(jax.ShapeDtypeStruct(shape, _canonical(_dtype(x))))
     with recording() as recs:
       step = jax.make_jaxpr(pure.fn)(*abstract)
     if not recs:
@@ -314,3 +314,9 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
   if fn is None:
     return lambda f: GraphPipeline(f, **kwargs)
   return GraphPipeline(fn, **kwargs)
+
+
+def _canonical(dtype):
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return dtype
+  return jax.dtypes.canonicalize_dtype(dtype)

@@ -135,7 +135,7 @@ class PipelineRunner:
         elif r.kind == "data":
           role = self.roles[r.index]
           x = data[r.index]
-          if role == BROADCAST:
+          if role in (BROADCAST, KEY):  # keys get the micro-batch index folded in per F
             self._params[s][j] = jax.device_put(x, dev)
           elif role == BATCH and r.index not in self._batch_chunks:
             host = np.asarray(jax.device_get(x))
@@ -159,7 +159,7 @@ class PipelineRunner:
         if role == BATCH:
           v = jax.device_put(self._batch_chunks[r.index][m], dev)
         elif role == KEY:
-          v = jax.device_put(_fold(self._data[r.index], m), dev)
+          v = _fold(self._params[s][j], jax.device_put(np.uint32(m), dev))
         else:
           v = self._params[s][j]
       (diff if r.diff else nondiff).append(v)

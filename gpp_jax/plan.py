@@ -152,6 +152,9 @@ def validate_plan(plan: Plan, layer_graph: nx.DiGraph | None = None,
       raise PlanError(f"stage {i} has no device; give every stage at least one device")
   if plan.num_microbatches < 1:
     raise PlanError(f"num_microbatches must be >= 1, got {plan.num_microbatches}")
+  if num_devices is not None and plan.num_stages > num_devices:
+    raise PlanError(f"the plan has {plan.num_stages} stages but only {num_devices} devices; "
+                    "merge stages or pass more devices")
   seen: dict[int, int] = {}
   for s in plan.stages:
     for d in s.devices:
@@ -162,14 +165,14 @@ def validate_plan(plan: Plan, layer_graph: nx.DiGraph | None = None,
       if num_devices is not None and not 0 <= d < num_devices:
         raise PlanError(f"stage {s.index} uses device {d}, but only {num_devices} devices are "
                         f"available (indices 0..{num_devices - 1})")
-  if num_devices is not None and plan.num_stages > num_devices:
-    raise PlanError(f"the plan has {plan.num_stages} stages but only {num_devices} devices; "
-                    "merge stages or pass more devices")
+  if layer_graph is not None:
+    _check_layers(plan, layer_graph)
   sg = plan.stage_graph()
   if not nx.is_directed_acyclic_graph(sg):
     raise PlanError(f"the stage graph has a cycle {nx.find_cycle(sg)}; stages must form a DAG")
-  if layer_graph is None:
-    return
+
+
+def _check_layers(plan: Plan, layer_graph: nx.DiGraph) -> None:
   where: dict[str, int] = {}
   for s in plan.stages:
     for l in s.layers:

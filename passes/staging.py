@@ -184,8 +184,10 @@ def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
                        tuple(f"out{i}" for i in range(len(outs))))
     effects = frozenset().union(*[e.effects for e in eqns])
     if effects:
-      raise CaptureError(f"stage {s} has side effects {effects}; pipelined loss functions must "
-                         "be pure (no debug callbacks or io inside the loss)")
+      prims = sorted({e.primitive.name for e in eqns if e.effects})
+      raise CaptureError(f"unsupported primitive {', '.join(prims)} in stage {s}: it has side "
+                         "effects, and a pipelined loss function must be pure. Remove debug "
+                         "prints and callbacks from the loss (return values as aux instead).")
     sub = xc.Jaxpr(consts, ins, outs, eqns, effects, debug_info=dbg)
     stages.append(StageProgram(s, xc.ClosedJaxpr(sub, cvals), tuple(refs), tuple(orefs),
                                sum(r.diff for r in refs), len(eqns)))
