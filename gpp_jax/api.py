@@ -21,6 +21,7 @@ from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.staging import stage_program
 from gpp_jax.passes.step_split import split_step
+from gpp_jax.placement import stage_placements
 from gpp_jax.plan import Plan, validate_plan
 
 
@@ -190,25 +191,20 @@ class GraphPipeline:
                              batch_size=mb, layer_depth=self.layer_depth,
                              name=getattr(self.fn, "__name__", "step"))
     plan = self._make_plan(layering.graph, B)
-    stage_devices = []
-    for s in plan.stages:
-      if len(s.devices) != 1:
-        raise PlanError(f"stage {s.index} spans devices {s.devices}; this runtime runs one device "
-                        "per stage")
-      stage_devices.append(self.devices[s.devices[0]])
+    placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
     sched = make_schedule(plan.schedule, plan.num_stages, plan.edges, M)
     nloss = len(loss.jaxpr.outvars)
     in_home = [staged.param_owner[j] if j < nparam else -1 for j in range(len(marker.invars))]
     out_home = [staged.loss_outputs[k][0] for k in range(nloss)] + list(staged.param_owner[:nparam])
     prog = split_step(step, mk, in_home, out_home)
-    runner = PipelineRunner(staged, sched, stage_devices, roles, M, remat=self.remat)
+    runner = PipelineRunner(staged, sched, placements, roles, M, remat=self.remat)
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
     logging.info("graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
                  plan.num_stages, plan.depth(), M, mb, len(pieces))
     return Compiled(out_tree=pure.out_tree[-1], plan=plan, layer_graph=layering.graph, layering=layering, schedule=sched,
                     staged=staged, runner=runner, prog=prog, pieces=pieces,
-                    nbefore=len(prog.before), stage_devices=stage_devices, batch_size=B)
+                    nbefore=len(prog.before), placements=placements, batch_size=B)
 
   def _make_plan(self, graph, batch_size) -> Plan:
     M = self.num_microbatches
@@ -255,17 +251,17 @@ class GraphPipeline:
 
   def _execute(self, c: Compiled, leaves):
     J = c.prog.jaxpr.jaxpr
-    devs = c.stage_devices
+    homes = [p.replicated for p in c.placements]
     env: dict = {}
     for v, x, h in zip(J.invars, leaves, c.prog.invar_home):
-      env[v] = jax.device_put(x, devs[h]) if h >= 0 else x
+      env[v] = jax.device_put(x, homes[h]) if h >= 0 else x
 
     def read(a):
       return a.val if isinstance(a, xc.Literal) else env[a]
 
     def run_pieces(pieces):
       for p, f in pieces:
-        args = [jax.device_put(read(v), devs[p.home]) for v in p.inputs]
+        args = [jax.device_put(read(v), homes[p.home]) for v in p.inputs]
         for o, val in zip(p.outputs, f(*args)):
           env[o] = val
 

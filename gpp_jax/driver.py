@@ -22,6 +22,7 @@ import numpy as np
 
 from gpp_jax.errors import BatchError, ScheduleError
 from gpp_jax.passes.staging import StagedProgram, stage_functions
+from gpp_jax.placement import StagePlacement
 from gpp_jax.schedule import Action, Schedule
 
 BATCH, KEY, BROADCAST = "batch", "key", "broadcast"
@@ -87,25 +88,26 @@ def _add(a, b):
 class PipelineRunner:
   """Runs the pipelined value-and-grad of a StagedProgram for one step."""
 
-  def __init__(self, staged: StagedProgram, schedule: Schedule, devices: Sequence[Any],
-               data_roles: Sequence[str | None], num_microbatches: int, remat: bool = False):
+  def __init__(self, staged: StagedProgram, schedule: Schedule,
+               placements: Sequence[StagePlacement], data_roles: Sequence[str | None],
+               num_microbatches: int, remat: bool = False):
     """
     Args:
       staged: the staged loss.
       schedule: per-stage action lists (validated).
-      devices: ``devices[s]`` is the device of stage s.
+      placements: ``placements[s]`` says where stage s runs (a device or a sub-mesh).
       data_roles: for each loss invar: None for a parameter, else BATCH (split into
         micro-batches), KEY (micro-batch index folded in) or BROADCAST (same for all).
       num_microbatches: M.
     """
     self.staged = staged
     self.schedule = schedule
-    self.devices = list(devices)
+    self.place = list(placements)
     self.roles = list(data_roles)
     self.M = num_microbatches
     self.fns = [stage_functions(s, remat=remat) for s in staged.stages]
-    self._zeros = [jax.jit(f.zeros_acc, out_shardings=jax.sharding.SingleDeviceSharding(d))
-                   for f, d in zip(self.fns, self.devices)]
+    self._zeros = [jax.jit(f.zeros_acc, out_shardings=p.replicated)
+                   for f, p in zip(self.fns, self.place)]
     # Producer output position of each value id, and expected cotangent counts.
     self.out_pos = {}
     for st in staged.stages:
@@ -126,17 +128,17 @@ class PipelineRunner:
     self._params = [[None] * len(st.inputs) for st in self.staged.stages]
     self._batch_chunks = {}
     for s, st in enumerate(self.staged.stages):
-      dev = self.devices[s]
+      rep = self.place[s].replicated
       for j, r in enumerate(st.inputs):
         if r.kind == "param":
           x = params[r.index]
           owner = self.staged.param_owner[r.index]
-          self._params[s][j] = x if owner == s else jax.device_put(x, dev)
+          self._params[s][j] = x if owner == s else jax.device_put(x, rep)
         elif r.kind == "data":
           role = self.roles[r.index]
           x = data[r.index]
           if role in (BROADCAST, KEY):  # keys get the micro-batch index folded in per F
-            self._params[s][j] = jax.device_put(x, dev)
+            self._params[s][j] = jax.device_put(x, rep)
           elif role == BATCH and r.index not in self._batch_chunks:
             host = np.asarray(jax.device_get(x))
             if host.shape[0] % M:
@@ -147,7 +149,7 @@ class PipelineRunner:
 
   def _stage_args(self, s, m):
     st = self.staged.stages[s]
-    dev = self.devices[s]
+    place = self.place[s]
     diff, nondiff = [], []
     for j, r in enumerate(st.inputs):
       if r.kind == "param":
@@ -157,9 +159,9 @@ class PipelineRunner:
       else:
         role = self.roles[r.index]
         if role == BATCH:
-          v = jax.device_put(self._batch_chunks[r.index][m], dev)
+          v = place.put(self._batch_chunks[r.index][m])
         elif role == KEY:
-          v = _fold(self._params[s][j], jax.device_put(np.uint32(m), dev))
+          v = _fold(self._params[s][j], jax.device_put(np.uint32(m), place.replicated))
         else:
           v = self._params[s][j]
       (diff if r.diff else nondiff).append(v)
@@ -186,7 +188,7 @@ class PipelineRunner:
       self._res[(s, m)] = res
       for k, o in enumerate(st.outputs):
         for c in o.consumers:
-          self._inbox[(c, o.vid, m)] = jax.device_put(outs[k], self.devices[c])
+          self._inbox[(c, o.vid, m)] = self.place[c].put(outs[k])
       for li, (ls, lk) in enumerate(self.staged.loss_outputs):
         if ls == s:
           self._loss_vals[m][li] = outs[lk]
@@ -201,7 +203,7 @@ class PipelineRunner:
       acts = [r for r in st.inputs if r.diff and r.kind == "act"]
       for r, ct in zip(acts, in_cts):
         p, k = self.out_pos[r.index]
-        self._ctbox.setdefault((p, k, m), []).append(jax.device_put(ct, self.devices[p]))
+        self._ctbox.setdefault((p, k, m), []).append(self.place[p].put(ct))
     elif a.kind == "UPDATE":
       pass
     else:
@@ -217,7 +219,7 @@ class PipelineRunner:
     self._loss_vals = [[None] * nloss for _ in range(M)]
     ls, _ = self.staged.loss_outputs[0]
     loss_aval = self.staged.stages[ls].jaxpr.jaxpr.outvars[self.staged.loss_outputs[0][1]].aval
-    self._seed = jax.device_put(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.devices[ls])
+    self._seed = jax.device_put(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.place[ls].replicated)
     t0 = time.perf_counter()
     self._prepare(params, data)
     self._acc = [z() for z in self._zeros]
@@ -313,9 +315,10 @@ class PipelineRunner:
         k += 1
         owner = self.staged.param_owner[r.index]
         if owner != s:
-          g = jax.device_put(g, self.devices[owner])
+          g = jax.device_put(g, self.place[owner].replicated)
         grads[r.index] = g if grads[r.index] is None else _add(grads[r.index], g)
     for i, x in enumerate(params):
       if grads[i] is None and self.staged.param_owner[i] >= 0:  # a parameter the loss never reads
-        grads[i] = jax.device_put(np.zeros(np.shape(x), x.dtype), self.devices[self.staged.param_owner[i]])
+        grads[i] = jax.device_put(np.zeros(np.shape(x), x.dtype),
+                                  self.place[self.staged.param_owner[i]].replicated)
     return grads

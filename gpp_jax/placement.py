@@ -1,0 +1,67 @@
+"""Where a stage's values live: one device, or a sub-mesh with the batch axis sharded."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from gpp_jax.errors import PlanError
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlacement:
+  """Placement of one stage.
+
+  A stage on one device keeps everything there. A stage on k devices runs as one SPMD
+  computation over a 1-D mesh ``("data",)``: parameters and scalars are replicated, arrays whose
+  leading dimension is the micro-batch size are sharded along it, and XLA reduces the parameter
+  gradients across the k devices inside the stage's backward.
+  """
+  devices: tuple[Any, ...]
+  microbatch_size: int
+
+  @functools.cached_property
+  def mesh(self) -> Mesh:
+    return Mesh(np.array(self.devices), ("data",))
+
+  @functools.cached_property
+  def replicated(self) -> jax.sharding.Sharding:
+    if len(self.devices) == 1:
+      return SingleDeviceSharding(self.devices[0])
+    return NamedSharding(self.mesh, PartitionSpec())
+
+  @functools.cached_property
+  def batched(self) -> jax.sharding.Sharding:
+    if len(self.devices) == 1:
+      return self.replicated
+    return NamedSharding(self.mesh, PartitionSpec("data"))
+
+  def for_array(self, x) -> jax.sharding.Sharding:
+    """The sharding an incoming array gets: batch-sharded if it carries the micro-batch axis."""
+    shape = np.shape(x) if not hasattr(x, "shape") else x.shape
+    if len(self.devices) > 1 and len(shape) >= 1 and shape[0] == self.microbatch_size:
+      return self.batched
+    return self.replicated
+
+  def put(self, x):
+    return jax.device_put(x, self.for_array(x))
+
+  def __str__(self) -> str:
+    return ", ".join(str(d) for d in self.devices)
+
+
+def stage_placements(device_groups: Sequence[Sequence[Any]], microbatch_size: int) -> list[StagePlacement]:
+  """Placements for each stage's device group; checks the micro-batch splits across it."""
+  out = []
+  for s, devs in enumerate(device_groups):
+    k = len(devs)
+    if k > 1 and microbatch_size % k:
+      raise PlanError(f"stage {s} spans {k} devices but a micro-batch has {microbatch_size} "
+                      f"examples, which do not split {k} ways; use a stage width that divides "
+                      f"{microbatch_size} or fewer micro-batches")
+    out.append(StagePlacement(tuple(devs), microbatch_size))
+  return out
