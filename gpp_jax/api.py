@@ -12,7 +12,7 @@ from jax.extend import core as xc
 
 from gpp_jax import layer_graph as lg
 from gpp_jax.capture_step import functionalize, recording, value_and_grad_p
-from gpp_jax.driver import BATCH, BROADCAST, KEY, PipelineRunner, _is_key
+from gpp_jax.driver import BATCH, BROADCAST, KEY, PipelineRunner, _is_key, placeholder, wait_for
 from gpp_jax.errors import BatchError, CaptureError, PlanError
 from gpp_jax.manual import ManualPlan
 from gpp_jax.passes.capture import inline_calls
@@ -21,7 +21,7 @@ from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.staging import stage_program
 from gpp_jax.passes.step_split import split_step
-from gpp_jax.placement import stage_placements
+from gpp_jax.placement import stage_placements, transfer
 from gpp_jax.plan import Plan, validate_plan
 
 
@@ -43,7 +43,7 @@ class GraphPipeline:
                planner: str | Plan | ManualPlan | Callable = "balanced", schedule: str = "1f1b",
                batch_argnums: int | Sequence[int] | None = None, remat: bool = False,
                layer_depth: int | None = None, cluster: Any = None, measure: bool = False,
-               planner_options: dict | None = None):
+               planner_options: dict | None = None, timeout_s: float = 300.0):
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     self.fn = fn
@@ -57,6 +57,7 @@ class GraphPipeline:
     self.cluster = cluster
     self.measure = measure
     self.planner_options = dict(planner_options or {})
+    self.timeout_s = float(timeout_s)
     self._compiled: dict[Any, Compiled] = {}
     self._last: Compiled | None = None
     functools.update_wrapper(self, fn)
@@ -252,17 +253,23 @@ class GraphPipeline:
   def _execute(self, c: Compiled, leaves):
     J = c.prog.jaxpr.jaxpr
     homes = [p.replicated for p in c.placements]
+    local = c.runner.local
     env: dict = {}
     for v, x, h in zip(J.invars, leaves, c.prog.invar_home):
-      env[v] = jax.device_put(x, homes[h]) if h >= 0 else x
+      env[v] = transfer(x, homes[h]) if h >= 0 else x
 
     def read(a):
       return a.val if isinstance(a, xc.Literal) else env[a]
 
     def run_pieces(pieces):
       for p, f in pieces:
-        args = [jax.device_put(read(v), homes[p.home]) for v in p.inputs]
-        for o, val in zip(p.outputs, f(*args)):
+        # Every process issues the same puts (local copy, send, receive or no-op) ...
+        args = [transfer(read(v), homes[p.home]) for v in p.inputs]
+        if local[p.home]:
+          outs = f(*args)
+        else:  # ... and stands in placeholders for what another process computes.
+          outs = [placeholder(o.aval, homes[p.home]) for o in p.outputs]
+        for o, val in zip(p.outputs, outs):
           env[o] = val
 
     run_pieces(c.pieces[:c.nbefore])
@@ -274,7 +281,10 @@ class GraphPipeline:
       if not isinstance(o, xc.DropVar):
         env[o] = val
     run_pieces(c.pieces[c.nbefore:])
-    return [read(a) for a in J.outvars]
+    outs = [read(a) for a in J.outvars]
+    if c.runner.multiprocess:
+      wait_for(outs, self.timeout_s)
+    return outs
 
 
 def _dtype(x):
@@ -305,7 +315,9 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
     layer_depth: truncate layer paths to this many components (coarser layers).
     cluster: the Cluster description planners use (default: the device count).
     measure: run each stage in its own thread, blocking per action, to record a measured
-      timeline (slower).
+      timeline (slower; single process only).
+    timeout_s: in a multi-process run, a step that has not finished after this many seconds
+      (a peer process died or stalls) raises ``GppError`` instead of hanging.
   """
   if fn is None:
     return lambda f: GraphPipeline(f, **kwargs)

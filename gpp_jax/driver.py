@@ -6,6 +6,13 @@ move between stages only through explicit ``jax.device_put`` (one copy per consu
 cotangents from several consumers are summed inside the producer's backward; parameters read by
 several stages live on their owner and send gradients back to it.
 
+Multi-process: every process runs the same driver over the same dispatch order (a pure
+function of the schedule). A process computes only the stages on its own devices and stands
+in placeholders (arrays with no local shards) for the outputs of the others; every process
+issues the same ``jax.device_put`` calls in the same order, so each cross-process edge is a
+matched send (on the producer's process) and receive (on the consumer's), JAX's own cross-host
+transfer.
+
 With ``measure=True`` each stage runs in its own thread that blocks on every action, which
 gives a measured per-action timeline (start/end on the device) at some cost in overhead.
 """
@@ -20,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpp_jax.errors import BatchError, ScheduleError
+from gpp_jax.errors import BatchError, GppError, PlanError, ScheduleError
 from gpp_jax.passes.staging import StagedProgram, stage_functions
-from gpp_jax.placement import StagePlacement
-from gpp_jax.schedule import Action, Schedule
+from gpp_jax.placement import StagePlacement, transfer
+from gpp_jax.schedule import Action, Schedule, dispatch_order
 
 BATCH, KEY, BROADCAST = "batch", "key", "broadcast"
 
@@ -63,6 +70,54 @@ def _is_key(x) -> bool:
   if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
     return True
   return dt == np.uint32 and tuple(getattr(x, "shape", ())) == (2,)
+
+
+def placeholder(aval, sharding):
+  """An array with no local data standing for a value computed on another process."""
+  return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [], dtype=aval.dtype)
+
+
+def is_local(placement: StagePlacement) -> bool:
+  """Whether this process runs the stage; a stage may not span processes."""
+  procs = {d.process_index for d in placement.devices}
+  if len(procs) > 1:
+    raise PlanError(f"a stage spans devices of processes {sorted(procs)}; every stage must run on "
+                    "the devices of one process")
+  return procs.pop() == jax.process_index()
+
+
+def wait_for(values, timeout_s: float) -> None:
+  """Blocks until this process's shards of ``values`` are ready, or raises after a timeout.
+
+  A peer process that died or stalls leaves a receive unfinished forever; this turns that hang
+  into a clear error within ``timeout_s`` seconds.
+  """
+  arrays = [x for x in jax.tree.leaves(values) if isinstance(x, jax.Array)]
+  done = threading.Event()
+  failure = []
+
+  def block():
+    try:
+      for x in arrays:
+        for shard in x.addressable_shards:
+          shard.data.block_until_ready()
+    except BaseException as e:  # surfaced in the caller
+      failure.append(e)
+    done.set()
+
+  threading.Thread(target=block, daemon=True, name="gpp-wait").start()
+  if not done.wait(timeout_s):
+    raise GppError(f"the pipelined step did not finish within {timeout_s:.0f} s on process "
+                   f"{jax.process_index()} of {jax.process_count()}: a peer process has died or "
+                   "stalls (its activations or gradients never arrived). Check the other "
+                   "processes' logs; raise timeout_s if steps are legitimately this slow.")
+  if failure:
+    where = f"process {jax.process_index()} of {jax.process_count()}"
+    if jax.process_count() > 1:
+      raise GppError(f"the pipelined step failed on {where}: a transfer with a peer process "
+                     f"broke, so the peer process has died or closed its connection. Check the "
+                     f"other processes' logs. Cause: {failure[0]}") from failure[0]
+    raise GppError(f"the pipelined step failed on {where}: {failure[0]}") from failure[0]
 
 
 @jax.jit
@@ -120,11 +175,19 @@ class PipelineRunner:
           key = self.out_pos[r.index]
           self.expect[key] = self.expect.get(key, 0) + 1
     self.last_timeline: Timeline | None = None
+    self.order = dispatch_order(schedule)
+    self.local = [is_local(p) for p in self.place]
+    self.multiprocess = jax.process_count() > 1
+    self._out_avals = [[v.aval for v in st.jaxpr.jaxpr.outvars] for st in staged.stages]
+    self._in_avals = [[v.aval for v in st.jaxpr.jaxpr.invars] for st in staged.stages]
+
+  def _remote(self, aval, s):
+    """Placeholder for a value of stage ``s`` computed on another process."""
+    return placeholder(aval, self.place[s].for_array(aval))
 
   # ---------------------------------------------------------------- per-step inputs
   def _prepare(self, params, data):
     M = self.M
-    S = len(self.staged.stages)
     self._params = [[None] * len(st.inputs) for st in self.staged.stages]
     self._batch_chunks = {}
     for s, st in enumerate(self.staged.stages):
@@ -133,19 +196,19 @@ class PipelineRunner:
         if r.kind == "param":
           x = params[r.index]
           owner = self.staged.param_owner[r.index]
-          self._params[s][j] = x if owner == s else jax.device_put(x, rep)
+          # Every process issues the same put: a local copy, a send, a receive or a no-op.
+          self._params[s][j] = x if owner == s else transfer(x, rep)
         elif r.kind == "data":
           role = self.roles[r.index]
           x = data[r.index]
           if role in (BROADCAST, KEY):  # keys get the micro-batch index folded in per F
-            self._params[s][j] = jax.device_put(x, rep)
+            self._params[s][j] = transfer(x, rep)
           elif role == BATCH and r.index not in self._batch_chunks:
             host = np.asarray(jax.device_get(x))
             if host.shape[0] % M:
               raise BatchError(f"batch input of shape {host.shape} does not split into {M} "
                                "micro-batches")
             self._batch_chunks[r.index] = np.split(host, M)
-    del S
 
   def _stage_args(self, s, m):
     st = self.staged.stages[s]
@@ -161,13 +224,14 @@ class PipelineRunner:
         if role == BATCH:
           v = place.put(self._batch_chunks[r.index][m])
         elif role == KEY:
-          v = _fold(self._params[s][j], jax.device_put(np.uint32(m), place.replicated))
+          v = _fold(self._params[s][j], transfer(np.uint32(m), place.replicated))
         else:
           v = self._params[s][j]
       (diff if r.diff else nondiff).append(v)
     return diff, nondiff
 
   def _ready(self, a: Action) -> bool:
+    """Data readiness of a local action (used by the threaded measuring executor)."""
     st = self.staged.stages[a.stage]
     if a.kind == "F":
       return all((a.stage, r.index, a.microbatch) in self._inbox for r in st.inputs if r.kind == "act")
@@ -183,15 +247,22 @@ class PipelineRunner:
     st = self.staged.stages[s]
     fn = self.fns[s]
     if a.kind == "F":
-      diff, nondiff = self._stage_args(s, m)
-      outs, res = fn.fwd(diff, nondiff)
-      self._res[(s, m)] = res
+      if self.local[s]:
+        diff, nondiff = self._stage_args(s, m)
+        outs, res = fn.fwd(diff, nondiff)
+        self._res[(s, m)] = res
+        for li, (ls, lk) in enumerate(self.staged.loss_outputs):
+          if ls == s:
+            self._loss_vals[m][li] = outs[lk]
+      else:
+        for r in st.inputs:
+          if r.kind == "act":
+            self._inbox.pop((s, r.index, m))
+        outs = [self._remote(v, s) if o.consumers else None
+                for v, o in zip(self._out_avals[s], st.outputs)]
       for k, o in enumerate(st.outputs):
         for c in o.consumers:
           self._inbox[(c, o.vid, m)] = self.place[c].put(outs[k])
-      for li, (ls, lk) in enumerate(self.staged.loss_outputs):
-        if ls == s:
-          self._loss_vals[m][li] = outs[lk]
     elif a.kind == "B":
       cts = []
       for k, o in enumerate(st.outputs):
@@ -199,9 +270,12 @@ class PipelineRunner:
         if o.diff and self.staged.loss_outputs[0] == (s, k):
           c.append(self._seed)
         cts.append(tuple(c))
-      self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), cts, self._acc[s])
-      acts = [r for r in st.inputs if r.diff and r.kind == "act"]
-      for r, ct in zip(acts, in_cts):
+      acts = [(j, r) for j, r in enumerate(st.inputs) if r.diff and r.kind == "act"]
+      if self.local[s]:
+        self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), cts, self._acc[s])
+      else:
+        in_cts = [self._remote(self._in_avals[s][j], s) for j, _ in acts]
+      for (_, r), ct in zip(acts, in_cts):
         p, k = self.out_pos[r.index]
         self._ctbox.setdefault((p, k, m), []).append(self.place[p].put(ct))
     elif a.kind == "UPDATE":
@@ -212,27 +286,38 @@ class PipelineRunner:
   # ---------------------------------------------------------------- one step
   def run(self, params: Sequence[Any], data: Sequence[Any], measure: bool = False):
     """Returns (loss outputs averaged over micro-batches, parameter gradients on owners)."""
+    if measure and self.multiprocess:
+      raise GppError("measure=True records device-side times with one thread per stage and "
+                     "runs in a single process only; leave it off for multi-process runs")
     M = self.M
-    self._data = data
     self._inbox, self._ctbox, self._res = {}, {}, {}
     nloss = len(self.staged.loss_outputs)
     self._loss_vals = [[None] * nloss for _ in range(M)]
-    ls, _ = self.staged.loss_outputs[0]
-    loss_aval = self.staged.stages[ls].jaxpr.jaxpr.outvars[self.staged.loss_outputs[0][1]].aval
-    self._seed = jax.device_put(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.place[ls].replicated)
+    ls, lk = self.staged.loss_outputs[0]
+    loss_aval = self._out_avals[ls][lk]
+    self._seed = transfer(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.place[ls].replicated)
     t0 = time.perf_counter()
     self._prepare(params, data)
-    self._acc = [z() for z in self._zeros]
+    self._acc = [z() if loc else None for z, loc in zip(self._zeros, self.local)]
     events: list[TimelineEvent] = []
     if measure:
       self._run_threaded(events, t0)
     else:
-      self._run_async(events, t0)
+      for a in self.order:
+        t = time.perf_counter()
+        self._run_action(a)
+        events.append(TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0))
     grads = self._gather_grads(params)
     outs = []
     chunks = next(iter(self._batch_chunks.values()), None)
     mb = None if chunks is None else chunks[0].shape[0]
-    for li in range(nloss):
+    for li, (ls, lk) in enumerate(self.staged.loss_outputs):
+      if not self.local[ls]:
+        aval = self._out_avals[ls][lk]
+        if li > 0 and aval.ndim >= 1 and aval.shape[0] == mb:
+          aval = aval.update(shape=(mb * M,) + aval.shape[1:])
+        outs.append(self._remote(aval, ls))
+        continue
       vals = [self._loss_vals[m][li] for m in range(M)]
       v0 = vals[0]
       if li > 0 and getattr(v0, "ndim", 0) >= 1 and mb is not None and v0.shape[0] == mb:
@@ -241,26 +326,6 @@ class PipelineRunner:
         outs.append(_mean(vals) if jnp.issubdtype(v0.dtype, jnp.inexact) else vals[-1])
     self.last_timeline = Timeline(events, time.perf_counter() - t0, measure)
     return outs, grads
-
-  def _run_async(self, events, t0):
-    lanes = self.schedule.lanes
-    pos = [0] * len(lanes)
-    remaining = sum(len(l) for l in lanes)
-    while remaining:
-      progressed = False
-      for s, lane in enumerate(lanes):
-        while pos[s] < len(lane) and self._ready(lane[pos[s]]):
-          a = lane[pos[s]]
-          t = time.perf_counter()
-          self._run_action(a)
-          events.append(TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0))
-          pos[s] += 1
-          remaining -= 1
-          progressed = True
-      if not progressed:
-        stuck = [str(l[p]) for l, p in zip(lanes, pos) if p < len(l)]
-        raise ScheduleError(f"pipeline deadlock: no stage can proceed; next actions {stuck}\n"
-                            f"{self.schedule.grid()}")
 
   def _run_threaded(self, events, t0):
     cond = threading.Condition()
@@ -308,17 +373,20 @@ class PipelineRunner:
     grads = [None] * len(params)
     for s, st in enumerate(self.staged.stages):
       k = 0
-      for r in st.inputs:
+      for j, r in enumerate(st.inputs):
         if r.kind != "param":
           continue
-        g = self._acc[s][k]
+        g = self._acc[s][k] if self.local[s] else self._remote(self._in_avals[s][j], s)
         k += 1
         owner = self.staged.param_owner[r.index]
         if owner != s:
-          g = jax.device_put(g, self.place[owner].replicated)
-        grads[r.index] = g if grads[r.index] is None else _add(grads[r.index], g)
+          g = transfer(g, self.place[owner].replicated)
+        if grads[r.index] is None:
+          grads[r.index] = g
+        elif self.local[owner]:
+          grads[r.index] = _add(grads[r.index], g)
     for i, x in enumerate(params):
-      if grads[i] is None and self.staged.param_owner[i] >= 0:  # a parameter the loss never reads
-        grads[i] = jax.device_put(np.zeros(np.shape(x), x.dtype),
-                                  self.place[self.staged.param_owner[i]].replicated)
+      owner = self.staged.param_owner[i]
+      if grads[i] is None and owner >= 0:  # a parameter the loss never reads
+        grads[i] = transfer(np.zeros(np.shape(x), x.dtype), self.place[owner].replicated)
     return grads

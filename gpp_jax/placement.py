@@ -48,10 +48,31 @@ class StagePlacement:
     return self.replicated
 
   def put(self, x):
-    return jax.device_put(x, self.for_array(x))
+    return transfer(x, self.for_array(x))
 
   def __str__(self) -> str:
     return ", ".join(str(d) for d in self.devices)
+
+
+def _is_remote(x) -> bool:
+  return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def transfer(x, sharding: jax.sharding.Sharding):
+  """``jax.device_put(x, sharding)``, also between processes.
+
+  In a multi-process run every process calls this for every transfer, in the same order:
+  source and destination local is a local copy; a local source and a remote destination is the
+  send and a remote source with a local destination the receive of JAX's cross-host transfer;
+  when neither end is local, nothing moves and a placeholder stands for the result.
+  """
+  if jax.process_count() > 1 and not any(d.process_index == jax.process_index()
+                                         for d in sharding.device_set):
+    if _is_remote(x) or not isinstance(x, jax.Array):
+      aval = jax.typeof(x) if isinstance(x, jax.Array) else jax.typeof(np.asarray(x))
+      return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [],
+                                                      dtype=aval.dtype)
+  return jax.device_put(x, sharding)
 
 
 def stage_placements(device_groups: Sequence[Sequence[Any]], microbatch_size: int) -> list[StagePlacement]:

@@ -142,11 +142,23 @@ def validate_schedule(sched: Schedule) -> None:
       if last[k] != M - 1:
         missing = Action(k, s, last[k] + 1)
         raise ScheduleError(f"schedule incomplete: stage {s} never runs {missing}\n{sched.grid()}")
-  # Deadlock check: run the lanes in order, each action waiting for its dependencies.
+  dispatch_order(sched)
+
+
+def dispatch_order(sched: Schedule) -> list[Action]:
+  """The order in which a single thread issues the actions: round-robin over the lanes, each
+  lane advancing while its next action's dependencies have been issued.
+
+  The order is a pure function of the schedule, so every process of a multi-process run issues
+  the same actions (and the same transfers) in the same order. Raises ScheduleError, with the
+  grid and the blocked action marked, if the lanes deadlock.
+  """
+  g = sched.stage_graph()
   done: set[Action] = set()
+  order: list[Action] = []
   pos = [0] * sched.num_stages
   total = sum(len(l) for l in sched.lanes)
-  while len(done) < total:
+  while len(order) < total:
     progressed = False
     for s, lane in enumerate(sched.lanes):
       while pos[s] < len(lane):
@@ -154,6 +166,7 @@ def validate_schedule(sched: Schedule) -> None:
         deps = list(dependencies(a, g)) if a.kind != "UPDATE" else []
         if all(d in done for d in deps):
           done.add(a)
+          order.append(a)
           pos[s] += 1
           progressed = True
         else:
@@ -163,6 +176,7 @@ def validate_schedule(sched: Schedule) -> None:
       waits = "; ".join(f"{a} waits for {[str(d) for d in dependencies(a, g) if d not in done]}"
                         for a in blocked)
       raise ScheduleError(f"schedule deadlocks: {waits}\n{sched.grid(mark=blocked[0])}")
+  return order
 
 
 def _fail(sched: Schedule, a: Action, msg: str):

@@ -1,0 +1,96 @@
+"""One process of a 2-process pipelined run (started by tests/test_multiprocess.py).
+
+Stages alternate between the processes (l0 on process 0, l1 on 1, l2 on 0, l3 on 1, plus a skip
+l0 -> l3), so activations cross the process boundary in both directions. Each process checks
+the values it holds against a one-device reference it computes itself.
+
+  mode "check": 3 steps, prints RESULT and exits 0 iff everything is within 1e-5.
+  mode "kill":  steps until killed from outside; exits 3 with the error message when a step
+                fails (the peer died).
+"""
+import os
+import sys
+
+from gpp_jax import distributed
+
+distributed.initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+import gpp_jax  # noqa: E402
+
+
+def dense(key, a, b):
+  return {"w": jax.random.normal(key, (a, b)) / np.sqrt(a), "b": 0.1 * jnp.ones(b)}
+
+
+def model(p, x):
+  h0 = jnp.tanh(x @ p["l0"]["w"] + p["l0"]["b"])
+  h1 = jnp.tanh(h0 @ p["l1"]["w"] + p["l1"]["b"])
+  h2 = jnp.tanh(h1 @ p["l2"]["w"] + p["l2"]["b"])
+  return (h2 + h0) @ p["l3"]["w"] + p["l3"]["b"]
+
+
+tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+
+
+def step(params, opt_state, batch):
+  def loss_fn(p):
+    return jnp.mean((model(p, batch["x"]) - batch["y"]) ** 2)
+  loss, grads = gpp_jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def main():
+  mode = sys.argv[1]
+  timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
+  ks = jax.random.split(jax.random.key(0), 4)
+  with jax.default_device(jax.local_devices()[0]):
+    params = {"l0": dense(ks[0], 6, 8), "l1": dense(ks[1], 8, 8), "l2": dense(ks[2], 8, 8),
+              "l3": dense(ks[3], 8, 3)}
+    params = jax.tree.map(np.asarray, params)
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(16, 6)).astype(np.float32),
+           "y": rng.normal(size=(16, 3)).astype(np.float32)}
+  plan = gpp_jax.manual_plan({"l0": 0, "l1": 1, "l2": 2, "l3": 3},
+                             devices={0: 0, 1: 4, 2: 1, 3: 5})
+  pp = gpp_jax.graph_pipeline(step, num_microbatches=4, planner=plan, timeout_s=timeout)
+  p, o = params, tx.init(params)
+  if mode == "kill":
+    i = 0
+    try:
+      while True:
+        p, o, loss = pp(p, o, batch)
+        print(f"STEP {i}", flush=True)
+        i += 1
+    except gpp_jax.GppError as e:
+      print(f"FAILED: {e}", flush=True)
+      os._exit(3)
+  dev0 = jax.local_devices()[0]
+  ref = jax.jit(step)
+  rp, ro = jax.device_put((params, tx.init(params)), dev0)
+  rb = jax.device_put(batch, dev0)
+  for _ in range(3):
+    p, o, loss = pp(p, o, batch)
+    rp, ro, rloss = ref(rp, ro, rb)
+  diffs, checked = [], 0
+  for a, b in zip(jax.tree.leaves((p, o, loss)), jax.tree.leaves((rp, ro, rloss))):
+    if a.is_fully_addressable:
+      diffs.append(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
+      checked += 1
+  ok = checked > 0 and max(diffs) <= 1e-5
+  print(f"RESULT process={jax.process_index()} checked={checked} maxdiff={max(diffs):.3g} "
+        f"edges={sorted(pp.plan.edges)}", flush=True)
+  sys.stdout.flush()
+  # Let every process finish its receives before any exits (os._exit skips JAX's shutdown).
+  multihost_utils.sync_global_devices("gpp-worker-done")
+  os._exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+  main()
