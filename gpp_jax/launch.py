@@ -26,6 +26,7 @@ flags.DEFINE_integer("num_processes", 2, "processes to start")
 flags.DEFINE_integer("devices_per_process", 4, "forced CPU devices per process")
 flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0: pick a free one)")
 flags.DEFINE_float("grace_s", 10.0, "after one process fails, seconds before the others are killed")
+flags.DEFINE_bool("pin_cores", False, "pin process i to core i (modulo the cores available)")
 
 
 def free_port() -> int:
@@ -35,8 +36,12 @@ def free_port() -> int:
 
 
 def launch(command: list[str], num_processes: int, devices_per_process: int, port: int = 0,
-           grace_s: float = 10.0, env: dict | None = None) -> int:
-  """Runs ``command`` in ``num_processes`` processes; returns the first non-zero exit code."""
+           grace_s: float = 10.0, env: dict | None = None, pin_cores: bool = False) -> int:
+  """Runs ``command`` in ``num_processes`` processes; returns the first non-zero exit code.
+
+  With ``pin_cores`` process i runs on core ``i % cores`` only.
+  """
+  cores = sorted(os.sched_getaffinity(0))
   port = port or free_port()
   procs = []
   for i in range(num_processes):
@@ -44,8 +49,9 @@ def launch(command: list[str], num_processes: int, devices_per_process: int, por
     e.update({dist.ENV_COORDINATOR: f"127.0.0.1:{port}", dist.ENV_NUM_PROCESSES: str(num_processes),
               dist.ENV_PROCESS_ID: str(i), dist.ENV_LOCAL_DEVICES: str(devices_per_process),
               dist.ENV_TRANSFER_ADDRESS: f"127.0.0.1:{free_port()}", "PYTHONUNBUFFERED": "1"})
+    pin = (lambda c=cores[i % len(cores)]: os.sched_setaffinity(0, {c})) if pin_cores else None
     procs.append(subprocess.Popen(command, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True))
+                                  text=True, preexec_fn=pin))
 
   def pump(i, p):
     for line in p.stdout:
@@ -82,7 +88,8 @@ def main(argv):
     command = [sys.executable, "-m", "gpp_jax.train", *rest]
   else:
     command = [sys.executable if rest[0] == "python" else rest[0], *rest[1:]]
-  sys.exit(launch(command, FLAGS.num_processes, FLAGS.devices_per_process, FLAGS.port, FLAGS.grace_s))
+  sys.exit(launch(command, FLAGS.num_processes, FLAGS.devices_per_process, FLAGS.port,
+                    FLAGS.grace_s, pin_cores=FLAGS.pin_cores))
 
 
 if __name__ == "__main__":
