@@ -15,6 +15,7 @@ from gpp_jax.capture_step import functionalize, recording, value_and_grad_p
 from gpp_jax.driver import BATCH, BROADCAST, KEY, PipelineRunner, _is_key, placeholder, wait_for
 from gpp_jax.errors import BatchError, CaptureError, PlanError
 from gpp_jax.manual import ManualPlan
+from gpp_jax.passes.calibrate import calibrate_layers
 from gpp_jax.passes.capture import inline_calls
 from gpp_jax.passes.layering import layer_program
 from gpp_jax.passes.partition import get_planner
@@ -43,7 +44,8 @@ class GraphPipeline:
                planner: str | Plan | ManualPlan | Callable = "balanced", schedule: str = "1f1b",
                batch_argnums: int | Sequence[int] | None = None, remat: bool = False,
                layer_depth: int | None = None, cluster: Any = None, measure: bool = False,
-               planner_options: dict | None = None, timeout_s: float = 300.0):
+               planner_options: dict | None = None, timeout_s: float = 300.0,
+               calibrate: bool = False):
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     self.fn = fn
@@ -58,6 +60,7 @@ class GraphPipeline:
     self.measure = measure
     self.planner_options = dict(planner_options or {})
     self.timeout_s = float(timeout_s)
+    self.calibrate = calibrate
     self._compiled: dict[Any, Compiled] = {}
     self._last: Compiled | None = None
     functools.update_wrapper(self, fn)
@@ -191,7 +194,11 @@ class GraphPipeline:
     layering = layer_program(loss, rec.param_paths + [None] * (len(roles) - nparam),
                              batch_size=mb, layer_depth=self.layer_depth,
                              name=getattr(self.fn, "__name__", "step"))
-    plan = self._make_plan(layering.graph, B)
+    graph = layering.graph
+    if self.calibrate:
+      graph = calibrate_layers(loss, layering.eqn_layer, layering.param_layer, graph,
+                               self.devices[0])
+    plan = self._make_plan(graph, B)
     placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
     sched = make_schedule(plan.schedule, plan.num_stages, plan.edges, M)
@@ -203,7 +210,7 @@ class GraphPipeline:
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
     logging.info("graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
                  plan.num_stages, plan.depth(), M, mb, len(pieces))
-    return Compiled(out_tree=pure.out_tree[-1], plan=plan, layer_graph=layering.graph, layering=layering, schedule=sched,
+    return Compiled(out_tree=pure.out_tree[-1], plan=plan, layer_graph=graph, layering=layering, schedule=sched,
                     staged=staged, runner=runner, prog=prog, pieces=pieces,
                     nbefore=len(prog.before), placements=placements, batch_size=B)
 
@@ -316,6 +323,8 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
     cluster: the Cluster description planners use (default: the device count).
     measure: run each stage in its own thread, blocking per action, to record a measured
       timeline (slower; single process only).
+    calibrate: time every layer's forward and backward on the first device before planning,
+      so cost-model planners see measured layer times instead of the roofline estimate.
     timeout_s: in a multi-process run, a step that has not finished after this many seconds
       (a peer process died or stalls) raises ``GppError`` instead of hanging.
   """

@@ -103,3 +103,17 @@ def test_balanced_plan_balances_flops():
       lg.add_edge(g, f"l{i - 1}", f"l{i}", 1)
   plan = balanced_plan(g, 3)
   assert [s.layers for s in plan.stages] == [("l0", "l1", "l2", "l3"), ("l4",), ("l5",)]
+
+
+def test_calibration_times_every_layer():
+  from gpp_jax.passes.calibrate import calibrate_layers
+
+  def f(p, x):
+    return jnp.mean(jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"]))
+
+  p = {"a": jnp.ones((5, 64)), "b": jnp.ones((64, 3))}
+  closed, L = _layered(f, p, jnp.ones((32, 5)))
+  g = calibrate_layers(closed, L.eqn_layer, L.param_layer, L.graph, jax.devices()[0], repeats=2)
+  for n in g:
+    assert g.nodes[n]["time_f"] > 0 and g.nodes[n]["time_b"] > 0
+  assert "time_f" not in L.graph.nodes["a"]  # the input graph is left as it was
