@@ -119,7 +119,8 @@ class GraphPipeline:
         raise ValueError(f"batch_argnums {self.batch_argnums} out of range for {len(args)} arguments")
     return tuple(a % len(args) for a in self.batch_argnums)
 
-  def _build(self, args, pure, leaves) -> Compiled:
+  def _capture(self, args, pure, leaves) -> Compiled:
+    """Traces the step and layers its loss (no planning, no compilation)."""
     M = self.num_microbatches
     bpos = self._batch_positions(args)
     # Flat indices of batch leaves: graph state first, then the other arguments in order.
@@ -194,6 +195,21 @@ class GraphPipeline:
     layering = layer_program(loss, rec.param_paths + [None] * (len(roles) - nparam),
                              batch_size=mb, layer_depth=self.layer_depth,
                              name=getattr(self.fn, "__name__", "step"))
+    return Compiled(out_tree=pure.out_tree[-1], step=step, marker_index=mk, loss=loss,
+                    layering=layering, roles=roles, nparam=nparam, batch_size=B,
+                    microbatch_size=mb)
+
+  def layer_graph_for(self, *args):
+    """Traces the step for these arguments and returns its LayerGraph, without planning."""
+    pure, leaves = functionalize(self.fn, args)
+    return self._capture(args, pure, leaves).layering.graph
+
+  def _build(self, args, pure, leaves) -> Compiled:
+    c = self._capture(args, pure, leaves)
+    M, B, mb, loss, layering = (self.num_microbatches, c.batch_size, c.microbatch_size, c.loss,
+                                c.layering)
+    step, mk, roles, nparam = c.step, c.marker_index, c.roles, c.nparam
+    marker = step.jaxpr.eqns[mk]
     graph = layering.graph
     if self.calibrate:
       graph = calibrate_layers(loss, layering.eqn_layer, layering.param_layer, graph,
@@ -210,8 +226,8 @@ class GraphPipeline:
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
     logging.info("graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
                  plan.num_stages, plan.depth(), M, mb, len(pieces))
-    return Compiled(out_tree=pure.out_tree[-1], plan=plan, layer_graph=graph, layering=layering, schedule=sched,
-                    staged=staged, runner=runner, prog=prog, pieces=pieces,
+    return Compiled(out_tree=c.out_tree, plan=plan, layer_graph=graph, layering=layering,
+                    schedule=sched, staged=staged, runner=runner, prog=prog, pieces=pieces,
                     nbefore=len(prog.before), placements=placements, batch_size=B)
 
   def _make_plan(self, graph, batch_size) -> Plan:
