@@ -58,34 +58,6 @@ def _setup_distributed():
     distributed.initialize(transfer_address=FLAGS.transfer_address)
 
 
-def build(model_name, preset, seed, learning_rate, clip_norm):
-  """Model, optimizer, step function and batches for a zoo model."""
-  import jax
-  import numpy as np
-  import optax
-  from flax import nnx
-  import gpp_jax
-  from gpp_jax.models.registry import get_model
-
-  spec = get_model(model_name)
-  config = spec.preset(preset)
-  model = spec.make_model(config, nnx.Rngs(seed))
-  chain = [optax.clip_by_global_norm(clip_norm)] if clip_norm > 0 else []
-  tx = optax.chain(*chain, optax.adamw(learning_rate))
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  def train_step(model, optimizer, batch):
-    loss, grads = gpp_jax.value_and_grad(lambda m: spec.loss_fn(m, batch))(model)
-    optimizer.update(model, grads)
-    return loss
-
-  def batches(batch_size, count):
-    keys = jax.random.split(jax.random.key(seed + 1), count)
-    return [jax.tree.map(np.asarray, spec.synthetic_batch(config, batch_size, k)) for k in keys]
-
-  return spec, config, model, optimizer, train_step, batches
-
-
 def write_stage_graph(plan, layer_graph, path_dot):
   lines = ["digraph stages {", "  rankdir=LR; node [shape=box, fontname=Helvetica];"]
   for s in plan.stages:
@@ -109,16 +81,17 @@ def main(argv):
   import jax
   import gpp_jax
   from gpp_jax import layer_graph as lg
-  from gpp_jax import reporting
+  from gpp_jax import reporting, zoo
 
   devices = jax.devices()
   if FLAGS.num_devices > len(devices):
     raise app.UsageError(f"--num_devices={FLAGS.num_devices} but only {len(devices)} devices; "
                          "set XLA_FLAGS=--xla_force_host_platform_device_count=N for CPU")
   devices = devices[:FLAGS.num_devices]
-  spec, config, model, optimizer, train_step, batches = build(
-      FLAGS.model, FLAGS.preset, FLAGS.seed, FLAGS.learning_rate, FLAGS.clip_norm)
-  data = batches(FLAGS.batch_size, FLAGS.num_batches)
+  run = zoo.setup(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, learning_rate=FLAGS.learning_rate,
+                  clip_norm=FLAGS.clip_norm)
+  model, optimizer, train_step = run.model, run.optimizer, run.train_step
+  data = run.batches(FLAGS.batch_size, FLAGS.num_batches)
   cluster = reporting.make_cluster(FLAGS.cluster, len(devices))
   pp = gpp_jax.graph_pipeline(train_step, num_microbatches=FLAGS.num_microbatches,
                               devices=devices, planner=FLAGS.planner, schedule=FLAGS.schedule,
