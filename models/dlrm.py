@@ -224,7 +224,8 @@ def loss_fn(model: DLRM, batch: dict[str, jax.Array], dropout_key: Key = None) -
 
 def synthetic_batch(config: DLRMConfig, batch_size: int,
                     key: jax.Array) -> dict[str, jax.Array]:
-  """Log-normal-ish dense features, uniform ids per table, Bernoulli(0.5) labels."""
+  """Non-negative dense features (log1p of |3 N(0,1)|, like log-transformed counts),
+  uniform ids per table, Bernoulli(0.5) click labels."""
   nd, ns = config.num_dense_branches, config.num_sparse_branches
   keys = jax.random.split(key, nd + ns + 1)
   batch = {}
