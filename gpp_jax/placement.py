@@ -66,6 +66,8 @@ def transfer(x, sharding: jax.sharding.Sharding):
   send and a remote source with a local destination the receive of JAX's cross-host transfer;
   when neither end is local, nothing moves and a placeholder stands for the result.
   """
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x  # already there: the common case for state and parameters between steps
   if jax.process_count() > 1 and not any(d.process_index == jax.process_index()
                                          for d in sharding.device_set):
     if _is_remote(x) or not isinstance(x, jax.Array):
