@@ -6,8 +6,10 @@ Time of one layer for a micro-batch of ``s`` samples on one device:
   ``batch_size`` B on one device: ``time_f * (s / B) * eff(B) / eff(s)``, where ``eff`` is the
   device's micro-batch efficiency curve (so a small micro-batch is relatively slower);
 * otherwise the roofline ``max(flops(s) / (peak * eff(s)), bytes(s) / bandwidth)``, where
-  ``flops(s) = flops * s / B`` and ``bytes(s) = param_bytes + (bytes - param_bytes) * s / B``
-  (parameters are read once per micro-batch whatever its size; the rest scales with s);
+  ``flops(s) = flops * s / B`` and ``bytes(s) = W + (bytes - W) * s / B`` with W the parameter
+  bytes read once per micro-batch whatever its size: the layer's ``param_read_bytes`` if set,
+  else ``param_bytes`` when ``bytes >= param_bytes`` (a dense layer reads all its weights),
+  else 0 (a sparse gather such as an embedding bag reads a few rows);
 * plus the device's fixed ``kernel_overhead`` per layer and pass.
 
 Backward is ``time_b`` scaled the same way when measured, else ``backward_factor`` (2) times
@@ -116,7 +118,7 @@ def _layer_times(cm: CostModel, costs: "LayerCosts", device: DeviceSpec, samples
   B = costs.batch_size
   eff = device.efficiency_at(samples)
   flops = costs.flops_ps * samples
-  nbytes = costs.param_bytes + costs.act_bytes_ps * samples
+  nbytes = costs.param_read_bytes + costs.act_bytes_ps * samples
   roof = np.maximum(flops / (device.peak_flops * eff), nbytes / device.memory_bandwidth)
   scale = samples * device.efficiency_at(B) / eff
   tf = np.where(np.isnan(costs.time_f_ps), roof, costs.time_f_ps * scale)
@@ -138,9 +140,10 @@ class LayerCosts:
   Attributes:
     layers: layer names in ``topo_layers`` order; ``index`` maps name -> position.
     batch_size: the graph's batch size (what measured times were taken at).
-    flops_ps, act_bytes_ps, saved_ps: forward FLOPs, non-parameter bytes moved, and saved
-      activation bytes, per sample.
+    flops_ps, act_bytes_ps, saved_ps: forward FLOPs, bytes moved that scale with the
+      micro-batch, and saved activation bytes, per sample.
     param_bytes: parameter bytes per layer.
+    param_read_bytes: parameter bytes each forward reads whatever the micro-batch size.
     time_f_ps, time_b_ps: measured seconds per sample at ``batch_size`` (NaN if not measured).
     edges: (u, v, bytes per sample) with u, v positions.
   """
@@ -150,6 +153,7 @@ class LayerCosts:
   flops_ps: np.ndarray
   act_bytes_ps: np.ndarray
   param_bytes: np.ndarray
+  param_read_bytes: np.ndarray
   saved_ps: np.ndarray
   time_f_ps: np.ndarray
   time_b_ps: np.ndarray
@@ -169,11 +173,16 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
   arr = lambda f: np.array([f(d) for d in nd], dtype=float)
   tf = arr(lambda d: d["time_f"] / B if d.get("time_f") is not None else math.nan)
   tb = arr(lambda d: d["time_b"] / B if d.get("time_b") is not None else math.nan)
+  def fixed(d):
+    if d.get("param_read_bytes") is not None:
+      return float(d["param_read_bytes"])
+    return d["param_bytes"] if d["bytes"] >= d["param_bytes"] else 0.0
+  W = arr(fixed)
   return LayerCosts(
       layers=layers, index=index, batch_size=int(B),
       flops_ps=arr(lambda d: d["flops"] / B),
-      act_bytes_ps=arr(lambda d: max(d["bytes"] - d["param_bytes"], 0.0) / B),
-      param_bytes=arr(lambda d: d["param_bytes"]),
+      act_bytes_ps=np.maximum(arr(lambda d: d["bytes"]) - W, 0.0) / B,
+      param_bytes=arr(lambda d: d["param_bytes"]), param_read_bytes=W,
       saved_ps=arr(lambda d: d["saved_bytes"] / B),
       time_f_ps=tf, time_b_ps=np.where(np.isnan(tf), math.nan, tb),
       edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)))
