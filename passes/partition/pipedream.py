@@ -11,7 +11,7 @@ priced (synchronous 1F1B: the stage holds one micro-batch per stage from it to t
   A[i, m, s] = min over j > i, d | b, d <= m with memory(i..j-1, d, min(s, M)) <= capacity of
                max(TPS(i..j-1, d), A[j, m - d, s - 1])
 A[0, K, s] is the best bottleneck with s stages. Devices may stay idle (A is made
-non-increasing in m). TPS uses the shared cost model, so PipeDream and GraphPipe are priced
+non-increasing in m); idle devices are then handed out by ``spend_idle_devices``. TPS uses the shared cost model, so PipeDream and GraphPipe are priced
 the same way. The micro-batch size is swept over powers of two dividing the batch; over all
 (micro-batch, s) optima the ones with the best estimate (M + s - 1) * TPS * b are simulated
 and the fastest wins (the same selection rule GraphPipe uses over its depth frontier).
@@ -32,7 +32,7 @@ from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.layer_graph import validate_layer_graph
 from gpp_jax.passes.partition.plan_assembly import (assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error)
+                                                    no_plan_error, spend_idle_devices)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.plan import Plan
 
@@ -141,6 +141,7 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
     best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("pipedream", layer_graph, cluster, B)
+  best = spend_idle_devices(best, layer_graph, cluster, cost_model=cm, costs=costs)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
   return best.replace(predicted=pred)

@@ -37,7 +37,7 @@ from gpp_jax.errors import PlanError
 from gpp_jax.layer_graph import validate_layer_graph
 from gpp_jax.passes.partition.plan_assembly import (assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error)
+                                                    no_plan_error, spend_idle_devices)
 from gpp_jax.plan import Plan
 
 
@@ -180,6 +180,7 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
     best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("piper", layer_graph, cluster, B)
+  best = spend_idle_devices(best, layer_graph, cluster, cost_model=cm, costs=costs)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "downsets": D, "pairs": pairs}
   return best.replace(predicted=pred)
