@@ -21,9 +21,10 @@ The search follows GraphPipe (Jeon et al., ASPLOS'25), Alg. 1 and 2:
    batch (the paper's default configuration: same micro-batch everywhere, synchronous 1F1B).
 
 Extensions beyond the paper's recurrence (each keeps stages convex and the stage graph a DAG):
-  * tail merge: in a series node, a stage may hold some branches of a parallel child together
-    with the series children right after it (the join), the other branches feeding it; without
-    it the join always costs a stage of its own;
+  * head and tail merges: in a series node, a stage may hold some branches of a parallel child
+    together with the series children right before it (the fork; the other branches are fed
+    by the stage) or right after it (the join; the other branches feed the stage); without
+    them the fork and the join always cost a stage of their own;
   * serialised runs: the children [i, n) of a series or parallel node may be solved as one
     sequential pipeline over their layers in SP order (a topological order), i.e. the DP may
     apply the SP-ization rule by choice and add ordering edges between branches. Stages can
@@ -41,8 +42,10 @@ Choices the paper leaves open, made here (see BUILD_NOTES.md):
     cluster (placement is decided after the search);
   * in-flight count of a stage = min(L(s), M), L = longest path to a sink in stages;
   * device counts per stage: any divisor of the micro-batch (``powers_of_two=True``
-    restricts them to powers of two); devices may stay idle when no stage can use them, and
-    the plan reports them in ``predicted["idle_devices"]``;
+    restricts them to powers of two); the DP may leave devices idle once the bottleneck cannot
+    improve, so afterwards ``spend_idle_devices`` hands them to the stages whose data
+    parallelism shortens the simulated iteration most (the same polish PipeDream and Piper
+    get); devices no stage can use stay idle and are listed in ``predicted["idle_devices"]``;
   * stages get contiguous device ranges, kept inside a node where they fit
     (``plan_assembly.place_stages``).
 """
@@ -64,7 +67,7 @@ from gpp_jax.layer_graph import validate_layer_graph
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.plan_assembly import (assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error)
+                                                    no_plan_error, spend_idle_devices)
 from gpp_jax.passes.series_parallel import SPNode, sp_decompose
 from gpp_jax.plan import Plan
 
@@ -74,13 +77,27 @@ INF = 1 << 30
 class _Node:
   """An SP tree node with the aggregates the DP needs (layer positions, not names)."""
   __slots__ = ("kind", "children", "layers", "sig", "n", "params", "saved", "incident",
-               "internal", "cross", "child_layers", "to_siblings")
+               "internal", "cross", "child_layers", "to_siblings", "twin")
 
   def __init__(self, sp: SPNode, costs: LayerCosts, incident: np.ndarray,
-               interner: dict, edge_map: dict):
+               interner: dict, edge_map: dict, children: list | None = None):
     self.kind = sp.kind
-    self.children = [_Node(c, costs, incident, interner, edge_map) for c in sp.children]
-    self.layers = [costs.index[l] for l in sp.layers]
+    self.twin = None
+    if children is not None:
+      self.children = children
+    else:
+      self.children = [_Node(c, costs, incident, interner, edge_map) for c in sp.children]
+      if self.kind == "parallel":
+        # Branch order matters: runs of adjacent branches can share a stage and merges take a
+        # prefix. The DP tries two orders: lightest first (equal branches stay adjacent,
+        # light branches merge with a fork or join) and the topological order (the twin).
+        topo = list(self.children)
+        work = lambda c: float(costs.flops_ps[c.layers].sum() + costs.act_bytes_ps[c.layers].sum())
+        self.children.sort(key=lambda c: (work(c), c.layers[0]))
+        if [id(c) for c in topo] != [id(c) for c in self.children]:
+          self.twin = _Node(sp, costs, incident, interner, edge_map, children=topo)
+    self.layers = [l for c in self.children for l in c.layers] if self.children else \
+        [costs.index[l] for l in sp.layers]
     if self.kind == "leaf":
       i = self.layers[0]
       self.n = 1
@@ -119,7 +136,8 @@ class _Node:
           for p in range(i + 2, n + 1):
             cross[i, p] = cross[i, p - 1] + E[i:p - 1, p - 1].sum()
         cross_sig = tuple(np.round(E[np.nonzero(E)], 6)) + tuple(map(tuple, np.argwhere(E)))
-        # For a parallel child i: bytes from each of its branches to each series child.
+        # For a parallel child i: bytes between each of its branches and each series child
+        # (either direction).
         self.to_siblings = {}
         for i, k in enumerate(kids):
           if k.kind != "parallel":
@@ -127,7 +145,7 @@ class _Node:
           G = np.zeros((k.n, n))
           for br, ls in enumerate(k.child_layers):
             for l in ls:
-              for v, b in edge_map.get(l, ()):
+              for v, b in edge_map.get(l, []) + edge_map.get(("in", l), []):
                 if v in owner and owner[v] != i:
                   G[br, owner[v]] += b
           self.to_siblings[i] = np.cumsum(np.vstack([np.zeros((1, n)), G]), axis=0)
@@ -213,26 +231,27 @@ class _Context:
     self.block_cache[key] = hit
     return hit
 
-  def merged(self, node: _Node, i: int, a: int, p: int):
-    """Like ``block`` for the stage made of branches [0, a) of the parallel child i of series
-    ``node`` together with the series children [i+1, p) that follow it."""
-    key = ("merged", node.sig, i, a, p)
+  def merged(self, node: _Node, ip: int, a: int, lo: int, hi: int):
+    """Like ``block`` for the stage made of branches [0, a) of the parallel child ``ip`` of
+    series ``node`` together with the series children [lo, hi) right after it
+    (lo = ip + 1, a tail merge) or right before it (hi = ip, a head merge)."""
+    key = ("merged", node.sig, ip, a, lo, hi)
     hit = self.block_cache.get(key)
     if hit is not None:
       return hit
-    c = node.children[i]
-    params = float(c.params[a] + node.params[p] - node.params[i + 1])
-    saved = float(c.saved[a] + node.saved[p] - node.saved[i + 1])
-    G = node.to_siblings[i]
-    internal = float(c.internal[a] + node.internal[p] - node.internal[i + 1]
-                     + node.cross[i + 1, p] + G[a, i + 1:p].sum())
-    incident = float(c.incident[a] + node.incident[p] - node.incident[i + 1])
+    c = node.children[ip]
+    params = float(c.params[a] + node.params[hi] - node.params[lo])
+    saved = float(c.saved[a] + node.saved[hi] - node.saved[lo])
+    G = node.to_siblings[ip]
+    internal = float(c.internal[a] + node.internal[hi] - node.internal[lo]
+                     + node.cross[lo, hi] + G[a, lo:hi].sum())
+    incident = float(c.incident[a] + node.incident[hi] - node.incident[lo])
     cut = max(incident - 2 * internal, 0.0)
     comm = 0.0 if cut <= 1e-12 else 2 * self.p2p_alpha + cut * self.b / self.p2p_beta
     tps, bound = [], []
     for d in self.dps:
-      compute = float(self.child_times(c, d)[a] + self.child_times(node, d)[p]
-                      - self.child_times(node, d)[i + 1])
+      compute = float(self.child_times(c, d)[a] + self.child_times(node, d)[hi]
+                      - self.child_times(node, d)[lo])
       upd = self.upd(params, d) / self.B
       tps.append(self.cm.combine(compute, comm) / self.b + upd)
       bound.append(compute / self.b + upd)
@@ -304,6 +323,10 @@ class _Search:
       val = (self.S(node, 0, k, D), None)
     else:
       val = (self.P(node, 0, k, D), None)
+      if node.twin is not None:
+        e = self.P(node.twin, 0, k, D)
+        if e < val[0]:
+          val = (e, ("twin",))
     self.memo_r[key] = val
     return val[0]
 
@@ -336,12 +359,51 @@ class _Search:
       e, ch = self.tail_merge(node, i, k, D)
       if e < best:
         best, choice = e, ch
+    e, ch = self.head_merge(node, i, k, D)
+    if e < best:
+      best, choice = e, ch
     if self.serialise and i + 1 < node.n and any(c.kind != "leaf" for c in node.children[i:]):
       e = self.serial(node, i, k, D)
       if e < best:
         best, choice = e, ("serial",)
     self.memo_s[key] = (best, choice)
     return best
+
+  def head_merge(self, node: _Node, i: int, k: int, D: int):
+    """Stages where the series children [i, p) share a stage T with branches [0, a) of the
+    parallel child p right after them; the other branches [a, m) are fed by T and solved as a
+    parallel sub-problem in the context of the series children after p."""
+    ctx = self.ctx
+    best, choice = INF, None
+    for p in range(i + 1, node.n):
+      if self.block_too_slow(node, i, p, k):
+        break
+      c = node.children[p]
+      if c.kind != "parallel":
+        continue
+      for a in range(1, c.n):
+        tps, bound, params, saved = ctx.merged(node, p, a, i, p)
+        if ctx.n_dps[k] == 0 or bound[ctx.n_dps[k] - 1] > self.t:
+          break
+        for k3 in (range(0, k) if p + 1 < node.n else (0,)):
+          rest = self.S(node, p + 1, k3, D)
+          if rest >= INF:
+            continue
+          for j, d in enumerate(ctx.dps):
+            if d > k - k3 - 1:
+              break
+            if tps[j] > self.t:
+              continue
+            e = self.P(c, a, k - k3 - d, rest)
+            if e >= INF:
+              break
+            depth = max(e, rest) + 1
+            if ctx.mem(params, saved, d, depth) > ctx.cluster.memory_per_device:
+              continue
+            if depth < best:
+              best, choice = depth, ("head", p, a, k3, d)
+            break
+    return best, choice
 
   def tail_merge(self, node: _Node, i: int, k: int, D: int):
     """Stages where branches [0, a) of the parallel child i share a stage T with the series
@@ -354,7 +416,7 @@ class _Search:
       if self.block_too_slow(node, i + 1, p, k):
         break
       for a in range(1, c.n):
-        tps, bound, params, saved = ctx.merged(node, i, a, p)
+        tps, bound, params, saved = ctx.merged(node, i, a, i + 1, p)
         if ctx.n_dps[k] == 0 or bound[ctx.n_dps[k] - 1] > self.t:
           break
         for k3 in (range(0, k) if p < node.n else (0,)):
@@ -480,6 +542,8 @@ class _Search:
       return [(node.layers, self.memo_r[(node.sig, k, D)][1][2])]
     if node.kind == "series":
       return self._series(node, 0, k, D)
+    if self.memo_r[(node.sig, k, D)][1] == ("twin",):
+      return self._parallel(node.twin, 0, k, D)
     return self._parallel(node, 0, k, D)
 
   def _series(self, node: _Node, i: int, k: int, D: int):
@@ -491,6 +555,13 @@ class _Search:
       return [(node.block_layers(i, p), d)] + self._series(node, p, k - d, D)
     if choice[0] == "serial":
       return self._chain_stages(node, i, k, D)
+    if choice[0] == "head":
+      _, p, a, k3, d = choice
+      c = node.children[p]
+      rest = self.S(node, p + 1, k3, D)
+      stage = node.block_layers(i, p) + [l for ls in c.child_layers[:a] for l in ls]
+      return ([(stage, d)] + self._parallel(c, a, k - k3 - d, rest)
+              + self._series(node, p + 1, k3, D))
     if choice[0] == "tail":
       _, p, a, k3, d = choice
       c = node.children[i]
@@ -588,7 +659,8 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
                    batch_size: int | None = None, *, num_microbatches: int | None = None,
                    cost_model: CostModel | None = None, schedule: str = "1f1b",
                    powers_of_two: bool = False, max_microbatches: int | None = None,
-                   eps: float = 2e-3, simulate_top: int = 4, prune: float = 1.25) -> Plan:
+                   eps: float = 2e-3, simulate_top: int = 4, prune: float = 1.25,
+                   polish_top: int = 3) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 
   Args:
@@ -605,6 +677,7 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       simulated.
     prune: skip a micro-batch size when B * t* exceeds ``prune`` times the best simulated
       iteration time so far (t* its smallest feasible TPS).
+    polish_top: how many of the fastest simulated plans get their idle devices handed out.
   """
   t0 = time.perf_counter()
   validate_layer_graph(layer_graph)
@@ -614,11 +687,12 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
   costs = layer_costs(layer_graph)
   sp = sp_decompose(layer_graph)
   incident = np.zeros(len(costs))
-  edge_map: dict[int, list[tuple[int, float]]] = {}
+  edge_map: dict = {}          # u -> [(v, bytes)]; ("in", v) -> [(u, bytes)]
   for u, v, b in costs.edges:
     incident[u] += b
     incident[v] += b
     edge_map.setdefault(u, []).append((v, b))
+    edge_map.setdefault(("in", v), []).append((u, b))
   interner: dict = {}
   old_limit = sys.getrecursionlimit()
   sys.setrecursionlimit(max(old_limit, 20000))
@@ -631,6 +705,7 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
     # clearly slower than the best simulated plan is skipped.
     per_size = []
     best: Plan | None = None
+    evaluated: list[Plan] = []
     seen: set = set()
     n_cands = n_sims = 0
 
@@ -646,6 +721,8 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
           microbatch=b, batch_size=B, planner="graphpipe", schedule=schedule,
           cost_model=cm, costs=costs, info={"tps_target": float(t), "dp_entry_depth": depth})
       best = better(best, plan)
+      if plan.predicted["memory_ok"]:
+        evaluated.append(plan)
 
     for b in sorted(sizes, reverse=True):
       dps = data_parallel_degrees(b, cluster.num_devices, powers_of_two)
@@ -684,6 +761,10 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("graphpipe", layer_graph, cluster, B,
                         "every micro-batch size exceeds device memory")
+  evaluated.sort(key=lambda p: p.predicted["iteration_time"])
+  for plan in evaluated[:polish_top]:
+    best = better(best, spend_idle_devices(plan, layer_graph, cluster, cost_model=cm,
+                                           costs=costs))
   stats = SearchStats(seconds=time.perf_counter() - t0, dp_runs=runs,
                       microbatch_sizes=tuple(sizes), candidates=n_cands, simulated=n_sims,
                       best_tps=float(best_tps))
