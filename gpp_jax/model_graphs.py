@@ -192,3 +192,90 @@ def model_graph(name: str, **shape) -> nx.DiGraph:
     return PRESETS[name](**shape)
   except KeyError:
     raise ValueError(f"unknown model graph {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+def random_dag(seed: int, num_layers: int = 6, edge_prob: float = 0.4,
+               batch_size: int = 8, hidden: int = 512) -> nx.DiGraph:
+  """A random layer DAG with dense-layer-like costs (for tests): layer i may feed any later
+  layer with probability ``edge_prob``; widths vary so layers differ in cost."""
+  import random
+  rng = random.Random(seed)
+  B = batch_size
+  g = new_layer_graph(f"random{seed}", B)
+  for i in range(num_layers):
+    w = hidden * rng.choice((1, 2, 3, 4))
+    params = F32 * w * hidden
+    add_layer(g, f"l{i}", flops=2.0 * w * hidden * B, bytes=params + F32 * (w + hidden) * B,
+              param_bytes=params, act_bytes=F32 * hidden * B, saved_bytes=F32 * (w + hidden) * B)
+  for i in range(num_layers):
+    for j in range(i + 1, num_layers):
+      if rng.random() < edge_prob:
+        add_edge(g, f"l{i}", f"l{j}", g.nodes[f"l{i}"]["act_bytes"])
+  return g
+
+
+def random_sp_dag(seed: int, num_layers: int = 6, batch_size: int = 8,
+                  hidden: int = 512) -> nx.DiGraph:
+  """A random series-parallel layer DAG (for tests): the layers are split recursively into
+  series parts (every sink of a part feeds every source of the next) or parallel parts."""
+  import random
+  rng = random.Random(seed)
+  B = batch_size
+  g = new_layer_graph(f"random_sp{seed}", B)
+  for i in range(num_layers):
+    w = hidden * rng.choice((1, 2, 3, 4))
+    params = F32 * w * hidden
+    add_layer(g, f"l{i}", flops=2.0 * w * hidden * B, bytes=params + F32 * (w + hidden) * B,
+              param_bytes=params, act_bytes=F32 * hidden * B, saved_bytes=F32 * (w + hidden) * B)
+
+  def build(names: list[str]) -> tuple[list[str], list[str]]:
+    """Wires ``names`` into an SP graph; returns its (sources, sinks)."""
+    if len(names) == 1:
+      return names, names
+    cut = rng.randint(1, len(names) - 1)
+    left, right = build(names[:cut]), build(names[cut:])
+    if rng.random() < 0.5:
+      for u in left[1]:
+        for v in right[0]:
+          add_edge(g, u, v, g.nodes[u]["act_bytes"])
+      return left[0], right[1]
+    return left[0] + right[0], left[1] + right[1]
+
+  build([f"l{i}" for i in range(num_layers)])
+  return g
+
+
+def random_branches(seed: int, branches: int = 2, max_branch_layers: int = 2,
+                    batch_size: int = 8, hidden: int = 512, fork: bool | None = None,
+                    join: bool = True, identical: bool = False) -> nx.DiGraph:
+  """A small multi-branch graph (for tests), shaped like the benchmark models: an optional
+  fork layer, ``branches`` chains of 1..max_branch_layers layers with random widths, and a
+  join layer. ``identical``: every branch has the same length and widths (like the towers of
+  CANDLE-Uno or MMT)."""
+  import random
+  rng = random.Random(seed)
+  B = batch_size
+  g = new_layer_graph(f"random_branches{seed}", B)
+  shape = [rng.choice((1, 2, 3, 4)) for _ in range(rng.randint(1, max_branch_layers))]
+
+  def layer(name: str, inputs, width: int | None = None) -> str:
+    w = hidden * (width or rng.choice((1, 2, 3, 4)))
+    params = F32 * w * hidden
+    add_layer(g, name, flops=2.0 * w * hidden * B, bytes=params + F32 * (w + hidden) * B,
+              param_bytes=params, act_bytes=F32 * hidden * B, saved_bytes=F32 * (w + hidden) * B)
+    for src in inputs:
+      add_edge(g, src, name, g.nodes[src]["act_bytes"])
+    return name
+
+  fork = rng.random() < 0.5 if fork is None else fork
+  head = [layer("fork", [])] if fork else []
+  tails = []
+  for br in range(branches):
+    prev = head
+    widths = shape if identical else [None] * rng.randint(1, max_branch_layers)
+    for l, w in enumerate(widths):
+      prev = [layer(f"b{br}.l{l}", prev, w)]
+    tails.extend(prev)
+  if join:
+    layer("join", tails)
+  return g
