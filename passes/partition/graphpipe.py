@@ -34,7 +34,11 @@ Extensions beyond the paper's recurrence (each keeps stages convex and the stage
     reaching that depth (searched only where the estimate (M + depth - 1) * TPS * b can still
     win); the best candidates per micro-batch size are simulated with the plan's schedule and
     the fastest plan within memory wins; a micro-batch size whose bound B * TPS is 25% above
-    the best simulated time is skipped.
+    the best simulated time is skipped;
+  * a no-replication variant: the TPS objective spreads a stage's gradient all-reduce over
+    the iteration although it runs after the stage's last backward, which favours data
+    parallelism; at the two best micro-batch sizes the search is repeated with one device
+    per stage (then polished), so deeper all-pipeline plans compete in the simulator too.
 
 Choices the paper leaves open, made here (see BUILD_NOTES.md):
   * TPS of a stage = combine(compute, transfers) / b + (all-reduce + optimizer) / B, with
@@ -72,6 +76,33 @@ from gpp_jax.passes.series_parallel import SPNode, sp_decompose
 from gpp_jax.plan import Plan
 
 INF = 1 << 30
+
+
+# DP values encode (depth, bottleneck) lexicographically as one float: the integer part is the
+# entry depth (stages from the entry to the sink), the fraction is 0.5 * (largest TPS of the
+# sub-problem's stages) / target, so among strategies of equal depth the more balanced wins.
+def _ser(rest: float, frac: float) -> float:
+  """Value of a stage with TPS fraction ``frac`` in front of a sub-problem worth ``rest``."""
+  if rest >= INF:
+    return INF
+  d = int(rest)
+  return d + 1 + max(rest - d, frac)
+
+
+def _par(a: float, b: float) -> float:
+  """Value of two sub-problems side by side (same context)."""
+  if a >= INF or b >= INF:
+    return INF
+  da, db = int(a), int(b)
+  return max(da, db) + max(a - da, b - db)
+
+
+def _attach(e: float, rest: float) -> float:
+  """Value of a sub-problem solved in the context int(rest), followed by ``rest``."""
+  if e >= INF or rest >= INF:
+    return INF
+  d = int(e)
+  return d + max(e - d, rest - int(rest))
 
 
 class _Node:
@@ -298,10 +329,11 @@ class _Search:
       rest = rest_fn(k - d)
       if rest >= INF:
         return INF, None
-      depth = D + 1 if parallel else rest + 1
+      depth = D + 1 if parallel else int(rest) + 1
       if ctx.mem(params, saved, d, depth) > ctx.cluster.memory_per_device:
         continue
-      return (max(depth, rest) if parallel else depth), d
+      frac = 0.5 * tps[j] / self.t
+      return (_par(D + 1 + frac, rest) if parallel else _ser(rest, frac)), d
     return INF, None
 
   def block_too_slow(self, node: _Node, i: int, p: int, k: int) -> bool:
@@ -352,7 +384,7 @@ class _Search:
         rest = self.S(node, i + 1, k - k1, D)
         if rest >= INF:
           break
-        e = self.R(child, k1, rest)
+        e = _attach(self.R(child, k1, int(rest)), rest)
         if e < best:
           best, choice = e, ("child", k1)
     if child.kind == "parallel" and i + 1 < node.n:
@@ -394,14 +426,15 @@ class _Search:
               break
             if tps[j] > self.t:
               continue
-            e = self.P(c, a, k - k3 - d, rest)
+            e = self.P(c, a, k - k3 - d, int(rest))
             if e >= INF:
               break
-            depth = max(e, rest) + 1
-            if ctx.mem(params, saved, d, depth) > ctx.cluster.memory_per_device:
+            after = _par(e, rest)
+            if ctx.mem(params, saved, d, int(after) + 1) > ctx.cluster.memory_per_device:
               continue
-            if depth < best:
-              best, choice = depth, ("head", p, a, k3, d)
+            v = _ser(after, 0.5 * tps[j] / self.t)
+            if v < best:
+              best, choice = v, ("head", p, a, k3, d)
             break
     return best, choice
 
@@ -423,15 +456,16 @@ class _Search:
           rest = self.S(node, p, k3, D)
           if rest >= INF:
             continue
-          DT = rest + 1
+          DT = int(rest) + 1
           for j, d in enumerate(ctx.dps):
             if d > k - k3 - 1:
               break
             if tps[j] > self.t or ctx.mem(params, saved, d, DT) > ctx.cluster.memory_per_device:
               continue
             e = self.P(c, a, k - k3 - d, DT)
-            if e < INF and max(DT, e) < best:
-              best, choice = max(DT, e), ("tail", p, a, k3, d)
+            v = _par(_ser(rest, 0.5 * tps[j] / self.t), e)
+            if v < best:
+              best, choice = v, ("tail", p, a, k3, d)
             break
     return best, choice
 
@@ -457,9 +491,9 @@ class _Search:
         rest = self.P(node, i + 1, k - k1, D)
         if rest >= INF:
           break
-        e = self.R(child, k1, D)
-        if e < INF and max(e, rest) < best:
-          best, choice = max(e, rest), ("child", k1)
+        e = _par(self.R(child, k1, D), rest)
+        if e < best:
+          best, choice = e, ("child", k1)
     if self.serialise and i + 1 < node.n:
       e = self.serial(node, i, k, D)
       if e < best:
@@ -488,12 +522,17 @@ class _Search:
         hi = j + 1 + int(np.searchsorted(rc.bound(d)[j, j + 1:], self.t, side="right"))
         if hi == j + 1:
           continue
-        fast = rc.tps(d)[j, j + 1:hi] <= self.t
-        depth = f[j + 1:hi, :K + 1 - d] + 1
+        tps = rc.tps(d)[j, j + 1:hi]
+        sub = f[j + 1:hi, :K + 1 - d]
+        fin = np.isfinite(sub)
+        base = np.where(fin, np.floor(np.where(fin, sub, 0.0)), math.inf)
+        depth = base + 1
+        frac = np.where(fin, sub, 0.0) - np.where(fin, base, 0.0)
+        val = depth + np.maximum(frac, 0.5 * tps[:, None] / self.t)
         mem = (ctx.cm.static_memory(rc.params[j, j + 1:hi])[:, None]
                + rc.saved[j, j + 1:hi][:, None] * ctx.b / d * np.minimum(depth, M))
-        ok = fast[:, None] & (mem <= cap)
-        f[j, d:] = np.minimum(f[j, d:], np.where(ok, depth, math.inf).min(axis=0))
+        ok = (tps <= self.t)[:, None] & (mem <= cap) & fin
+        f[j, d:] = np.minimum(f[j, d:], np.where(ok, val, math.inf).min(axis=0))
       f[j] = np.minimum.accumulate(f[j])
     self.memo_chain[key] = f
     return f
@@ -502,7 +541,7 @@ class _Search:
     """Entry depth of serialising children [i, n) of ``node`` into one sequential pipeline."""
     start = sum(len(ls) for ls in node.child_layers[:i])
     v = self.chain(node, D)[start, k]
-    return INF if not math.isfinite(v) else int(v)
+    return INF if not math.isfinite(v) else float(v)
 
   def _chain_stages(self, node: _Node, i: int, k: int, D: int):
     ctx = self.ctx
@@ -519,9 +558,13 @@ class _Search:
         if d > k:
           break
         for j2 in range(j + 1, rc.n + 1):
-          depth = f[j2, k - d] + 1
-          if (depth <= target and rc.tps(d)[j, j2] <= self.t and
-              ctx.mem(float(rc.params[j, j2]), float(rc.saved[j, j2]), d, int(depth))
+          sub = f[j2, k - d]
+          if not math.isfinite(sub):
+            continue
+          t2 = rc.tps(d)[j, j2]
+          val = _ser(float(sub), 0.5 * t2 / self.t)
+          if (val <= target * (1 + 1e-12) and t2 <= self.t and
+              ctx.mem(float(rc.params[j, j2]), float(rc.saved[j, j2]), d, int(sub) + 1)
               <= ctx.cluster.memory_per_device):
             step = (j2, d)
             break
@@ -558,19 +601,19 @@ class _Search:
     if choice[0] == "head":
       _, p, a, k3, d = choice
       c = node.children[p]
-      rest = self.S(node, p + 1, k3, D)
+      rest = int(self.S(node, p + 1, k3, D))
       stage = node.block_layers(i, p) + [l for ls in c.child_layers[:a] for l in ls]
       return ([(stage, d)] + self._parallel(c, a, k - k3 - d, rest)
               + self._series(node, p + 1, k3, D))
     if choice[0] == "tail":
       _, p, a, k3, d = choice
       c = node.children[i]
-      DT = self.S(node, p, k3, D) + 1
+      DT = int(self.S(node, p, k3, D)) + 1
       stage = [l for ls in c.child_layers[:a] for l in ls] + node.block_layers(i + 1, p)
       return ([(stage, d)] + self._parallel(c, a, k - k3 - d, DT)
               + self._series(node, p, k3, D))
     k1 = choice[1]
-    rest = self.S(node, i + 1, k - k1, D)
+    rest = int(self.S(node, i + 1, k - k1, D))
     return self.stages(node.children[i], k1, rest) + self._series(node, i + 1, k - k1, D)
 
   def _parallel(self, node: _Node, i: int, k: int, D: int):
@@ -607,9 +650,11 @@ class _Runner:
     self.ctx, self.root, self.eps, self.runs = ctx, root, eps, 0
 
   def run(self, t: float) -> tuple[_Search, int]:
+    """DP at target t: the search and the entry depth it reaches (INF if infeasible)."""
     self.runs += 1
     s = _Search(self.ctx, t)
-    return s, s.R(self.root, self.ctx.K, 0)
+    v = s.R(self.root, self.ctx.K, 0)
+    return s, INF if v >= INF else int(v)
 
   def bisect(self, lo_t: float, hi_t: float, s_hi: _Search, target: int):
     """Smallest TPS in (lo_t, hi_t] (to ``eps``) whose DP reaches entry depth <= target."""
@@ -637,7 +682,7 @@ class _Runner:
     smallest TPS whose DP reaches depth <= d, searched only up to the TPS at which depth d can
     still beat the best estimate (M + D - 1) * TPS so far."""
     M = self.ctx.M
-    D = s_star.R(self.root, self.ctx.K, 0)
+    D = int(s_star.R(self.root, self.ctx.K, 0))
     out = []
     best_est = (M + D - 1) * t_star
     d = D - 1
@@ -648,7 +693,7 @@ class _Runner:
         d -= 1
         continue
       t_d, s_d = self.bisect(t_star, bound, s, d)
-      depth = s_d.R(self.root, self.ctx.K, 0)
+      depth = int(s_d.R(self.root, self.ctx.K, 0))
       out.append((t_d, depth, s_d))
       best_est = min(best_est, (M + depth - 1) * t_d)
       d = min(d, depth) - 1
@@ -660,7 +705,7 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
                    cost_model: CostModel | None = None, schedule: str = "1f1b",
                    powers_of_two: bool = False, max_microbatches: int | None = None,
                    eps: float = 2e-3, simulate_top: int = 4, prune: float = 1.25,
-                   polish_top: int = 3) -> Plan:
+                   polish_top: int = 3, replication_variant: bool = True) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 
   Args:
@@ -677,7 +722,9 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       simulated.
     prune: skip a micro-batch size when B * t* exceeds ``prune`` times the best simulated
       iteration time so far (t* its smallest feasible TPS).
-    polish_top: how many of the fastest simulated plans get their idle devices handed out.
+    polish_top: how many of the fastest simulated plans get their device counts polished.
+    replication_variant: at the two best micro-batch sizes, also search without data
+      parallelism inside stages.
   """
   t0 = time.perf_counter()
   validate_layer_graph(layer_graph)
@@ -724,15 +771,20 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       if plan.predicted["memory_ok"]:
         evaluated.append(plan)
 
-    for b in sorted(sizes, reverse=True):
-      dps = data_parallel_degrees(b, cluster.num_devices, powers_of_two)
+    def context(b: int, dps: list[int]) -> _Context:
       tsum = {}
       for d in dps:
         tf, tb = cm.layer_times(costs, cluster.device, b / d)
         tsum[d] = tf + tb
-      ctx = _Context(b=b, B=B, M=B // b, K=cluster.num_devices, dps=dps, tsum=tsum,
-                     mem_cap=cluster.memory_per_device, p2p_alpha=link.alpha,
-                     p2p_beta=link.beta, cm=cm, cluster=cluster, costs=costs)
+      return _Context(b=b, B=B, M=B // b, K=cluster.num_devices, dps=dps, tsum=tsum,
+                      mem_cap=cluster.memory_per_device, p2p_alpha=link.alpha,
+                      p2p_beta=link.beta, cm=cm, cluster=cluster, costs=costs)
+
+    extra_runs = 0
+    for b in sorted(sizes, reverse=True):
+      dps = data_parallel_degrees(b, cluster.num_devices, powers_of_two)
+      ctx = context(b, dps)
+      tsum = ctx.tsum
       lo = sum(min(d * tsum[d][l] for d in dps) for l in range(len(costs))) / (ctx.K * b)
       if best is not None and B * lo > prune * best.predicted["iteration_time"]:
         continue
@@ -740,7 +792,7 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       got = runner.min_tps(max(lo, 1e-15))
       if got is not None:
         t_star, s_star = got
-        D = s_star.R(root, ctx.K, 0)
+        D = int(s_star.R(root, ctx.K, 0))
         per_size.append(((ctx.M + D - 1) * t_star * b, b, runner, t_star, s_star))
         consider(b, t_star, D, s_star.stages(root, ctx.K, 0))
     # Phase 2: most promising sizes first; skip a size whose bottleneck alone (B * t*) is
@@ -755,7 +807,32 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       n_cands += len(frontier) + 1
       for t, depth, search in frontier[:simulate_top]:
         consider(b, t, depth, search.stages(root, runner.ctx.K, 0))
-    runs = sum(x[2].runs for x in per_size)
+    # Phase 3: the TPS objective spreads a stage's gradient all-reduce over the iteration,
+    # but it runs after the stage's last backward; at the best micro-batch sizes, also search
+    # without data parallelism (deeper, all-pipeline plans) and let the simulator decide.
+    if replication_variant and cluster.num_devices > 1:
+      top = sorted(evaluated, key=lambda p: p.predicted["iteration_time"])
+      sizes_done = []
+      for plan in top:
+        b = plan.stages[0].microbatch_size
+        if b in sizes_done:
+          continue
+        sizes_done.append(b)
+        if len(sizes_done) > 2:
+          break
+        ctx = context(b, [1])
+        runner = _Runner(ctx, root, eps)
+        lo = float(ctx.tsum[1].sum()) / (ctx.K * b)
+        got = runner.min_tps(max(lo, 1e-15))
+        if got is not None:
+          t_star, s_star = got
+          frontier = [(t_star, int(s_star.R(root, ctx.K, 0)), s_star)]
+          frontier += runner.shallower(t_star, s_star)
+          frontier.sort(key=lambda f: (ctx.M + f[1] - 1) * f[0])
+          for t, depth, search in frontier[:simulate_top]:
+            consider(b, t, depth, search.stages(root, ctx.K, 0))
+        extra_runs += runner.runs
+    runs = sum(x[2].runs for x in per_size) + extra_runs
   finally:
     sys.setrecursionlimit(old_limit)
   if best is None or not best.predicted.get("memory_ok", True):
