@@ -108,7 +108,9 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       straight pipeline (``--straight_pipeline``).
     max_microbatches: skip micro-batch sizes needing more micro-batches than this.
     simulate_top: how many (micro-batch, stage count) optima, ranked by the estimate
-      (M + S - 1) * TPS * b, are simulated; the fastest simulated plan wins.
+      (M + S - 1) * TPS * b, are simulated; at the two best micro-batch sizes every stage
+      count is simulated too, with and without replication; the fastest plan wins after its
+      device counts are polished.
   """
   t0 = time.perf_counter()
   validate_layer_graph(layer_graph)
@@ -118,30 +120,58 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
   costs = layer_costs(layer_graph)
   K = cluster.num_devices
   sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
-  found = []
-  for b in sizes:
+  tables = {}
+
+  def table(b: int, rep: bool):
+    if (b, rep) not in tables:
+      rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
+      tables[(b, rep)] = (rc,) + chain_dp(rc, K, B // b, cluster.memory_per_device, rep)
+    return tables[(b, rep)]
+
+  def candidates(b: int, rep: bool):
+    rc, A, dps = table(b, rep)
     M = B // b
-    rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
-    A, dps = chain_dp(rc, K, M, cluster.memory_per_device, replicate)
-    for s in range(1, A.shape[2]):
-      t = float(A[0, K, s])
-      if math.isfinite(t):
-        found.append(((M + s - 1) * t * b, b, s, t, rc, A, dps))
-  found.sort(key=lambda c: c[:3])
-  best = None
-  for est, b, s, t, rc, A, dps in found[:simulate_top]:
-    M = B // b
-    ranges = chain_reconstruct(rc, A, dps, K, M, cluster.memory_per_device, s)
+    return [((M + s - 1) * float(A[0, K, s]) * b, b, s, rep) for s in range(1, A.shape[2])
+            if math.isfinite(A[0, K, s])]
+
+  evaluated: list[Plan] = []
+  done = set()
+
+  def evaluate(b: int, s: int, rep: bool):
+    if (b, s, rep) in done:
+      return
+    done.add((b, s, rep))
+    rc, A, dps = table(b, rep)
+    ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s)
     stages = [(costs.layers[i:j], d) for i, j, d in ranges]
     plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
                          planner="pipedream", schedule=schedule, keep_order=True,
                          extra_edges=[(k, k + 1) for k in range(len(stages) - 1)],
                          cost_model=cm, costs=costs,
-                         info={"bottleneck_tps": t, "sequential": True})
-    best = better(best, plan)
-  if best is None or not best.predicted.get("memory_ok", True):
+                         info={"bottleneck_tps": float(A[0, K, s]), "sequential": True})
+    if plan.predicted["memory_ok"]:
+      evaluated.append(plan)
+
+  found = sorted(c for b in sizes for c in candidates(b, replicate))
+  for _, b, s, rep in found[:simulate_top]:
+    evaluate(b, s, rep)
+  # At the two best micro-batch sizes, simulate every stage count, with and without
+  # replication: the bottleneck estimate cannot see when the all-reduce or the fill matters.
+  top_sizes = []
+  for plan in sorted(evaluated, key=lambda p: p.predicted["iteration_time"]):
+    if plan.stages[0].microbatch_size not in top_sizes:
+      top_sizes.append(plan.stages[0].microbatch_size)
+  for b in top_sizes[:2]:
+    for rep in {replicate, False}:
+      for _, _, s, r in sorted(candidates(b, rep))[:max(simulate_top, 8)]:
+        evaluate(b, s, r)
+  if not evaluated:
     raise no_plan_error("pipedream", layer_graph, cluster, B)
-  best = spend_idle_devices(best, layer_graph, cluster, cost_model=cm, costs=costs)
+  evaluated.sort(key=lambda p: p.predicted["iteration_time"])
+  best = None
+  for plan in evaluated[:3]:
+    best = better(best, spend_idle_devices(plan, layer_graph, cluster, cost_model=cm,
+                                           costs=costs))
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
   return best.replace(predicted=pred)

@@ -183,38 +183,60 @@ def prediction(res: SimResult, plan: Plan, cluster: Cluster, *, info: dict[str, 
 def spend_idle_devices(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
                        cost_model: CostModel | None = None, costs: LayerCosts | None = None,
                        max_rounds: int = 16) -> Plan:
-  """Plan -> the same partition with idle devices handed to the stages that gain most.
+  """Plan -> the same partition with its device counts improved by local search.
 
   A DP that only asks "does every stage fit under the target time" leaves devices idle once
-  the bottleneck cannot be improved, although faster non-bottleneck stages still shorten the
-  pipeline's fill and drain. Greedily, while devices are idle, raise the data-parallel degree
-  of the one stage (to a larger divisor of its micro-batch) whose simulated iteration time
-  improves most; stop when no change helps.
+  the bottleneck cannot be improved, and it prices a stage's gradient all-reduce as if it
+  were spread over the iteration, although it runs when the stage's last backward ends.
+  Greedily, take the move with the best simulated iteration time among: give idle devices to
+  one stage (a larger divisor of its micro-batch), or shift devices between two stages (both
+  keep divisors of their micro-batch); stop when no move helps.
   """
   costs = costs or layer_costs(layer_graph)
   info = {k: v for k, v in plan.predicted.items()
           if k not in ("iteration_time", "throughput", "stage_memory", "max_memory",
                        "memory_limit", "memory_ok", "bubble", "depth", "cluster",
                        "idle_devices")}
+  K = cluster.num_devices
+
+  def build(counts):
+    return assemble_plan(layer_graph, cluster,
+                         [(t.layers, k) for t, k in zip(plan.stages, counts)],
+                         microbatch=plan.stages[0].microbatch_size or
+                         plan.batch_size // plan.num_microbatches,
+                         batch_size=plan.batch_size, planner=plan.planner,
+                         schedule=plan.schedule, extra_edges=plan.edges, keep_order=True,
+                         cost_model=cost_model, costs=costs, info=info)
+
+  seen = set()
   for _ in range(max_rounds):
-    idle = cluster.num_devices - sum(len(s.devices) for s in plan.stages)
-    if idle <= 0:
-      break
-    best = None
-    for s in plan.stages:
-      mb = s.microbatch_size or (plan.batch_size // plan.num_microbatches)
-      for d in data_parallel_degrees(mb, len(s.devices) + idle):
-        if d <= len(s.devices):
+    counts = [len(s.devices) for s in plan.stages]
+    mb = plan.stages[0].microbatch_size or plan.batch_size // plan.num_microbatches
+    idle = K - sum(counts)
+    ok = data_parallel_degrees(mb, K)
+    moves = []
+    for i in range(len(counts)):
+      for d in ok:
+        if counts[i] < d <= counts[i] + idle:
+          moves.append([d if x == i else c for x, c in enumerate(counts)])
+      for j in range(len(counts)):
+        if i == j:
           continue
-        counts = [d if t.index == s.index else len(t.devices) for t in plan.stages]
-        cand = assemble_plan(layer_graph, cluster,
-                             [(t.layers, k) for t, k in zip(plan.stages, counts)],
-                             microbatch=mb, batch_size=plan.batch_size, planner=plan.planner,
-                             schedule=plan.schedule, extra_edges=plan.edges, keep_order=True,
-                             cost_model=cost_model, costs=costs, info=info)
-        if cand.predicted["memory_ok"] and cand.predicted["iteration_time"] < (
-            best or plan).predicted["iteration_time"] * (1 - 1e-4):
-          best = cand
+        total = counts[i] + counts[j]
+        for d in ok:
+          if d != counts[i] and (total - d) in ok and total - d >= 1:
+            moves.append([d if x == i else total - d if x == j else c
+                          for x, c in enumerate(counts)])
+    best = None
+    for m in moves:
+      key = tuple(m)
+      if key in seen:
+        continue
+      seen.add(key)
+      cand = build(m)
+      if cand.predicted["memory_ok"] and cand.predicted["iteration_time"] < (
+          best or plan).predicted["iteration_time"] * (1 - 1e-4):
+        best = cand
     if best is None:
       break
     plan = best
