@@ -18,7 +18,7 @@ from gpp_jax.cluster import Cluster, as_cluster
 from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.errors import PlanError
 from gpp_jax.layer_graph import topo_layers, validate_layer_graph
-from gpp_jax.passes.partition.plan_assembly import (assemble_plan, better,
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
                                                     no_plan_error)
 from gpp_jax.plan import Plan
@@ -55,7 +55,7 @@ def exhaustive_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = Non
                     batch_size: int | None = None, *, num_microbatches: int | None = None,
                     cost_model: CostModel | None = None, schedule: str = "1f1b",
                     max_layers: int = 8, max_devices: int = 8,
-                    max_microbatches: int | None = None) -> Plan:
+                    max_microbatches: int | None = MAX_MICROBATCHES) -> Plan:
   """Exhaustive search (see the module docstring); for at most ``max_layers`` layers and
   ``max_devices`` devices."""
   t0 = time.perf_counter()

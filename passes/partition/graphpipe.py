@@ -69,7 +69,7 @@ from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, LayerCosts, layer_
 from gpp_jax.errors import PlanError
 from gpp_jax.layer_graph import validate_layer_graph
 from gpp_jax.passes.partition.range_costs import RangeCosts
-from gpp_jax.passes.partition.plan_assembly import (assemble_plan, better,
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
                                                     no_plan_error, spend_idle_devices)
 from gpp_jax.passes.series_parallel import SPNode, sp_decompose
@@ -300,6 +300,18 @@ class _Context:
       self.block_cache[key] = rc
     return rc
 
+  def linear_stacks(self, node: _Node):
+    """(TPS per d stacked, static memory, saved bytes per sample, samples per device per d)
+    over ``node``'s linear order, for the serialised option."""
+    key = ("stacks", node.sig)
+    hit = self.block_cache.get(key)
+    if hit is None:
+      rc = self.linear(node)
+      hit = (np.stack([rc.tps(d) for d in self.dps]), self.cm.static_memory(rc.params),
+             rc.saved, np.array([self.b / d for d in self.dps]))
+      self.block_cache[key] = hit
+    return hit
+
   def mem(self, params: float, saved: float, d: int, depth: int) -> float:
     return self.cm.stage_memory(params, saved, self.b, d, min(depth, self.M))
 
@@ -513,27 +525,28 @@ class _Search:
     rc = ctx.linear(node)
     L, K, M = rc.n, ctx.K, ctx.M
     cap = ctx.cluster.memory_per_device
+    tps_all, static, saved, per_dev = ctx.linear_stacks(node)
+    nd = len(ctx.dps)
     f = np.full((L + 1, K + 1), math.inf)
     f[L, :] = D
     for j in range(L - 1, -1, -1):
-      for d in ctx.dps:
-        if d > K:
-          break
-        hi = j + 1 + int(np.searchsorted(rc.bound(d)[j, j + 1:], self.t, side="right"))
-        if hi == j + 1:
-          continue
-        tps = rc.tps(d)[j, j + 1:hi]
-        sub = f[j + 1:hi, :K + 1 - d]
-        fin = np.isfinite(sub)
-        base = np.where(fin, np.floor(np.where(fin, sub, 0.0)), math.inf)
-        depth = base + 1
-        frac = np.where(fin, sub, 0.0) - np.where(fin, base, 0.0)
-        val = depth + np.maximum(frac, 0.5 * tps[:, None] / self.t)
-        mem = (ctx.cm.static_memory(rc.params[j, j + 1:hi])[:, None]
-               + rc.saved[j, j + 1:hi][:, None] * ctx.b / d * np.minimum(depth, M))
-        ok = (tps <= self.t)[:, None] & (mem <= cap) & fin
-        f[j, d:] = np.minimum(f[j, d:], np.where(ok, val, math.inf).min(axis=0))
-      f[j] = np.minimum.accumulate(f[j])
+      tps = tps_all[:, j, j + 1:]                                   # (nd, L - j)
+      fast = tps <= self.t
+      if not fast.any():
+        continue
+      F3 = np.full((nd, L - j, K + 1), math.inf)
+      for di, d in enumerate(ctx.dps):
+        if d <= K:
+          F3[di, :, d:] = f[j + 1:, :K + 1 - d]
+      fin = np.isfinite(F3) & fast[:, :, None]
+      G = np.where(fin, F3, 0.0)
+      base = np.floor(G)
+      depth = base + 1
+      val = depth + np.maximum(G - base, 0.5 * tps[:, :, None] / self.t)
+      mem = (static[j, j + 1:][None, :, None]
+             + saved[j, j + 1:][None, :, None] * per_dev[:, None, None] * np.minimum(depth, M))
+      ok = fin & (mem <= cap)
+      f[j] = np.minimum.accumulate(np.where(ok, val, math.inf).min(axis=(0, 1)))
     self.memo_chain[key] = f
     return f
 
@@ -703,8 +716,8 @@ class _Runner:
 def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
                    batch_size: int | None = None, *, num_microbatches: int | None = None,
                    cost_model: CostModel | None = None, schedule: str = "1f1b",
-                   powers_of_two: bool = False, max_microbatches: int | None = None,
-                   eps: float = 2e-3, simulate_top: int = 4, prune: float = 1.25,
+                   powers_of_two: bool = False, max_microbatches: int | None = MAX_MICROBATCHES,
+                   eps: float = 5e-3, simulate_top: int = 4, prune: float = 1.25,
                    polish_top: int = 3, replication_variant: bool = True) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 

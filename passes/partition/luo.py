@@ -32,7 +32,7 @@ import numpy as np
 from gpp_jax.cluster import Cluster, as_cluster
 from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.layer_graph import validate_layer_graph
-from gpp_jax.passes.partition.plan_assembly import (assemble_plan, better, microbatch_sizes,
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better, microbatch_sizes,
                                                     no_plan_error)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.plan import Plan
@@ -106,7 +106,7 @@ def _mapped_partition(rc: RangeCosts, cross: np.ndarray, cluster: Cluster, r: in
 def luo_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
              batch_size: int | None = None, *, num_microbatches: int | None = None,
              cost_model: CostModel | None = None, orders: tuple[str, ...] = ORDERS,
-             max_microbatches: int | None = None, simulate_top: int = 4) -> Plan:
+             max_microbatches: int | None = MAX_MICROBATCHES, simulate_top: int = 4) -> Plan:
   """Luo et al.: LayerGraph + Cluster -> sequential Plan (see the module docstring).
 
   Args:

@@ -30,7 +30,7 @@ import numpy as np
 from gpp_jax.cluster import Cluster, as_cluster
 from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.layer_graph import validate_layer_graph
-from gpp_jax.passes.partition.plan_assembly import (assemble_plan, better,
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
                                                     no_plan_error, spend_idle_devices)
 from gpp_jax.passes.partition.range_costs import RangeCosts
@@ -96,7 +96,7 @@ def chain_reconstruct(rc: RangeCosts, A: np.ndarray, dps: list, K: int, M: int, 
 def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
                    batch_size: int | None = None, *, num_microbatches: int | None = None,
                    cost_model: CostModel | None = None, schedule: str = "1f1b",
-                   replicate: bool = True, max_microbatches: int | None = None,
+                   replicate: bool = True, max_microbatches: int | None = MAX_MICROBATCHES,
                    simulate_top: int = 6) -> Plan:
   """PipeDream: LayerGraph + Cluster -> sequential Plan (see the module docstring).
 

@@ -35,7 +35,7 @@ from gpp_jax.cluster import Cluster, as_cluster
 from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.errors import PlanError
 from gpp_jax.layer_graph import validate_layer_graph
-from gpp_jax.passes.partition.plan_assembly import (assemble_plan, better,
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
                                                     no_plan_error, spend_idle_devices)
 from gpp_jax.plan import Plan
@@ -77,7 +77,7 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
                batch_size: int | None = None, *, num_microbatches: int | None = None,
                cost_model: CostModel | None = None, schedule: str = "1f1b",
                max_downsets: int = 4000, max_pairs: int = 150_000,
-               max_microbatches: int | None = None, simulate_top: int = 6) -> Plan:
+               max_microbatches: int | None = MAX_MICROBATCHES, simulate_top: int = 6) -> Plan:
   """Piper: LayerGraph + Cluster -> sequential Plan over downset differences.
 
   Args:

@@ -9,6 +9,7 @@ model's prediction (simulated iteration time, throughput, per-stage memory) in
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable, Sequence
 
@@ -20,14 +21,20 @@ from gpp_jax.errors import PlanError
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.plan import Plan, Stage, stage_edges
+from gpp_jax.schedule import Schedule
 from gpp_jax.simulator import SimResult, simulate
 
 
+# Sweeps skip micro-batch sizes that need more micro-batches than this (none of the
+# benchmark optima comes near it; it bounds simulation cost).
+MAX_MICROBATCHES = 256
+
+
 def microbatch_sizes(batch_size: int, num_microbatches: int | None = None,
-                     max_microbatches: int | None = None) -> list[int]:
+                     max_microbatches: int | None = MAX_MICROBATCHES) -> list[int]:
   """Micro-batch sizes to try: ``batch_size / num_microbatches`` when given, else every power
-  of two dividing ``batch_size`` (GraphPipe's sweep), optionally with at most
-  ``max_microbatches`` micro-batches."""
+  of two dividing ``batch_size`` (GraphPipe's sweep) with at most ``max_microbatches``
+  micro-batches (None: no limit)."""
   if batch_size < 1:
     raise PlanError(f"batch_size must be positive, got {batch_size}")
   if num_microbatches is not None:
@@ -152,11 +159,17 @@ def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...
   return out  # type: ignore[return-value]
 
 
+@functools.lru_cache(maxsize=512)
+def _schedule(name: str, num_stages: int, edges: tuple, num_microbatches: int) -> Schedule:
+  return make_schedule(name, num_stages, edges, num_microbatches)
+
+
 def predict(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
             cost_model: CostModel | None = None, costs: LayerCosts | None = None,
             info: dict[str, Any] | None = None, idle: Sequence[int] = ()) -> Plan:
   """Plan -> the same Plan with ``predicted`` filled in from a simulation."""
-  res = simulate(plan, layer_graph, cluster, cost_model=cost_model, costs=costs)
+  sched = _schedule(plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches)
+  res = simulate(plan, layer_graph, cluster, schedule=sched, cost_model=cost_model, costs=costs)
   return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
 
 
@@ -182,15 +195,16 @@ def prediction(res: SimResult, plan: Plan, cluster: Cluster, *, info: dict[str, 
 
 def spend_idle_devices(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
                        cost_model: CostModel | None = None, costs: LayerCosts | None = None,
-                       max_rounds: int = 16) -> Plan:
+                       max_rounds: int = 16, max_takers: int = 3) -> Plan:
   """Plan -> the same partition with its device counts improved by local search.
 
   A DP that only asks "does every stage fit under the target time" leaves devices idle once
   the bottleneck cannot be improved, and it prices a stage's gradient all-reduce as if it
   were spread over the iteration, although it runs when the stage's last backward ends.
   Greedily, take the move with the best simulated iteration time among: give idle devices to
-  one stage (a larger divisor of its micro-batch), or shift devices between two stages (both
-  keep divisors of their micro-batch); stop when no move helps.
+  one stage (a larger divisor of its micro-batch), or shift devices to one of the
+  ``max_takers`` busiest stages (smallest bubble) from another stage (both keep divisors of
+  their micro-batch); stop when no move helps.
   """
   costs = costs or layer_costs(layer_graph)
   info = {k: v for k, v in plan.predicted.items()
@@ -219,6 +233,10 @@ def spend_idle_devices(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
       for d in ok:
         if counts[i] < d <= counts[i] + idle:
           moves.append([d if x == i else c for x, c in enumerate(counts)])
+    # Shifts: devices go to one of the busiest stages (where they can help) from any other.
+    busy = plan.predicted.get("bubble") or [0.0] * len(counts)
+    takers = sorted(range(len(counts)), key=lambda i: busy[i])[:max_takers]
+    for i in takers:
       for j in range(len(counts)):
         if i == j:
           continue
