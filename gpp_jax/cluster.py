@@ -150,7 +150,9 @@ class Cluster:
 
   def slowest_link(self) -> Link:
     """The inter-node link if the cluster spans nodes, else the intra-node link."""
-    return self.inter_link if self.inter_link is not None and self.num_nodes > 1 else self.intra_link
+    if self.inter_link is not None and self.num_nodes > 1:
+      return self.inter_link
+    return self.intra_link
 
   def replace(self, **kw) -> "Cluster":
     return dataclasses.replace(self, **kw)

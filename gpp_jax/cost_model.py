@@ -19,8 +19,8 @@ Gradients of a stage with ``d > 1`` devices are all-reduced once per iteration w
 ``2 (d - 1) alpha + 2 (d - 1) / d * param_bytes / beta``.
 
 Memory per device of a stage:
-``param_bytes * (1 + gradient_factor + optimizer_state_factor)``            (weights, grads, Adam m and v)
-``+ saved_bytes_per_sample * microbatch / d * in_flight``                   (stashed activations)
+``param_bytes * (1 + gradient_factor + optimizer_state_factor)``   (weights, grads, Adam m, v)
+``+ saved_bytes_per_sample * microbatch / d * in_flight``          (stashed activations)
 with ``in_flight`` the micro-batches the stage holds at once (its 1F1B warm-up).
 """
 from __future__ import annotations

@@ -234,7 +234,8 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
         pos[s] += 1
         progressed = True
     if not progressed:
-      blocked = [str(schedule.lanes[s][pos[s]]) for s in range(S) if pos[s] < len(schedule.lanes[s])]
+      blocked = [str(schedule.lanes[s][pos[s]]) for s in range(S)
+                 if pos[s] < len(schedule.lanes[s])]
       raise ScheduleError(f"simulation deadlocks with actions {blocked} waiting; validate the "
                           f"schedule with validate_schedule\n{schedule.grid()}")
 

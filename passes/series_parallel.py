@@ -101,7 +101,8 @@ class SPDecomposition:
     return not self.added_edges
 
   def to_json(self) -> str:
-    return json.dumps({"root": self.root.to_dict(), "added_edges": [list(e) for e in self.added_edges]})
+    return json.dumps({"root": self.root.to_dict(),
+                       "added_edges": [list(e) for e in self.added_edges]})
 
   @classmethod
   def from_json(cls, s: str) -> "SPDecomposition":

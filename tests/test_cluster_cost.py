@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gpp_jax import model_graphs as mg
-from gpp_jax.cluster import (CPU, V100, Cluster, DeviceSpec, GiB, Link, as_cluster, cpu_cluster,
+from gpp_jax.cluster import (CPU, Cluster, DeviceSpec, GiB, Link, as_cluster, cpu_cluster,
                              v100_cluster)
 from gpp_jax.cost_model import CostModel, layer_costs, plan_costs, stage_edge_bytes
 from gpp_jax.layer_graph import add_edge, add_layer, new_layer_graph
@@ -132,7 +132,8 @@ def test_plan_costs_prices_edges_on_the_link_between_stage_devices():
               num_microbatches=2, batch_size=4)
   pc = plan_costs(plan, g, cl)
   # Micro-batch 2 samples: 1e6 bytes per sample * 2 over the inter-node link.
-  assert pc.activation_transfer[(0, 1)] == pytest.approx(cl.inter_link.alpha + 2e6 / cl.inter_link.beta)
+  ib = cl.inter_link
+  assert pc.activation_transfer[(0, 1)] == pytest.approx(ib.alpha + 2e6 / ib.beta)
   assert pc.microbatch == (2.0, 2.0)
   assert pc.static_memory[1] == pytest.approx(CostModel().static_memory(2e3))
   costs = layer_costs(g)

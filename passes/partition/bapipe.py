@@ -24,8 +24,8 @@ import numpy as np
 from gpp_jax.cluster import Cluster, as_cluster
 from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.layer_graph import validate_layer_graph
-from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better, microbatch_sizes,
-                                                    no_plan_error)
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
+                                                    microbatch_sizes, no_plan_error)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.plan import Plan
 

@@ -11,13 +11,13 @@ priced (synchronous 1F1B: the stage holds one micro-batch per stage from it to t
   A[i, m, s] = min over j > i, d | b, d <= m with memory(i..j-1, d, min(s, M)) <= capacity of
                max(TPS(i..j-1, d), A[j, m - d, s - 1])
 A[0, K, s] is the best bottleneck with s stages. Devices may stay idle (A is made
-non-increasing in m); idle devices are then handed out by ``spend_idle_devices``. TPS uses the shared cost model, so PipeDream and GraphPipe are priced
-the same way. The micro-batch size is swept over powers of two dividing the batch; over all
-(micro-batch, s) optima the ones with the best estimate (M + s - 1) * TPS * b are simulated
-and the fastest wins (the same selection rule GraphPipe uses over its depth frontier).
-
-The stages form a chain: consecutive stages get an ordering edge even when no tensor flows
-between them, as in PipeDream's runtime, where a stage talks only to its neighbours.
+non-increasing in m); idle devices are then handed out by ``spend_idle_devices``. TPS uses the
+shared cost model, so PipeDream and GraphPipe are priced the same way. The micro-batch size is
+swept over powers of two dividing the batch; over all (micro-batch, s) optima the ones with
+the best estimate (M + s - 1) * TPS * b are simulated and the fastest wins (the same selection
+rule GraphPipe uses over its depth frontier). The stages form a chain: consecutive stages get
+an ordering edge even when no tensor flows between them, as in PipeDream's runtime, where a
+stage talks only to its neighbours.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def chain_dp(rc: RangeCosts, K: int, M: int, mem_cap: float,
   A = np.full((n + 1, K + 1, S + 1), math.inf)
   A[n, :, 0] = 0.0
   dps = rc.dps if replicate else [1]
-  s_in = np.minimum(np.arange(1, S + 1), M)            # in-flight of a stage that is s-th from the end
+  s_in = np.minimum(np.arange(1, S + 1), M)     # in-flight of the stage s-th from the end
   for i in range(n - 1, -1, -1):
     for d in dps:
       if d > K:

@@ -213,7 +213,8 @@ def _reconstruct(sets, member, subs, dp, dps, costs, cm, cluster, b, B, M, K, s,
       for i in subs[a]:
         if dp[i, k - d, s - 1] > target:
           continue
-        into = float(((member[i, ev] & ~member[a, eu]).astype(float) * eb).sum()) if len(eb) else 0.0
+        into = (float(((member[i, ev] & ~member[a, eu]).astype(float) * eb).sum())
+                if len(eb) else 0.0)
         cut = max(cin[a] + cin[i] - 2 * into, 0.0)
         comm = 2 * link.alpha + cut * b / link.beta if cut > 1e-12 else 0.0
         tf, tb = cm.layer_times(costs, cluster.device, b / d)

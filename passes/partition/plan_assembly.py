@@ -50,7 +50,8 @@ def microbatch_sizes(batch_size: int, num_microbatches: int | None = None,
   return out or [batch_size]
 
 
-def data_parallel_degrees(microbatch: int, max_devices: int, powers_of_two: bool = False) -> list[int]:
+def data_parallel_degrees(microbatch: int, max_devices: int,
+                          powers_of_two: bool = False) -> list[int]:
   """Data-parallel degrees a stage may use: divisors of the micro-batch (each device gets a whole
   number of samples), at most ``max_devices``."""
   out = [d for d in range(1, max_devices + 1) if microbatch % d == 0]

@@ -2,9 +2,10 @@
 
 PipeDream, BaPipe and Luo et al. cut the topologically ordered layers into contiguous ranges
 (a contiguous range of a topological order is always convex). ``RangeCosts`` holds, for one
-micro-batch size and a topological order of some or all layers (``order``, default all), matrices indexed ``[i, j]`` for the range of layers ``i..j-1``: compute time
-per micro-batch for each data-parallel degree, parameters, saved bytes per sample, bytes per
-sample crossing the range boundary, and the resulting time per sample (TPS).
+micro-batch size and a topological order of some or all layers (``order``, default all),
+matrices indexed ``[i, j]`` for the range of layers ``i..j-1``: compute time per micro-batch
+for each data-parallel degree, parameters, saved bytes per sample, bytes per sample crossing
+the range boundary, and the resulting time per sample (TPS).
 """
 from __future__ import annotations
 
@@ -102,5 +103,6 @@ class RangeCosts:
     return t
 
   def memory(self, d: int, in_flight: np.ndarray | float) -> np.ndarray:
-    """(n+1, n+1) bytes per device of each range on d devices holding ``in_flight`` micro-batches."""
+    """(n+1, n+1) bytes per device of each range on d devices holding ``in_flight``
+    micro-batches."""
     return self.cm.static_memory(self.params) + self.saved * self.b / d * in_flight
