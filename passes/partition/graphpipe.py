@@ -28,13 +28,18 @@ Extensions beyond the paper's recurrence (each keeps stages convex and the stage
   * serialised runs: the children [i, n) of a series or parallel node may be solved as one
     sequential pipeline over their layers in SP order (a topological order), i.e. the DP may
     apply the SP-ization rule by choice and add ordering edges between branches. Stages can
-    then cut across branch boundaries to balance work, and the search space contains every
-    sequential (PipeDream) partition;
+    then cut across branch boundaries to balance work; at the root this is a PipeDream-style
+    chain over the SP order (which may order branches differently from PipeDream's
+    topological order);
   * depth frontier: besides t*, for each depth below the depth reached at t*, the smallest TPS
     reaching that depth (searched only where the estimate (M + depth - 1) * TPS * b can still
     win); the best candidates per micro-batch size are simulated with the plan's schedule and
     the fastest plan within memory wins; a micro-batch size whose bound B * TPS is 25% above
     the best simulated time is skipped;
+  * balanced tie-break: DP values order (entry depth, largest stage TPS) lexicographically,
+    so among strategies of the paper's minimal depth the more balanced one wins;
+  * two branch orders: a parallel node's children are tried lightest first (equal branches
+    adjacent; merges take the light ones) and in topological order;
   * a no-replication variant: the TPS objective spreads a stage's gradient all-reduce over
     the iteration although it runs after the stage's last backward, which favours data
     parallelism; at the two best micro-batch sizes the search is repeated with one device
@@ -47,9 +52,9 @@ Choices the paper leaves open, made here (see BUILD_NOTES.md):
   * in-flight count of a stage = min(L(s), M), L = longest path to a sink in stages;
   * device counts per stage: any divisor of the micro-batch (``powers_of_two=True``
     restricts them to powers of two); the DP may leave devices idle once the bottleneck cannot
-    improve, so afterwards ``spend_idle_devices`` hands them to the stages whose data
-    parallelism shortens the simulated iteration most (the same polish PipeDream and Piper
-    get); devices no stage can use stay idle and are listed in ``predicted["idle_devices"]``;
+    improve, so afterwards ``spend_idle_devices`` (a local search on device counts against
+    the simulator, which PipeDream and Piper get too) hands them to the stages that gain
+    most; devices no stage can use stay idle and are listed in ``predicted["idle_devices"]``;
   * stages get contiguous device ranges, kept inside a node where they fit
     (``plan_assembly.place_stages``).
 """
