@@ -85,7 +85,7 @@ def main(argv):
   for r in rows:
     for x in r["results"]:
       if "error" in x:
-        print(f"  {r['model']} x{r['devices']}: {x['planner']}: {x['error']}")
+        print(f"  {r['model']} x{r['devices']}: {x['error']}")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(rows, f, indent=1)

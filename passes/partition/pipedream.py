@@ -108,9 +108,9 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       straight pipeline (``--straight_pipeline``).
     max_microbatches: skip micro-batch sizes needing more micro-batches than this.
     simulate_top: how many (micro-batch, stage count) optima, ranked by the estimate
-      (M + S - 1) * TPS * b, are simulated; at the two best micro-batch sizes every stage
-      count is simulated too, with and without replication; the fastest plan wins after its
-      device counts are polished.
+      (M + S - 1) * TPS * b, are simulated; at the two best micro-batch sizes the best
+      max(simulate_top, 8) stage counts are simulated too, with and without replication; the
+      fastest plan wins after its device counts are polished.
   """
   t0 = time.perf_counter()
   validate_layer_graph(layer_graph)
