@@ -15,6 +15,9 @@ Node (layer) attributes, all for ``batch_size`` samples, forward pass only:
   order: int          position in a topological order of the source program (deterministic)
   time_f, time_b: float (optional)  measured forward/backward seconds at ``batch_size``;
                       a cost model uses them instead of the roofline when present.
+  param_read_bytes: float (optional)  parameter bytes the forward reads once per call whatever
+                      the batch size (default: param_bytes if bytes >= param_bytes, else 0,
+                      as for a sparse embedding gather).
 
 Edge attributes:
   bytes: float        bytes flowing along the edge per ``batch_size`` samples.

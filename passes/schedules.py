@@ -7,6 +7,8 @@ Generators:
           (in stages) of the longest path from s to a sink; then alternates one backward and
           one forward; then drains its backwards. For a chain of S stages, stage i (0-based)
           warms up with S - i forwards, the classic schedule.
+  graph-1f1b: synchronous 1F1B on a stage DAG by list scheduling, backward as early as
+          possible (see passes/inflight.py); the same as 1f1b on a chain.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Sequence
 
 import networkx as nx
 
+from gpp_jax.passes.inflight import graph_1f1b
 from gpp_jax.schedule import Action, Schedule, validate_schedule
 
 
@@ -72,7 +75,7 @@ def one_f_one_b(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatc
   return sched
 
 
-GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "graph-1f1b": graph_1f1b}
 
 
 def make_schedule(name: str, num_stages: int, edges: Sequence[tuple[int, int]],

@@ -2,10 +2,34 @@
 
 ``PLANNERS`` maps a planner name to a function with the common signature
 ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None, **options) -> Plan``.
+``cluster`` is a ``gpp_jax.cluster.Cluster`` or a device count (a ``cpu_cluster``).
+
+  graphpipe   stage DAG: series-parallel DP + binary search on time per sample (GraphPipe)
+  pipedream   chain of replicated stages over the linearised graph (PipeDream)
+  piper       chain of stages that are differences of downsets (Piper)
+  bapipe      balanced chain + schedule mode (GPipe / 1F1B) chosen by simulation (BaPipe)
+  luo         chain mapped onto a two-level topology + micro-batch order (Luo et al.)
+  exhaustive  every acyclic partition, for small graphs (ground truth)
+  balanced    FLOP-balanced chain, one device per stage (no cost model)
 """
 from gpp_jax.passes.partition.balanced import balanced_plan
+from gpp_jax.passes.partition.bapipe import bapipe_plan
+from gpp_jax.passes.partition.exhaustive import exhaustive_plan
+from gpp_jax.passes.partition.graphpipe import graphpipe_plan
+from gpp_jax.passes.partition.luo import luo_plan
+from gpp_jax.passes.partition.pipedream import pipedream_plan
+from gpp_jax.passes.partition.piper import piper_plan
 
-PLANNERS = {"balanced": balanced_plan}
+PLANNERS = {
+    "balanced": balanced_plan,
+    "graphpipe": graphpipe_plan,
+    "pipedream": pipedream_plan,
+    "piper": piper_plan,
+    "bapipe": bapipe_plan,
+    "luo": luo_plan,
+    "exhaustive": exhaustive_plan,
+}
+SEQUENTIAL_PLANNERS = ("pipedream", "piper", "bapipe", "luo")
 
 
 def get_planner(name: str):

@@ -1,0 +1,95 @@
+"""Planner benchmark: GraphPipe vs the sequential planners on the paper's models and cluster.
+
+For MMT, DLRM and CANDLE-Uno at the paper's shapes on the V100 preset (4 GPUs per node,
+NVLink, 100 Gb/s between nodes) at 4, 8, 16 and 32 devices, runs every planner, and prints
+side by side the simulated throughput of GraphPipe's plan and of the best sequential plan
+(PipeDream, Piper, BaPipe, Luo et al.), and each planner's search time.
+
+  python benchmarks/planners.py
+  python benchmarks/planners.py --models=candle_uno --devices=8,16 --json=/tmp/planners.json
+
+The mini-batch grows with the device count (``--per_device_batch``), as the paper sizes
+mini-batches "close to the memory limit"; the paper's exact sizes are not recoverable.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from absl import app, flags
+
+from gpp_jax import model_graphs
+from gpp_jax.cluster import v100_cluster
+from gpp_jax.errors import PlanError
+from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "Model presets to plan.")
+flags.DEFINE_list("devices", ["4", "8", "16", "32"], "Device counts.")
+flags.DEFINE_list("planners", list(SEQUENTIAL_PLANNERS), "Sequential planners to compare.")
+flags.DEFINE_string("per_device_batch", "mmt=8,dlrm=128,candle_uno=128",
+                    "Samples per device of the mini-batch, per model.")
+flags.DEFINE_integer("candle_branches", 7, "CANDLE-Uno branch count (the paper sweeps 2-16).")
+flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
+
+
+def run_planner(name: str, graph, cluster, batch: int) -> dict:
+  t0 = time.perf_counter()
+  try:
+    plan = PLANNERS[name](graph, cluster, batch)
+  except PlanError as e:
+    return {"planner": name, "error": str(e).split(";")[0], "seconds": time.perf_counter() - t0}
+  p = plan.predicted
+  return {"planner": name, "seconds": time.perf_counter() - t0,
+          "throughput": p["throughput"], "iteration_time": p["iteration_time"],
+          "stages": plan.num_stages, "depth": plan.depth(),
+          "microbatch": plan.stages[0].microbatch_size, "max_memory": p["max_memory"],
+          "idle_devices": len(p["idle_devices"]), "schedule": plan.schedule}
+
+
+def main(argv):
+  del argv
+  per_dev = dict(kv.split("=") for kv in FLAGS.per_device_batch.split(","))
+  rows = []
+  header = (f"{'model':11s} {'dev':>3s} {'batch':>5s} | {'GraphPipe/s':>11s} {'S/D':>5s} "
+            f"{'mb':>4s} | {'best seq/s':>10s} {'by':>9s} {'S':>3s} {'mb':>4s} | {'GP/seq':>6s} | "
+            + " ".join(f"{n[:9]:>9s}" for n in ["graphpipe"] + FLAGS.planners) + "  (search s)")
+  print(header)
+  print("-" * len(header))
+  for model in FLAGS.models:
+    for k in map(int, FLAGS.devices):
+      batch = int(per_dev[model]) * k
+      shape = {"branches": FLAGS.candle_branches} if model == "candle_uno" else {}
+      graph = model_graphs.model_graph(model, batch_size=batch, **shape)
+      cluster = v100_cluster(k)
+      results = [run_planner("graphpipe", graph, cluster, batch)]
+      results += [run_planner(n, graph, cluster, batch) for n in FLAGS.planners]
+      gp = results[0]
+      seq = [r for r in results[1:] if "throughput" in r]
+      best = max(seq, key=lambda r: r["throughput"]) if seq else None
+      times = " ".join(f"{r['seconds']:9.2f}" if "throughput" in r else f"{'limit':>9s}"
+                       for r in results)
+      if "throughput" in gp and best:
+        ratio = gp["throughput"] / best["throughput"]
+        print(f"{model:11s} {k:3d} {batch:5d} | {gp['throughput']:11.1f} "
+              f"{gp['stages']:2d}/{gp['depth']:<2d} {gp['microbatch']:4d} | "
+              f"{best['throughput']:10.1f} {best['planner']:>9s} {best['stages']:3d} "
+              f"{best['microbatch']:4d} | {ratio:6.3f} | {times}", flush=True)
+      else:
+        print(f"{model:11s} {k:3d} {batch:5d} | no comparison: "
+              f"{gp.get('error') or 'no sequential plan'} | {times}", flush=True)
+      rows.append({"model": model, "devices": k, "batch": batch, "results": results})
+  gp_times = [r["results"][0]["seconds"] for r in rows]
+  print(f"\nGraphPipe search time: max {max(gp_times):.2f} s, mean "
+        f"{sum(gp_times) / len(gp_times):.2f} s over {len(rows)} configurations")
+  for r in rows:
+    for x in r["results"]:
+      if "error" in x:
+        print(f"  {r['model']} x{r['devices']}: {x['error']}")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

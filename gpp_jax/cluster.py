@@ -1,0 +1,247 @@
+"""Cluster IR: the devices a plan runs on, their speed and memory, and the links between them.
+
+A Cluster is what planners and the simulator read to turn layer costs into seconds and bytes.
+It describes ``num_devices`` identical devices (a ``DeviceSpec``), the memory of each, and the
+links between them, optionally on two levels: ``devices_per_node`` devices share a node and
+talk over ``intra_link``; devices on different nodes talk over ``inter_link``. Device ``d``
+lives on node ``d // devices_per_node``.
+
+Links are affine: moving ``n`` bytes takes ``alpha + n / beta`` seconds.
+
+Presets:
+  v100_cluster(n): the GraphPipe paper's cluster, 4 V100 16 GB per node, NVLink inside a node,
+                   100 Gb/s InfiniBand between nodes.
+  cpu_cluster(n):  the forced host-platform CPU devices the tests run on (rough numbers).
+The presets are starting points; ``Cluster.replace`` (or a calibration pass that measures the
+real machine) swaps any number for a measured one.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+  """Speed of one device.
+
+  Attributes:
+    name: a label ("V100-SXM2-16GB").
+    peak_flops: peak arithmetic throughput, FLOP/s.
+    memory_bandwidth: device-memory bandwidth, bytes/s.
+    efficiency: points ``(samples_per_device, fraction_of_peak)``, increasing in samples; the
+      fraction of ``peak_flops`` a layer reaches at that micro-batch size per device. Between
+      points it is interpolated linearly in log2(samples); outside it is clamped.
+    kernel_overhead: fixed seconds per layer per pass (launch and framework overhead).
+  """
+  name: str
+  peak_flops: float
+  memory_bandwidth: float
+  efficiency: tuple[tuple[float, float], ...] = ((1, 1.0),)
+  kernel_overhead: float = 0.0
+
+  def __post_init__(self):
+    if self.peak_flops <= 0 or self.memory_bandwidth <= 0:
+      raise ValueError(f"device {self.name!r}: peak_flops and memory_bandwidth must be positive")
+    pts = tuple((float(s), float(f)) for s, f in self.efficiency)
+    if not pts or any(s <= 0 or not 0 < f <= 1 for s, f in pts):
+      raise ValueError(f"device {self.name!r}: efficiency points must be (samples > 0, "
+                       f"0 < fraction <= 1), got {self.efficiency}")
+    if any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):
+      raise ValueError(f"device {self.name!r}: efficiency samples must increase, got {pts}")
+    object.__setattr__(self, "efficiency", pts)
+
+  def efficiency_at(self, samples: float) -> float:
+    """Fraction of peak FLOP/s reached with ``samples`` samples per device."""
+    pts = self.efficiency
+    if samples <= pts[0][0]:
+      return pts[0][1]
+    if samples >= pts[-1][0]:
+      return pts[-1][1]
+    i = bisect.bisect_right([s for s, _ in pts], samples)
+    (s0, f0), (s1, f1) = pts[i - 1], pts[i]
+    w = (math.log2(samples) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+    return f0 + w * (f1 - f0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """An affine link: ``bytes`` take ``alpha + bytes / beta`` seconds."""
+  alpha: float
+  beta: float
+  name: str = ""
+
+  def __post_init__(self):
+    if self.alpha < 0 or self.beta <= 0:
+      raise ValueError(f"link {self.name!r}: need alpha >= 0 and beta > 0, got "
+                       f"alpha={self.alpha}, beta={self.beta}")
+
+  def time(self, nbytes: float) -> float:
+    return 0.0 if nbytes <= 0 else self.alpha + nbytes / self.beta
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """Identical devices with a memory budget each, on one or two link levels.
+
+  Attributes:
+    num_devices: number of devices; they are numbered 0..num_devices-1.
+    device: the DeviceSpec of every device.
+    memory_per_device: bytes a stage may use on each of its devices.
+    intra_link: the link between devices of one node (of all devices if one level).
+    inter_link: the link between nodes (None: one level).
+    devices_per_node: devices per node (None: one level, all devices on one node).
+    name: a label.
+  """
+  num_devices: int
+  device: DeviceSpec
+  memory_per_device: float
+  intra_link: Link
+  inter_link: Link | None = None
+  devices_per_node: int | None = None
+  name: str = "cluster"
+
+  def __post_init__(self):
+    if self.num_devices < 1:
+      raise ValueError(f"a cluster needs at least one device, got num_devices={self.num_devices}")
+    if self.memory_per_device <= 0:
+      raise ValueError(f"memory_per_device must be positive, got {self.memory_per_device}")
+    if (self.inter_link is None) != (self.devices_per_node is None):
+      raise ValueError("give both inter_link and devices_per_node for a two-level cluster, "
+                       "or neither for a single level")
+    if self.devices_per_node is not None and self.devices_per_node < 1:
+      raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
+
+  @property
+  def devices(self) -> tuple[int, ...]:
+    """Device indices 0..num_devices-1 (``len(cluster.devices)`` is the device count)."""
+    return tuple(range(self.num_devices))
+
+  @property
+  def num_nodes(self) -> int:
+    if self.devices_per_node is None:
+      return 1
+    return -(-self.num_devices // self.devices_per_node)
+
+  def node_of(self, device: int) -> int:
+    return 0 if self.devices_per_node is None else device // self.devices_per_node
+
+  def link(self, a: int, b: int) -> Link:
+    """The link between devices ``a`` and ``b``."""
+    if self.inter_link is None or self.node_of(a) == self.node_of(b):
+      return self.intra_link
+    return self.inter_link
+
+  def link_between(self, src: Sequence[int], dst: Sequence[int]) -> Link:
+    """The slowest link between any device of ``src`` and any of ``dst``."""
+    if self.inter_link is None:
+      return self.intra_link
+    nodes = {self.node_of(d) for d in src} | {self.node_of(d) for d in dst}
+    return self.intra_link if len(nodes) == 1 else self.inter_link
+
+  def group_link(self, devices: Sequence[int]) -> Link:
+    """The link an all-reduce over ``devices`` is limited by."""
+    return self.link_between(devices, devices)
+
+  def slowest_link(self) -> Link:
+    """The inter-node link if the cluster spans nodes, else the intra-node link."""
+    if self.inter_link is not None and self.num_nodes > 1:
+      return self.inter_link
+    return self.intra_link
+
+  def replace(self, **kw) -> "Cluster":
+    return dataclasses.replace(self, **kw)
+
+  def with_devices(self, num_devices: int) -> "Cluster":
+    return dataclasses.replace(self, num_devices=int(num_devices))
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "Cluster":
+    dev = dict(d["device"])
+    dev["efficiency"] = tuple(tuple(p) for p in dev.get("efficiency", ((1, 1.0),)))
+    inter = d.get("inter_link")
+    return cls(num_devices=int(d["num_devices"]), device=DeviceSpec(**dev),
+               memory_per_device=float(d["memory_per_device"]), intra_link=Link(**d["intra_link"]),
+               inter_link=None if inter is None else Link(**inter),
+               devices_per_node=d.get("devices_per_node"), name=d.get("name", "cluster"))
+
+  def to_json(self, indent: int | None = 1) -> str:
+    return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+  @classmethod
+  def from_json(cls, s: str) -> "Cluster":
+    return cls.from_dict(json.loads(s))
+
+  def __str__(self) -> str:
+    d = self.device
+    lines = [f"Cluster {self.name}: {self.num_devices} x {d.name}, "
+             f"{self.memory_per_device / GiB:.1f} GiB each",
+             f"  device: {d.peak_flops / 1e12:.2f} TFLOP/s peak, "
+             f"{d.memory_bandwidth / 1e9:.0f} GB/s memory, "
+             f"{d.kernel_overhead * 1e6:.1f} us per layer pass, efficiency "
+             + ", ".join(f"{s:g}:{f:.2f}" for s, f in d.efficiency),
+             f"  intra-node link: alpha {self.intra_link.alpha * 1e6:.1f} us, "
+             f"beta {self.intra_link.beta / 1e9:.1f} GB/s"]
+    if self.inter_link is not None:
+      lines.append(f"  inter-node link: alpha {self.inter_link.alpha * 1e6:.1f} us, "
+                   f"beta {self.inter_link.beta / 1e9:.2f} GB/s; {self.devices_per_node} "
+                   f"devices per node, {self.num_nodes} nodes")
+    return "\n".join(lines)
+
+
+V100 = DeviceSpec(
+    name="V100-SXM2-16GB",
+    peak_flops=15.7e12,          # FP32 peak
+    memory_bandwidth=900e9,      # HBM2
+    # Fraction of peak reached by dense layers at a given per-device micro-batch; the
+    # roofline's weight-read term adds the small-batch penalty on top of this.
+    efficiency=((1, 0.45), (4, 0.6), (16, 0.72), (64, 0.8)),
+    kernel_overhead=20e-6,
+)
+
+CPU = DeviceSpec(
+    name="host-cpu",
+    peak_flops=20e9,
+    memory_bandwidth=10e9,
+    efficiency=((1, 0.5), (16, 0.8)),
+    kernel_overhead=50e-6,
+)
+
+
+def v100_cluster(num_devices: int) -> Cluster:
+  """The GraphPipe paper's cluster: nodes of 4 V100 16 GB (NVLink), 100 Gb/s between nodes."""
+  return Cluster(num_devices=num_devices, device=V100, memory_per_device=16 * GiB,
+                 intra_link=Link(alpha=5e-6, beta=50e9, name="nvlink"),
+                 inter_link=Link(alpha=10e-6, beta=100e9 / 8, name="infiniband-edr"),
+                 devices_per_node=4, name=f"v100x{num_devices}")
+
+
+def cpu_cluster(num_devices: int, memory_per_device: float = 4 * GiB) -> Cluster:
+  """Forced host-platform CPU devices (``--xla_force_host_platform_device_count``).
+
+  The numbers are rough: the devices share the host's cores and memory; a calibration pass
+  can replace them with measured ones.
+  """
+  return Cluster(num_devices=num_devices, device=CPU, memory_per_device=memory_per_device,
+                 intra_link=Link(alpha=20e-6, beta=5e9, name="host-memcpy"),
+                 name=f"cpux{num_devices}")
+
+
+def as_cluster(cluster: "Cluster | int | None", default_devices: int = 1) -> Cluster:
+  """Accepts a Cluster, a device count (a ``cpu_cluster``) or None (``default_devices``)."""
+  if isinstance(cluster, Cluster):
+    return cluster
+  if cluster is None:
+    return cpu_cluster(default_devices)
+  if isinstance(cluster, int):
+    return cpu_cluster(cluster)
+  raise TypeError(f"expected a Cluster or a device count, got {type(cluster).__name__}; "
+                  "build one with gpp_jax.cluster.v100_cluster(n) or cpu_cluster(n)")

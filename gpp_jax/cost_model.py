@@ -1,0 +1,283 @@
+"""Cost model: LayerGraph costs + Cluster -> seconds per stage and bytes per device.
+
+Time of one layer for a micro-batch of ``s`` samples on one device:
+
+* measured, when the layer has ``time_f`` (and maybe ``time_b``) taken at the graph's
+  ``batch_size`` B on one device: ``time_f * (s / B) * eff(B) / eff(s)``, where ``eff`` is the
+  device's micro-batch efficiency curve (so a small micro-batch is relatively slower);
+* otherwise the roofline ``max(flops(s) / (peak * eff(s)), bytes(s) / bandwidth)``, where
+  ``flops(s) = flops * s / B`` and ``bytes(s) = W + (bytes - W) * s / B`` with W the parameter
+  bytes read once per micro-batch whatever its size: the layer's ``param_read_bytes`` if set,
+  else ``param_bytes`` when ``bytes >= param_bytes`` (a dense layer reads all its weights),
+  else 0 (a sparse gather such as an embedding bag reads a few rows);
+* plus the device's fixed ``kernel_overhead`` per layer and pass.
+
+Backward is ``time_b`` scaled the same way when measured, else ``backward_factor`` (2) times
+forward. A stage that is data parallel over ``d`` devices runs ``microbatch / d`` samples per
+device. Transfers cost ``alpha + bytes / beta`` on the link between the two stages' devices.
+Gradients of a stage with ``d > 1`` devices are all-reduced once per iteration with a ring:
+``2 (d - 1) alpha + 2 (d - 1) / d * param_bytes / beta``.
+
+Memory per device of a stage:
+``param_bytes * (1 + gradient_factor + optimizer_state_factor)``   (weights, grads, Adam m, v)
+``+ saved_bytes_per_sample * microbatch / d * in_flight``          (stashed activations)
+with ``in_flight`` the micro-batches the stage holds at once (its 1F1B warm-up).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import networkx as nx
+import numpy as np
+
+from gpp_jax.cluster import Cluster, DeviceSpec, Link
+from gpp_jax.layer_graph import topo_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """Knobs of the cost model; the defaults model Adam in fp32.
+
+  Attributes:
+    gradient_factor: gradient bytes per parameter byte.
+    optimizer_state_factor: optimizer-state bytes per parameter byte (Adam: 2, SGD: 0).
+    backward_factor: backward time / forward time when no measured ``time_b`` exists.
+    update_traffic: parameter-sized arrays the optimizer update reads and writes.
+    tps_formula: how planners combine a stage's compute and its transfers into a time per
+      sample: "sum" (no overlap, conservative, as PipeDream's planner) or "max" (full overlap).
+  """
+  gradient_factor: float = 1.0
+  optimizer_state_factor: float = 2.0
+  backward_factor: float = 2.0
+  update_traffic: float = 7.0
+  tps_formula: str = "sum"
+
+  def __post_init__(self):
+    if self.tps_formula not in ("sum", "max"):
+      raise ValueError(f"tps_formula must be 'sum' or 'max', got {self.tps_formula!r}")
+
+  # -- per-layer and per-stage times -------------------------------------------------------
+  def layer_times(self, costs: "LayerCosts", device: DeviceSpec,
+                  samples: float) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds of every layer (``costs.layers`` order) for ``samples``
+    samples on one device."""
+    return _layer_times(self, costs, device, float(samples))
+
+  def stage_time(self, costs: "LayerCosts", layers: Sequence[int], device: DeviceSpec,
+                 microbatch: float, dp: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch of a stage made of ``layers`` (indices)
+    that is data parallel over ``dp`` devices."""
+    tf, tb = self.layer_times(costs, device, microbatch / dp)
+    idx = np.asarray(layers, dtype=int)
+    return float(tf[idx].sum()), float(tb[idx].sum())
+
+  def transfer_time(self, nbytes: float, link: Link) -> float:
+    return link.time(nbytes)
+
+  def allreduce_time(self, nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` devices."""
+    if n <= 1 or nbytes <= 0:
+      return 0.0
+    return 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes / link.beta
+
+  def update_time(self, param_bytes: float, device: DeviceSpec, n: int, link: Link) -> float:
+    """Gradient all-reduce over the stage's ``n`` devices plus the optimizer update."""
+    return (self.allreduce_time(param_bytes, n, link)
+            + self.update_traffic * param_bytes / device.memory_bandwidth)
+
+  # -- memory -------------------------------------------------------------------------------
+  def static_memory(self, param_bytes: float) -> float:
+    """Weights, gradients and optimizer state, replicated on every device of a stage."""
+    return param_bytes * (1.0 + self.gradient_factor + self.optimizer_state_factor)
+
+  def activation_memory(self, saved_bytes_per_sample: float, microbatch: float, dp: int,
+                        in_flight: float) -> float:
+    """Stashed activations per device: ``in_flight`` micro-batches split over ``dp`` devices."""
+    return saved_bytes_per_sample * microbatch / dp * in_flight
+
+  def stage_memory(self, param_bytes: float, saved_bytes_per_sample: float, microbatch: float,
+                   dp: int, in_flight: float) -> float:
+    return (self.static_memory(param_bytes)
+            + self.activation_memory(saved_bytes_per_sample, microbatch, dp, in_flight))
+
+  def combine(self, compute: float, comm: float) -> float:
+    """A stage's busy time per micro-batch from its compute and transfer times."""
+    return compute + comm if self.tps_formula == "sum" else max(compute, comm)
+
+
+DEFAULT_COST_MODEL = CostModel()
+
+
+def _layer_times(cm: CostModel, costs: "LayerCosts", device: DeviceSpec, samples: float):
+  key = (cm, device, samples)
+  hit = costs._times.get(key)
+  if hit is not None:
+    return hit
+  B = costs.batch_size
+  eff = device.efficiency_at(samples)
+  flops = costs.flops_ps * samples
+  nbytes = costs.param_read_bytes + costs.act_bytes_ps * samples
+  roof = np.maximum(flops / (device.peak_flops * eff), nbytes / device.memory_bandwidth)
+  scale = samples * device.efficiency_at(B) / eff
+  tf = np.where(np.isnan(costs.time_f_ps), roof, costs.time_f_ps * scale)
+  tb = np.where(np.isnan(costs.time_b_ps), cm.backward_factor * tf, costs.time_b_ps * scale)
+  tf = tf + device.kernel_overhead
+  tb = tb + device.kernel_overhead
+  tf.setflags(write=False)
+  tb.setflags(write=False)
+  costs._times[key] = (tf, tb)
+  return tf, tb
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerCosts:
+  """Per-layer costs of a LayerGraph as arrays, per sample, in topological order.
+
+  Built once per graph by ``layer_costs``; planners index it with layer positions.
+
+  Attributes:
+    layers: layer names in ``topo_layers`` order; ``index`` maps name -> position.
+    batch_size: the graph's batch size (what measured times were taken at).
+    flops_ps, act_bytes_ps, saved_ps: forward FLOPs, bytes moved that scale with the
+      micro-batch, and saved activation bytes, per sample.
+    param_bytes: parameter bytes per layer.
+    param_read_bytes: parameter bytes each forward reads whatever the micro-batch size.
+    time_f_ps, time_b_ps: measured seconds per sample at ``batch_size`` (NaN if not measured).
+    edges: (u, v, bytes per sample) with u, v positions.
+  """
+  layers: tuple[str, ...]
+  index: Mapping[str, int]
+  batch_size: int
+  flops_ps: np.ndarray
+  act_bytes_ps: np.ndarray
+  param_bytes: np.ndarray
+  param_read_bytes: np.ndarray
+  saved_ps: np.ndarray
+  time_f_ps: np.ndarray
+  time_b_ps: np.ndarray
+  edges: tuple[tuple[int, int, float], ...]
+  _times: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def __len__(self) -> int:
+    return len(self.layers)
+
+
+def layer_costs(g: nx.DiGraph) -> LayerCosts:
+  """LayerGraph -> LayerCosts (per-sample arrays in topological order)."""
+  layers = tuple(topo_layers(g))
+  index = {l: i for i, l in enumerate(layers)}
+  B = float(g.graph["batch_size"])
+  nd = [g.nodes[l] for l in layers]
+  arr = lambda f: np.array([f(d) for d in nd], dtype=float)
+  tf = arr(lambda d: d["time_f"] / B if d.get("time_f") is not None else math.nan)
+  tb = arr(lambda d: d["time_b"] / B if d.get("time_b") is not None else math.nan)
+  def fixed(d):
+    if d.get("param_read_bytes") is not None:
+      return float(d["param_read_bytes"])
+    return d["param_bytes"] if d["bytes"] >= d["param_bytes"] else 0.0
+  W = arr(fixed)
+  return LayerCosts(
+      layers=layers, index=index, batch_size=int(B),
+      flops_ps=arr(lambda d: d["flops"] / B),
+      act_bytes_ps=np.maximum(arr(lambda d: d["bytes"]) - W, 0.0) / B,
+      param_bytes=arr(lambda d: d["param_bytes"]), param_read_bytes=W,
+      saved_ps=arr(lambda d: d["saved_bytes"] / B),
+      time_f_ps=tf, time_b_ps=np.where(np.isnan(tf), math.nan, tb),
+      edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCosts:
+  """What the simulator needs about a plan, from the cost model.
+
+  Attributes:
+    forward, backward: seconds per micro-batch, per stage.
+    update: seconds of the UPDATE action (gradient all-reduce + optimizer), per stage.
+    activation_transfer: seconds to move one micro-batch's activations along stage edge (i, j).
+    cotangent_transfer: seconds to move the cotangents back along (i, j) (same bytes).
+    static_memory: bytes per device of weights, gradients and optimizer state, per stage.
+    activation_memory: bytes per device stashed for one micro-batch, per stage.
+    microbatch: samples per micro-batch, per stage.
+  """
+  forward: tuple[float, ...]
+  backward: tuple[float, ...]
+  update: tuple[float, ...]
+  activation_transfer: Mapping[tuple[int, int], float]
+  cotangent_transfer: Mapping[tuple[int, int], float]
+  static_memory: tuple[float, ...]
+  activation_memory: tuple[float, ...]
+  microbatch: tuple[float, ...]
+
+
+def plan_microbatch(plan, stage) -> float:
+  """Samples per micro-batch of ``stage`` in ``plan``."""
+  if stage.microbatch_size:
+    return float(stage.microbatch_size)
+  if plan.batch_size:
+    return plan.batch_size / plan.num_microbatches
+  raise ValueError(f"stage {stage.index} has no microbatch_size and the plan no batch_size; "
+                   "set one of them so costs can be scaled to a micro-batch")
+
+
+def stage_edge_bytes(costs: LayerCosts, stage_of: Sequence[int]) -> dict[tuple[int, int], float]:
+  """Bytes per sample crossing each stage edge; a layer output read by several layers of one
+  stage is sent once (the largest edge counts)."""
+  per_src: dict[tuple[int, int, int], float] = {}
+  for u, v, b in costs.edges:
+    su, sv = stage_of[u], stage_of[v]
+    if su != sv:
+      key = (u, su, sv)
+      per_src[key] = max(per_src.get(key, 0.0), b)
+  out: dict[tuple[int, int], float] = {}
+  for (_, su, sv), b in per_src.items():
+    out[(su, sv)] = out.get((su, sv), 0.0) + b
+  return out
+
+
+def plan_costs(plan, layer_graph: nx.DiGraph, cluster: Cluster,
+               cost_model: CostModel | None = None, costs: LayerCosts | None = None) -> PlanCosts:
+  """Plan + LayerGraph + Cluster -> PlanCosts (per-stage times, transfers, memory terms)."""
+  cm = cost_model or DEFAULT_COST_MODEL
+  costs = costs or layer_costs(layer_graph)
+  stage_of = [0] * len(costs)
+  for s in plan.stages:
+    for l in s.layers:
+      stage_of[costs.index[l]] = s.index
+  fw, bw, up, stat, act, mbs = [], [], [], [], [], []
+  for s in plan.stages:
+    idx = [costs.index[l] for l in s.layers]
+    mb = plan_microbatch(plan, s)
+    dp = len(s.devices)
+    tf, tb = cm.stage_time(costs, idx, cluster.device, mb, dp)
+    params = float(costs.param_bytes[idx].sum())
+    fw.append(tf)
+    bw.append(tb)
+    up.append(cm.update_time(params, cluster.device, dp, cluster.group_link(s.devices)))
+    stat.append(cm.static_memory(params))
+    act.append(cm.activation_memory(float(costs.saved_ps[idx].sum()), mb, dp, 1))
+    mbs.append(mb)
+  edge_bytes = stage_edge_bytes(costs, stage_of)
+  xfer = {}
+  for (i, j) in plan.edges:
+    nbytes = edge_bytes.get((i, j), 0.0) * mbs[i]
+    link = cluster.link_between(plan.stages[i].devices, plan.stages[j].devices)
+    xfer[(i, j)] = cm.transfer_time(nbytes, link)
+  return PlanCosts(forward=tuple(fw), backward=tuple(bw), update=tuple(up),
+                   activation_transfer=xfer, cotangent_transfer=dict(xfer),
+                   static_memory=tuple(stat), activation_memory=tuple(act),
+                   microbatch=tuple(mbs))
+
+
+def describe_costs(pc: PlanCosts) -> str:
+  """A readable table of a PlanCosts."""
+  rows = [f"{'stage':>5s} {'mb':>6s} {'fwd ms':>9s} {'bwd ms':>9s} {'upd ms':>9s} "
+          f"{'static MiB':>11s} {'act/mb MiB':>11s}"]
+  for i in range(len(pc.forward)):
+    rows.append(f"{i:5d} {pc.microbatch[i]:6g} {pc.forward[i] * 1e3:9.3f} "
+                f"{pc.backward[i] * 1e3:9.3f} {pc.update[i] * 1e3:9.3f} "
+                f"{pc.static_memory[i] / 2**20:11.1f} {pc.activation_memory[i] / 2**20:11.2f}")
+  for (i, j), t in sorted(pc.activation_transfer.items()):
+    rows.append(f"  edge {i}->{j}: {t * 1e3:.3f} ms per micro-batch each way")
+  return "\n".join(rows)

@@ -1,0 +1,328 @@
+"""Discrete-event simulation of a Schedule: Schedule + stage times -> SimResult (a timeline).
+
+The simulator executes the same ``Schedule`` the runtime driver executes. Each stage runs its
+lane in order; an action starts when the previous action of its lane has ended and its inputs
+have arrived:
+
+  F(s, m)  waits for the activation of micro-batch m from every predecessor stage;
+  B(s, m)  waits for F(s, m) and for the cotangent of m from every successor stage;
+  W(s, m)  waits for B(s, m);
+  UPDATE   runs after the lane's last backward (gradient all-reduce + optimizer).
+
+An activation leaves stage p for stage s when F(p, m) ends, a cotangent leaves s for p when
+B(s, m) ends. Every directed stage pair and direction is its own channel: transfers on one
+channel go one at a time in the order the sender produced them and overlap with compute.
+Stashed activations of micro-batch m are held on stage s from the start of F(s, m) to the end
+of B(s, m) (of W(s, m) when the schedule splits it).
+
+Two entry points:
+  simulate_times(schedule, forward, backward, ...)  explicit per-stage (or per-action) times,
+      so measured times can be replayed and compared with predictions action by action;
+  simulate(plan, layer_graph, cluster, ...)  times, transfers and memory from the cost model.
+``write_chrome_trace(result, path)`` writes a Chrome / Perfetto JSON trace of a SimResult.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from typing import Any, Callable, Mapping, Sequence
+
+import networkx as nx
+
+from gpp_jax.cluster import Cluster
+from gpp_jax.cost_model import CostModel, LayerCosts, plan_costs
+from gpp_jax.errors import ScheduleError
+from gpp_jax.schedule import Action, Schedule
+
+Times = float | Sequence[float] | Mapping[int, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionTime:
+  """When one action ran."""
+  kind: str
+  stage: int
+  microbatch: int
+  start: float
+  end: float
+
+  @property
+  def action(self) -> Action:
+    return Action(self.kind, self.stage, self.microbatch)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferTime:
+  """When one transfer ran: ``kind`` is "activation" (src -> dst) or "cotangent" (src -> dst,
+  flowing against the stage edge dst -> src)."""
+  kind: str
+  src: int
+  dst: int
+  microbatch: int
+  start: float
+  end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+  """A simulated timeline.
+
+  Attributes:
+    schedule: name of the simulated schedule.
+    num_stages, num_microbatches: shape of the schedule.
+    iteration_time: seconds from the first action's start (0) to the last action's end.
+    actions: every action with its start and end.
+    transfers: every transfer with its start and end.
+    busy: seconds each stage spends in F, B and W.
+    bubble: 1 - busy / iteration_time, per stage.
+    peak_in_flight: the most micro-batches whose activations a stage held at once.
+    stage_memory: peak bytes per device of each stage (static + peak_in_flight * stash).
+    stage_devices: the devices of each stage (empty tuples when not known).
+    peak_memory: peak bytes per device, keyed by device index (empty when devices not known).
+  """
+  schedule: str
+  num_stages: int
+  num_microbatches: int
+  iteration_time: float
+  actions: tuple[ActionTime, ...]
+  transfers: tuple[TransferTime, ...]
+  busy: tuple[float, ...]
+  bubble: tuple[float, ...]
+  peak_in_flight: tuple[int, ...]
+  stage_memory: tuple[float, ...]
+  stage_devices: tuple[tuple[int, ...], ...]
+  peak_memory: Mapping[int, float]
+
+  def time_of(self, action: Action) -> tuple[float, float]:
+    """(start, end) of ``action``."""
+    for a in self.actions:
+      if a.kind == action.kind and a.stage == action.stage and a.microbatch == action.microbatch:
+        return a.start, a.end
+    raise KeyError(f"{action} is not in the simulated schedule")
+
+  def throughput(self, batch_size: float) -> float:
+    """Samples per second for a mini-batch of ``batch_size`` samples."""
+    return batch_size / self.iteration_time
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["peak_memory"] = {str(k): v for k, v in self.peak_memory.items()}
+    return d
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), sort_keys=True)
+
+  @classmethod
+  def from_json(cls, s: str) -> "SimResult":
+    d = json.loads(s)
+    return cls(schedule=d["schedule"], num_stages=d["num_stages"],
+               num_microbatches=d["num_microbatches"], iteration_time=d["iteration_time"],
+               actions=tuple(ActionTime(**a) for a in d["actions"]),
+               transfers=tuple(TransferTime(**t) for t in d["transfers"]),
+               busy=tuple(d["busy"]), bubble=tuple(d["bubble"]),
+               peak_in_flight=tuple(d["peak_in_flight"]), stage_memory=tuple(d["stage_memory"]),
+               stage_devices=tuple(tuple(x) for x in d["stage_devices"]),
+               peak_memory={int(k): v for k, v in d["peak_memory"].items()})
+
+  def __str__(self) -> str:
+    rows = [f"Simulated {self.schedule}: {self.num_stages} stages x {self.num_microbatches} "
+            f"micro-batches, iteration {self.iteration_time * 1e3:.3f} ms",
+            f"{'stage':>5s} {'busy ms':>9s} {'bubble':>7s} {'in-flight':>9s} {'mem MiB':>9s}"]
+    for s in range(self.num_stages):
+      rows.append(f"{s:5d} {self.busy[s] * 1e3:9.3f} {self.bubble[s]:7.1%} "
+                  f"{self.peak_in_flight[s]:9d} {self.stage_memory[s] / 2**20:9.1f}")
+    return "\n".join(rows)
+
+
+def _per_action(times: Any, what: str, num_stages: int) -> Callable[[int, int], float]:
+  """Normalises per-stage times: a float per stage, or per micro-batch sequences/mappings."""
+  if times is None:
+    return lambda s, m: 0.0
+  if len(times) != num_stages:
+    raise ValueError(f"{what}: expected {num_stages} per-stage entries, got {len(times)}")
+
+  def get(s: int, m: int) -> float:
+    t = times[s]
+    if isinstance(t, (int, float)):
+      return float(t)
+    return float(t[m])
+  return get
+
+
+def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Sequence[Times], *,
+                   weight: Sequence[Times] | None = None,
+                   update: Sequence[float] | None = None,
+                   activation_transfer: Mapping[tuple[int, int], float] | None = None,
+                   cotangent_transfer: Mapping[tuple[int, int], float] | None = None,
+                   static_memory: Sequence[float] | None = None,
+                   activation_memory: Sequence[float] | None = None,
+                   stage_devices: Sequence[Sequence[int]] | None = None) -> SimResult:
+  """Schedule + explicit times -> SimResult.
+
+  Args:
+    schedule: the schedule to execute (validated by the caller or by its generator).
+    forward, backward, weight: per stage, seconds of one F / B / W action: a float, or a
+      sequence (or mapping) indexed by micro-batch for per-action (e.g. measured) times.
+    update: per stage, seconds of the UPDATE action (0 if None).
+    activation_transfer: seconds to move one micro-batch's activations along edge (i, j)
+      (missing edges: 0); cotangent_transfer likewise for the way back (default: the same).
+    static_memory, activation_memory: bytes per device for weights/optimizer state, and for
+      one stashed micro-batch, per stage (0 if None).
+    stage_devices: devices of each stage, to report peak memory per device.
+  """
+  S, M = schedule.num_stages, schedule.num_microbatches
+  g = schedule.stage_graph()
+  preds = [sorted(g.predecessors(s)) for s in range(S)]
+  succs = [sorted(g.successors(s)) for s in range(S)]
+  tf = _per_action(forward, "forward", S)
+  tb = _per_action(backward, "backward", S)
+  tw = _per_action(weight, "weight", S)
+  up = list(update) if update is not None else [0.0] * S
+  act_x = dict(activation_transfer or {})
+  cot_x = dict(cotangent_transfer if cotangent_transfer is not None else act_x)
+  stat = list(static_memory) if static_memory is not None else [0.0] * S
+  actm = list(activation_memory) if activation_memory is not None else [0.0] * S
+  devs = tuple(tuple(d) for d in stage_devices) if stage_devices is not None else ((),) * S
+
+  end: dict[tuple[str, int, int], float] = {}
+  arrive: dict[tuple[str, int, int, int], float] = {}   # (kind, src, dst, m) -> arrival time
+  chan_free: dict[tuple[str, int, int], float] = defaultdict(float)
+  lane_free = [0.0] * S
+  pos = [0] * S
+  actions: list[ActionTime] = []
+  transfers: list[TransferTime] = []
+  total = sum(len(l) for l in schedule.lanes)
+
+  def send(kind: str, src: int, dst: int, m: int, t0: float, dur: float):
+    start = max(t0, chan_free[(kind, src, dst)])
+    chan_free[(kind, src, dst)] = start + dur
+    arrive[(kind, src, dst, m)] = start + dur
+    transfers.append(TransferTime(kind, src, dst, m, start, start + dur))
+
+  while len(actions) < total:
+    progressed = False
+    for s, lane in enumerate(schedule.lanes):
+      while pos[s] < len(lane):
+        a = lane[pos[s]]
+        m = a.microbatch
+        if a.kind == "F":
+          deps = [arrive.get(("activation", p, s, m)) for p in preds[s]]
+          dur = tf(s, m)
+        elif a.kind == "B":
+          deps = [end.get(("F", s, m))] + [arrive.get(("cotangent", c, s, m)) for c in succs[s]]
+          dur = tb(s, m)
+        elif a.kind == "W":
+          deps = [end.get(("B", s, m))]
+          dur = tw(s, m)
+        else:
+          deps = []
+          dur = float(up[s])
+        if any(d is None for d in deps):
+          break
+        start = max([lane_free[s]] + deps)
+        fin = start + dur
+        end[(a.kind, s, m)] = fin
+        lane_free[s] = fin
+        actions.append(ActionTime(a.kind, s, m, start, fin))
+        if a.kind == "F":
+          for c in succs[s]:
+            send("activation", s, c, m, fin, act_x.get((s, c), 0.0))
+        elif a.kind == "B":
+          for p in preds[s]:
+            send("cotangent", s, p, m, fin, cot_x.get((p, s), 0.0))
+        pos[s] += 1
+        progressed = True
+    if not progressed:
+      blocked = [str(schedule.lanes[s][pos[s]]) for s in range(S)
+                 if pos[s] < len(schedule.lanes[s])]
+      raise ScheduleError(f"simulation deadlocks with actions {blocked} waiting; validate the "
+                          f"schedule with validate_schedule\n{schedule.grid()}")
+
+  T = max((a.end for a in actions), default=0.0)
+  busy = [0.0] * S
+  events: list[list[tuple[float, int]]] = [[] for _ in range(S)]
+  split_w = any(a.kind == "W" for a in actions)
+  for a in actions:
+    if a.kind in ("F", "B", "W"):
+      busy[a.stage] += a.end - a.start
+    if a.kind == "F":
+      events[a.stage].append((a.start, 1))
+    elif a.kind == ("W" if split_w else "B"):
+      events[a.stage].append((a.end, -1))
+  peak = []
+  for ev in events:
+    cur = best = 0
+    for _, d in sorted(ev, key=lambda e: (e[0], e[1])):   # frees before allocations at ties
+      cur += d
+      best = max(best, cur)
+    peak.append(best)
+  mem = [stat[s] + peak[s] * actm[s] for s in range(S)]
+  per_dev: dict[int, float] = {}
+  for s in range(S):
+    for d in devs[s]:
+      per_dev[d] = max(per_dev.get(d, 0.0), mem[s])
+  return SimResult(schedule=schedule.name, num_stages=S, num_microbatches=M, iteration_time=T,
+                   actions=tuple(actions), transfers=tuple(transfers), busy=tuple(busy),
+                   bubble=tuple((1.0 - b / T) if T > 0 else 0.0 for b in busy),
+                   peak_in_flight=tuple(peak), stage_memory=tuple(mem), stage_devices=devs,
+                   peak_memory=per_dev)
+
+
+def simulate(plan, layer_graph: nx.DiGraph, cluster: Cluster, *, schedule: Schedule | None = None,
+             cost_model: CostModel | None = None, costs: LayerCosts | None = None) -> SimResult:
+  """Plan + LayerGraph + Cluster -> SimResult, with times and memory from the cost model.
+
+  ``schedule`` defaults to the plan's named schedule generator over its stage graph.
+  """
+  if schedule is None:
+    from gpp_jax.passes.schedules import make_schedule
+    schedule = make_schedule(plan.schedule, plan.num_stages, plan.edges, plan.num_microbatches)
+  if schedule.num_stages != plan.num_stages:
+    raise ValueError(f"the schedule has {schedule.num_stages} stages but the plan "
+                     f"{plan.num_stages}; build the schedule from this plan")
+  pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
+  return simulate_times(schedule, pc.forward, pc.backward, update=pc.update,
+                        activation_transfer=pc.activation_transfer,
+                        cotangent_transfer=pc.cotangent_transfer,
+                        static_memory=pc.static_memory, activation_memory=pc.activation_memory,
+                        stage_devices=[s.devices for s in plan.stages])
+
+
+def chrome_trace(result: SimResult) -> dict[str, Any]:
+  """A SimResult as a Chrome / Perfetto trace (``traceEvents``, times in microseconds)."""
+  ev: list[dict[str, Any]] = []
+  for s in range(result.num_stages):
+    devs = result.stage_devices[s] if result.stage_devices else ()
+    label = f"stage {s}" + (f" (devices {','.join(map(str, devs))})" if devs else "")
+    ev.append({"ph": "M", "name": "process_name", "pid": s, "args": {"name": label}})
+    ev.append({"ph": "M", "name": "process_sort_index", "pid": s, "args": {"sort_index": s}})
+    ev.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 0, "args": {"name": "compute"}})
+  links = result.num_stages
+  ev.append({"ph": "M", "name": "process_name", "pid": links, "args": {"name": "transfers"}})
+  colors = {"F": "good", "B": "bad", "W": "terrible", "UPDATE": "generic_work"}
+  for a in result.actions:
+    name = f"{a.kind}{a.stage}" if a.kind == "UPDATE" else f"{a.kind}{a.stage}.{a.microbatch}"
+    ev.append({"ph": "X", "name": name, "cat": a.kind, "pid": a.stage, "tid": 0,
+               "ts": a.start * 1e6, "dur": (a.end - a.start) * 1e6, "cname": colors[a.kind],
+               "args": {"microbatch": a.microbatch}})
+  chans: dict[tuple[str, int, int], int] = {}
+  for t in result.transfers:
+    if t.end <= t.start:
+      continue
+    tid = chans.setdefault((t.kind, t.src, t.dst), len(chans))
+    ev.append({"ph": "X", "name": f"{'act' if t.kind == 'activation' else 'cot'} "
+               f"{t.src}->{t.dst} m{t.microbatch}", "cat": t.kind, "pid": links, "tid": tid,
+               "ts": t.start * 1e6, "dur": (t.end - t.start) * 1e6})
+  for (kind, src, dst), tid in chans.items():
+    ev.append({"ph": "M", "name": "thread_name", "pid": links, "tid": tid,
+               "args": {"name": f"{kind} {src}->{dst}"}})
+  return {"traceEvents": ev, "displayTimeUnit": "ms",
+          "otherData": {"schedule": result.schedule,
+                        "iteration_time_s": result.iteration_time}}
+
+
+def write_chrome_trace(result: SimResult, path: str) -> None:
+  """Writes ``result`` as a Chrome / Perfetto JSON trace (open in ui.perfetto.dev)."""
+  with open(path, "w") as f:
+    json.dump(chrome_trace(result), f)

@@ -1,0 +1,111 @@
+"""BaPipe planner: LayerGraph + Cluster -> a sequential Plan, schedule mode chosen by simulation.
+
+BaPipe (Zhao et al., arXiv 2012.12544) "automatically explores pipeline schedule modes and
+balanced partitions". Only its abstract is available, so the details here are this
+repository's reading of it (recorded in BUILD_NOTES.md):
+
+* schedule modes: GPipe (all forwards, then all backwards) and synchronous 1F1B;
+* balanced partitions: the topologically ordered layers are cut into S contiguous stages that
+  minimise the slowest stage's time per sample, every stage replicated over the same number
+  r of devices (r * S <= devices); memory is checked for the mode's in-flight count (GPipe
+  stashes all M micro-batches; 1F1B a stage s-th from the end stashes min(s, M));
+* exploration: every micro-batch size (powers of two dividing the batch), replication r,
+  stage count S and mode; candidates are ranked by the estimate (M + S - 1) * TPS * b and the
+  best ones are simulated with their mode's schedule; the fastest plan wins.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import networkx as nx
+import numpy as np
+
+from gpp_jax.cluster import Cluster, as_cluster
+from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
+from gpp_jax.layer_graph import validate_layer_graph
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
+                                                    microbatch_sizes, no_plan_error)
+from gpp_jax.passes.partition.range_costs import RangeCosts
+from gpp_jax.plan import Plan
+
+MODES = ("1f1b", "gpipe")
+
+
+def balanced_ranges(rc: RangeCosts, r: int, S: int, M: int, mode: str,
+                    mem_cap: float) -> tuple[float, list[tuple[int, int]]] | None:
+  """Min-max partition of all layers into S contiguous ranges, each on r devices, within memory
+  for ``mode``; returns (bottleneck TPS, ranges) or None."""
+  n = rc.n
+  tps = rc.tps(r)
+  # P[s][i]: best bottleneck for layers i..n-1 cut into s stages (the first is s-th from the end).
+  P = np.full((S + 1, n + 1), math.inf)
+  P[0, n] = 0.0
+  arg = np.zeros((S + 1, n + 1), dtype=int)
+  for s in range(1, S + 1):
+    flight = M if mode == "gpipe" else min(s, M)
+    mem = rc.memory(r, flight)
+    cost = np.where(mem <= mem_cap, tps, math.inf)
+    cost[np.tril_indices(n + 1)] = math.inf
+    cand = np.maximum(cost, P[s - 1][None, :])       # [i, j]
+    arg[s] = np.argmin(cand, axis=1)
+    P[s] = cand[np.arange(n + 1), arg[s]]
+  if not math.isfinite(P[S, 0]):
+    return None
+  out, i = [], 0
+  for s in range(S, 0, -1):
+    j = int(arg[s, i])
+    out.append((i, j))
+    i = j
+  return float(P[S, 0]), out
+
+
+def bapipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
+                batch_size: int | None = None, *, num_microbatches: int | None = None,
+                cost_model: CostModel | None = None, modes: tuple[str, ...] = MODES,
+                max_microbatches: int | None = MAX_MICROBATCHES, simulate_top: int = 8) -> Plan:
+  """BaPipe: LayerGraph + Cluster -> sequential Plan (see the module docstring).
+
+  Args:
+    layer_graph, cluster, batch_size, num_microbatches: as for every planner.
+    cost_model: the CostModel.
+    modes: schedule modes to explore ("1f1b", "gpipe").
+    max_microbatches: skip micro-batch sizes needing more micro-batches than this.
+    simulate_top: how many ranked candidates are simulated.
+  """
+  t0 = time.perf_counter()
+  validate_layer_graph(layer_graph)
+  cluster = as_cluster(cluster)
+  cm = cost_model or DEFAULT_COST_MODEL
+  B = int(batch_size or layer_graph.graph["batch_size"])
+  K = cluster.num_devices
+  costs = layer_costs(layer_graph)
+  n = len(costs)
+  found = []
+  for b in microbatch_sizes(B, num_microbatches, max_microbatches):
+    M = B // b
+    reps = [r for r in range(1, K + 1) if b % r == 0 and K % r == 0]
+    rc = RangeCosts(costs, cm, cluster, b, B, reps)
+    for r in reps:
+      for S in range(1, min(K // r, n) + 1):
+        for mode in modes:
+          got = balanced_ranges(rc, r, S, M, mode, cluster.memory_per_device)
+          if got is None:
+            continue
+          tps, ranges = got
+          found.append(((M + S - 1) * tps * b, b, r, S, mode, ranges, tps))
+  found.sort(key=lambda c: c[:5])
+  best = None
+  for est, b, r, S, mode, ranges, tps in found[:simulate_top]:
+    stages = [(costs.layers[i:j], r) for i, j in ranges]
+    plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
+                         planner="bapipe", schedule=mode, keep_order=True,
+                         extra_edges=[(k, k + 1) for k in range(len(stages) - 1)],
+                         cost_model=cm, costs=costs,
+                         info={"bottleneck_tps": tps, "sequential": True, "replicas": r})
+    best = better(best, plan)
+  if best is None or not best.predicted.get("memory_ok", True):
+    raise no_plan_error("bapipe", layer_graph, cluster, B)
+  pred = dict(best.predicted)
+  pred["search"] = {"seconds": time.perf_counter() - t0, "candidates": len(found)}
+  return best.replace(predicted=pred)

@@ -1,0 +1,104 @@
+"""Exhaustive planner: LayerGraph + Cluster -> the best plan of the plan space, for small graphs.
+
+Enumerates every partition of the layers into stages whose stage graph is acyclic (which
+makes every stage convex), every device count per stage (a divisor of the micro-batch; devices
+may stay idle), and every micro-batch size (powers of two dividing the batch), simulates each
+plan with the synchronous 1F1B schedule and returns the fastest one within memory. It is the
+ground truth the tests hold the other planners against; a cheap lower bound per candidate
+(the busiest stage's compute for all micro-batches) skips candidates that cannot win.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import networkx as nx
+
+from gpp_jax.cluster import Cluster, as_cluster
+from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
+from gpp_jax.errors import PlanError
+from gpp_jax.layer_graph import topo_layers, validate_layer_graph
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
+                                                    data_parallel_degrees, microbatch_sizes,
+                                                    no_plan_error)
+from gpp_jax.plan import Plan
+
+
+def acyclic_partitions(layer_graph: nx.DiGraph) -> list[list[list[str]]]:
+  """Every partition of the layers whose quotient (stage) graph is acyclic."""
+  layers = topo_layers(layer_graph)
+  out = []
+
+  def rec(i: int, blocks: list[list[str]]):
+    if i == len(layers):
+      where = {l: k for k, bl in enumerate(blocks) for l in bl}
+      q = nx.DiGraph()
+      q.add_nodes_from(range(len(blocks)))
+      q.add_edges_from((where[u], where[v]) for u, v in layer_graph.edges if where[u] != where[v])
+      if nx.is_directed_acyclic_graph(q):
+        out.append([list(bl) for bl in blocks])
+      return
+    l = layers[i]
+    for bl in blocks:
+      bl.append(l)
+      rec(i + 1, blocks)
+      bl.pop()
+    blocks.append([l])
+    rec(i + 1, blocks)
+    blocks.pop()
+
+  rec(0, [])
+  return out
+
+
+def exhaustive_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
+                    batch_size: int | None = None, *, num_microbatches: int | None = None,
+                    cost_model: CostModel | None = None, schedule: str = "1f1b",
+                    max_layers: int = 8, max_devices: int = 8,
+                    max_microbatches: int | None = MAX_MICROBATCHES) -> Plan:
+  """Exhaustive search (see the module docstring); for at most ``max_layers`` layers and
+  ``max_devices`` devices."""
+  t0 = time.perf_counter()
+  validate_layer_graph(layer_graph)
+  cluster = as_cluster(cluster)
+  n = layer_graph.number_of_nodes()
+  K = cluster.num_devices
+  if n > max_layers or K > max_devices:
+    raise PlanError(f"exhaustive search is for small problems (at most {max_layers} layers and "
+                    f"{max_devices} devices), got {n} layers on {K} devices; use graphpipe, "
+                    "or raise max_layers / max_devices knowing the cost grows like Bell(n)")
+  cm = cost_model or DEFAULT_COST_MODEL
+  B = int(batch_size or layer_graph.graph["batch_size"])
+  costs = layer_costs(layer_graph)
+  parts = acyclic_partitions(layer_graph)
+  best: Plan | None = None
+  simulated = 0
+  for b in microbatch_sizes(B, num_microbatches, max_microbatches):
+    M = B // b
+    dps = data_parallel_degrees(b, K)
+    times = {}
+    for d in dps:
+      tf, tb = cm.layer_times(costs, cluster.device, b / d)
+      times[d] = tf + tb
+    for blocks in parts:
+      if len(blocks) > K:
+        continue
+      idx = [[costs.index[l] for l in bl] for bl in blocks]
+      for counts in itertools.product(dps, repeat=len(blocks)):
+        if sum(counts) > K:
+          continue
+        bound = max(M * float(times[d][ix].sum()) for d, ix in zip(counts, idx))
+        if (best is not None and best.predicted["memory_ok"]
+            and bound >= best.predicted["iteration_time"]):
+          continue
+        plan = assemble_plan(layer_graph, cluster, list(zip(blocks, counts)), microbatch=b,
+                             batch_size=B, planner="exhaustive", schedule=schedule,
+                             cost_model=cm, costs=costs)
+        simulated += 1
+        best = better(best, plan)
+  if best is None or not best.predicted.get("memory_ok", True):
+    raise no_plan_error("exhaustive", layer_graph, cluster, B)
+  pred = dict(best.predicted)
+  pred["search"] = {"seconds": time.perf_counter() - t0, "partitions": len(parts),
+                    "simulated": simulated}
+  return best.replace(predicted=pred)

@@ -1,0 +1,177 @@
+"""PipeDream planner: LayerGraph + Cluster -> a sequential Plan (a chain of replicated stages).
+
+PipeDream (Harlap, Narayanan et al.; SOSP'19) linearises the graph in topological order and
+cuts it into contiguous stages with a dynamic program that minimises the slowest stage's time,
+letting each stage be replicated (data parallel) over several devices. This is the planner
+GraphPipe compares against (run synchronously, as PipeDream-Flush / 1F1B).
+
+DP, from the back of the chain so that each stage's in-flight count is known when it is
+priced (synchronous 1F1B: the stage holds one micro-batch per stage from it to the end):
+  A[n, m, 0] = 0
+  A[i, m, s] = min over j > i, d | b, d <= m with memory(i..j-1, d, min(s, M)) <= capacity of
+               max(TPS(i..j-1, d), A[j, m - d, s - 1])
+A[0, K, s] is the best bottleneck with s stages. Devices may stay idle (A is made
+non-increasing in m); idle devices are then handed out by ``spend_idle_devices``. TPS uses the
+shared cost model, so PipeDream and GraphPipe are priced the same way. The micro-batch size is
+swept over powers of two dividing the batch; over all (micro-batch, s) optima the ones with
+the best estimate (M + s - 1) * TPS * b are simulated and the fastest wins (the same selection
+rule GraphPipe uses over its depth frontier). The stages form a chain: consecutive stages get
+an ordering edge even when no tensor flows between them, as in PipeDream's runtime, where a
+stage talks only to its neighbours.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import networkx as nx
+import numpy as np
+
+from gpp_jax.cluster import Cluster, as_cluster
+from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
+from gpp_jax.layer_graph import validate_layer_graph
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
+                                                    data_parallel_degrees, microbatch_sizes,
+                                                    no_plan_error, spend_idle_devices)
+from gpp_jax.passes.partition.range_costs import RangeCosts
+from gpp_jax.plan import Plan
+
+
+def chain_dp(rc: RangeCosts, K: int, M: int, mem_cap: float,
+             replicate: bool = True) -> tuple[np.ndarray, list]:
+  """The PipeDream DP table A[i, m, s] over ranges of ``rc`` (see the module docstring)."""
+  n = rc.n
+  S = min(K, n)
+  A = np.full((n + 1, K + 1, S + 1), math.inf)
+  A[n, :, 0] = 0.0
+  dps = rc.dps if replicate else [1]
+  s_in = np.minimum(np.arange(1, S + 1), M)     # in-flight of the stage s-th from the end
+  for i in range(n - 1, -1, -1):
+    for d in dps:
+      if d > K:
+        break
+      T = rc.tps(d)[i, i + 1:]                           # (L,) for j = i+1..n
+      mem = (rc.cm.static_memory(rc.params[i, i + 1:])[:, None]
+             + rc.saved[i, i + 1:][:, None] * rc.b / d * s_in[None, :])   # (L, S)
+      ok = mem <= mem_cap
+      sub = A[i + 1:, :K + 1 - d, :S]                    # (L, K+1-d, S): A[j, m-d, s-1]
+      val = np.maximum(T[:, None, None], sub)
+      val = np.where(ok[:, None, :], val, math.inf).min(axis=0)   # (K+1-d, S)
+      A[i, d:, 1:] = np.minimum(A[i, d:, 1:], val)
+    A[i] = np.minimum.accumulate(A[i], axis=0)
+  return A, dps
+
+
+def chain_reconstruct(rc: RangeCosts, A: np.ndarray, dps: list, K: int, M: int, mem_cap: float,
+                      s: int) -> list[tuple[int, int, int]]:
+  """Stages (i, j, d) of the DP optimum that uses ``s`` stages on at most K devices."""
+  out = []
+  i, m = 0, K
+  target = A[0, K, s]
+  while i < rc.n:
+    while m > 0 and A[i, m - 1, s] <= target:
+      m -= 1
+    found = None
+    for d in dps:
+      if d > m:
+        break
+      for j in range(i + 1, rc.n + 1):
+        rest = A[j, m - d, s - 1]
+        v = max(rc.tps(d)[i, j], rest)
+        mem = rc.cm.static_memory(rc.params[i, j]) + rc.saved[i, j] * rc.b / d * min(s, M)
+        if v <= target * (1 + 1e-9) and mem <= mem_cap:
+          found = (j, d)
+          break
+      if found:
+        break
+    if found is None:
+      raise AssertionError("PipeDream reconstruction lost the optimum")
+    j, d = found
+    out.append((i, j, d))
+    i, m, s = j, m - d, s - 1
+    target = A[i, m, s] if i < rc.n else 0.0
+  return out
+
+
+def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
+                   batch_size: int | None = None, *, num_microbatches: int | None = None,
+                   cost_model: CostModel | None = None, schedule: str = "1f1b",
+                   replicate: bool = True, max_microbatches: int | None = MAX_MICROBATCHES,
+                   simulate_top: int = 6) -> Plan:
+  """PipeDream: LayerGraph + Cluster -> sequential Plan (see the module docstring).
+
+  Args:
+    layer_graph, cluster, batch_size, num_microbatches: as for every planner.
+    cost_model: the CostModel.
+    schedule: the schedule generator the plan names.
+    replicate: allow data-parallel stages (PipeDream's replication); False gives the
+      straight pipeline (``--straight_pipeline``).
+    max_microbatches: skip micro-batch sizes needing more micro-batches than this.
+    simulate_top: how many (micro-batch, stage count) optima, ranked by the estimate
+      (M + S - 1) * TPS * b, are simulated; at the two best micro-batch sizes the best
+      max(simulate_top, 8) stage counts are simulated too, with and without replication; the
+      fastest plan wins after its device counts are polished.
+  """
+  t0 = time.perf_counter()
+  validate_layer_graph(layer_graph)
+  cluster = as_cluster(cluster)
+  cm = cost_model or DEFAULT_COST_MODEL
+  B = int(batch_size or layer_graph.graph["batch_size"])
+  costs = layer_costs(layer_graph)
+  K = cluster.num_devices
+  sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
+  tables = {}
+
+  def table(b: int, rep: bool):
+    if (b, rep) not in tables:
+      rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
+      tables[(b, rep)] = (rc,) + chain_dp(rc, K, B // b, cluster.memory_per_device, rep)
+    return tables[(b, rep)]
+
+  def candidates(b: int, rep: bool):
+    rc, A, dps = table(b, rep)
+    M = B // b
+    return [((M + s - 1) * float(A[0, K, s]) * b, b, s, rep) for s in range(1, A.shape[2])
+            if math.isfinite(A[0, K, s])]
+
+  evaluated: list[Plan] = []
+  done = set()
+
+  def evaluate(b: int, s: int, rep: bool):
+    if (b, s, rep) in done:
+      return
+    done.add((b, s, rep))
+    rc, A, dps = table(b, rep)
+    ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s)
+    stages = [(costs.layers[i:j], d) for i, j, d in ranges]
+    plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
+                         planner="pipedream", schedule=schedule, keep_order=True,
+                         extra_edges=[(k, k + 1) for k in range(len(stages) - 1)],
+                         cost_model=cm, costs=costs,
+                         info={"bottleneck_tps": float(A[0, K, s]), "sequential": True})
+    if plan.predicted["memory_ok"]:
+      evaluated.append(plan)
+
+  found = sorted(c for b in sizes for c in candidates(b, replicate))
+  for _, b, s, rep in found[:simulate_top]:
+    evaluate(b, s, rep)
+  # At the two best micro-batch sizes, simulate every stage count, with and without
+  # replication: the bottleneck estimate cannot see when the all-reduce or the fill matters.
+  top_sizes = []
+  for plan in sorted(evaluated, key=lambda p: p.predicted["iteration_time"]):
+    if plan.stages[0].microbatch_size not in top_sizes:
+      top_sizes.append(plan.stages[0].microbatch_size)
+  for b in top_sizes[:2]:
+    for rep in {replicate, False}:
+      for _, _, s, r in sorted(candidates(b, rep))[:max(simulate_top, 8)]:
+        evaluate(b, s, r)
+  if not evaluated:
+    raise no_plan_error("pipedream", layer_graph, cluster, B)
+  evaluated.sort(key=lambda p: p.predicted["iteration_time"])
+  best = None
+  for plan in evaluated[:3]:
+    best = better(best, spend_idle_devices(plan, layer_graph, cluster, cost_model=cm,
+                                           costs=costs))
+  pred = dict(best.predicted)
+  pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
+  return best.replace(predicted=pred)

@@ -1,0 +1,297 @@
+"""Turning a planner's choice into a Plan, and the pieces every planner shares.
+
+A planner decides which layers form each stage, how many devices each stage gets and the
+micro-batch size. ``assemble_plan`` turns that into a Plan: stages in topological order, each
+with a contiguous range of device indices, stage edges induced by the layer graph (plus any
+ordering edges the planner asks for), in-flight counts from the stage DAG, and the cost
+model's prediction (simulated iteration time, throughput, per-stage memory) in
+``plan.predicted``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Iterable, Sequence
+
+import networkx as nx
+
+from gpp_jax.cluster import Cluster
+from gpp_jax.cost_model import CostModel, LayerCosts, DEFAULT_COST_MODEL, layer_costs
+from gpp_jax.errors import PlanError
+from gpp_jax.passes.inflight import inflight_counts
+from gpp_jax.passes.schedules import make_schedule
+from gpp_jax.plan import Plan, Stage, stage_edges
+from gpp_jax.schedule import Schedule
+from gpp_jax.simulator import SimResult, simulate
+
+
+# Sweeps skip micro-batch sizes that need more micro-batches than this (none of the
+# benchmark optima comes near it; it bounds simulation cost).
+MAX_MICROBATCHES = 256
+
+
+def microbatch_sizes(batch_size: int, num_microbatches: int | None = None,
+                     max_microbatches: int | None = MAX_MICROBATCHES) -> list[int]:
+  """Micro-batch sizes to try: ``batch_size / num_microbatches`` when given, else every power
+  of two dividing ``batch_size`` (GraphPipe's sweep) with at most ``max_microbatches``
+  micro-batches (None: no limit)."""
+  if batch_size < 1:
+    raise PlanError(f"batch_size must be positive, got {batch_size}")
+  if num_microbatches is not None:
+    if num_microbatches < 1 or batch_size % num_microbatches:
+      raise PlanError(f"num_microbatches={num_microbatches} does not divide batch_size="
+                      f"{batch_size}; pick a divisor of the batch size")
+    return [batch_size // num_microbatches]
+  out, b = [], 1
+  while b <= batch_size:
+    if batch_size % b == 0 and (max_microbatches is None or batch_size // b <= max_microbatches):
+      out.append(b)
+    b *= 2
+  return out or [batch_size]
+
+
+def data_parallel_degrees(microbatch: int, max_devices: int,
+                          powers_of_two: bool = False) -> list[int]:
+  """Data-parallel degrees a stage may use: divisors of the micro-batch (each device gets a whole
+  number of samples), at most ``max_devices``."""
+  out = [d for d in range(1, max_devices + 1) if microbatch % d == 0]
+  if powers_of_two:
+    out = [d for d in out if d & (d - 1) == 0]
+  return out
+
+
+def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
+                  stages: Sequence[tuple[Iterable[str], int]], *, microbatch: int,
+                  batch_size: int, planner: str, schedule: str = "1f1b",
+                  extra_edges: Iterable[tuple[int, int]] = (), keep_order: bool = False,
+                  device_order: Sequence[int] | None = None,
+                  cost_model: CostModel | None = None, costs: LayerCosts | None = None,
+                  info: dict[str, Any] | None = None) -> Plan:
+  """Stage choice -> Plan with devices, edges, in-flight counts and predictions.
+
+  Args:
+    layer_graph: the LayerGraph.
+    cluster: the Cluster.
+    stages: (layers, device count) per stage.
+    microbatch: samples per micro-batch (uniform across stages).
+    batch_size: mini-batch size.
+    planner, schedule: names recorded in the plan.
+    extra_edges: ordering edges between stages (indices into ``stages`` as given).
+    keep_order: keep the given stage order (else sort stages topologically by first layer).
+    device_order: the order in which device indices are handed out (default 0..n-1).
+    info: extra entries for ``plan.predicted``.
+  """
+  costs = costs or layer_costs(layer_graph)
+  cm = cost_model or DEFAULT_COST_MODEL
+  raw = [(sorted(ls, key=costs.index.__getitem__), int(k)) for ls, k in stages]
+  if any(not ls for ls, _ in raw):
+    raise PlanError("a planner produced an empty stage; every stage needs at least one layer")
+  order = list(range(len(raw))) if keep_order else sorted(
+      range(len(raw)), key=lambda i: costs.index[raw[i][0][0]])
+  rank = {old: new for new, old in enumerate(order)}
+  used = sum(k for _, k in raw)
+  if used > cluster.num_devices:
+    raise PlanError(f"the stages need {used} devices but the cluster has {cluster.num_devices}")
+  if device_order is not None:
+    devs = list(device_order)
+    ranges, nxt = [], 0
+    for old in order:
+      ranges.append(tuple(devs[nxt:nxt + raw[old][1]]))
+      nxt += raw[old][1]
+    idle = devs[nxt:]
+  else:
+    ranges = place_stages(cluster, [raw[old][1] for old in order])
+    taken = {d for r in ranges for d in r}
+    idle = [d for d in range(cluster.num_devices) if d not in taken]
+  if batch_size % microbatch:
+    raise PlanError(f"micro-batch {microbatch} does not divide the batch {batch_size}")
+  M = batch_size // microbatch
+  where = {}
+  stage_list = []
+  for new, old in enumerate(order):
+    ls, k = raw[old]
+    for l in ls:
+      where[l] = new
+    stage_list.append((tuple(ls), ranges[new]))
+  edges = set(stage_edges(layer_graph, where))
+  edges |= {(rank[a], rank[b]) for a, b in extra_edges}
+  edges = tuple(sorted(edges))
+  fl = inflight_counts(len(stage_list), edges, num_microbatches=M).microbatches
+  plan = Plan(stages=tuple(Stage(index=i, layers=ls, devices=ds, microbatch_size=microbatch,
+                                 in_flight=fl[i]) for i, (ls, ds) in enumerate(stage_list)),
+              edges=edges, num_microbatches=M, schedule=schedule, planner=planner,
+              batch_size=batch_size)
+  return predict(plan, layer_graph, cluster, cost_model=cm, costs=costs, info=info, idle=idle)
+
+
+def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...]]:
+  """Contiguous device ranges for stages needing ``counts`` devices (in stage order).
+
+  On a two-level cluster a stage that fits in a node is kept inside one node and a larger one
+  gets whole nodes, so data-parallel groups all-reduce over the fast link where they can:
+  stages are placed largest first, each at the lowest free position that does not straddle a
+  node boundary needlessly (first fit decreasing). Stages with equal counts keep their order,
+  so neighbours in the stage order tend to be neighbours on the machine.
+  """
+  K = cluster.num_devices
+  n = cluster.devices_per_node or K
+  free = [True] * K
+  out: list[tuple[int, ...] | None] = [None] * len(counts)
+
+  def fits(start: int, k: int) -> bool:
+    return start + k <= K and all(free[start:start + k])
+
+  for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
+    k = counts[i]
+    starts = list(range(0, K, n)) if k >= n else list(range(K))
+    pick = None
+    for st in starts:
+      if fits(st, k) and (k >= n or st // n == (st + k - 1) // n):
+        pick = st
+        break
+    if pick is None:
+      pick = next((st for st in range(K) if fits(st, k)), None)
+    if pick is None:
+      raise PlanError(f"cannot place stages needing {list(counts)} devices contiguously on "
+                      f"{K} devices; use fewer devices per stage")
+    for d in range(pick, pick + k):
+      free[d] = False
+    out[i] = tuple(range(pick, pick + k))
+  return out  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=512)
+def _schedule(name: str, num_stages: int, edges: tuple, num_microbatches: int) -> Schedule:
+  return make_schedule(name, num_stages, edges, num_microbatches)
+
+
+def predict(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
+            cost_model: CostModel | None = None, costs: LayerCosts | None = None,
+            info: dict[str, Any] | None = None, idle: Sequence[int] = ()) -> Plan:
+  """Plan -> the same Plan with ``predicted`` filled in from a simulation."""
+  sched = _schedule(plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches)
+  res = simulate(plan, layer_graph, cluster, schedule=sched, cost_model=cost_model, costs=costs)
+  return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
+
+
+def prediction(res: SimResult, plan: Plan, cluster: Cluster, *, info: dict[str, Any] | None = None,
+               idle: Sequence[int] = ()) -> dict[str, Any]:
+  """The ``plan.predicted`` entries for a simulation result (JSON-friendly)."""
+  B = plan.batch_size or 0
+  mem = {str(s): float(m) for s, m in enumerate(res.stage_memory)}
+  p = {"iteration_time": res.iteration_time,
+       "throughput": B / res.iteration_time if res.iteration_time > 0 and B else None,
+       "stage_memory": mem,
+       "max_memory": max(res.stage_memory),
+       "memory_limit": float(cluster.memory_per_device),
+       "memory_ok": bool(max(res.stage_memory) <= cluster.memory_per_device),
+       "bubble": [round(b, 6) for b in res.bubble],
+       "depth": plan.depth(),
+       "cluster": cluster.name,
+       "idle_devices": list(idle)}
+  if info:
+    p.update(info)
+  return p
+
+
+def spend_idle_devices(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
+                       cost_model: CostModel | None = None, costs: LayerCosts | None = None,
+                       max_rounds: int = 16, max_takers: int = 3) -> Plan:
+  """Plan -> the same partition with its device counts improved by local search.
+
+  A DP that only asks "does every stage fit under the target time" leaves devices idle once
+  the bottleneck cannot be improved, and it prices a stage's gradient all-reduce as if it
+  were spread over the iteration, although it runs when the stage's last backward ends.
+  Greedily, take the move with the best simulated iteration time among: give idle devices to
+  one stage (a larger divisor of its micro-batch), or shift devices to one of the
+  ``max_takers`` busiest stages (smallest bubble) from another stage (both keep divisors of
+  their micro-batch); stop when no move helps.
+  """
+  costs = costs or layer_costs(layer_graph)
+  info = {k: v for k, v in plan.predicted.items()
+          if k not in ("iteration_time", "throughput", "stage_memory", "max_memory",
+                       "memory_limit", "memory_ok", "bubble", "depth", "cluster",
+                       "idle_devices")}
+  K = cluster.num_devices
+
+  def build(counts):
+    return assemble_plan(layer_graph, cluster,
+                         [(t.layers, k) for t, k in zip(plan.stages, counts)],
+                         microbatch=plan.stages[0].microbatch_size or
+                         plan.batch_size // plan.num_microbatches,
+                         batch_size=plan.batch_size, planner=plan.planner,
+                         schedule=plan.schedule, extra_edges=plan.edges, keep_order=True,
+                         cost_model=cost_model, costs=costs, info=info)
+
+  seen = set()
+  for _ in range(max_rounds):
+    counts = [len(s.devices) for s in plan.stages]
+    mb = plan.stages[0].microbatch_size or plan.batch_size // plan.num_microbatches
+    idle = K - sum(counts)
+    ok = data_parallel_degrees(mb, K)
+    moves = []
+    for i in range(len(counts)):
+      for d in ok:
+        if counts[i] < d <= counts[i] + idle:
+          moves.append([d if x == i else c for x, c in enumerate(counts)])
+    # Shifts: devices go to one of the busiest stages (where they can help) from any other.
+    busy = plan.predicted.get("bubble") or [0.0] * len(counts)
+    takers = sorted(range(len(counts)), key=lambda i: busy[i])[:max_takers]
+    for i in takers:
+      for j in range(len(counts)):
+        if i == j:
+          continue
+        total = counts[i] + counts[j]
+        for d in ok:
+          if d != counts[i] and (total - d) in ok and total - d >= 1:
+            moves.append([d if x == i else total - d if x == j else c
+                          for x, c in enumerate(counts)])
+    best = None
+    for m in moves:
+      key = tuple(m)
+      if key in seen:
+        continue
+      seen.add(key)
+      cand = build(m)
+      if cand.predicted["memory_ok"] and cand.predicted["iteration_time"] < (
+          best or plan).predicted["iteration_time"] * (1 - 1e-4):
+        best = cand
+    if best is None:
+      break
+    plan = best
+  return plan
+
+
+def check_memory(plan: Plan, cluster: Cluster) -> None:
+  """Raises PlanError when a stage's predicted memory exceeds the device memory."""
+  for s, m in plan.predicted.get("stage_memory", {}).items():
+    if m > cluster.memory_per_device:
+      raise PlanError(f"stage {s} needs {m / 2**30:.2f} GiB per device but devices have "
+                      f"{cluster.memory_per_device / 2**30:.2f} GiB; use more devices, a smaller "
+                      "micro-batch or a smaller model")
+
+
+def better(a: Plan | None, b: Plan | None) -> Plan | None:
+  """The plan with the lower predicted iteration time among those within memory."""
+  def key(p: Plan):
+    ok = p.predicted.get("memory_ok", True)
+    return (not ok, p.predicted.get("iteration_time", math.inf), p.num_stages)
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return b if key(b) < key(a) else a
+
+
+def no_plan_error(planner: str, layer_graph: nx.DiGraph, cluster: Cluster, batch_size: int,
+                  why: str = "") -> PlanError:
+  return PlanError(
+      f"{planner}: no plan fits {layer_graph.graph.get('name', 'the model')} (batch "
+      f"{batch_size}) on {cluster.num_devices} devices with "
+      f"{cluster.memory_per_device / 2**30:.2f} GiB each{': ' + why if why else ''}; "
+      "use more devices, a smaller batch, or devices with more memory")
+
+
+def schedule_for(plan: Plan):
+  """The Schedule the runtime will execute for ``plan``."""
+  return make_schedule(plan.schedule, plan.num_stages, plan.edges, plan.num_microbatches)
