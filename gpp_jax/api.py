@@ -22,7 +22,8 @@ from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.staging import stage_program
 from gpp_jax.passes.step_split import split_step
-from gpp_jax.placement import stage_placements, transfer
+from gpp_jax.placement import (LocalCopy, new_send_epoch, place_input, stage_placements,
+                               transfer)
 from gpp_jax.plan import Plan, validate_plan
 
 
@@ -277,12 +278,23 @@ class GraphPipeline:
     J = c.prog.jaxpr.jaxpr
     homes = [p.replicated for p in c.placements]
     local = c.runner.local
+    if c.runner.multiprocess:
+      new_send_epoch()
     env: dict = {}
     for v, x, h in zip(J.invars, leaves, c.prog.invar_home):
-      env[v] = transfer(x, homes[h]) if h >= 0 else x
+      if h >= 0:
+        env[v] = place_input(x, homes[h])
+      elif c.runner.multiprocess and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        env[v] = LocalCopy(x)  # unplaced (batch, keys): each process uses its own copy
+      else:
+        env[v] = x
 
     def read(a):
       return a.val if isinstance(a, xc.Literal) else env[a]
+
+    def value(a):
+      x = read(a)
+      return x.value if isinstance(x, LocalCopy) else x
 
     def run_pieces(pieces):
       for p, f in pieces:
@@ -298,13 +310,14 @@ class GraphPipeline:
     run_pieces(c.pieces[:c.nbefore])
     marker = c.prog.marker
     nparam = sum(r is None for r in c.runner.roles)
-    vals = [read(a) for a in marker.invars]
+    vals = [read(a) if r in (None, KEY, BROADCAST) else value(a)
+            for a, r in zip(marker.invars, c.runner.roles)]
     outs, grads = c.runner.run(vals[:nparam], vals, measure=self.measure)
     for o, val in zip(marker.outvars, list(outs) + list(grads)):
       if not isinstance(o, xc.DropVar):
         env[o] = val
     run_pieces(c.pieces[c.nbefore:])
-    outs = [read(a) for a in J.outvars]
+    outs = [value(a) for a in J.outvars]
     if c.runner.multiprocess:
       wait_for(outs, self.timeout_s)
     return outs

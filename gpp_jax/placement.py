@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from gpp_jax.errors import PlanError
+from gpp_jax.errors import GppError, PlanError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,55 @@ def _is_remote(x) -> bool:
   return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
+def _already_there(x, sharding) -> bool:
+  """Whether ``x`` already has ``sharding``, decided the same way on every process.
+
+  Real arrays and the placeholders other processes hold for them may differ in details such as
+  the memory kind, so the test uses only the devices, and for multi-device shardings it holds
+  in a single process only (a placeholder's partitioning is not known to match).
+  """
+  if not isinstance(x, jax.Array) or x.sharding.device_set != sharding.device_set:
+    return False
+  if len(sharding.device_set) == 1:
+    return True
+  return jax.process_count() == 1 and x.sharding.is_equivalent_to(sharding, x.ndim)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCopy:
+  """A value each process holds its own copy of: what the user passes to a step.
+
+  In a multi-process run every process passes the same values, possibly on its own local
+  devices; such a value is never sent between processes. The process that runs its home places
+  its own copy there, the others stand in a placeholder.
+  """
+  value: Any
+
+
+def _placeholder_for(x, sharding):
+  aval = jax.typeof(x) if isinstance(x, jax.Array) else jax.typeof(np.asarray(x))
+  return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [],
+                                                  dtype=aval.dtype)
+
+
+def _has_local(sharding) -> bool:
+  return any(d.process_index == jax.process_index() for d in sharding.device_set)
+
+
+def place_input(x, sharding: jax.sharding.Sharding):
+  """Places a step argument on its home (see LocalCopy for the multi-process rule)."""
+  if _already_there(x, sharding):
+    return x
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    raise GppError(
+        "a step argument lives on another process's device but is needed elsewhere; pass the "
+        "values a previous step returned back unchanged, and the same initial values on every "
+        "process")
+  return jax.device_put(x, sharding) if _has_local(sharding) else _placeholder_for(x, sharding)
+
+
 def transfer(x, sharding: jax.sharding.Sharding):
   """``jax.device_put(x, sharding)``, also between processes.
 
@@ -66,15 +115,35 @@ def transfer(x, sharding: jax.sharding.Sharding):
   send and a remote source with a local destination the receive of JAX's cross-host transfer;
   when neither end is local, nothing moves and a placeholder stands for the result.
   """
-  if isinstance(x, jax.Array) and x.sharding == sharding:
-    return x  # already there: the common case for state and parameters between steps
-  if jax.process_count() > 1 and not any(d.process_index == jax.process_index()
-                                         for d in sharding.device_set):
+  if isinstance(x, LocalCopy):
+    return place_input(x.value, sharding)
+  if jax.process_count() == 1 and _already_there(x, sharding):
+    return x  # the common case for state and parameters between steps
+  # With several processes every put is issued, even onto the same devices: skipping those
+  # broke JAX's cross-host transfers (measured with jax 0.10.2: "Async transfer object was
+  # deleted before transfers completed"), while issuing them works.
+  if jax.process_count() > 1 and not _has_local(sharding):
     if _is_remote(x) or not isinstance(x, jax.Array):
-      aval = jax.typeof(x) if isinstance(x, jax.Array) else jax.typeof(np.asarray(x))
-      return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [],
-                                                      dtype=aval.dtype)
-  return jax.device_put(x, sharding)
+      return _placeholder_for(x, sharding)
+  out = jax.device_put(x, sharding)
+  if _is_remote(x) or (jax.process_count() > 1 and not _has_local(sharding)):
+    # A receive or a send: JAX's transfer objects hang off both arrays and must outlive the
+    # transfer, so both are kept until two steps later even if the pipeline drops them sooner.
+    _IN_FLIGHT[-1].append((x, out))
+  return out
+
+
+_IN_FLIGHT: list[list] = [[], []]
+
+
+def new_send_epoch() -> None:
+  """Starts a new step's list of cross-process transfers and releases the step before last's.
+
+  A step's transfers have completed when both ends finished that step; a process cannot be
+  more than one step ahead of its peers, so two steps back is safe.
+  """
+  _IN_FLIGHT.pop(0)
+  _IN_FLIGHT.append([])
 
 
 def stage_placements(device_groups: Sequence[Sequence[Any]], microbatch_size: int) -> list[StagePlacement]:
