@@ -96,7 +96,8 @@ def main(argv):
   pp = gpp_jax.graph_pipeline(train_step, num_microbatches=FLAGS.num_microbatches,
                               devices=devices, planner=FLAGS.planner, schedule=FLAGS.schedule,
                               remat=FLAGS.remat, cluster=cluster, timeout_s=FLAGS.timeout_s,
-                              calibrate=FLAGS.calibrate and FLAGS.cluster == "cpu")
+                              calibrate=FLAGS.calibrate and FLAGS.cluster == "cpu",
+                              layer_depth=run.spec.layer_depth)
   run_dir = FLAGS.run_dir or os.path.join(
       "runs", f"{FLAGS.model}-{FLAGS.planner}-{time.strftime('%Y%m%d-%H%M%S')}")
   main_process = jax.process_index() == 0
