@@ -32,7 +32,8 @@ def loss_curves(model_name: str, steps: int, *, planner="graphpipe", num_devices
   devices = jax.devices()[:num_devices]
   from gpp_jax.cluster import cpu_cluster
   pp = gpp_jax.graph_pipeline(pipe_run.train_step, num_microbatches=num_microbatches,
-                              devices=devices, planner=planner, cluster=cpu_cluster(num_devices))
+                              devices=devices, planner=planner, cluster=cpu_cluster(num_devices),
+                              layer_depth=pipe_run.spec.layer_depth)
   ref = nnx.jit(ref_run.train_step)
   dev0 = devices[0]
   ref_data = [jax.device_put(b, dev0) for b in data]
