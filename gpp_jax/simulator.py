@@ -33,7 +33,7 @@ import networkx as nx
 from gpp_jax.cluster import Cluster
 from gpp_jax.cost_model import CostModel, LayerCosts, plan_costs
 from gpp_jax.errors import ScheduleError
-from gpp_jax.schedule import Action, Schedule
+from gpp_jax.schedule import Action, Schedule, dispatch_order
 
 Times = float | Sequence[float] | Mapping[int, float]
 
@@ -157,7 +157,8 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
                    cotangent_transfer: Mapping[tuple[int, int], float] | None = None,
                    static_memory: Sequence[float] | None = None,
                    activation_memory: Sequence[float] | None = None,
-                   stage_devices: Sequence[Sequence[int]] | None = None) -> SimResult:
+                   stage_devices: Sequence[Sequence[int]] | None = None,
+                   host_dispatch: float | None = None, cores: int | None = None) -> SimResult:
   """Schedule + explicit times -> SimResult.
 
   Args:
@@ -170,6 +171,11 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
     static_memory, activation_memory: bytes per device for weights/optimizer state, and for
       one stashed micro-batch, per stage (0 if None).
     stage_devices: devices of each stage, to report peak memory per device.
+    host_dispatch: seconds the driver's single host thread spends issuing one action. When
+      set, actions are issued one after another in the driver's dispatch order
+      (``dispatch_order``), and none starts before it has been issued.
+    cores: at most this many actions compute at once (devices sharing a host's cores, as
+      forced CPU devices do); None for independent devices.
   """
   S, M = schedule.num_stages, schedule.num_microbatches
   g = schedule.stage_graph()
@@ -200,37 +206,53 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
     arrive[(kind, src, dst, m)] = start + dur
     transfers.append(TransferTime(kind, src, dst, m, start, start + dur))
 
+  def needs(a: Action):
+    """(dependency end times, None where not yet known; duration) of an action."""
+    m = a.microbatch
+    if a.kind == "F":
+      return [arrive.get(("activation", p, a.stage, m)) for p in preds[a.stage]], tf(a.stage, m)
+    if a.kind == "B":
+      return ([end.get(("F", a.stage, m))] +
+              [arrive.get(("cotangent", c, a.stage, m)) for c in succs[a.stage]], tb(a.stage, m))
+    if a.kind == "W":
+      return [end.get(("B", a.stage, m))], tw(a.stage, m)
+    return [], float(up[a.stage])
+
+  def run(a: Action, start: float, dur: float) -> None:
+    s, m = a.stage, a.microbatch
+    fin = start + dur
+    end[(a.kind, s, m)] = fin
+    lane_free[s] = fin
+    actions.append(ActionTime(a.kind, s, m, start, fin))
+    if a.kind == "F":
+      for c in succs[s]:
+        send("activation", s, c, m, fin, act_x.get((s, c), 0.0))
+    elif a.kind == "B":
+      for p in preds[s]:
+        send("cotangent", s, p, m, fin, cot_x.get((p, s), 0.0))
+
+  if host_dispatch is not None:
+    host_t = 0.0
+    core_free = [0.0] * cores if cores else None
+    for a in dispatch_order(schedule):
+      deps, dur = needs(a)
+      host_t += host_dispatch
+      start = max([lane_free[a.stage], host_t] + deps)
+      if core_free is not None:
+        k = min(range(len(core_free)), key=core_free.__getitem__)
+        start = max(start, core_free[k])
+        core_free[k] = start + dur
+      run(a, start, dur)
+
   while len(actions) < total:
     progressed = False
     for s, lane in enumerate(schedule.lanes):
       while pos[s] < len(lane):
         a = lane[pos[s]]
-        m = a.microbatch
-        if a.kind == "F":
-          deps = [arrive.get(("activation", p, s, m)) for p in preds[s]]
-          dur = tf(s, m)
-        elif a.kind == "B":
-          deps = [end.get(("F", s, m))] + [arrive.get(("cotangent", c, s, m)) for c in succs[s]]
-          dur = tb(s, m)
-        elif a.kind == "W":
-          deps = [end.get(("B", s, m))]
-          dur = tw(s, m)
-        else:
-          deps = []
-          dur = float(up[s])
+        deps, dur = needs(a)
         if any(d is None for d in deps):
           break
-        start = max([lane_free[s]] + deps)
-        fin = start + dur
-        end[(a.kind, s, m)] = fin
-        lane_free[s] = fin
-        actions.append(ActionTime(a.kind, s, m, start, fin))
-        if a.kind == "F":
-          for c in succs[s]:
-            send("activation", s, c, m, fin, act_x.get((s, c), 0.0))
-        elif a.kind == "B":
-          for p in preds[s]:
-            send("cotangent", s, p, m, fin, cot_x.get((p, s), 0.0))
+        run(a, max([lane_free[s]] + deps), dur)
         pos[s] += 1
         progressed = True
     if not progressed:

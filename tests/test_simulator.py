@@ -234,3 +234,20 @@ def test_sp_tree_covers_every_layer_once_with_convex_nodes(seed, n, p):
             assert not any(nx.has_path(g, u, v) for u in a.layers for v in b.layers)
   if sp_decompose(mg.random_sp_dag(seed, num_layers=n)).added_edges:
     pytest.fail("a series-parallel graph needed ordering edges")
+
+
+def test_host_dispatch_mode_limits():
+  from gpp_jax.passes.schedules import one_f_one_b
+  from gpp_jax.simulator import simulate_times
+  S, M, tf, tb = 3, 4, 1.0, 2.0
+  sched = one_f_one_b(S, [(0, 1), (1, 2)], M)
+  free = simulate_times(sched, [tf] * S, [tb] * S)
+  assert simulate_times(sched, [tf] * S, [tb] * S, host_dispatch=0.0).iteration_time == \
+      pytest.approx(free.iteration_time)
+  # One core: everything runs one after another.
+  one = simulate_times(sched, [tf] * S, [tb] * S, host_dispatch=0.0, cores=1)
+  assert one.iteration_time == pytest.approx(S * M * (tf + tb))
+  # A slow host: the last action cannot start before all of them were issued.
+  n = sum(len(l) for l in sched.lanes)
+  slow = simulate_times(sched, [tf] * S, [tb] * S, host_dispatch=10.0)
+  assert slow.iteration_time >= n * 10.0
