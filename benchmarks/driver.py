@@ -27,8 +27,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("repeats", 15, "timed steps per configuration (median reported)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches per step")
 flags.DEFINE_integer("chain_width", 128, "width of the small-op chain (small enough for one core)")
-flags.DEFINE_integer("chain_depth", 32, "layers of the small-op chain (half per stage)")
-flags.DEFINE_integer("chain_microbatch", 256, "micro-batch size of the small-op chain")
+flags.DEFINE_integer("chain_depth", 8, "layers of the small-op chain (half per stage)")
+flags.DEFINE_integer("chain_microbatch", 32, "micro-batch size of the small-op chain")
+flags.DEFINE_integer("chain_inner", 40, "small matmuls per layer of the chain (a fori_loop)")
 
 
 def mlp_params(key, width, depth, din):
@@ -38,16 +39,20 @@ def mlp_params(key, width, depth, din):
                         "b": jnp.zeros(sizes[i + 1])} for i in range(depth)}
 
 
-def mlp(p, x):
+def mlp(p, x, inner=1):
   for k in sorted(p):
-    x = jnp.tanh(x @ p[k]["w"] + p[k]["b"])
+    w, b = p[k]["w"], p[k]["b"]
+    if inner == 1:
+      x = jnp.tanh(x @ w + b)
+    else:  # many small ops per layer: long single-core actions with few arguments
+      x = jax.lax.fori_loop(0, inner, lambda i, h: jnp.tanh(h @ w + b), x)
   return x
 
 
-def make_step(tx):
+def make_step(tx, inner=1):
   def step(params, opt_state, batch):
     loss, grads = gpp_jax.value_and_grad(
-        lambda p: jnp.mean((mlp(p, batch["x"]) - batch["y"]) ** 2))(params)
+        lambda p: jnp.mean((mlp(p, batch["x"], inner) - batch["y"]) ** 2))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
   return step
@@ -132,9 +137,10 @@ def main(_):
   p = mlp_params(jax.random.key(2), w, depth, w)
   b = batch_of(FLAGS.chain_microbatch * M, w, w)
   half = {f"l{i:02d}": (0 if i < depth // 2 else 1) for i in range(depth)}
-  pp_2 = gpp_jax.graph_pipeline(make_step(tx), num_microbatches=M, devices=devs[:2],
+  step = make_step(tx, FLAGS.chain_inner)
+  pp_2 = gpp_jax.graph_pipeline(step, num_microbatches=M, devices=devs[:2],
                                 planner=gpp_jax.manual_plan(half))
-  pp_1 = gpp_jax.graph_pipeline(make_step(tx), num_microbatches=M, devices=devs[:1], planner=one)
+  pp_1 = gpp_jax.graph_pipeline(step, num_microbatches=M, devices=devs[:1], planner=one)
   t1 = timed(pp_1, p, tx.init(p), b, FLAGS.repeats)
   t2 = timed(pp_2, p, tx.init(p), b, FLAGS.repeats)
   print(f"2-stage chain on 2 devices {t2 * 1e3:.2f} ms vs 1 device {t1 * 1e3:.2f} ms: "

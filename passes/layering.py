@@ -147,14 +147,19 @@ def layer_program(closed: xc.ClosedJaxpr, param_paths: Sequence[str | None], *,
   # transpose of a tied embedding) moves to the one layer that consumes it, so the parameter
   # is shared with that layer instead of a transformed copy being sent per micro-batch.
   for k in reversed(range(len(J.eqns))):
-    e = J.eqns[k]
-    if any(isinstance(v, xc.Var) and v in producer for v in e.invars):
-      continue
-    if not any(isinstance(v, xc.Var) and v in is_param for v in e.invars):
+    ins = [v for v in J.eqns[k].invars if isinstance(v, xc.Var)]
+    if not ins or not all(v in is_param for v in ins):
       continue
     targets = {final[c] for c in consumers[k]}
     if len(targets) == 1 and final[k] not in targets:
       final[k] = targets.pop()
+  # A parameter is owned by the layer its first reader ended up in.
+  first_reader: dict[int, int] = {}
+  for k, e in enumerate(J.eqns):
+    for v in e.invars:
+      if isinstance(v, xc.Var) and v in is_param:
+        first_reader.setdefault(is_param[v], k)
+  param_layer = {i: final[k] for i, k in first_reader.items()}
 
   graph = _annotate(closed, final, param_layer, batch_size, name)
   plist = tuple(param_layer.get(i) if param_paths[i] is not None else None

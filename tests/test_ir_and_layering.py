@@ -117,3 +117,18 @@ def test_calibration_times_every_layer():
   for n in g:
     assert g.nodes[n]["time_f"] > 0 and g.nodes[n]["time_b"] > 0
   assert "time_f" not in L.graph.nodes["a"]  # the input graph is left as it was
+
+
+def test_layers_whose_first_equation_reads_only_inputs_and_parameters():
+  # Each layer is one while loop reading the previous activation (the batch for the first)
+  # and its parameters; none of them may be mistaken for weight preprocessing.
+  def f(p, x):
+    for k in ("l0", "l1", "l2"):
+      w = p[k]
+      x = jax.lax.fori_loop(0, 3, lambda i, h, w=w: jnp.tanh(h @ w), x)
+    return jnp.sum(x)
+
+  p = {k: jnp.ones((4, 4)) for k in ("l0", "l1", "l2")}
+  _, L = _layered(f, p, jnp.ones((2, 4)))
+  assert lg.topo_layers(L.graph) == ["l0", "l1", "l2"]
+  assert all(L.graph.nodes[k]["param_bytes"] == 64 for k in ("l0", "l1", "l2"))
