@@ -1,7 +1,6 @@
 """Trains a model-zoo model with a graph pipeline on synthetic data.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-    python -m gpp_jax.train --model=mmt --planner=graphpipe --num_devices=8 \\
+  python -m gpp_jax.train --model=mmt --planner=graphpipe --num_devices=8 \\
       --num_microbatches=8 --steps=200
 
 Logs loss, throughput and progress while it runs and writes a run folder (``--run_dir``):
@@ -50,12 +49,18 @@ flags.DEFINE_string("transfer_address", None, "host:port for cross-process trans
 flags.DEFINE_float("timeout_s", 300.0, "multi-process: fail a step that stalls this long")
 
 
-def _setup_distributed():
+def _setup_devices():
+  """Multi-process set-up, or enough forced CPU devices for a single-process CPU run."""
+  import jax
   from gpp_jax import distributed
   if distributed.initialize_from_env():
     return
   if FLAGS.distributed:
     distributed.initialize(transfer_address=FLAGS.transfer_address)
+    return
+  # Only affects the CPU backend (and only before it starts): accelerators are unaffected.
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", FLAGS.num_devices)
 
 
 def write_stage_graph(plan, layer_graph, path_dot):
@@ -77,7 +82,7 @@ def write_stage_graph(plan, layer_graph, path_dot):
 
 def main(argv):
   del argv
-  _setup_distributed()
+  _setup_devices()
   import jax
   import gpp_jax
   from gpp_jax import layer_graph as lg
