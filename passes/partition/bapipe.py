@@ -99,10 +99,9 @@ def bapipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
   for est, b, r, S, mode, ranges, tps in found[:simulate_top]:
     stages = [(costs.layers[i:j], r) for i, j in ranges]
     plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
-                         planner="bapipe", schedule=mode, keep_order=True,
-                         extra_edges=[(k, k + 1) for k in range(len(stages) - 1)],
+                         planner="bapipe", schedule=mode, sequential=True,
                          cost_model=cm, costs=costs,
-                         info={"bottleneck_tps": tps, "sequential": True, "replicas": r})
+                         info={"bottleneck_tps": tps, "replicas": r})
     best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("bapipe", layer_graph, cluster, B)

@@ -141,10 +141,9 @@ def luo_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
     stages = [(costs.layers[i:j], r) for i, j in ranges]
     for mode in orders:
       plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
-                           planner="luo", schedule=mode, keep_order=True,
-                           extra_edges=[(k, k + 1) for k in range(len(stages) - 1)],
+                           planner="luo", schedule=mode, sequential=True,
                            device_order=list(range(K)), cost_model=cm, costs=costs,
-                           info={"estimate": est, "sequential": True, "replicas": r})
+                           info={"estimate": est, "replicas": r})
       best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("luo", layer_graph, cluster, B)

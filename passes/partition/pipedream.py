@@ -145,10 +145,9 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
     ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s)
     stages = [(costs.layers[i:j], d) for i, j, d in ranges]
     plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
-                         planner="pipedream", schedule=schedule, keep_order=True,
-                         extra_edges=[(k, k + 1) for k in range(len(stages) - 1)],
+                         planner="pipedream", schedule=schedule, sequential=True,
                          cost_model=cm, costs=costs,
-                         info={"bottleneck_tps": float(A[0, K, s]), "sequential": True})
+                         info={"bottleneck_tps": float(A[0, K, s])})
     if plan.predicted["memory_ok"]:
       evaluated.append(plan)
 

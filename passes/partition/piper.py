@@ -173,10 +173,9 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
     stages = _reconstruct(sets, member, subs, dp, dps, costs, cm, cluster, b, B, M, K, s, v,
                           cin, params, saved, link, order)
     plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
-                         planner="piper", schedule=schedule, keep_order=True,
-                         extra_edges=[(k, k + 1) for k in range(len(stages) - 1)],
+                         planner="piper", schedule=schedule, sequential=True,
                          cost_model=cm, costs=costs,
-                         info={"bottleneck_tps": v, "sequential": True, "downsets": D})
+                         info={"bottleneck_tps": v, "downsets": D})
     best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("piper", layer_graph, cluster, B)

@@ -64,7 +64,7 @@ def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
                   stages: Sequence[tuple[Iterable[str], int]], *, microbatch: int,
                   batch_size: int, planner: str, schedule: str = "1f1b",
                   extra_edges: Iterable[tuple[int, int]] = (), keep_order: bool = False,
-                  device_order: Sequence[int] | None = None,
+                  sequential: bool = False, device_order: Sequence[int] | None = None,
                   cost_model: CostModel | None = None, costs: LayerCosts | None = None,
                   info: dict[str, Any] | None = None) -> Plan:
   """Stage choice -> Plan with devices, edges, in-flight counts and predictions.
@@ -78,6 +78,9 @@ def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
     planner, schedule: names recorded in the plan.
     extra_edges: ordering edges between stages (indices into ``stages`` as given).
     keep_order: keep the given stage order (else sort stages topologically by first layer).
+    sequential: the stages form a chain in the given order (a sequential pipeline): implies
+      ``keep_order``, adds an ordering edge between consecutive stages, and records
+      ``predicted["sequential"]``.
     device_order: the order in which device indices are handed out (default 0..n-1).
     info: extra entries for ``plan.predicted``.
   """
@@ -86,6 +89,10 @@ def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
   raw = [(sorted(ls, key=costs.index.__getitem__), int(k)) for ls, k in stages]
   if any(not ls for ls, _ in raw):
     raise PlanError("a planner produced an empty stage; every stage needs at least one layer")
+  if sequential:
+    keep_order = True
+    extra_edges = list(extra_edges) + [(k, k + 1) for k in range(len(stages) - 1)]
+    info = {**(info or {}), "sequential": True}
   order = list(range(len(raw))) if keep_order else sorted(
       range(len(raw)), key=lambda i: costs.index[raw[i][0][0]])
   rank = {old: new for new, old in enumerate(order)}
