@@ -89,8 +89,10 @@ TINY = rp.Sweep(models=("candle_uno", "mmt"), devices=(2, 4),
 def tables():
   quiet = lambda msg: None  # noqa: E731
   dev = rp.device_sweep(TINY, log=quiet)
-  return {"throughput": rp.throughput_table(dev), "search_time": rp.search_time_table(dev),
-          "branches": rp.branch_table(rp.branch_sweep(TINY, log=quiet)),
+  br = rp.branch_sweep(TINY, log=quiet)
+  return {"throughput": rp.throughput_table(dev),
+          "search_time": rp.search_time_table(dev) + rp.search_time_table(br),
+          "branches": rp.branch_table(br),
           "microbatch": rp.microbatch_table(rp.microbatch_sweep(TINY, log=quiet)),
           "ablation": rp.ablation(TINY, dev, log=quiet), "_device_rows": dev}
 
@@ -108,6 +110,8 @@ def test_throughput_and_search_tables(tables):
   cu4 = tp[1]
   assert cu4["piper"] is None and cu4["failed"] == "piper"         # 7 tiny towers: state limit
   assert cu4["speedup"] > 1.0
+  assert [rp._label(r["model"]) for r in st[4:]] == ["CANDLE-Uno, 2 branches",
+                                                     "CANDLE-Uno, 4 branches"]
   for r in st:
     assert set(r) == set(rp.SEARCH_COLUMNS)
     assert r["graphpipe_s"] > 0 and r["pipedream_s"] > 0
