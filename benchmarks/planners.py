@@ -14,37 +14,23 @@ mini-batches "close to the memory limit"; the paper's exact sizes are not recove
 from __future__ import annotations
 
 import json
-import time
 
 from absl import app, flags
 
-from gpp_jax import model_graphs
 from gpp_jax.cluster import v100_cluster
-from gpp_jax.errors import PlanError
-from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS
+from gpp_jax.passes.partition import SEQUENTIAL_PLANNERS
+from gpp_jax.planner_runs import (PER_DEVICE_BATCH, best_row, build_graph, run_planner,
+                                  short_error)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "Model presets to plan.")
 flags.DEFINE_list("devices", ["4", "8", "16", "32"], "Device counts.")
 flags.DEFINE_list("planners", list(SEQUENTIAL_PLANNERS), "Sequential planners to compare.")
-flags.DEFINE_string("per_device_batch", "mmt=8,dlrm=128,candle_uno=128",
+flags.DEFINE_string("per_device_batch",
+                    ",".join(f"{m}={PER_DEVICE_BATCH[m]}" for m in ("mmt", "dlrm", "candle_uno")),
                     "Samples per device of the mini-batch, per model.")
 flags.DEFINE_integer("candle_branches", 7, "CANDLE-Uno branch count (the paper sweeps 2-16).")
 flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
-
-
-def run_planner(name: str, graph, cluster, batch: int) -> dict:
-  t0 = time.perf_counter()
-  try:
-    plan = PLANNERS[name](graph, cluster, batch)
-  except PlanError as e:
-    return {"planner": name, "error": str(e).split(";")[0], "seconds": time.perf_counter() - t0}
-  p = plan.predicted
-  return {"planner": name, "seconds": time.perf_counter() - t0,
-          "throughput": p["throughput"], "iteration_time": p["iteration_time"],
-          "stages": plan.num_stages, "depth": plan.depth(),
-          "microbatch": plan.stages[0].microbatch_size, "max_memory": p["max_memory"],
-          "idle_devices": len(p["idle_devices"]), "schedule": plan.schedule}
 
 
 def main(argv):
@@ -60,13 +46,15 @@ def main(argv):
     for k in map(int, FLAGS.devices):
       batch = int(per_dev[model]) * k
       shape = {"branches": FLAGS.candle_branches} if model == "candle_uno" else {}
-      graph = model_graphs.model_graph(model, batch_size=batch, **shape)
+      graph = build_graph(model, "paper", batch, **shape)
       cluster = v100_cluster(k)
       results = [run_planner("graphpipe", graph, cluster, batch)]
       results += [run_planner(n, graph, cluster, batch) for n in FLAGS.planners]
+      for r in results:
+        if "error" in r:
+          r["error"] = short_error(r)
       gp = results[0]
-      seq = [r for r in results[1:] if "throughput" in r]
-      best = max(seq, key=lambda r: r["throughput"]) if seq else None
+      best = best_row(results[1:], FLAGS.planners)
       times = " ".join(f"{r['seconds']:9.2f}" if "throughput" in r else f"{'limit':>9s}"
                        for r in results)
       if "throughput" in gp and best:

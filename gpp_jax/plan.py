@@ -199,3 +199,10 @@ def _check_layers(plan: Plan, layer_graph: nx.DiGraph) -> None:
   if set(induced) - set(plan.edges):
     raise PlanError(f"plan.edges {sorted(plan.edges)} lack the stage edges "
                     f"{sorted(set(induced) - set(plan.edges))} that the layer graph induces")
+
+
+if __name__ == "__main__":
+  # ``python -m gpp_jax.plan``: the planning CLI. It imports Plan from ``gpp_jax.plan`` (this
+  # file imported as a module), never from ``__main__``.
+  from gpp_jax.plan_cli import run
+  run()
