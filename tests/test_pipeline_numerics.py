@@ -154,3 +154,17 @@ def test_balanced_default_planner_and_metrics():
   assert "stage 0 -> stage 1" in text and "cut edges" in text
   tl = pp.timeline
   assert {(e.action, e.stage, e.microbatch) for e in tl.events} >= {("F", 0, 0), ("B", 1, 1)}
+
+
+def test_global_norm_clipping_active_is_exact():
+  # A tiny threshold makes clipping scale every update, so the cross-stage global norm
+  # must be computed exactly for the parameters to match.
+  import optax
+  tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
+  params = chain_params()
+  r, p, pp = compare_steps(mse_step(chain_model, tx), (params, tx.init(params)),
+                           make_batch(9, 16, 6, 3), num_microbatches=4,
+                           devices=jax.devices()[:4], planner=CHAIN_PLAN)
+  moved = max_diff(params, r[0])
+  assert 1e-4 < moved < 1e-2  # clipped: each step moves by at most 1e-3
+  assert max_diff(r[0], p[0]) <= 1e-7
