@@ -174,8 +174,9 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
     host_dispatch: seconds the driver's single host thread spends issuing one action. When
       set, actions are issued one after another in the driver's dispatch order
       (``dispatch_order``), and none starts before it has been issued.
-    cores: at most this many actions compute at once (devices sharing a host's cores, as
-      forced CPU devices do); None for independent devices.
+    cores: the host has this many cores, shared by the computing actions (forced CPU
+      devices share them) and by the issuing thread while it issues an action; None for
+      independent devices.
   """
   S, M = schedule.num_stages, schedule.num_microbatches
   g = schedule.stage_graph()
@@ -236,7 +237,12 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
     core_free = [0.0] * cores if cores else None
     for a in dispatch_order(schedule):
       deps, dur = needs(a)
-      host_t += host_dispatch
+      if core_free is None:
+        host_t += host_dispatch
+      else:  # the issuing thread needs a core as well
+        k = min(range(len(core_free)), key=core_free.__getitem__)
+        host_t = max(host_t, core_free[k]) + host_dispatch
+        core_free[k] = host_t
       start = max([lane_free[a.stage], host_t] + deps)
       if core_free is not None:
         k = min(range(len(core_free)), key=core_free.__getitem__)
