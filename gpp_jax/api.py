@@ -42,7 +42,7 @@ class GraphPipeline:
   """
 
   def __init__(self, fn: Callable, *, num_microbatches: int, devices: Sequence[Any] | None = None,
-               planner: str | Plan | ManualPlan | Callable = "balanced", schedule: str = "1f1b",
+               planner: str | Plan | ManualPlan | Callable = "balanced", schedule: str | None = None,
                batch_argnums: int | Sequence[int] | None = None, remat: bool = False,
                layer_depth: int | None = None, cluster: Any = None, measure: bool = False,
                planner_options: dict | None = None, timeout_s: float = 300.0,
@@ -237,10 +237,12 @@ class GraphPipeline:
     nd = len(self.devices)
     if isinstance(p, Plan):
       plan = p if p.num_microbatches == M else p.replace(num_microbatches=M)
+      if self.schedule_name is not None:
+        plan = plan.replace(schedule=self.schedule_name)
       validate_plan(plan, graph, nd)
       return plan
     if isinstance(p, ManualPlan):
-      return p.resolve(graph, M, self.schedule_name, nd, batch_size)
+      return p.resolve(graph, M, self.schedule_name or "1f1b", nd, batch_size)
     if isinstance(p, str):
       fn = get_planner(p)
       cluster = self.cluster if self.cluster is not None else nd
@@ -254,7 +256,7 @@ class GraphPipeline:
                       f"got {type(p).__name__}")
     if plan.num_microbatches != M:
       plan = plan.replace(num_microbatches=M)
-    if plan.schedule != self.schedule_name and isinstance(p, str) and p == "balanced":
+    if self.schedule_name is not None:
       plan = plan.replace(schedule=self.schedule_name)
     validate_plan(plan, graph, nd)
     return plan
@@ -345,7 +347,8 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
     planner: a planner name (``"balanced"``, and the cost-model planners), a ``Plan``, a
       ``gpp_jax.manual_plan(...)``, or a callable ``(layer_graph, cluster, batch_size,
       num_microbatches=) -> Plan``.
-    schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+    schedule: ``"1f1b"``, ``"gpipe"`` or ``"graph-1f1b"``; None (default) keeps the plan's
+      (planners choose; a manual plan uses 1F1B).
     batch_argnums: positions of the batch arguments (default: the last argument).
     remat: recompute each stage's forward in its backward instead of keeping residuals.
     layer_depth: truncate layer paths to this many components (coarser layers).

@@ -187,8 +187,10 @@ class PipelineRunner:
 
   # ---------------------------------------------------------------- per-step inputs
   def _prepare(self, params, data):
+    """Per-step stage inputs that do not change across micro-batches (``_fixed[s][j]``:
+    parameters, broadcast data, keys before folding) and the host-side batch chunks."""
     M = self.M
-    self._params = [[None] * len(st.inputs) for st in self.staged.stages]
+    self._fixed = [[None] * len(st.inputs) for st in self.staged.stages]
     self._batch_chunks = {}
     for s, st in enumerate(self.staged.stages):
       rep = self.place[s].replicated
@@ -197,12 +199,12 @@ class PipelineRunner:
           x = params[r.index]
           owner = self.staged.param_owner[r.index]
           # Every process issues the same put: a local copy, a send, a receive or a no-op.
-          self._params[s][j] = x if owner == s else transfer(x, rep)
+          self._fixed[s][j] = x if owner == s else transfer(x, rep)
         elif r.kind == "data":
           role = self.roles[r.index]
           x = data[r.index]
           if role in (BROADCAST, KEY):  # keys get the micro-batch index folded in per F
-            self._params[s][j] = transfer(x, rep)
+            self._fixed[s][j] = transfer(x, rep)
           elif role == BATCH and r.index not in self._batch_chunks:
             host = np.asarray(jax.device_get(x))
             if host.shape[0] % M:
@@ -216,7 +218,7 @@ class PipelineRunner:
     diff, nondiff = [], []
     for j, r in enumerate(st.inputs):
       if r.kind == "param":
-        v = self._params[s][j]
+        v = self._fixed[s][j]
       elif r.kind == "act":
         v = self._inbox.pop((s, r.index, m))
       else:
@@ -224,9 +226,9 @@ class PipelineRunner:
         if role == BATCH:
           v = place.put(self._batch_chunks[r.index][m])
         elif role == KEY:
-          v = _fold(self._params[s][j], transfer(np.uint32(m), place.replicated))
+          v = _fold(self._fixed[s][j], transfer(np.uint32(m), place.replicated))
         else:
-          v = self._params[s][j]
+          v = self._fixed[s][j]
       (diff if r.diff else nondiff).append(v)
     return diff, nondiff
 

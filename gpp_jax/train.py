@@ -30,7 +30,8 @@ flags.DEFINE_string("model", "mmt", "model: mmt, dlrm, candle_uno or gpt")
 flags.DEFINE_string("preset", "tiny", "model size preset: tiny or paper")
 flags.DEFINE_string("planner", "graphpipe", "planner name (graphpipe, pipedream, piper, bapipe, "
                     "luo, balanced)")
-flags.DEFINE_string("schedule", "1f1b", "micro-batch schedule: 1f1b or gpipe")
+flags.DEFINE_string("schedule", None, "micro-batch schedule: 1f1b, gpipe or graph-1f1b "
+                    "(default: the planner's choice)")
 flags.DEFINE_integer("num_devices", 8, "devices to use (the first N of jax.devices())")
 flags.DEFINE_integer("num_microbatches", 8, "micro-batches per step")
 flags.DEFINE_integer("batch_size", 64, "examples per step")

@@ -191,11 +191,9 @@ def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
     sub = xc.Jaxpr(consts, ins, outs, eqns, effects, debug_info=dbg)
     stages.append(StageProgram(s, xc.ClosedJaxpr(sub, cvals), tuple(refs), tuple(orefs),
                                sum(r.diff for r in refs), len(eqns)))
-  missing = set(plan.edges) ^ edges
   if edges - set(plan.edges):
     raise PlanError(f"the program needs stage edges {sorted(edges - set(plan.edges))} that the "
                     "plan lacks; rebuild the plan from this model's layer graph")
-  del missing
   return StagedProgram(tuple(stages), param_owner, tuple(loss_outputs), tuple(sorted(edges)))
 
 

@@ -124,18 +124,11 @@ def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequen
     invar_home.append(h)
     if h >= 0:
       home[v] = h
-  # Levels.
-  level: dict[xc.Var, int] = {}
+  # Levels: one more whenever a value crosses between homes.
   eqn_level = [0] * len(eqns)
   for k, e in enumerate(eqns):
-    lv = 0
-    for v in e.invars:
-      if isinstance(v, xc.Var) and v in producer:
-        p = producer[v]
-        lv = max(lv, eqn_level[p] + (eqn_home[p] != eqn_home[k]))
-      elif isinstance(v, xc.Var):
-        lv = max(lv, 0)
-    eqn_level[k] = lv
+    eqn_level[k] = max((eqn_level[producer[v]] + (eqn_home[producer[v]] != eqn_home[k])
+                        for v in e.invars if isinstance(v, xc.Var) and v in producer), default=0)
   groups: dict[tuple[int, int], list[int]] = {}
   for k in range(len(eqns)):
     if k != marker_index:
