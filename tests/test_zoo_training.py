@@ -24,9 +24,10 @@ def test_loss_curve_matches_one_device(model):
 
 def test_train_entry_point_writes_a_run_folder(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  r = subprocess.run([sys.executable, "-m", "gpp_jax.train", "--model=candle_uno",
-                      "--planner=graphpipe", "--num_devices=4", "--num_microbatches=4",
-                      "--batch_size=16", "--steps=4", "--log_every=2", f"--run_dir={tmp_path}"],
+  flagfile = os.path.join(os.path.dirname(__file__), "..", "configs", "candle_uno_tiny.flags")
+  r = subprocess.run([sys.executable, "-m", "gpp_jax.train", f"--flagfile={flagfile}",
+                      "--num_devices=4", "--num_microbatches=4", "--batch_size=16", "--steps=4",
+                      "--log_every=2", f"--run_dir={tmp_path}"],
                      capture_output=True, text=True, timeout=600, env=env)
   assert r.returncode == 0, r.stderr[-3000:]
   for name in ("plan.json", "plan.txt", "layer_graph.json", "stage_graph.dot",
@@ -37,3 +38,5 @@ def test_train_entry_point_writes_a_run_folder(tmp_path):
   measured = json.loads((tmp_path / "timeline_measured.json").read_text())["traceEvents"]
   assert any(e["name"].startswith("B") for e in measured)
   assert "digraph stages" in (tmp_path / "stage_graph.dot").read_text()
+  plan = json.loads((tmp_path / "plan.json").read_text())
+  assert plan["planner"] == "graphpipe"  # from the flagfile
