@@ -29,11 +29,10 @@ import time
 import networkx as nx
 import numpy as np
 
-from gpp_jax.cluster import Cluster, as_cluster
-from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
-from gpp_jax.layer_graph import validate_layer_graph
+from gpp_jax.cluster import Cluster
+from gpp_jax.cost_model import CostModel
 from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
-                                                    microbatch_sizes, no_plan_error)
+                                                    microbatch_sizes, no_plan_error, planner_inputs)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.plan import Plan
 
@@ -117,12 +116,8 @@ def luo_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
     simulate_top: how many partitions (best estimates first) are simulated in every order.
   """
   t0 = time.perf_counter()
-  validate_layer_graph(layer_graph)
-  cluster = as_cluster(cluster)
-  cm = cost_model or DEFAULT_COST_MODEL
-  B = int(batch_size or layer_graph.graph["batch_size"])
+  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
   K = cluster.num_devices
-  costs = layer_costs(layer_graph)
   n = len(costs)
   cross = _crossing(costs, n)
   found = []

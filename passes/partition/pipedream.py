@@ -27,12 +27,12 @@ import time
 import networkx as nx
 import numpy as np
 
-from gpp_jax.cluster import Cluster, as_cluster
-from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
-from gpp_jax.layer_graph import validate_layer_graph
+from gpp_jax.cluster import Cluster
+from gpp_jax.cost_model import CostModel
 from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error, spend_idle_devices)
+                                                    no_plan_error, planner_inputs,
+                                                    spend_idle_devices)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.plan import Plan
 
@@ -113,11 +113,7 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       fastest plan wins after its device counts are polished.
   """
   t0 = time.perf_counter()
-  validate_layer_graph(layer_graph)
-  cluster = as_cluster(cluster)
-  cm = cost_model or DEFAULT_COST_MODEL
-  B = int(batch_size or layer_graph.graph["batch_size"])
-  costs = layer_costs(layer_graph)
+  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
   K = cluster.num_devices
   sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
   tables = {}

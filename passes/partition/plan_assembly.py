@@ -15,9 +15,10 @@ from typing import Any, Iterable, Sequence
 
 import networkx as nx
 
-from gpp_jax.cluster import Cluster
+from gpp_jax.cluster import Cluster, as_cluster
 from gpp_jax.cost_model import CostModel, LayerCosts, DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.errors import PlanError
+from gpp_jax.layer_graph import validate_layer_graph
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.plan import Plan, Stage, stage_edges
@@ -58,6 +59,17 @@ def data_parallel_degrees(microbatch: int, max_devices: int,
   if powers_of_two:
     out = [d for d in out if d & (d - 1) == 0]
   return out
+
+
+def planner_inputs(layer_graph: nx.DiGraph, cluster: "Cluster | int | None",
+                   batch_size: int | None, cost_model: CostModel | None
+                   ) -> tuple[Cluster, CostModel, int, LayerCosts]:
+  """What every cost-model planner starts from: the validated LayerGraph's costs, the Cluster
+  (a device count becomes a ``cpu_cluster``), the cost model and the mini-batch size (default:
+  the LayerGraph's ``batch_size``)."""
+  validate_layer_graph(layer_graph)
+  return (as_cluster(cluster), cost_model or DEFAULT_COST_MODEL,
+          int(batch_size or layer_graph.graph["batch_size"]), layer_costs(layer_graph))
 
 
 def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
