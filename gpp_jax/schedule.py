@@ -13,6 +13,7 @@ cotangent when its consumer's B ends. The simulator and the driver read the same
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Iterable, Sequence
 
@@ -153,6 +154,12 @@ def dispatch_order(sched: Schedule) -> list[Action]:
   the same actions (and the same transfers) in the same order. Raises ScheduleError, with the
   grid and the blocked action marked, if the lanes deadlock.
   """
+  return list(_dispatch_order(sched))
+
+
+@functools.lru_cache(maxsize=256)
+def _dispatch_order(sched: Schedule) -> tuple[Action, ...]:
+  # Cached: the validator, the simulator and the driver all ask for the same schedule's order.
   g = sched.stage_graph()
   done: set[Action] = set()
   order: list[Action] = []
@@ -176,7 +183,7 @@ def dispatch_order(sched: Schedule) -> list[Action]:
       waits = "; ".join(f"{a} waits for {[str(d) for d in dependencies(a, g) if d not in done]}"
                         for a in blocked)
       raise ScheduleError(f"schedule deadlocks: {waits}\n{sched.grid(mark=blocked[0])}")
-  return order
+  return tuple(order)
 
 
 def _fail(sched: Schedule, a: Action, msg: str):

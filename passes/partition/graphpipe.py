@@ -45,6 +45,13 @@ Extensions beyond the paper's recurrence (each keeps stages convex and the stage
     parallelism; at the two best micro-batch sizes the search is repeated with one device
     per stage (then polished), so deeper all-pipeline plans compete in the simulator too.
 
+  * chain seeds: the chain DP's optima over the topological order (PipeDream's DP, as stage
+    DAGs without ordering edges) join the simulated candidates, since a chain of stages is a
+    stage DAG too;
+  * polish: the best plan of each of the best micro-batch sizes is improved by local search
+    on the simulated time (``refine.polish``: device counts, layer moves, splits, merges);
+    the sequential planners get the same polish, restricted to chains.
+
 Choices the paper leaves open, made here (see BUILD_NOTES.md):
   * TPS of a stage = combine(compute, transfers) / b + (all-reduce + optimizer) / B, with
     ``CostModel.tps_formula`` "sum" by default; transfers priced on the slowest link of the
@@ -52,9 +59,9 @@ Choices the paper leaves open, made here (see BUILD_NOTES.md):
   * in-flight count of a stage = min(L(s), M), L = longest path to a sink in stages;
   * device counts per stage: any divisor of the micro-batch (``powers_of_two=True``
     restricts them to powers of two); the DP may leave devices idle once the bottleneck cannot
-    improve, so afterwards ``spend_idle_devices`` (a local search on device counts against
-    the simulator, which PipeDream and Piper get too) hands them to the stages that gain
-    most; devices no stage can use stay idle and are listed in ``predicted["idle_devices"]``;
+    improve, so afterwards the polish (a local search against the simulator, which
+    PipeDream and Piper get too) hands them to the stages that gain most; devices no stage
+    can use stay idle and are listed in ``predicted["idle_devices"]``;
   * stages get contiguous device ranges, kept inside a node where they fit
     (``plan_assembly.place_stages``).
 """
@@ -74,8 +81,9 @@ from gpp_jax.cost_model import CostModel, LayerCosts
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error, planner_inputs,
-                                                    spend_idle_devices)
+                                                    no_plan_error, planner_inputs)
+from gpp_jax.passes.partition.pipedream import chain_candidates
+from gpp_jax.passes.partition.refine import polish
 from gpp_jax.passes.series_parallel import SPNode, sp_decompose
 from gpp_jax.plan import Plan
 
@@ -722,7 +730,9 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
                    cost_model: CostModel | None = None, schedule: str = "1f1b",
                    powers_of_two: bool = False, max_microbatches: int | None = MAX_MICROBATCHES,
                    eps: float = 5e-3, simulate_top: int = 4, prune: float = 1.25,
-                   polish_top: int = 3, replication_variant: bool = True) -> Plan:
+                   replication_variant: bool = True,
+                   refine_sizes: int = 4, refine_within: float = 1.1,
+                   refine_evals: int = 200, chain_seeds: bool = True) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 
   Args:
@@ -739,9 +749,14 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       simulated.
     prune: skip a micro-batch size when B * t* exceeds ``prune`` times the best simulated
       iteration time so far (t* its smallest feasible TPS).
-    polish_top: how many of the fastest simulated plans get their device counts polished.
     replication_variant: at the two best micro-batch sizes, also search without data
       parallelism inside stages.
+    refine_sizes: how many micro-batch sizes (best first) get their best plan polished by
+      ``refine.refine_plan`` (layer moves, splits and merges against the simulator), among
+      those whose best plan is within ``refine_within`` times the best simulated time.
+    refine_evals: at most this many simulations for the polish, in all.
+    chain_seeds: add the chain DP's plans (PipeDream's DP over the topological order, without
+      ordering edges) to the candidates before polishing.
   """
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
@@ -851,10 +866,18 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("graphpipe", layer_graph, cluster, B,
                         "every micro-batch size exceeds device memory")
-  evaluated.sort(key=lambda p: p.predicted["iteration_time"])
-  for plan in evaluated[:polish_top]:
-    best = better(best, spend_idle_devices(plan, layer_graph, cluster, cost_model=cm,
-                                           costs=costs))
+  # A chain of stages is a stage DAG too: the chain DP's optima over the topological order
+  # join the candidates, so GraphPipe's plan space visibly contains the sequential one.
+  if chain_seeds:
+    chains = chain_candidates(layer_graph, cluster, B, sizes, cost_model=cm, costs=costs,
+                              schedule=schedule, simulate_top=3, sweep=False,
+                              planner="graphpipe", sequential=False)
+    evaluated += chains
+    n_sims += len(chains)
+  # Phase 4: the DP's objective is a proxy; polish the best plans by local search on the
+  # simulated time (device counts, then layer moves, splits and merges per micro-batch size).
+  best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs,
+                refine_sizes=refine_sizes, refine_within=refine_within, max_evals=refine_evals)
   stats = SearchStats(seconds=time.perf_counter() - t0, dp_runs=runs,
                       microbatch_sizes=tuple(sizes), candidates=n_cands, simulated=n_sims,
                       best_tps=float(best_tps))

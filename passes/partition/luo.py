@@ -13,7 +13,9 @@ BUILD_NOTES.md):
 * Partition. The iteration time of a synchronous pipeline is estimated as
   ``sum_s t_s + (M - 1) * max_s t_s`` where t_s is stage s's forward + backward time per
   micro-batch plus its boundary transfers priced on the link its mapping gives it (the bytes
-  crossing a boundary of the linearised graph). For a grid of caps T on max_s t_s a DP over
+  crossing a boundary of the linearised graph) plus 1/M of its gradient all-reduce and
+  optimizer update (the reconstruction prices synchronisation, which replication makes
+  dominant for embedding-heavy models). For a grid of caps T on max_s t_s a DP over
   (stage, cut) minimises the sum subject to t_s <= T and per-device memory; the best cap wins.
 * Order. Each partition is simulated with three micro-batch orders, synchronous 1F1B,
   list-scheduled graph 1F1B (backward as early as possible) and GPipe, and the fastest order
@@ -52,7 +54,9 @@ def _mapped_partition(rc: RangeCosts, cross: np.ndarray, cluster: Cluster, r: in
                       M: int, grid: int = 24):
   """Best (estimate, ranges) for S stages of r devices mapped in order, or None."""
   n, b = rc.n, rc.b
-  comp = rc.compute[r]
+  # Forward + backward per micro-batch, plus the stage's share of its end-of-iteration
+  # gradient all-reduce and optimizer update (a replicated stage synchronises its gradients).
+  comp = rc.compute[r] + rc.upd(rc.params, r) / M
   upd_static = rc.cm.static_memory(rc.params)
   inf = math.inf
 

@@ -11,7 +11,7 @@ priced (synchronous 1F1B: the stage holds one micro-batch per stage from it to t
   A[i, m, s] = min over j > i, d | b, d <= m with memory(i..j-1, d, min(s, M)) <= capacity of
                max(TPS(i..j-1, d), A[j, m - d, s - 1])
 A[0, K, s] is the best bottleneck with s stages. Devices may stay idle (A is made
-non-increasing in m); idle devices are then handed out by ``spend_idle_devices``. TPS uses the
+non-increasing in m); idle devices are then handed out by ``refine.polish``. TPS uses the
 shared cost model, so PipeDream and GraphPipe are priced the same way. The micro-batch size is
 swept over powers of two dividing the batch; over all (micro-batch, s) optima the ones with
 the best estimate (M + s - 1) * TPS * b are simulated and the fastest wins (the same selection
@@ -28,11 +28,11 @@ import networkx as nx
 import numpy as np
 
 from gpp_jax.cluster import Cluster
-from gpp_jax.cost_model import CostModel
-from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
+from gpp_jax.cost_model import CostModel, LayerCosts
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan,
                                                     data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error, planner_inputs,
-                                                    spend_idle_devices)
+                                                    no_plan_error, planner_inputs)
+from gpp_jax.passes.partition.refine import polish
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.plan import Plan
 
@@ -110,12 +110,34 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
     simulate_top: how many (micro-batch, stage count) optima, ranked by the estimate
       (M + S - 1) * TPS * b, are simulated; at the two best micro-batch sizes the best
       max(simulate_top, 8) stage counts are simulated too, with and without replication; the
-      fastest plan wins after its device counts are polished.
+      fastest plan wins after ``refine.polish``.
   """
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
-  K = cluster.num_devices
   sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
+  evaluated = chain_candidates(layer_graph, cluster, B, sizes, cost_model=cm, costs=costs,
+                               schedule=schedule, replicate=replicate,
+                               simulate_top=simulate_top)
+  if not evaluated:
+    raise no_plan_error("pipedream", layer_graph, cluster, B)
+  best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs)
+  pred = dict(best.predicted)
+  pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
+  return best.replace(predicted=pred)
+
+
+def chain_candidates(layer_graph: nx.DiGraph, cluster: Cluster, B: int, sizes: list[int], *,
+                     cost_model: CostModel, costs: LayerCosts, schedule: str = "1f1b",
+                     replicate: bool = True, simulate_top: int = 6, sweep: bool = True,
+                     planner: str = "pipedream", sequential: bool = True) -> list[Plan]:
+  """The simulated PipeDream DP optima within memory (see ``pipedream_plan``), unpolished;
+  ``sweep=False`` skips simulating every stage count at the two best micro-batch sizes.
+
+  With ``sequential=False`` the plans keep only the edges tensors flow along (a chain of
+  stages is also a stage DAG, whose stages without a data edge between them may overlap).
+  """
+  cm = cost_model
+  K = cluster.num_devices
   tables = {}
 
   def table(b: int, rep: bool):
@@ -141,7 +163,7 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
     ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s)
     stages = [(costs.layers[i:j], d) for i, j, d in ranges]
     plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
-                         planner="pipedream", schedule=schedule, sequential=True,
+                         planner=planner, schedule=schedule, sequential=sequential,
                          cost_model=cm, costs=costs,
                          info={"bottleneck_tps": float(A[0, K, s])})
     if plan.predicted["memory_ok"]:
@@ -156,17 +178,8 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
   for plan in sorted(evaluated, key=lambda p: p.predicted["iteration_time"]):
     if plan.stages[0].microbatch_size not in top_sizes:
       top_sizes.append(plan.stages[0].microbatch_size)
-  for b in top_sizes[:2]:
+  for b in top_sizes[:2 if sweep else 0]:
     for rep in {replicate, False}:
       for _, _, s, r in sorted(candidates(b, rep))[:max(simulate_top, 8)]:
         evaluate(b, s, r)
-  if not evaluated:
-    raise no_plan_error("pipedream", layer_graph, cluster, B)
-  evaluated.sort(key=lambda p: p.predicted["iteration_time"])
-  best = None
-  for plan in evaluated[:3]:
-    best = better(best, spend_idle_devices(plan, layer_graph, cluster, cost_model=cm,
-                                           costs=costs))
-  pred = dict(best.predicted)
-  pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
-  return best.replace(predicted=pred)
+  return evaluated

@@ -36,8 +36,8 @@ from gpp_jax.cost_model import CostModel
 from gpp_jax.errors import PlanError
 from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error, planner_inputs,
-                                                    spend_idle_devices)
+                                                    no_plan_error, planner_inputs)
+from gpp_jax.passes.partition.refine import polish
 from gpp_jax.plan import Plan
 
 
@@ -163,7 +163,7 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
       if math.isfinite(v):
         found.append(((M + s - 1) * v * b, b, s, v, dp, dps))
   found.sort(key=lambda c: c[:3])
-  best = None
+  best, plans = None, []
   for est, b, s, v, dp, dps in found[:simulate_top]:
     M = B // b
     stages = _reconstruct(sets, member, subs, dp, dps, costs, cm, cluster, b, B, M, K, s, v,
@@ -173,9 +173,10 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
                          cost_model=cm, costs=costs,
                          info={"bottleneck_tps": v, "downsets": D})
     best = better(best, plan)
+    plans.append(plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("piper", layer_graph, cluster, B)
-  best = spend_idle_devices(best, layer_graph, cluster, cost_model=cm, costs=costs)
+  best = polish(plans, layer_graph, cluster, cost_model=cm, costs=costs)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "downsets": D, "pairs": pairs}
   return best.replace(predicted=pred)

@@ -1,0 +1,282 @@
+"""Local search on a finished plan against the simulator.
+
+A planner's search optimises a proxy (time per sample of the bottleneck, entry depth); the
+simulator sees what the proxy cannot: the pipeline fill and drain, a stage's gradient
+all-reduce at the end of the iteration, transfers on the links the placement picked. This
+module polishes a plan by steepest descent on the simulated iteration time over small moves:
+
+* device moves: give idle devices to a stage, or shift devices to one of the busiest stages
+  from another (device counts stay divisors of the micro-batch);
+* partition moves (``partition=True``), each touching one of the busiest stages:
+  move one layer across a stage edge, split a stage in two (a prefix and a suffix of its
+  layers in topological order, devices shared out, idle ones included), merge two stages
+  joined by an edge.
+
+A DAG plan keeps only moves whose stage graph stays acyclic (which keeps every stage convex).
+A sequential plan (``predicted["sequential"]``) stays a chain: its stages are cuts of one
+topological order, and moves shift, add or remove a cut. The search stops when no move gains
+more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import networkx as nx
+import numpy as np
+
+from gpp_jax.cluster import Cluster
+from gpp_jax.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
+from gpp_jax.passes.partition.plan_assembly import assemble_plan, data_parallel_degrees
+from gpp_jax.plan import Plan
+
+# ``plan.predicted`` entries that describe the prediction itself (recomputed on every move);
+# the rest (search statistics, the planner's own notes) is carried over.
+_PREDICTION_KEYS = ("iteration_time", "throughput", "stage_memory", "max_memory",
+                    "memory_limit", "memory_ok", "bubble", "depth", "cluster", "idle_devices")
+
+Stages = tuple[tuple[tuple[str, ...], int], ...]
+
+
+def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
+                cost_model: CostModel | None = None, costs: LayerCosts | None = None,
+                partition: bool = True, max_rounds: int = 16, max_takers: int = 3,
+                max_evals: int = 200, budget: list[int] | None = None) -> Plan:
+  """Plan -> a plan at least as fast (see the module docstring).
+
+  Args:
+    plan: a plan with uniform micro-batch size and ``predicted`` filled in.
+    layer_graph, cluster, cost_model, costs: what the plan was made from.
+    partition: also move layers between stages (else device counts only, same stages).
+    max_rounds: at most this many improving moves.
+    max_takers: moves touch one of this many busiest stages (smallest bubble).
+    max_evals: at most this many simulated candidates in all.
+    budget: a one-element list holding a simulation budget shared between calls (it is
+      decremented; ``max_evals`` is ignored when given).
+  """
+  costs = costs or layer_costs(layer_graph)
+  info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
+  sequential = bool(plan.predicted.get("sequential"))
+  K = cluster.num_devices
+  mb = plan.stages[0].microbatch_size or plan.batch_size // plan.num_microbatches
+  ok = data_parallel_degrees(mb, K)
+  ok_set = set(ok)
+  fixed_edges = tuple(plan.edges) if not partition else ()
+
+  def build(stages: Stages) -> Plan:
+    if not partition:          # same stages, same order and edges: only device counts change
+      return assemble_plan(layer_graph, cluster, stages, microbatch=mb,
+                           batch_size=plan.batch_size, planner=plan.planner,
+                           schedule=plan.schedule, extra_edges=fixed_edges, keep_order=True,
+                           cost_model=cost_model, costs=costs, info=info)
+    return assemble_plan(layer_graph, cluster, stages, microbatch=mb, batch_size=plan.batch_size,
+                         planner=plan.planner, schedule=plan.schedule, sequential=sequential,
+                         keep_order=sequential, cost_model=cost_model, costs=costs, info=info)
+
+  cm = cost_model or DEFAULT_COST_MODEL
+  M = plan.batch_size // mb
+  per_layer: dict[int, np.ndarray] = {}
+
+  def bound(stages: Stages) -> float:
+    """A lower bound on the iteration time: the busiest stage's compute, all micro-batches."""
+    worst = 0.0
+    for ls, d in stages:
+      t = per_layer.get(d)
+      if t is None:
+        tf, tb = cm.layer_times(costs, cluster.device, mb / d)
+        t = per_layer[d] = tf + tb
+      worst = max(worst, M * float(t[[costs.index[l] for l in ls]].sum()))
+    return worst
+
+  def key(stages: Stages):
+    return tuple(stages) if sequential or not partition else frozenset(stages)
+
+  def acyclic(stages: Stages) -> bool:
+    where = {l: i for i, (ls, _) in enumerate(stages) for l in ls}
+    q = nx.DiGraph()
+    q.add_nodes_from(range(len(stages)))
+    q.add_edges_from((where[u], where[v]) for u, v in layer_graph.edges if where[u] != where[v])
+    return nx.is_directed_acyclic_graph(q)
+
+  def splits(d: int, spare: int):
+    """Device counts (d1, d2) for the two halves of a stage on d devices."""
+    for total in sorted({d, d + spare}):
+      for d1 in ok:
+        if total - d1 in ok_set:
+          yield d1, total - d1
+
+  def merged_count(total: int) -> int:
+    return max(x for x in ok if x <= total)
+
+  def device_moves(stages: Stages, takers: Sequence[int], idle: int):
+    counts = [d for _, d in stages]
+    for i in range(len(counts)):
+      for d in ok:
+        if counts[i] < d <= counts[i] + idle:
+          yield tuple((ls, d if x == i else c) for x, (ls, c) in enumerate(stages))
+    for i in takers:
+      for j in range(len(counts)):
+        total = counts[i] + counts[j]
+        if i == j:
+          continue
+        for d in ok:
+          if d != counts[i] and total - d in ok_set:
+            yield tuple((ls, d if x == i else total - d if x == j else c)
+                        for x, (ls, c) in enumerate(stages))
+
+  def chain_moves(stages: Stages, takers: Sequence[int], idle: int):
+    n = len(stages)
+    near = {j for i in takers for j in (i - 1, i, i + 1) if 0 <= j < n}
+    for k in range(n - 1):                          # shift the cut between k and k + 1
+      if k not in near and k + 1 not in near:
+        continue
+      (a, da), (b, db) = stages[k], stages[k + 1]
+      head, tail = stages[:k], stages[k + 2:]
+      if len(a) > 1:
+        yield head + ((a[:-1], da), ((a[-1],) + b, db)) + tail
+      if len(b) > 1:
+        yield head + ((a + (b[0],), da), (b[1:], db)) + tail
+      yield head + ((a + b, merged_count(da + db + idle)),) + tail
+    for i in takers:                                # split a busy stage
+      ls, d = stages[i]
+      for cut in range(1, len(ls)):
+        for d1, d2 in splits(d, idle):
+          yield stages[:i] + ((ls[:cut], d1), (ls[cut:], d2)) + stages[i + 1:]
+    for i in takers:                                # relocate a cut into a busy stage
+      ls, d = stages[i]
+      for k in range(n - 1):
+        if i in (k, k + 1):
+          continue
+        (a, da), (b, db) = stages[k], stages[k + 1]
+        for cut in range(1, len(ls)):
+          new = list(stages)
+          new[i:i + 1] = [(ls[:cut], d), (ls[cut:], min(da, db))]
+          at = k if k < i else k + 1
+          new[at:at + 2] = [(a + b, max(da, db))]
+          yield tuple(new)
+
+  def dag_moves(stages: Stages, takers: Sequence[int], idle: int):
+    where = {l: i for i, (ls, _) in enumerate(stages) for l in ls}
+    busy = set(takers)
+    pairs = set()
+    stage_pairs = []
+    for u, v in layer_graph.edges:
+      su, sv = where[u], where[v]
+      if su != sv:
+        stage_pairs.append((su, sv))
+      if su == sv or (su not in busy and sv not in busy):
+        continue
+      pairs.add((su, sv))
+      for l, src, dst in ((u, su, sv), (v, sv, su)):
+        if len(stages[src][0]) > 1:
+          yield tuple((tuple(x for x in ls if x != l), d) if i == src else
+                      (ls + (l,), d) if i == dst else (ls, d)
+                      for i, (ls, d) in enumerate(stages))
+    for a, b in sorted(pairs):
+      rest = tuple(s for i, s in enumerate(stages) if i not in (a, b))
+      ls = stages[a][0] + stages[b][0]
+      yield rest + ((ls, merged_count(stages[a][1] + stages[b][1] + idle)),)
+    for i in takers:
+      ls, d = stages[i]
+      rest = stages[:i] + stages[i + 1:]
+      for cut in range(1, len(ls)):
+        for d1, d2 in splits(d, idle):
+          yield rest + ((ls[:cut], d1), (ls[cut:], d2))
+    # Relocate a stage: merge two stages joined by an edge and split a busy one.
+    for a, b in sorted(set(stage_pairs)):
+      for i in takers:
+        if i in (a, b):
+          continue
+        ls, d = stages[i]
+        rest = tuple(s for j, s in enumerate(stages) if j not in (a, b, i))
+        (la, da), (lb, db) = stages[a], stages[b]
+        for cut in range(1, len(ls)):
+          yield rest + ((la + lb, max(da, db)), (ls[:cut], d), (ls[cut:], min(da, db)))
+
+  def canon(stages: Stages) -> Stages:
+    return tuple((tuple(sorted(ls, key=costs.index.__getitem__)), d) for ls, d in stages)
+
+  current = canon(tuple((tuple(s.layers), len(s.devices)) for s in plan.stages))
+  seen = {key(current)}
+  budget = budget if budget is not None else [max_evals]
+  for _ in range(max_rounds):
+    # The busiest stages (smallest bubble), in ``current``'s indexing: the plan may list its
+    # stages in another order.
+    bubble = plan.predicted.get("bubble") or [0.0] * plan.num_stages
+    index_of = {ls: i for i, (ls, _) in enumerate(current)}
+    takers = [index_of[canon(((s.layers, 0),))[0][0]]
+              for s in sorted(plan.stages, key=lambda s: bubble[s.index])[:max_takers]]
+    idle = K - sum(d for _, d in current)
+    moves = list(device_moves(current, takers, idle))
+    if partition:
+      moves += list((chain_moves if sequential else dag_moves)(current, takers, idle))
+    best, best_stages = None, None
+    for cand in moves:
+      cand = canon(cand)
+      k = key(cand)
+      if k in seen or sum(d for _, d in cand) > K:
+        continue
+      seen.add(k)
+      if partition and not sequential and not acyclic(cand):
+        continue
+      target = (best or plan).predicted["iteration_time"] * (1 - 1e-4)
+      if bound(cand) >= target:
+        continue
+      if budget[0] <= 0:
+        break
+      budget[0] -= 1
+      p = build(cand)
+      if p.predicted["memory_ok"] and p.predicted["iteration_time"] < target:
+        best, best_stages = p, cand
+    if best is None:
+      break
+    plan, current = best, best_stages
+  return plan
+
+
+def spend_idle_devices(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
+                       cost_model: CostModel | None = None, costs: LayerCosts | None = None,
+                       max_rounds: int = 16, max_takers: int = 3) -> Plan:
+  """Plan -> the same stages with their device counts improved by local search.
+
+  A DP that only asks "does every stage fit under the target time" leaves devices idle once
+  the bottleneck cannot be improved, and it prices a stage's gradient all-reduce as if it
+  were spread over the iteration, although it runs when the stage's last backward ends.
+  """
+  return refine_plan(plan, layer_graph, cluster, cost_model=cost_model, costs=costs,
+                     partition=False, max_rounds=max_rounds, max_takers=max_takers,
+                     max_evals=10_000)
+
+
+def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
+           cost_model: CostModel | None = None, costs: LayerCosts | None = None,
+           refine_sizes: int = 4, refine_within: float = 1.1, max_evals: int = 200) -> Plan:
+  """The planners' last step: the fastest plan after local search on the simulated time.
+
+  The best plan of each of the ``refine_sizes`` best micro-batch sizes whose best plan is
+  within ``refine_within`` times the best time gets ``refine_plan`` (device and partition
+  moves), best size first, sharing ``max_evals`` simulations. A planner's search objective
+  favours some micro-batch sizes the simulator does not, so polishing one plan per size finds
+  what polishing only the best one misses.
+  """
+  plans = sorted((p for p in plans if p.predicted.get("memory_ok", True)),
+                 key=lambda p: p.predicted["iteration_time"])
+  if not plans:
+    raise ValueError("polish needs at least one plan within memory")
+  best = plans[0]
+  cutoff = refine_within * best.predicted["iteration_time"]
+  done: list[int] = []
+  budget = [max_evals]
+  for plan in plans:
+    b = plan.stages[0].microbatch_size
+    if b in done or len(done) >= refine_sizes or plan.predicted["iteration_time"] > cutoff:
+      continue
+    done.append(b)
+    best = _better(best, refine_plan(plan, layer_graph, cluster, cost_model=cost_model,
+                                     costs=costs, budget=budget))
+  return best
+
+
+def _better(a: Plan | None, b: Plan) -> Plan:
+  if a is None or b.predicted["iteration_time"] < a.predicted["iteration_time"]:
+    return b
+  return a
