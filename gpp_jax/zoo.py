@@ -5,6 +5,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -20,26 +21,43 @@ class ZooRun:
   optimizer: nnx.Optimizer
   train_step: Callable
   seed: int
+  dtype: Any = None
 
   def batches(self, batch_size: int, count: int) -> list[dict]:
-    """``count`` distinct synthetic batches (host arrays), cycled by the training loop."""
+    """``count`` distinct synthetic batches (host arrays), cycled by the training loop; float
+    features are cast to the run's ``dtype`` when it has one."""
     keys = jax.random.split(jax.random.key(self.seed + 1), count)
-    return [jax.tree.map(np.asarray, self.spec.synthetic_batch(self.config, batch_size, k))
+
+    def host(x):
+      x = np.asarray(x)
+      return x.astype(self.dtype) if self.dtype and np.issubdtype(x.dtype, np.floating) else x
+
+    return [jax.tree.map(host, self.spec.synthetic_batch(self.config, batch_size, k))
             for k in keys]
 
 
 def setup(model_name: str, preset: str = "tiny", *, seed: int = 0, learning_rate: float = 1e-3,
-          clip_norm: float = 1.0, **overrides) -> ZooRun:
+          clip_norm: float = 1.0, dtype: Any = None, **overrides) -> ZooRun:
   """A zoo model with AdamW (and global-norm clipping) and an NNX-style train step.
 
   The step is written the way the NNX docs write one, with ``gpp_jax.value_and_grad``; undecorated
-  it runs on one device, decorated with ``graph_pipeline`` it runs pipelined.
+  it runs on one device, decorated with ``graph_pipeline`` it runs pipelined. ``dtype`` (e.g.
+  ``"float64"``, which needs ``jax_enable_x64``) casts the parameters and the float features.
   """
   from gpp_jax.models.registry import get_model
 
+  if dtype is not None:
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+      raise ValueError(f"dtype={dtype} needs 64-bit JAX: set jax.config.update("
+                       "'jax_enable_x64', True) (or JAX_ENABLE_X64=1) before creating arrays")
   spec = get_model(model_name)
   config = spec.preset(preset, **overrides)
   model = spec.make_model(config, nnx.Rngs(seed))
+  if dtype is not None:
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
   chain = [optax.clip_by_global_norm(clip_norm)] if clip_norm > 0 else []
   optimizer = nnx.Optimizer(model, optax.chain(*chain, optax.adamw(learning_rate)), wrt=nnx.Param)
 
@@ -48,4 +66,4 @@ def setup(model_name: str, preset: str = "tiny", *, seed: int = 0, learning_rate
     optimizer.update(model, grads)
     return loss
 
-  return ZooRun(spec, config, model, optimizer, train_step, seed)
+  return ZooRun(spec, config, model, optimizer, train_step, seed, dtype)

@@ -175,5 +175,6 @@ def test_outputs_csv_markdown_and_plots(tables, tmp_path):
 
 
 def test_loss_check_reports_a_failed_run():
-  rows = rp.loss_check(["no_such_model"], steps=1, timeout=120)
+  rows = rp.loss_check(["no_such_model"], steps=1, timeout=120, dtypes=("float32",))
   assert rows[0]["model"] == "no_such_model" and "exit" in rows[0]["error"]
+  assert rows[0]["dtype"] == "float32"

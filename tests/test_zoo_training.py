@@ -22,6 +22,28 @@ def test_loss_curve_matches_one_device(model):
   assert one[-1] < one[0]  # it trains
 
 
+def test_float64_loss_curve_matches_one_device_for_200_steps(tmp_path):
+  """The full 200-step check for the model whose float32 curves separate (a ReLU kink
+  crossing): in float64 the pipelined curve is the one-device curve."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  out = tmp_path / "curves.json"
+  r = subprocess.run([sys.executable, "-m", "gpp_jax.experiments.loss_curves",
+                      "--models=candle_uno", "--steps=200", "--dtype=float64", f"--out={out}"],
+                     capture_output=True, text=True, timeout=600, env=env)
+  assert r.returncode == 0, r.stderr[-3000:]
+  c = json.loads(out.read_text())["candle_uno"]
+  pipe, one = np.array(c["pipelined"]), np.array(c["one_device"])
+  assert len(pipe) == 200 and c["dtype"] == "float64"
+  assert float(np.max(np.abs(pipe - one))) <= 1e-10
+  assert one[-1] < 0.5 * one[0]
+
+
+def test_zoo_float64_needs_x64():
+  from gpp_jax import zoo
+  with pytest.raises(ValueError, match="jax_enable_x64"):
+    zoo.setup("candle_uno", dtype="float64")
+
+
 def test_train_entry_point_writes_a_run_folder(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   flagfile = os.path.join(os.path.dirname(__file__), "..", "configs", "candle_uno_tiny.flags")

@@ -4,6 +4,11 @@
 
 Each model (tiny preset) trains with the GraphPipe plan on 8 forced CPU devices and, from the
 same initial state, undecorated on one device; prints the largest loss difference per model.
+
+In float32 two correct implementations of the same step differ by rounding (~1e-7), and a
+ReLU pre-activation that rounding puts on the other side of zero switches that unit's
+gradient on or off, after which the curves separate; ``--dtype=float64`` runs both sides in
+64-bit so such crossings are out of reach and the comparison shows the computation itself.
 """
 from __future__ import annotations
 
@@ -24,10 +29,12 @@ from gpp_jax import zoo  # noqa: E402
 
 
 def loss_curves(model_name: str, steps: int, *, planner="graphpipe", num_devices: int = 8,
-                num_microbatches: int = 8, batch_size: int = 32, seed: int = 0):
-  """Returns (pipelined losses, one-device losses, plan) over ``steps`` steps."""
-  pipe_run = zoo.setup(model_name, seed=seed)
-  ref_run = zoo.setup(model_name, seed=seed)
+                num_microbatches: int = 8, batch_size: int = 32, seed: int = 0,
+                dtype=None):
+  """Returns (pipelined losses, one-device losses, plan) over ``steps`` steps; ``dtype``
+  as for ``zoo.setup`` (float64 needs ``jax_enable_x64``)."""
+  pipe_run = zoo.setup(model_name, seed=seed, dtype=dtype)
+  ref_run = zoo.setup(model_name, seed=seed, dtype=dtype)
   data = pipe_run.batches(batch_size, 4)
   devices = jax.devices()[:num_devices]
   from gpp_jax.cluster import cpu_cluster
@@ -48,14 +55,19 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "zoo models (tiny presets)")
 flags.DEFINE_integer("steps", 200, "training steps")
 flags.DEFINE_string("out", None, "write the curves as JSON here")
+flags.DEFINE_enum("dtype", "float32", ["float32", "float64"],
+                  "parameter and feature precision of both runs (float64 turns on jax_enable_x64)")
 
 
 def main(_):
+  if FLAGS.dtype == "float64":
+    jax.config.update("jax_enable_x64", True)
   results = {}
   for name in FLAGS.models:
-    pipe, one, plan = loss_curves(name, FLAGS.steps)
+    pipe, one, plan = loss_curves(name, FLAGS.steps, dtype=FLAGS.dtype)
     diff = float(np.max(np.abs(pipe - one)))
     results[name] = {"pipelined": pipe.tolist(), "one_device": one.tolist(), "max_diff": diff,
+                     "dtype": FLAGS.dtype,
                      "stages": plan.num_stages, "depth": plan.depth()}
     print(f"{name}: {plan.num_stages} stages (depth {plan.depth()}), loss {one[0]:.4f} -> "
           f"{one[-1]:.4f} over {FLAGS.steps} steps, max |pipelined - one device| = {diff:.2e}")

@@ -107,7 +107,7 @@ MICROBATCH_COLUMNS = ("microbatch", "num_microbatches", *ALL_PLANNERS, "graphpip
 ABLATION_COLUMNS = ("model", "devices", "batch", "sequential", "sequential_planner",
                     "sequential_microbatch", "parallel", "parallel_depth", "full",
                     "full_microbatch", "full_depth", "parallel_speedup", "full_speedup")
-LOSS_COLUMNS = ("model", "steps", "stages", "depth", "loss_first", "loss_last", "max_diff",
+LOSS_COLUMNS = ("model", "dtype", "steps", "stages", "depth", "loss_first", "loss_last", "max_diff",
                 "max_rel_diff", "first_step_over_1e-5", "error")
 
 
@@ -317,38 +317,45 @@ def microbatch_table(mb_rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 
 # ------------------------------------------------------------------------- real training
 
-def loss_check(models: Sequence[str], steps: int, timeout: float = 3600) -> list[dict[str, Any]]:
-  """Runs ``gpp_jax.experiments.loss_curves`` in a subprocess with 8 forced CPU devices and
-  returns one row per model: plan shape, one-device loss at the first and last step, the
-  largest |pipelined - one device| loss difference (absolute and relative to the one-device
-  loss) and the first step (1-based) where it exceeds 1e-5 (``error`` if the run failed)."""
+def loss_check(models: Sequence[str], steps: int, timeout: float = 3600,
+               dtypes: Sequence[str] = ("float32", "float64")) -> list[dict[str, Any]]:
+  """Runs ``gpp_jax.experiments.loss_curves`` in a subprocess with 8 forced CPU devices, once
+  per precision in ``dtypes``, and returns one row per (model, dtype): plan shape, one-device
+  loss at the first and last step, the largest |pipelined - one device| loss difference
+  (absolute and relative to the one-device loss) and the first step (1-based) where it exceeds
+  1e-5 (``error`` if the run failed)."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
   env["JAX_PLATFORMS"] = "cpu"
-  with tempfile.TemporaryDirectory() as tmp:
-    out = os.path.join(tmp, "curves.json")
-    cmd = [sys.executable, "-m", "gpp_jax.experiments.loss_curves",
-           f"--models={','.join(models)}", f"--steps={steps}", f"--out={out}"]
-    try:
-      proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-      return [{"model": m, "steps": steps, "error": f"timed out after {timeout:.0f} s"}
-              for m in models]
-    if proc.returncode != 0 or not os.path.exists(out):
-      tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-      return [{"model": m, "steps": steps, "error": f"exit {proc.returncode}: {tail[0]}"}
-              for m in models]
-    with open(out) as f:
-      curves = json.load(f)
   rows = []
-  for m, c in curves.items():
-    pipe, one = c["pipelined"], c["one_device"]
-    diff = [abs(a - b) for a, b in zip(pipe, one)]
-    over = [i + 1 for i, d in enumerate(diff) if d > 1e-5]
-    rows.append({"model": m, "steps": steps, "stages": c["stages"], "depth": c["depth"],
-                 "loss_first": one[0], "loss_last": one[-1], "max_diff": c["max_diff"],
-                 "max_rel_diff": max(d / max(abs(b), 1e-12) for d, b in zip(diff, one)),
-                 "first_step_over_1e-5": over[0] if over else None})
+  for dtype in dtypes:
+    with tempfile.TemporaryDirectory() as tmp:
+      out = os.path.join(tmp, "curves.json")
+      cmd = [sys.executable, "-m", "gpp_jax.experiments.loss_curves",
+             f"--models={','.join(models)}", f"--steps={steps}", f"--out={out}",
+             f"--dtype={dtype}"]
+      failed = None
+      try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not os.path.exists(out):
+          tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+          failed = f"exit {proc.returncode}: {tail[0]}"
+      except subprocess.TimeoutExpired:
+        failed = f"timed out after {timeout:.0f} s"
+      if failed:
+        rows += [{"model": m, "dtype": dtype, "steps": steps, "error": failed} for m in models]
+        continue
+      with open(out) as f:
+        curves = json.load(f)
+    for m, c in curves.items():
+      pipe, one = c["pipelined"], c["one_device"]
+      diff = [abs(a - b) for a, b in zip(pipe, one)]
+      over = [i + 1 for i, d in enumerate(diff) if d > 1e-5]
+      rows.append({"model": m, "dtype": dtype, "steps": steps, "stages": c["stages"],
+                   "depth": c["depth"], "loss_first": one[0], "loss_last": one[-1],
+                   "max_diff": c["max_diff"],
+                   "max_rel_diff": max(d / max(abs(b), 1e-12) for d, b in zip(diff, one)),
+                   "first_step_over_1e-5": over[0] if over else None})
   return rows
 
 
@@ -745,10 +752,15 @@ def results_markdown(tables: Mapping[str, Sequence[Mapping[str, Any]]], sweep: S
             "(`XLA_FLAGS=--xla_force_host_platform_device_count=8`): each tiny zoo model "
             "trains with the GraphPipe plan on 8 devices and, from the same initial state, "
             "undecorated on one device (AdamW, global-norm clipping, batch 32, 8 "
-            "micro-batches). `max diff` = the largest |pipelined - one device| loss over "
-            "the run.", "",
+            "micro-batches), in float32 and in float64 (`--dtype=float64`). `max diff` = the "
+            "largest |pipelined - one device| loss over the run. In float32 the two runs "
+            "differ by rounding (~1e-7); when that rounding puts a ReLU pre-activation on the "
+            "other side of zero, the unit's gradient switches on or off in one run only and "
+            "the curves separate from that step on. In float64 the same runs agree to "
+            "rounding for the whole run.", "",
             md_table([{**r, "model": MODEL_LABELS.get(r["model"], r["model"])} for r in lc],
-                     [("model", "model", "s"), ("steps", "steps", "d"),
+                     [("model", "model", "s"), ("dtype", "dtype", "s"),
+                      ("steps", "steps", "d"),
                       ("stages", "stages", "d"), ("depth", "depth", "d"),
                       ("loss_first", "loss at step 1", ".4f"),
                       ("loss_last", f"loss at step {lc[0]['steps']}", ".4f"),
@@ -798,7 +810,7 @@ def reproduce(sweep: Sweep, out_dir: str, *, loss: bool = True, plots: bool = Tr
     _log(f"real training: {', '.join(sweep.loss_models)}, {sweep.steps} steps on 8 CPU devices")
     tables["loss_check"] = loss_check(sweep.loss_models, sweep.steps)
     for r in tables["loss_check"]:
-      _log(f"  {r['model']}: " + (f"max diff {r['max_diff']:.2e}" if "max_diff" in r
+      _log(f"  {r['model']} ({r['dtype']}): " + (f"max diff {r['max_diff']:.2e}" if "max_diff" in r
                                   else r["error"]))
   columns = {"throughput": THROUGHPUT_COLUMNS, "search_time": SEARCH_COLUMNS,
              "branches": BRANCH_COLUMNS, "microbatch": MICROBATCH_COLUMNS,
