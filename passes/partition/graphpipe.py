@@ -877,7 +877,8 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
   # Phase 4: the DP's objective is a proxy; polish the best plans by local search on the
   # simulated time (device counts, then layer moves, splits and merges per micro-batch size).
   best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs,
-                refine_sizes=refine_sizes, refine_within=refine_within, max_evals=refine_evals)
+                refine_sizes=refine_sizes, refine_within=refine_within, max_evals=refine_evals,
+                microbatch_sizes=sizes)
   stats = SearchStats(seconds=time.perf_counter() - t0, dp_runs=runs,
                       microbatch_sizes=tuple(sizes), candidates=n_cands, simulated=n_sims,
                       best_tps=float(best_tps))

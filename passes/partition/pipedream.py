@@ -120,7 +120,8 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
                                simulate_top=simulate_top)
   if not evaluated:
     raise no_plan_error("pipedream", layer_graph, cluster, B)
-  best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs)
+  best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs,
+                microbatch_sizes=sizes)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
   return best.replace(predicted=pred)

@@ -123,7 +123,8 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
   full = D - 1
   S = min(K, n)
   found = []
-  for b in microbatch_sizes(B, num_microbatches, max_microbatches):
+  sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
+  for b in sizes:
     M = B // b
     dps = data_parallel_degrees(b, K)
     T = {}
@@ -176,7 +177,7 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
     plans.append(plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("piper", layer_graph, cluster, B)
-  best = polish(plans, layer_graph, cluster, cost_model=cm, costs=costs)
+  best = polish(plans, layer_graph, cluster, cost_model=cm, costs=costs, microbatch_sizes=sizes)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "downsets": D, "pairs": pairs}
   return best.replace(predicted=pred)

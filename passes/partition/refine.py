@@ -249,14 +249,17 @@ def spend_idle_devices(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
 
 def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
            cost_model: CostModel | None = None, costs: LayerCosts | None = None,
-           refine_sizes: int = 4, refine_within: float = 1.1, max_evals: int = 200) -> Plan:
+           refine_sizes: int = 4, refine_within: float = 1.1, max_evals: int = 200,
+           microbatch_sizes: Sequence[int] = ()) -> Plan:
   """The planners' last step: the fastest plan after local search on the simulated time.
 
   The best plan of each of the ``refine_sizes`` best micro-batch sizes whose best plan is
   within ``refine_within`` times the best time gets ``refine_plan`` (device and partition
   moves), best size first, sharing ``max_evals`` simulations. A planner's search objective
   favours some micro-batch sizes the simulator does not, so polishing one plan per size finds
-  what polishing only the best one misses.
+  what polishing only the best one misses. Last, the polished stages are tried (and
+  refined) at the neighbouring micro-batch sizes (half and double) among ``microbatch_sizes``,
+  the sizes the planner may choose from.
   """
   plans = sorted((p for p in plans if p.predicted.get("memory_ok", True)),
                  key=lambda p: p.predicted["iteration_time"])
@@ -273,7 +276,29 @@ def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
     done.append(b)
     best = _better(best, refine_plan(plan, layer_graph, cluster, cost_model=cost_model,
                                      costs=costs, budget=budget))
+  # The polished stages may suit a neighbouring micro-batch size better than their own.
+  b = best.stages[0].microbatch_size
+  for b2 in (b // 2, 2 * b):
+    if b2 not in microbatch_sizes:
+      continue
+    moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs)
+    if moved.predicted["memory_ok"] and moved.predicted["iteration_time"] <= cutoff:
+      best = _better(best, refine_plan(moved, layer_graph, cluster, cost_model=cost_model,
+                                       costs=costs, budget=budget))
   return best
+
+
+def _at_microbatch(plan: Plan, b: int, layer_graph: nx.DiGraph, cluster: Cluster,
+                   cost_model: CostModel | None, costs: LayerCosts | None) -> Plan:
+  """The same stages at micro-batch size ``b`` (device counts cut to divisors of ``b``)."""
+  ok = data_parallel_degrees(b, cluster.num_devices)
+  sequential = bool(plan.predicted.get("sequential"))
+  info = {k: v for k, v in plan.predicted.items()
+          if k not in _PREDICTION_KEYS and k != "sequential"}
+  stages = [(s.layers, max(d for d in ok if d <= len(s.devices))) for s in plan.stages]
+  return assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=plan.batch_size,
+                       planner=plan.planner, schedule=plan.schedule, sequential=sequential,
+                       keep_order=sequential, cost_model=cost_model, costs=costs, info=info)
 
 
 def _better(a: Plan | None, b: Plan) -> Plan:
