@@ -775,7 +775,10 @@ def results_markdown(tables: Mapping[str, Sequence[Mapping[str, Any]]], sweep: S
           "comparable, ratios between planners priced by the same model are.",
           "- The baselines are our re-implementations (PipeDream and Piper from their "
           "papers' and code's DPs, BaPipe and Luo et al. from abstracts only); the paper ran "
-          "the authors' PipeDream and Piper planners on FlexFlow.",
+          "the authors' PipeDream and Piper planners on FlexFlow. GraphPipe, PipeDream and "
+          "Piper all end with the same local search against the simulator "
+          "(`passes/partition/refine.py`), so the chain baselines are stronger than the "
+          "published planners and the gains are those of the stage DAG alone.",
           "- Lost figures: every plotted value and Table 1's seconds; the mini-batch sizes per "
           "GPU count (we use a fixed number of samples per device).",
           "- Piper: our Python version stops at its state limit on all three models (the "
