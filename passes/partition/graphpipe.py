@@ -875,7 +875,7 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
     evaluated += chains
     n_sims += len(chains)
   # Phase 4: the DP's objective is a proxy; polish the best plans by local search on the
-  # simulated time (device counts, then layer moves, splits and merges per micro-batch size).
+  # simulated time (device counts, layer moves, splits and merges, per micro-batch size).
   best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs,
                 refine_sizes=refine_sizes, refine_within=refine_within, max_evals=refine_evals,
                 microbatch_sizes=sizes)

@@ -26,7 +26,7 @@ import numpy as np
 
 from gpp_jax.cluster import Cluster
 from gpp_jax.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
-from gpp_jax.passes.partition.plan_assembly import assemble_plan, data_parallel_degrees
+from gpp_jax.passes.partition.plan_assembly import assemble_plan, better, data_parallel_degrees
 from gpp_jax.plan import Plan
 
 # ``plan.predicted`` entries that describe the prediction itself (recomputed on every move);
@@ -274,7 +274,7 @@ def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
     if b in done or len(done) >= refine_sizes or plan.predicted["iteration_time"] > cutoff:
       continue
     done.append(b)
-    best = _better(best, refine_plan(plan, layer_graph, cluster, cost_model=cost_model,
+    best = better(best, refine_plan(plan, layer_graph, cluster, cost_model=cost_model,
                                      costs=costs, budget=budget))
   # The polished stages may suit a neighbouring micro-batch size better than their own.
   b = best.stages[0].microbatch_size
@@ -283,7 +283,7 @@ def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
       continue
     moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs)
     if moved.predicted["memory_ok"] and moved.predicted["iteration_time"] <= cutoff:
-      best = _better(best, refine_plan(moved, layer_graph, cluster, cost_model=cost_model,
+      best = better(best, refine_plan(moved, layer_graph, cluster, cost_model=cost_model,
                                        costs=costs, budget=budget))
   return best
 
@@ -299,9 +299,3 @@ def _at_microbatch(plan: Plan, b: int, layer_graph: nx.DiGraph, cluster: Cluster
   return assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=plan.batch_size,
                        planner=plan.planner, schedule=plan.schedule, sequential=sequential,
                        keep_order=sequential, cost_model=cost_model, costs=costs, info=info)
-
-
-def _better(a: Plan | None, b: Plan) -> Plan:
-  if a is None or b.predicted["iteration_time"] < a.predicted["iteration_time"]:
-    return b
-  return a
