@@ -14,8 +14,8 @@ import time
 
 from absl import app, flags
 
-from gpp_jax import model_graphs as mg
-from gpp_jax.cluster import Link, cpu_cluster
+from gpp_jax.experiments import model_graphs as mg
+from gpp_jax.cost.cluster import Link, cpu_cluster
 from gpp_jax.passes.partition import PLANNERS
 
 FAMILIES = {

@@ -21,11 +21,11 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import gpp_jax  # noqa: E402
-from gpp_jax import layer_graph as lg  # noqa: E402
-from gpp_jax import zoo  # noqa: E402
-from gpp_jax.cluster import cpu_cluster  # noqa: E402
-from gpp_jax.cost_model import plan_costs  # noqa: E402
-from gpp_jax.simulator import simulate, simulate_times  # noqa: E402
+from gpp_jax.ir import layer_graph as lg  # noqa: E402
+from gpp_jax.experiments import zoo  # noqa: E402
+from gpp_jax.cost.cluster import cpu_cluster  # noqa: E402
+from gpp_jax.cost.cost_model import plan_costs  # noqa: E402
+from gpp_jax.cost.simulator import simulate, simulate_times  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "tiny zoo models")

@@ -60,7 +60,7 @@ def build(num_stages):
 
 def time_steps(pp, params, opt, batch, repeats=8):
   import jax
-  from gpp_jax.driver import wait_for
+  from gpp_jax.runtime.driver import wait_for
   p, o, _ = pp(params, opt, batch)
   wait_for((p, o), 600)
   times = []
@@ -95,12 +95,12 @@ def worker_single():
 
 
 def worker_pair():
-  from gpp_jax import distributed
+  from gpp_jax.runtime import processes as distributed
   distributed.initialize_from_env()
   import jax
   from jax.experimental import multihost_utils
   from jax.sharding import SingleDeviceSharding
-  from gpp_jax.placement import transfer
+  from gpp_jax.runtime.placement import transfer
 
   pp, p, o, b = build(2)
   t = time_steps(pp, p, o, b)
@@ -132,7 +132,7 @@ def main():
     return worker_single()
   if len(sys.argv) > 1 and sys.argv[1] == "--pair":
     return worker_pair()
-  from gpp_jax.launch import launch
+  from gpp_jax.cli.launch import launch
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   core = sorted(os.sched_getaffinity(0))[0]
@@ -162,7 +162,7 @@ def main():
   # measured on one core (half the one-process model; B taken as twice F), and one activation
   # and one cotangent transfer per micro-batch at the measured cross-process cost.
   from gpp_jax.passes.schedules import one_f_one_b
-  from gpp_jax.simulator import simulate_times
+  from gpp_jax.cost.simulator import simulate_times
   pair = s["stage_pair_time"]
   xfer = MB * WIDTH * 4 / 2**20 * pr["xfer"]["1"]
   pred = simulate_times(one_f_one_b(2, [(0, 1)], M), [pair / 3] * 2, [2 * pair / 3] * 2,

@@ -17,9 +17,9 @@ import json
 
 from absl import app, flags
 
-from gpp_jax.cluster import v100_cluster
+from gpp_jax.cost.cluster import v100_cluster
 from gpp_jax.passes.partition import SEQUENTIAL_PLANNERS
-from gpp_jax.planner_runs import (PER_DEVICE_BATCH, best_row, build_graph, run_planner,
+from gpp_jax.experiments.planner_runs import (PER_DEVICE_BATCH, best_row, build_graph, run_planner,
                                   short_error)
 
 FLAGS = flags.FLAGS

@@ -8,20 +8,12 @@ pipeline micro-batches through them::
     loss, grads = gpp_jax.value_and_grad(loss_fn)(state.params)
     ...
 """
-import warnings as _warnings
-
-# ``python -m gpp_jax.plan`` runs the planning CLI from the Plan IR module, which this package
-# imports first; runpy then warns that the module runs a second time as ``__main__``. The CLI
-# imports Plan from ``gpp_jax.plan`` only, so the second copy is harmless.
-_warnings.filterwarnings("ignore", message=r"'gpp_jax\.plan' found in sys\.modules",
-                         category=RuntimeWarning)
-
-from gpp_jax.api import GraphPipeline, graph_pipeline  # noqa: E402
-from gpp_jax.capture_step import value_and_grad
+from gpp_jax.runtime.pipeline import GraphPipeline, graph_pipeline
+from gpp_jax.runtime.capture_step import value_and_grad
 from gpp_jax.errors import BatchError, CaptureError, GppError, PlanError, ScheduleError
-from gpp_jax.manual import ManualPlan, manual_plan
-from gpp_jax.plan import Plan, Stage, validate_plan
-from gpp_jax.schedule import Action, Schedule, validate_schedule
+from gpp_jax.passes.partition.manual import ManualPlan, manual_plan
+from gpp_jax.ir.plan import Plan, Stage, validate_plan
+from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 
 __all__ = [
     "Action", "BatchError", "CaptureError", "GppError", "GraphPipeline", "ManualPlan", "Plan",

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import networkx as nx
 import numpy as np
 
-from gpp_jax.layer_graph import topo_layers
+from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.passes.staging import stage_functions, stage_program
-from gpp_jax.plan import Plan, Stage
+from gpp_jax.ir.plan import Plan, Stage
 
 
 def _example(aval, device, rng):

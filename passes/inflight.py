@@ -31,7 +31,7 @@ from typing import Sequence
 import networkx as nx
 
 from gpp_jax.errors import ScheduleError
-from gpp_jax.schedule import Action, Schedule, validate_schedule
+from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 
 
 def _stage_graph(num_stages: int, edges: Sequence[tuple[int, int]]) -> nx.DiGraph:

@@ -27,7 +27,7 @@ from typing import Sequence
 import networkx as nx
 from jax.extend import core as xc
 
-from gpp_jax import layer_graph as lg
+from gpp_jax.ir import layer_graph as lg
 from gpp_jax.passes.capture import scope_path
 from gpp_jax.passes.costs import aval_bytes, eqn_bytes, eqn_flops
 

@@ -17,7 +17,7 @@ from typing import Sequence
 import networkx as nx
 
 from gpp_jax.passes.inflight import graph_1f1b
-from gpp_jax.schedule import Action, Schedule, validate_schedule
+from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 
 
 def _graph(num_stages: int, edges: Sequence[tuple[int, int]]) -> nx.DiGraph:

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 import networkx as nx
 
-from gpp_jax.layer_graph import topo_layers
+from gpp_jax.ir.layer_graph import topo_layers
 
 
 @dataclasses.dataclass(frozen=True)

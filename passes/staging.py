@@ -19,7 +19,7 @@ from jax.extend import core as xc
 
 from gpp_jax.errors import CaptureError, PlanError
 from gpp_jax.passes.capture import host_constant
-from gpp_jax.plan import Plan
+from gpp_jax.ir.plan import Plan
 
 _BOUNDARY_UNSUPPORTED = {"token", "ref"}
 

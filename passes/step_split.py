@@ -1,7 +1,7 @@
 """Step-split pass: the whole train step's ClosedJaxpr -> pipeline marker + placed pieces.
 
 The train step is traced with the pipelined loss appearing as one marker equation (see
-``gpp_jax.capture_step``). Everything else in the step (reading parameters out of the state,
+``gpp_jax.runtime.capture_step``). Everything else in the step (reading parameters out of the state,
 the optimizer update, metrics) is split by where values live:
 
 * Known homes: a parameter and its gradient live on the stage that owns the parameter; the loss

@@ -11,7 +11,7 @@ the values it holds against a one-device reference it computes itself.
 import os
 import sys
 
-from gpp_jax import distributed
+from gpp_jax.runtime import processes as distributed
 
 distributed.initialize_from_env()
 

@@ -4,12 +4,12 @@ import math
 import numpy as np
 import pytest
 
-from gpp_jax import model_graphs as mg
-from gpp_jax.cluster import (CPU, Cluster, DeviceSpec, GiB, Link, as_cluster, cpu_cluster,
+from gpp_jax.experiments import model_graphs as mg
+from gpp_jax.cost.cluster import (CPU, Cluster, DeviceSpec, GiB, Link, as_cluster, cpu_cluster,
                              v100_cluster)
-from gpp_jax.cost_model import CostModel, layer_costs, plan_costs, stage_edge_bytes
-from gpp_jax.layer_graph import add_edge, add_layer, new_layer_graph
-from gpp_jax.plan import Plan, Stage
+from gpp_jax.cost.cost_model import CostModel, layer_costs, plan_costs, stage_edge_bytes
+from gpp_jax.ir.layer_graph import add_edge, add_layer, new_layer_graph
+from gpp_jax.ir.plan import Plan, Stage
 
 
 def test_v100_preset_is_the_papers_cluster():

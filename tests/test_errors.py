@@ -5,8 +5,8 @@ import optax
 import pytest
 
 import gpp_jax
-from gpp_jax.layer_graph import add_edge, add_layer, new_layer_graph
-from gpp_jax.plan import Plan, Stage
+from gpp_jax.ir.layer_graph import add_edge, add_layer, new_layer_graph
+from gpp_jax.ir.plan import Plan, Stage
 from harness import OPTIMIZERS, apply_dense, dense, make_batch, mse_step
 from test_pipeline_numerics import chain_model, chain_params
 

@@ -4,12 +4,12 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from gpp_jax import layer_graph as lg
-from gpp_jax.capture_step import layer_path
+from gpp_jax.ir import layer_graph as lg
+from gpp_jax.runtime.capture_step import layer_path
 from gpp_jax.passes.capture import inline_calls, op_graph
 from gpp_jax.passes.layering import layer_program
 from gpp_jax.passes.partition.balanced import balanced_plan
-from gpp_jax.plan import Plan, validate_plan
+from gpp_jax.ir.plan import Plan, validate_plan
 
 
 def _layered(fn, params, *data, depth=None):

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from gpp_jax import distributed as dist
-from gpp_jax.launch import free_port
+from gpp_jax.runtime import processes as dist
+from gpp_jax.cli.launch import free_port
 
 WORKER = os.path.join(os.path.dirname(__file__), "mp_worker.py")
 pytestmark = pytest.mark.slow

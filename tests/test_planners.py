@@ -3,8 +3,8 @@ import networkx as nx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from gpp_jax import model_graphs as mg
-from gpp_jax.cluster import Link, cpu_cluster, v100_cluster
+from gpp_jax.experiments import model_graphs as mg
+from gpp_jax.cost.cluster import Link, cpu_cluster, v100_cluster
 from gpp_jax.errors import PlanError
 from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS, get_planner
 from gpp_jax.passes.partition.exhaustive import acyclic_partitions
@@ -12,9 +12,9 @@ from gpp_jax.passes.partition.plan_assembly import (assemble_plan, microbatch_si
                                                     schedule_for)
 from gpp_jax.passes.partition.refine import refine_plan, spend_idle_devices
 from gpp_jax.passes.partition.piper import piper_plan
-from gpp_jax.plan import Plan, validate_plan
-from gpp_jax.schedule import validate_schedule
-from gpp_jax.simulator import simulate
+from gpp_jax.ir.plan import Plan, validate_plan
+from gpp_jax.ir.schedule import validate_schedule
+from gpp_jax.cost.simulator import simulate
 
 COST_PLANNERS = ("graphpipe", "pipedream", "piper", "bapipe", "luo", "exhaustive")
 

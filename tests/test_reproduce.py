@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from gpp_jax import plan_cli
+from gpp_jax.cli import plan as plan_cli
 from gpp_jax.experiments import reproduce as rp
-from gpp_jax.plan import Plan, validate_plan
-from gpp_jax.planner_runs import build_graph
+from gpp_jax.ir.plan import Plan, validate_plan
+from gpp_jax.experiments.planner_runs import build_graph
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

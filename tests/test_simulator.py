@@ -5,16 +5,16 @@ import networkx as nx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gpp_jax import model_graphs as mg
-from gpp_jax.cluster import cpu_cluster
-from gpp_jax.cost_model import plan_costs
+from gpp_jax.experiments import model_graphs as mg
+from gpp_jax.cost.cluster import cpu_cluster
+from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.errors import ScheduleError
 from gpp_jax.passes.inflight import graph_1f1b, inflight_counts, longest_path_to_sink
 from gpp_jax.passes.schedules import gpipe, make_schedule, one_f_one_b
 from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose, with_ordering_edges
-from gpp_jax.plan import Plan, Stage
-from gpp_jax.schedule import Action, Schedule, validate_schedule
-from gpp_jax.simulator import SimResult, chrome_trace, simulate, simulate_times, write_chrome_trace
+from gpp_jax.ir.plan import Plan, Stage
+from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
+from gpp_jax.cost.simulator import SimResult, chrome_trace, simulate, simulate_times, write_chrome_trace
 
 
 def chain(S):
@@ -238,7 +238,7 @@ def test_sp_tree_covers_every_layer_once_with_convex_nodes(seed, n, p):
 
 def test_host_dispatch_mode_limits():
   from gpp_jax.passes.schedules import one_f_one_b
-  from gpp_jax.simulator import simulate_times
+  from gpp_jax.cost.simulator import simulate_times
   S, M, tf, tb = 3, 4, 1.0, 2.0
   sched = one_f_one_b(S, [(0, 1), (1, 2)], M)
   free = simulate_times(sched, [tf] * S, [tb] * S)

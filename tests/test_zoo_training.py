@@ -39,7 +39,7 @@ def test_float64_loss_curve_matches_one_device_for_200_steps(tmp_path):
 
 
 def test_zoo_float64_needs_x64():
-  from gpp_jax import zoo
+  from gpp_jax.experiments import zoo
   with pytest.raises(ValueError, match="jax_enable_x64"):
     zoo.setup("candle_uno", dtype="float64")
 

@@ -25,7 +25,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import gpp_jax  # noqa: E402
-from gpp_jax import zoo  # noqa: E402
+from gpp_jax.experiments import zoo  # noqa: E402
 
 
 def loss_curves(model_name: str, steps: int, *, planner="graphpipe", num_devices: int = 8,
@@ -37,7 +37,7 @@ def loss_curves(model_name: str, steps: int, *, planner="graphpipe", num_devices
   ref_run = zoo.setup(model_name, seed=seed, dtype=dtype)
   data = pipe_run.batches(batch_size, 4)
   devices = jax.devices()[:num_devices]
-  from gpp_jax.cluster import cpu_cluster
+  from gpp_jax.cost.cluster import cpu_cluster
   pp = gpp_jax.graph_pipeline(pipe_run.train_step, num_microbatches=num_microbatches,
                               devices=devices, planner=planner, cluster=cpu_cluster(num_devices),
                               layer_depth=pipe_run.spec.layer_depth)

@@ -2,7 +2,7 @@
 
 ``PLANNERS`` maps a planner name to a function with the common signature
 ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None, **options) -> Plan``.
-``cluster`` is a ``gpp_jax.cluster.Cluster`` or a device count (a ``cpu_cluster``).
+``cluster`` is a ``gpp_jax.cost.cluster.Cluster`` or a device count (a ``cpu_cluster``).
 
   graphpipe   stage DAG: series-parallel DP + binary search on time per sample (GraphPipe)
   pipedream   chain of replicated stages over the linearised graph (PipeDream)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from gpp_jax.layer_graph import topo_layers
-from gpp_jax.plan import Plan, Stage, stage_edges
+from gpp_jax.ir.layer_graph import topo_layers
+from gpp_jax.ir.plan import Plan, Stage, stage_edges
 
 
 def balanced_plan(layer_graph: nx.DiGraph, cluster=None, batch_size: int | None = None, *,

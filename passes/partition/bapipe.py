@@ -21,12 +21,12 @@ import time
 import networkx as nx
 import numpy as np
 
-from gpp_jax.cluster import Cluster
-from gpp_jax.cost_model import CostModel
+from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import CostModel
 from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     microbatch_sizes, no_plan_error, planner_inputs)
 from gpp_jax.passes.partition.range_costs import RangeCosts
-from gpp_jax.plan import Plan
+from gpp_jax.ir.plan import Plan
 
 MODES = ("1f1b", "gpipe")
 

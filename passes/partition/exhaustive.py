@@ -14,14 +14,14 @@ import time
 
 import networkx as nx
 
-from gpp_jax.cluster import Cluster, as_cluster
-from gpp_jax.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
+from gpp_jax.cost.cluster import Cluster, as_cluster
+from gpp_jax.cost.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.errors import PlanError
-from gpp_jax.layer_graph import topo_layers, validate_layer_graph
+from gpp_jax.ir.layer_graph import topo_layers, validate_layer_graph
 from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
                                                     no_plan_error)
-from gpp_jax.plan import Plan
+from gpp_jax.ir.plan import Plan
 
 
 def acyclic_partitions(layer_graph: nx.DiGraph) -> list[list[list[str]]]:

@@ -27,14 +27,14 @@ import time
 import networkx as nx
 import numpy as np
 
-from gpp_jax.cluster import Cluster
-from gpp_jax.cost_model import CostModel, LayerCosts
+from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import CostModel, LayerCosts
 from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan,
                                                     data_parallel_degrees, microbatch_sizes,
                                                     no_plan_error, planner_inputs)
 from gpp_jax.passes.partition.refine import polish
 from gpp_jax.passes.partition.range_costs import RangeCosts
-from gpp_jax.plan import Plan
+from gpp_jax.ir.plan import Plan
 
 
 def chain_dp(rc: RangeCosts, K: int, M: int, mem_cap: float,

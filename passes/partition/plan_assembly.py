@@ -15,15 +15,15 @@ from typing import Any, Iterable, Sequence
 
 import networkx as nx
 
-from gpp_jax.cluster import Cluster, as_cluster
-from gpp_jax.cost_model import CostModel, LayerCosts, DEFAULT_COST_MODEL, layer_costs
+from gpp_jax.cost.cluster import Cluster, as_cluster
+from gpp_jax.cost.cost_model import CostModel, LayerCosts, DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.errors import PlanError
-from gpp_jax.layer_graph import validate_layer_graph
+from gpp_jax.ir.layer_graph import validate_layer_graph
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.schedules import make_schedule
-from gpp_jax.plan import Plan, Stage, stage_edges
-from gpp_jax.schedule import Schedule
-from gpp_jax.simulator import SimResult, simulate
+from gpp_jax.ir.plan import Plan, Stage, stage_edges
+from gpp_jax.ir.schedule import Schedule
+from gpp_jax.cost.simulator import SimResult, simulate
 
 
 # Sweeps skip micro-batch sizes that need more micro-batches than this (none of the

@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from gpp_jax.cluster import Cluster
-from gpp_jax.cost_model import CostModel, LayerCosts
+from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import CostModel, LayerCosts
 
 
 @dataclasses.dataclass

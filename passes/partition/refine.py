@@ -24,10 +24,10 @@ from typing import Sequence
 import networkx as nx
 import numpy as np
 
-from gpp_jax.cluster import Cluster
-from gpp_jax.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
+from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
 from gpp_jax.passes.partition.plan_assembly import assemble_plan, better, data_parallel_degrees
-from gpp_jax.plan import Plan
+from gpp_jax.ir.plan import Plan
 
 # ``plan.predicted`` entries that describe the prediction itself (recomputed on every move);
 # the rest (search statistics, the planner's own notes) is carried over.

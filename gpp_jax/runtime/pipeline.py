@@ -10,11 +10,11 @@ from absl import logging
 from flax import nnx
 from jax.extend import core as xc
 
-from gpp_jax import layer_graph as lg
-from gpp_jax.capture_step import functionalize, recording, value_and_grad_p
-from gpp_jax.driver import BATCH, BROADCAST, KEY, PipelineRunner, _is_key, placeholder, wait_for
+from gpp_jax.ir import layer_graph as lg
+from gpp_jax.runtime.capture_step import functionalize, recording, value_and_grad_p
+from gpp_jax.runtime.driver import BATCH, BROADCAST, KEY, PipelineRunner, _is_key, placeholder, wait_for
 from gpp_jax.errors import BatchError, CaptureError, PlanError
-from gpp_jax.manual import ManualPlan
+from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.calibrate import calibrate_layers
 from gpp_jax.passes.capture import inline_calls
 from gpp_jax.passes.layering import layer_program
@@ -22,9 +22,9 @@ from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.staging import stage_program
 from gpp_jax.passes.step_split import split_step
-from gpp_jax.placement import (LocalCopy, new_send_epoch, place_input, stage_placements,
+from gpp_jax.runtime.placement import (LocalCopy, new_send_epoch, place_input, stage_placements,
                                transfer)
-from gpp_jax.plan import Plan, validate_plan
+from gpp_jax.ir.plan import Plan, validate_plan
 
 
 class Compiled:

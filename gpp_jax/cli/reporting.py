@@ -1,33 +1,23 @@
-"""Small pieces the entry points share: cluster presets by name, predicted timelines, and
+"""Small pieces the entry points share: predicted timelines and
 reading a metric that may live on another process."""
 from __future__ import annotations
 
 import jax
 import numpy as np
 
-from gpp_jax import layer_graph as lg
-
-
-def make_cluster(name: str, num_devices: int):
-  """The planner's cluster description: ``cpu`` (forced CPU devices) or ``v100`` (the paper)."""
-  from gpp_jax.cluster import cpu_cluster, v100_cluster
-  presets = {"cpu": cpu_cluster, "v100": v100_cluster}
-  try:
-    return presets[name](num_devices)
-  except KeyError:
-    raise ValueError(f"unknown cluster {name!r}; choose one of {sorted(presets)}") from None
+from gpp_jax.ir import layer_graph as lg
 
 
 def predicted_timeline(pipeline, cluster):
   """The simulator's SimResult for a built ``GraphPipeline``'s plan and schedule."""
-  from gpp_jax.simulator import simulate
+  from gpp_jax.cost.simulator import simulate
   c = pipeline._require()  # pylint: disable=protected-access
   graph = lg.scaled(pipeline.layer_graph, c.batch_size)
   return simulate(pipeline.plan, graph, cluster, schedule=pipeline.schedule)
 
 
 def write_predicted_timeline(pipeline, cluster, path: str):
-  from gpp_jax.simulator import write_chrome_trace
+  from gpp_jax.cost.simulator import write_chrome_trace
   result = predicted_timeline(pipeline, cluster)
   write_chrome_trace(result, path)
   return result

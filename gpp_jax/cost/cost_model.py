@@ -32,8 +32,8 @@ from typing import Mapping, Sequence
 import networkx as nx
 import numpy as np
 
-from gpp_jax.cluster import Cluster, DeviceSpec, Link
-from gpp_jax.layer_graph import topo_layers
+from gpp_jax.cost.cluster import Cluster, DeviceSpec, Link
+from gpp_jax.ir.layer_graph import topo_layers
 
 
 @dataclasses.dataclass(frozen=True)

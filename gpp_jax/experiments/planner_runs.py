@@ -7,7 +7,7 @@ the cluster presets by name, and ``run_planner``, which runs one planner and tur
 (or its PlanError) into a flat, JSON-friendly row.
 
 Presets:
-  paper  the GraphPipe paper's shapes (``gpp_jax.model_graphs`` defaults).
+  paper  the GraphPipe paper's shapes (``gpp_jax.experiments.model_graphs`` defaults).
   tiny   the same topologies at small widths, so every planner answers in well under a second.
 
 Mini-batch: the paper sizes mini-batches "close to the memory limit" (its table is lost), so the
@@ -20,8 +20,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import networkx as nx
 
-from gpp_jax import model_graphs
-from gpp_jax.cluster import Cluster, cpu_cluster, v100_cluster
+from gpp_jax.experiments import model_graphs
+from gpp_jax.cost.cluster import Cluster
 from gpp_jax.errors import PlanError
 from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS
 
@@ -38,7 +38,6 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
     "chain": dict(layers=6, hidden=256),
 }
 PRESETS = ("paper", "tiny")
-CLUSTERS = {"v100": v100_cluster, "cpu": cpu_cluster}
 MODEL_LABELS = {"mmt": "MMT", "dlrm": "DLRM", "candle_uno": "CANDLE-Uno", "gpt": "GPT",
                 "chain": "chain"}
 
@@ -56,14 +55,6 @@ def build_graph(model: str, preset: str = "paper", batch_size: int = 128,
   base = dict(TINY_SHAPES.get(model, {})) if preset == "tiny" else {}
   base.update(shape)
   return model_graphs.model_graph(model, batch_size=batch_size, **base)
-
-
-def make_cluster(name: str, num_devices: int) -> Cluster:
-  """A cluster preset by name (``v100`` or ``cpu``) with ``num_devices`` devices."""
-  try:
-    return CLUSTERS[name](num_devices)
-  except KeyError:
-    raise ValueError(f"unknown cluster {name!r}; choose one of {sorted(CLUSTERS)}") from None
 
 
 def run_planner(name: str, graph: nx.DiGraph, cluster: Cluster, batch_size: int, *,

@@ -7,8 +7,8 @@ from typing import Mapping, Sequence
 import networkx as nx
 
 from gpp_jax.errors import PlanError
-from gpp_jax.layer_graph import topo_layers
-from gpp_jax.plan import Plan, Stage, stage_edges, validate_plan
+from gpp_jax.ir.layer_graph import topo_layers
+from gpp_jax.ir.plan import Plan, Stage, stage_edges, validate_plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,8 +76,8 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from gpp_jax.cluster import Cluster
-from gpp_jax.cost_model import CostModel, LayerCosts
+from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import CostModel, LayerCosts
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
                                                     data_parallel_degrees, microbatch_sizes,
@@ -85,7 +85,7 @@ from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_p
 from gpp_jax.passes.partition.pipedream import chain_candidates
 from gpp_jax.passes.partition.refine import polish
 from gpp_jax.passes.series_parallel import SPNode, sp_decompose
-from gpp_jax.plan import Plan
+from gpp_jax.ir.plan import Plan
 
 INF = 1 << 30
 

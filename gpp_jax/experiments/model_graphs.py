@@ -1,6 +1,6 @@
 """Synthetic LayerGraphs of the benchmark models, with costs computed from their shapes.
 
-These are the same graph type the capture pass produces (see ``gpp_jax.layer_graph``), built
+These are the same graph type the capture pass produces (see ``gpp_jax.ir.layer_graph``), built
 analytically so planners can be studied at paper scale without tracing a model. All tensors
 are fp32 (4 bytes). Costs are for ``batch_size`` samples.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from gpp_jax.layer_graph import add_edge, add_layer, new_layer_graph
+from gpp_jax.ir.layer_graph import add_edge, add_layer, new_layer_graph
 
 F32 = 4
 

@@ -29,8 +29,8 @@ import numpy as np
 
 from gpp_jax.errors import BatchError, GppError, PlanError, ScheduleError
 from gpp_jax.passes.staging import StagedProgram, stage_functions
-from gpp_jax.placement import StagePlacement, transfer
-from gpp_jax.schedule import Action, Schedule, dispatch_order
+from gpp_jax.runtime.placement import StagePlacement, transfer
+from gpp_jax.ir.schedule import Action, Schedule, dispatch_order
 
 BATCH, KEY, BROADCAST = "batch", "key", "broadcast"
 

@@ -30,10 +30,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import networkx as nx
 
-from gpp_jax.cluster import Cluster
-from gpp_jax.cost_model import CostModel, LayerCosts, plan_costs
+from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import CostModel, LayerCosts, plan_costs
 from gpp_jax.errors import ScheduleError
-from gpp_jax.schedule import Action, Schedule, dispatch_order
+from gpp_jax.ir.schedule import Action, Schedule, dispatch_order
 
 Times = float | Sequence[float] | Mapping[int, float]
 

@@ -9,7 +9,7 @@ the numbers are the cost model's and simulator's predictions for the cluster pre
 that cannot plan (Piper's state limit, no plan fitting memory) gets its error message in its
 row. ``--json=PATH`` also writes the rows and plans as JSON.
 
-Models are the synthetic LayerGraphs of ``gpp_jax.model_graphs`` (``--preset=paper``: the
+Models are the synthetic LayerGraphs of ``gpp_jax.experiments.model_graphs`` (``--preset=paper``: the
 GraphPipe paper's shapes; ``--preset=tiny``: the same topologies at small widths);
 ``--shape=branches=16`` overrides a shape argument. The mini-batch defaults to
 ``planner_runs.PER_DEVICE_BATCH[model]`` samples per device.
@@ -22,9 +22,9 @@ from typing import Any, Mapping, Sequence
 from absl import app, flags
 
 from gpp_jax.passes.partition import get_planner
-from gpp_jax.plan import Plan
-from gpp_jax.planner_runs import (MODEL_LABELS, build_graph, default_batch_size, make_cluster,
-                                  run_planners, short_error)
+from gpp_jax.ir.plan import Plan
+from gpp_jax.cost.cluster import make_cluster
+from gpp_jax.experiments.planner_runs import (MODEL_LABELS, build_graph, default_batch_size, run_planners, short_error)
 
 FLAGS = flags.FLAGS
 DEFAULT_PLANNERS = ("graphpipe", "pipedream", "piper", "bapipe", "luo")

@@ -235,6 +235,18 @@ def cpu_cluster(num_devices: int, memory_per_device: float = 4 * GiB) -> Cluster
                  name=f"cpux{num_devices}")
 
 
+CLUSTER_PRESETS = {"cpu": cpu_cluster, "v100": v100_cluster}
+"""The cluster presets by name, each a function of the device count."""
+
+
+def make_cluster(name: str, num_devices: int) -> Cluster:
+  """The cluster preset ``name`` (a key of ``CLUSTER_PRESETS``) with ``num_devices`` devices."""
+  try:
+    return CLUSTER_PRESETS[name](num_devices)
+  except KeyError:
+    raise ValueError(f"unknown cluster {name!r}; choose one of {sorted(CLUSTER_PRESETS)}") from None
+
+
 def as_cluster(cluster: "Cluster | int | None", default_devices: int = 1) -> Cluster:
   """Accepts a Cluster, a device count (a ``cpu_cluster``) or None (``default_devices``)."""
   if isinstance(cluster, Cluster):
@@ -244,4 +256,4 @@ def as_cluster(cluster: "Cluster | int | None", default_devices: int = 1) -> Clu
   if isinstance(cluster, int):
     return cpu_cluster(cluster)
   raise TypeError(f"expected a Cluster or a device count, got {type(cluster).__name__}; "
-                  "build one with gpp_jax.cluster.v100_cluster(n) or cpu_cluster(n)")
+                  "build one with gpp_jax.cost.cluster.v100_cluster(n) or cpu_cluster(n)")

@@ -1,0 +1,157 @@
+"""Trains a model-zoo model with a graph pipeline on synthetic data.
+
+  python -m gpp_jax.train --model=mmt --planner=graphpipe --num_devices=8 \\
+      --num_microbatches=8 --steps=200
+
+Logs loss, throughput and progress while it runs and writes a run folder (``--run_dir``):
+  plan.json, plan.txt        the plan, and a readable table with explain()
+  layer_graph.json           the LayerGraph the planner saw
+  stage_graph.dot (.svg)     the stage DAG (SVG when Graphviz's ``dot`` is installed)
+  timeline_measured.json     Chrome/Perfetto trace of the last step, measured per action
+  timeline_predicted.json    the simulator's prediction of the same schedule
+  metrics.jsonl              one JSON object per logged step
+
+Multi-process: started by ``python -m gpp_jax.launch`` (GPP_* variables), or with
+``--distributed`` on a cluster where ``jax.distributed.initialize()`` finds its environment.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "mmt", "model: mmt, dlrm, candle_uno or gpt")
+flags.DEFINE_string("preset", "tiny", "model size preset: tiny or paper")
+flags.DEFINE_string("planner", "graphpipe", "planner name (graphpipe, pipedream, piper, bapipe, "
+                    "luo, balanced)")
+flags.DEFINE_string("schedule", None, "micro-batch schedule: 1f1b, gpipe or graph-1f1b "
+                    "(default: the planner's choice)")
+flags.DEFINE_integer("num_devices", 8, "devices to use (the first N of jax.devices())")
+flags.DEFINE_integer("num_microbatches", 8, "micro-batches per step")
+flags.DEFINE_integer("batch_size", 64, "examples per step")
+flags.DEFINE_integer("steps", 200, "training steps")
+flags.DEFINE_float("learning_rate", 1e-3, "AdamW learning rate")
+flags.DEFINE_float("clip_norm", 1.0, "global-norm gradient clipping (0 disables)")
+flags.DEFINE_bool("remat", False, "recompute stage forwards in the backward")
+flags.DEFINE_integer("seed", 0, "parameter and data seed")
+flags.DEFINE_integer("log_every", 10, "log every N steps")
+flags.DEFINE_integer("num_batches", 4, "distinct synthetic batches, cycled")
+flags.DEFINE_string("run_dir", None, "output folder (default runs/<model>-<planner>-<time>)")
+flags.DEFINE_string("cluster", "cpu", "cluster preset the planner and simulator use: cpu or v100")
+flags.DEFINE_bool("calibrate", True, "time each layer on the device before planning (cpu cluster)")
+flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() from the cluster environment")
+flags.DEFINE_string("transfer_address", None, "host:port for cross-process transfers (with --distributed)")
+flags.DEFINE_float("timeout_s", 300.0, "multi-process: fail a step that stalls this long")
+
+
+def _setup_devices():
+  """Multi-process set-up, or enough forced CPU devices for a single-process CPU run."""
+  import jax
+  from gpp_jax.runtime import processes as distributed
+  if distributed.initialize_from_env():
+    return
+  if FLAGS.distributed:
+    distributed.initialize(transfer_address=FLAGS.transfer_address)
+    return
+  # Only affects the CPU backend (and only before it starts): accelerators are unaffected.
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", FLAGS.num_devices)
+
+
+def write_stage_graph(plan, layer_graph, path_dot):
+  lines = ["digraph stages {", "  rankdir=LR; node [shape=box, fontname=Helvetica];"]
+  for s in plan.stages:
+    flops = sum(layer_graph.nodes[l]["flops"] for l in s.layers)
+    first = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
+    lines.append(f'  s{s.index} [label="stage {s.index}\\n{first}\\n{len(s.layers)} layers, '
+                 f'{flops / 1e6:.1f} MFLOP\\ndevices {list(s.devices)}"];')
+  for a, b in plan.edges:
+    lines.append(f"  s{a} -> s{b};")
+  lines.append("}")
+  with open(path_dot, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  if shutil.which("dot"):
+    for fmt in ("svg", "png"):
+      subprocess.run(["dot", f"-T{fmt}", path_dot, "-o", path_dot[:-3] + fmt], check=False)
+
+
+def main(argv):
+  del argv
+  _setup_devices()
+  import jax
+  import gpp_jax
+  from gpp_jax.ir import layer_graph as lg
+  from gpp_jax.cli import reporting
+  from gpp_jax.cost.cluster import make_cluster
+  from gpp_jax.experiments import zoo
+
+  devices = jax.devices()
+  if FLAGS.num_devices > len(devices):
+    raise app.UsageError(f"--num_devices={FLAGS.num_devices} but only {len(devices)} devices; "
+                         "set XLA_FLAGS=--xla_force_host_platform_device_count=N for CPU")
+  devices = devices[:FLAGS.num_devices]
+  run = zoo.setup(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, learning_rate=FLAGS.learning_rate,
+                  clip_norm=FLAGS.clip_norm)
+  model, optimizer, train_step = run.model, run.optimizer, run.train_step
+  data = run.batches(FLAGS.batch_size, FLAGS.num_batches)
+  cluster = make_cluster(FLAGS.cluster, len(devices))
+  pp = gpp_jax.graph_pipeline(train_step, num_microbatches=FLAGS.num_microbatches,
+                              devices=devices, planner=FLAGS.planner, schedule=FLAGS.schedule,
+                              remat=FLAGS.remat, cluster=cluster, timeout_s=FLAGS.timeout_s,
+                              calibrate=FLAGS.calibrate and FLAGS.cluster == "cpu",
+                              layer_depth=run.spec.layer_depth)
+  run_dir = FLAGS.run_dir or os.path.join(
+      "runs", f"{FLAGS.model}-{FLAGS.planner}-{time.strftime('%Y%m%d-%H%M%S')}")
+  main_process = jax.process_index() == 0
+  if main_process:
+    os.makedirs(run_dir, exist_ok=True)
+  t_start = time.perf_counter()
+  loss = pp(model, optimizer, data[0])
+  jax.block_until_ready(loss)
+  logging.info("compiled and ran the first step in %.1f s", time.perf_counter() - t_start)
+  if main_process:
+    print(pp.explain())
+    with open(os.path.join(run_dir, "plan.json"), "w") as f:
+      f.write(pp.plan.to_json())
+    with open(os.path.join(run_dir, "plan.txt"), "w") as f:
+      f.write(pp.explain() + "\n")
+    with open(os.path.join(run_dir, "layer_graph.json"), "w") as f:
+      f.write(lg.to_json(pp.layer_graph))
+    write_stage_graph(pp.plan, pp.layer_graph, os.path.join(run_dir, "stage_graph.dot"))
+  metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w") if main_process else None
+  t_log, samples = time.perf_counter(), 0
+  for step in range(1, FLAGS.steps):
+    if step == FLAGS.steps - 1 and jax.process_count() == 1:
+      pp.measure = True  # the last step records a measured per-action timeline
+    loss = pp(model, optimizer, data[step % len(data)])
+    samples += FLAGS.batch_size
+    if step % FLAGS.log_every == 0 or step == FLAGS.steps - 1:
+      value = reporting.fetch(loss)
+      dt = time.perf_counter() - t_log
+      rec = {"step": step, "loss": value, "samples_per_s": samples / dt,
+             "step_ms": dt / max(samples // FLAGS.batch_size, 1) * 1e3}
+      logging.info("step %d/%d loss %s  %.1f samples/s  %.1f ms/step", step, FLAGS.steps - 1,
+                   f"{value:.5f}" if value is not None else "(remote)", rec["samples_per_s"],
+                   rec["step_ms"])
+      if metrics:
+        metrics.write(json.dumps(rec) + "\n")
+        metrics.flush()
+      t_log, samples = time.perf_counter(), 0
+  if main_process:
+    metrics.close()
+    tl = pp.timeline
+    with open(os.path.join(run_dir, "timeline_measured.json"), "w") as f:
+      json.dump(tl.to_chrome_trace(), f)
+    reporting.write_predicted_timeline(pp, cluster, os.path.join(run_dir, "timeline_predicted.json"))
+    logging.info("run folder: %s", os.path.abspath(run_dir))
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  app.run(main)

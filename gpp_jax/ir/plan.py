@@ -1,0 +1,202 @@
+"""Plan IR: which layers form each stage, which devices run it, and how it is scheduled.
+
+A Plan is what every planner returns and what the staging pass consumes. Stages form a DAG
+(``edges``); each stage owns a disjoint set of devices (data parallel inside the stage when it
+has several) and a micro-batch size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping, Sequence
+
+import networkx as nx
+
+from gpp_jax.errors import PlanError
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One pipeline stage.
+
+  Attributes:
+    index: position of the stage in ``Plan.stages``.
+    layers: names of the LayerGraph layers this stage computes.
+    devices: indices into the device list the plan is run on (one data-parallel group).
+    microbatch_size: samples per micro-batch at this stage (None: batch / num_microbatches).
+    in_flight: micro-batches whose activations this stage holds at most (None: not computed).
+  """
+  index: int
+  layers: tuple[str, ...]
+  devices: tuple[int, ...]
+  microbatch_size: int | None = None
+  in_flight: int | None = None
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "Stage":
+    return cls(index=int(d["index"]), layers=tuple(d["layers"]), devices=tuple(d["devices"]),
+               microbatch_size=d.get("microbatch_size"), in_flight=d.get("in_flight"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A stage DAG with devices and a micro-batch schedule.
+
+  Attributes:
+    stages: the stages, ``stages[i].index == i``.
+    edges: stage-graph edges ``(i, j)``: stage i's forward feeds stage j.
+    num_microbatches: micro-batches per mini-batch (for uniform micro-batch sizes).
+    schedule: name of the schedule generator ("1f1b", "gpipe").
+    planner: name of the planner that produced the plan.
+    batch_size: mini-batch size the plan was made for (None if not known).
+    predicted: what the planner's cost model predicts (iteration_time, memory per stage...).
+  """
+  stages: tuple[Stage, ...]
+  edges: tuple[tuple[int, int], ...]
+  num_microbatches: int
+  schedule: str = "1f1b"
+  planner: str = "manual"
+  batch_size: int | None = None
+  predicted: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  def stage_graph(self) -> nx.DiGraph:
+    g = nx.DiGraph()
+    g.add_nodes_from(range(self.num_stages))
+    g.add_edges_from(self.edges)
+    return g
+
+  def stage_of_layer(self) -> dict[str, int]:
+    return {l: s.index for s in self.stages for l in s.layers}
+
+  def depth(self) -> int:
+    """Pipeline depth: number of stages on the longest path of the stage graph."""
+    return nx.dag_longest_path_length(self.stage_graph()) + 1
+
+  def replace(self, **kw) -> "Plan":
+    return dataclasses.replace(self, **kw)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"stages": [s.to_dict() for s in self.stages], "edges": [list(e) for e in self.edges],
+            "num_microbatches": self.num_microbatches, "schedule": self.schedule,
+            "planner": self.planner, "batch_size": self.batch_size,
+            "predicted": dict(self.predicted)}
+
+  def to_json(self, indent: int | None = 1) -> str:
+    return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+    return cls(stages=tuple(Stage.from_dict(s) for s in d["stages"]),
+               edges=tuple(tuple(e) for e in d["edges"]),
+               num_microbatches=int(d["num_microbatches"]), schedule=d.get("schedule", "1f1b"),
+               planner=d.get("planner", "manual"), batch_size=d.get("batch_size"),
+               predicted=dict(d.get("predicted", {})))
+
+  @classmethod
+  def from_json(cls, s: str) -> "Plan":
+    return cls.from_dict(json.loads(s))
+
+  def __str__(self) -> str:
+    p = self.predicted
+    head = (f"Plan by {self.planner}: {self.num_stages} stages, depth {self.depth()}, "
+            f"{self.num_microbatches} micro-batches, schedule {self.schedule}")
+    if "iteration_time" in p:
+      head += f", predicted iteration {p['iteration_time'] * 1e3:.3f} ms"
+    rows = [head, f"{'stage':>5s} {'devices':>12s} {'mb':>4s} {'flight':>6s} {'mem MiB':>9s}"
+            f" {'next':>8s}  layers"]
+    mem = p.get("stage_memory", {})
+    for s in self.stages:
+      nxt = ",".join(str(j) for i, j in self.edges if i == s.index) or "-"
+      m = mem.get(str(s.index), mem.get(s.index))
+      layers = ", ".join(s.layers)
+      if len(layers) > 80:
+        layers = f"{s.layers[0]} ... {s.layers[-1]} ({len(s.layers)} layers)"
+      rows.append(f"{s.index:5d} {_devs(s.devices):>12s} {s.microbatch_size or '-':>4} "
+                  f"{s.in_flight or '-':>6} {'-' if m is None else f'{m / 2**20:.1f}':>9s}"
+                  f" {nxt:>8s}  {layers}")
+    return "\n".join(rows)
+
+
+def _devs(devs: Sequence[int]) -> str:
+  devs = list(devs)
+  if len(devs) > 2 and devs == list(range(devs[0], devs[-1] + 1)):
+    return f"{devs[0]}-{devs[-1]}"
+  return ",".join(map(str, devs))
+
+
+def stage_edges(layer_graph: nx.DiGraph, stage_of_layer: Mapping[str, int]) -> tuple[tuple[int, int], ...]:
+  """Stage-graph edges induced by the layer graph (constraint C2 of GraphPipe)."""
+  return tuple(sorted({(stage_of_layer[u], stage_of_layer[v]) for u, v in layer_graph.edges
+                       if stage_of_layer[u] != stage_of_layer[v]}))
+
+
+def validate_plan(plan: Plan, layer_graph: nx.DiGraph | None = None,
+                  num_devices: int | None = None) -> None:
+  """Raises PlanError naming the first problem with ``plan`` and how to fix it.
+
+  Checks: stage indices; every layer in exactly one stage; each stage convex (no path leaves
+  it and re-enters); the stage graph acyclic and equal to the one the layer graph induces;
+  devices disjoint, non-empty, and within ``num_devices``.
+  """
+  for i, s in enumerate(plan.stages):
+    if s.index != i:
+      raise PlanError(f"stage at position {i} has index {s.index}; stages must be numbered 0..n-1")
+    if not s.devices:
+      raise PlanError(f"stage {i} has no device; give every stage at least one device")
+  if plan.num_microbatches < 1:
+    raise PlanError(f"num_microbatches must be >= 1, got {plan.num_microbatches}")
+  if num_devices is not None and plan.num_stages > num_devices:
+    raise PlanError(f"the plan has {plan.num_stages} stages but only {num_devices} devices; "
+                    "merge stages or pass more devices")
+  seen: dict[int, int] = {}
+  for s in plan.stages:
+    for d in s.devices:
+      if d in seen:
+        raise PlanError(f"device {d} is used by stages {seen[d]} and {s.index}; stages need "
+                        "disjoint devices (use fewer stages or more devices)")
+      seen[d] = s.index
+      if num_devices is not None and not 0 <= d < num_devices:
+        raise PlanError(f"stage {s.index} uses device {d}, but only {num_devices} devices are "
+                        f"available (indices 0..{num_devices - 1})")
+  if layer_graph is not None:
+    _check_layers(plan, layer_graph)
+  sg = plan.stage_graph()
+  if not nx.is_directed_acyclic_graph(sg):
+    raise PlanError(f"the stage graph has a cycle {nx.find_cycle(sg)}; stages must form a DAG")
+
+
+def _check_layers(plan: Plan, layer_graph: nx.DiGraph) -> None:
+  where: dict[str, int] = {}
+  for s in plan.stages:
+    for l in s.layers:
+      if l not in layer_graph:
+        raise PlanError(f"stage {s.index} names unknown layer {l!r}; known layers: "
+                        f"{sorted(layer_graph.nodes)[:20]}")
+      if l in where:
+        raise PlanError(f"layer {l!r} is in stages {where[l]} and {s.index}; each layer belongs "
+                        "to exactly one stage")
+      where[l] = s.index
+  missing = [l for l in layer_graph if l not in where]
+  if missing:
+    raise PlanError(f"layers {missing[:10]} are in no stage; assign every layer to a stage")
+  induced = stage_edges(layer_graph, where)
+  q = nx.DiGraph()
+  q.add_nodes_from(range(plan.num_stages))
+  q.add_edges_from(induced)
+  if not nx.is_directed_acyclic_graph(q):
+    cyc = nx.find_cycle(q)
+    s = cyc[0][0]
+    raise PlanError(
+        f"stage {s} is not convex: a path leaves it and re-enters it (stage cycle {cyc}). "
+        f"Move the layers between the two visits into stage {s}, or split it.")
+  if set(induced) - set(plan.edges):
+    raise PlanError(f"plan.edges {sorted(plan.edges)} lack the stage edges "
+                    f"{sorted(set(induced) - set(plan.edges))} that the layer graph induces")
+

@@ -1,0 +1,61 @@
+"""Multi-process set-up on top of stock ``jax.distributed``.
+
+Every process runs the same training script. ``initialize`` starts JAX's distributed runtime
+and enables JAX's cross-host ``device_put`` (which needs a socket address per process); the
+pipeline driver then moves activations and cotangents between processes with ordinary
+``jax.device_put`` calls issued in the same order on every process.
+
+Locally, ``python -m gpp_jax.launch`` starts the processes and passes their coordinates in the
+``GPP_*`` environment variables read by ``initialize_from_env``.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+from absl import logging
+
+ENV_COORDINATOR = "GPP_COORDINATOR"
+ENV_NUM_PROCESSES = "GPP_NUM_PROCESSES"
+ENV_PROCESS_ID = "GPP_PROCESS_ID"
+ENV_LOCAL_DEVICES = "GPP_LOCAL_DEVICES"
+ENV_TRANSFER_ADDRESS = "GPP_TRANSFER_ADDRESS"
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, transfer_address: str | None = None,
+               cpu_devices: int | None = None, initialization_timeout: int = 120) -> None:
+  """Starts ``jax.distributed`` for a pipelined run.
+
+  Args:
+    coordinator_address: ``host:port`` of process 0 (None: the cluster's environment, as
+      ``jax.distributed.initialize()`` detects it, e.g. SLURM).
+    num_processes, process_id: as for ``jax.distributed.initialize``.
+    transfer_address: ``host:port`` this process listens on for cross-process transfers
+      (JAX's ``jax_cross_host_transfer_socket_address``); required when stages of one pipeline
+      live on different processes.
+    cpu_devices: force this many CPU devices in this process (local development and tests).
+  """
+  if cpu_devices is not None:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", int(cpu_devices))
+  if transfer_address:
+    jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+  kwargs = {}
+  if coordinator_address is not None:
+    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                  process_id=process_id)
+  jax.distributed.initialize(initialization_timeout=initialization_timeout, **kwargs)
+  logging.info("process %d of %d: %d local devices, %d global", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def initialize_from_env() -> bool:
+  """Initialises from the ``GPP_*`` variables set by ``gpp_jax.launch``; False if absent."""
+  if ENV_COORDINATOR not in os.environ:
+    return False
+  initialize(os.environ[ENV_COORDINATOR], int(os.environ[ENV_NUM_PROCESSES]),
+             int(os.environ[ENV_PROCESS_ID]),
+             transfer_address=os.environ.get(ENV_TRANSFER_ADDRESS),
+             cpu_devices=int(os.environ[ENV_LOCAL_DEVICES]) if ENV_LOCAL_DEVICES in os.environ else None)
+  return True

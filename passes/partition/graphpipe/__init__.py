@@ -1,0 +1,1 @@
+from gpp_jax.passes.partition.graphpipe._whole import SearchStats, graphpipe_plan
