@@ -1,1 +1,74 @@
-from gpp_jax.passes.partition.graphpipe._whole import SearchStats, graphpipe_plan
+"""GraphPipe planner: LayerGraph + Cluster -> Plan whose stages form a DAG.
+
+Modules: ``tree`` (the SP tree and DP values), ``context`` (per micro-batch size costs), ``dp``
+(the dynamic program), ``serialised`` (serialised runs), ``search`` (bisection, depth frontier,
+micro-batch sweep, seeds, polish and ``graphpipe_plan``).
+
+The search follows GraphPipe (Jeon et al., ASPLOS'25), Alg. 1 and 2:
+
+1. Series-parallel decomposition of the layer graph (``passes/series_parallel.py``).
+2. For a target time per sample ``t`` (TPS), a dynamic program over
+   (SP sub-problem, devices, downstream depth) decides whether every stage can have
+   TPS <= t within device memory, and among the feasible strategies returns the one whose
+   entry stages hold the fewest in-flight micro-batches (the paper's "minimal source in-flight"
+   value, which is what upstream memory depends on). Sub-problems are:
+     * a single stage: the whole sub-problem, or a contiguous run of children of one series or
+       parallel node, data parallel over d devices (d divides the micro-batch);
+     * a series split: the downstream part is solved first (in-flight counts go sink to
+       source), then the upstream part with the downstream entry depth as its context;
+     * a parallel split: branches solved independently with the same context, devices split
+       between them; the entry depth is the max over branches.
+   Results are memoised on (sub-problem signature, devices, context), so identical branches
+   (the seven CANDLE-Uno towers) are solved once.
+3. A binary search on ``t`` finds the smallest feasible TPS.
+4. The micro-batch size is uniform across stages and swept over powers of two dividing the
+   batch (the paper's default configuration: same micro-batch everywhere, synchronous 1F1B).
+
+Extensions beyond the paper's recurrence (each keeps stages convex and the stage graph a DAG):
+  * head and tail merges: in a series node, a stage may hold some branches of a parallel child
+    together with the series children right before it (the fork; the other branches are fed
+    by the stage) or right after it (the join; the other branches feed the stage); without
+    them the fork and the join always cost a stage of their own;
+  * serialised runs: the children [i, n) of a series or parallel node may be solved as one
+    sequential pipeline over their layers in SP order (a topological order), i.e. the DP may
+    apply the SP-ization rule by choice and add ordering edges between branches. Stages can
+    then cut across branch boundaries to balance work; at the root this is a PipeDream-style
+    chain over the SP order (which may order branches differently from PipeDream's
+    topological order);
+  * depth frontier: besides t*, for each depth below the depth reached at t*, the smallest TPS
+    reaching that depth (searched only where the estimate (M + depth - 1) * TPS * b can still
+    win); the best candidates per micro-batch size are simulated with the plan's schedule and
+    the fastest plan within memory wins; a micro-batch size whose bound B * TPS is 25% above
+    the best simulated time is skipped;
+  * balanced tie-break: DP values order (entry depth, largest stage TPS) lexicographically,
+    so among strategies of the paper's minimal depth the more balanced one wins;
+  * two branch orders: a parallel node's children are tried lightest first (equal branches
+    adjacent; merges take the light ones) and in topological order;
+  * a no-replication variant: the TPS objective spreads a stage's gradient all-reduce over
+    the iteration although it runs after the stage's last backward, which favours data
+    parallelism; at the two best micro-batch sizes the search is repeated with one device
+    per stage (then polished), so deeper all-pipeline plans compete in the simulator too.
+
+  * chain seeds: the chain DP's optima over the topological order (PipeDream's DP, as stage
+    DAGs without ordering edges) join the simulated candidates, since a chain of stages is a
+    stage DAG too;
+  * polish: the best plan of each of the best micro-batch sizes is improved by local search
+    on the simulated time (``refine.polish``: device counts, layer moves, splits, merges);
+    the sequential planners get the same polish, restricted to chains.
+
+Choices the paper leaves open, made here (see BUILD_NOTES.md):
+  * TPS of a stage = combine(compute, transfers) / b + (all-reduce + optimizer) / B, with
+    ``CostModel.tps_formula`` "sum" by default; transfers priced on the slowest link of the
+    cluster (placement is decided after the search);
+  * in-flight count of a stage = min(L(s), M), L = longest path to a sink in stages;
+  * device counts per stage: any divisor of the micro-batch (``powers_of_two=True``
+    restricts them to powers of two); the DP may leave devices idle once the bottleneck cannot
+    improve, so afterwards the polish (a local search against the simulator, which
+    PipeDream and Piper get too) hands them to the stages that gain most; devices no stage
+    can use stay idle and are listed in ``predicted["idle_devices"]``;
+  * stages get contiguous device ranges, kept inside a node where they fit
+    (``plan_assembly.place_stages``).
+"""
+from gpp_jax.passes.partition.graphpipe.search import SearchStats, graphpipe_plan
+
+__all__ = ["SearchStats", "graphpipe_plan"]

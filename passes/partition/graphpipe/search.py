@@ -1,0 +1,262 @@
+"""GraphPipe's search: for every micro-batch size, the smallest feasible TPS by bisection, the
+depth/TPS frontier above it, the no-replication variant, the chain seeds and the polish; the
+planner entry point ``graphpipe_plan``."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import CostModel
+from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
+from gpp_jax.passes.partition.graphpipe.dp import DPSearch
+from gpp_jax.passes.partition.graphpipe.tree import INF, SPTreeNode
+from gpp_jax.passes.partition.pipedream import chain_candidates
+from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
+                                                    data_parallel_degrees, microbatch_sizes,
+                                                    no_plan_error, planner_inputs)
+from gpp_jax.passes.partition.refine import polish
+from gpp_jax.passes.series_parallel import sp_decompose
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchStats:
+  """What the search did (recorded in ``plan.predicted['search']``)."""
+  seconds: float
+  dp_runs: int
+  microbatch_sizes: tuple[int, ...]
+  candidates: int
+  simulated: int
+  best_tps: float
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+class TPSSearch:
+  """Runs the DP for one micro-batch context and counts the runs."""
+
+  def __init__(self, ctx: MicrobatchContext, root: SPTreeNode, eps: float):
+    self.ctx, self.root, self.eps, self.runs = ctx, root, eps, 0
+
+  def run(self, t: float) -> tuple[DPSearch, int]:
+    """DP at target t: the search and the entry depth it reaches (INF if infeasible)."""
+    self.runs += 1
+    s = DPSearch(self.ctx, t)
+    v = s.R(self.root, self.ctx.K, 0)
+    return s, INF if v >= INF else int(v)
+
+  def bisect(self, lo_t: float, hi_t: float, s_hi: DPSearch, target: int):
+    """Smallest TPS in (lo_t, hi_t] (to ``eps``) whose DP reaches entry depth <= target."""
+    while hi_t - lo_t > self.eps * hi_t:
+      mid = (lo_t + hi_t) / 2
+      s, v = self.run(mid)
+      if v <= target:
+        hi_t, s_hi = mid, s
+      else:
+        lo_t = mid
+    return hi_t, s_hi
+
+  def min_tps(self, lo: float):
+    """The smallest feasible TPS t* and its search, or None when nothing fits."""
+    hi = lo
+    for _ in range(64):
+      s_hi, v = self.run(hi)
+      if v < INF:
+        return self.bisect(hi / 2 if hi > lo else 0.0, hi, s_hi, INF - 1)
+      hi *= 2
+    return None
+
+  def shallower(self, t_star: float, s_star: DPSearch) -> list[tuple[float, int, DPSearch]]:
+    """Depth / TPS frontier above t*: for each depth d below the depth D* reached at t*, the
+    smallest TPS whose DP reaches depth <= d, searched only up to the TPS at which depth d can
+    still beat the best estimate (M + D - 1) * TPS so far."""
+    M = self.ctx.M
+    D = int(s_star.R(self.root, self.ctx.K, 0))
+    out = []
+    best_est = (M + D - 1) * t_star
+    d = D - 1
+    while d >= 1:
+      bound = best_est / (M + d - 1)
+      s, v = self.run(bound)
+      if v > d:
+        d -= 1
+        continue
+      t_d, s_d = self.bisect(t_star, bound, s, d)
+      depth = int(s_d.R(self.root, self.ctx.K, 0))
+      out.append((t_d, depth, s_d))
+      best_est = min(best_est, (M + depth - 1) * t_d)
+      d = min(d, depth) - 1
+    return out
+
+
+def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
+                   batch_size: int | None = None, *, num_microbatches: int | None = None,
+                   cost_model: CostModel | None = None, schedule: str = "1f1b",
+                   powers_of_two: bool = False, max_microbatches: int | None = MAX_MICROBATCHES,
+                   eps: float = 5e-3, simulate_top: int = 4, prune: float = 1.25,
+                   replication_variant: bool = True,
+                   refine_sizes: int = 4, refine_within: float = 1.1,
+                   refine_evals: int = 200, chain_seeds: bool = True) -> Plan:
+  """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
+
+  Args:
+    layer_graph: the LayerGraph with costs.
+    cluster: a Cluster, or a device count (a ``cpu_cluster``).
+    batch_size: mini-batch size (default: the graph's batch size).
+    num_microbatches: fix M (micro-batch = batch / M) instead of sweeping powers of two.
+    cost_model: the CostModel (default: Adam fp32, "sum" TPS).
+    schedule: the schedule generator the plan names ("1f1b", "graph-1f1b" or "gpipe").
+    powers_of_two: restrict per-stage device counts to powers of two.
+    max_microbatches: skip micro-batch sizes that would need more micro-batches than this.
+    eps: relative precision of the binary searches on TPS.
+    simulate_top: how many frontier plans per micro-batch size (best estimates first) are
+      simulated.
+    prune: skip a micro-batch size when B * t* exceeds ``prune`` times the best simulated
+      iteration time so far (t* its smallest feasible TPS).
+    replication_variant: at the two best micro-batch sizes, also search without data
+      parallelism inside stages.
+    refine_sizes: how many micro-batch sizes (best first) get their best plan polished by
+      ``refine.refine_plan`` (layer moves, splits and merges against the simulator), among
+      those whose best plan is within ``refine_within`` times the best simulated time.
+    refine_evals: at most this many simulations for the polish, in all.
+    chain_seeds: add the chain DP's plans (PipeDream's DP over the topological order, without
+      ordering edges) to the candidates before polishing.
+  """
+  t0 = time.perf_counter()
+  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
+  sp = sp_decompose(layer_graph)
+  incident = np.zeros(len(costs))
+  edge_map: dict = {}          # u -> [(v, bytes)]; ("in", v) -> [(u, bytes)]
+  for u, v, nbytes in costs.edges:
+    incident[u] += nbytes
+    incident[v] += nbytes
+    edge_map.setdefault(u, []).append((v, nbytes))
+    edge_map.setdefault(("in", v), []).append((u, nbytes))
+  interner: dict = {}
+  old_limit = sys.getrecursionlimit()
+  sys.setrecursionlimit(max(old_limit, 20000))
+  try:
+    root = SPTreeNode(sp.root, costs, incident, interner, edge_map)
+    link = cluster.slowest_link()
+    sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
+    # Phase 1: the smallest feasible TPS t* for every micro-batch size, largest size first;
+    # the plan at t* is simulated at once, and a size whose perfect-balance bound alone is
+    # clearly slower than the best simulated plan is skipped.
+    per_size = []
+    best: Plan | None = None
+    evaluated: list[Plan] = []
+    seen: set = set()
+    n_cands = n_sims = 0
+
+    def consider(b, t, depth, stages):
+      nonlocal best, n_sims
+      key = (b, tuple(sorted((tuple(sorted(ls)), d) for ls, d in stages)))
+      if key in seen:
+        return
+      seen.add(key)
+      n_sims += 1
+      plan = assemble_plan(
+          layer_graph, cluster, [([costs.layers[l] for l in ls], d) for ls, d in stages],
+          microbatch=b, batch_size=B, planner="graphpipe", schedule=schedule,
+          cost_model=cm, costs=costs, info={"tps_target": float(t), "dp_entry_depth": depth})
+      best = better(best, plan)
+      if plan.predicted["memory_ok"]:
+        evaluated.append(plan)
+
+    def context(b: int, dps: list[int]) -> MicrobatchContext:
+      tsum = {}
+      for d in dps:
+        tf, tb = cm.layer_times(costs, cluster.device, b / d)
+        tsum[d] = tf + tb
+      return MicrobatchContext(b=b, B=B, M=B // b, K=cluster.num_devices, dps=dps, tsum=tsum,
+                      mem_cap=cluster.memory_per_device, p2p_alpha=link.alpha,
+                      p2p_beta=link.beta, cm=cm, cluster=cluster, costs=costs)
+
+    extra_runs = 0
+    for b in sorted(sizes, reverse=True):
+      dps = data_parallel_degrees(b, cluster.num_devices, powers_of_two)
+      ctx = context(b, dps)
+      tsum = ctx.tsum
+      lo = sum(min(d * tsum[d][l] for d in dps) for l in range(len(costs))) / (ctx.K * b)
+      if best is not None and B * lo > prune * best.predicted["iteration_time"]:
+        continue
+      runner = TPSSearch(ctx, root, eps)
+      got = runner.min_tps(max(lo, 1e-15))
+      if got is not None:
+        t_star, s_star = got
+        D = int(s_star.R(root, ctx.K, 0))
+        per_size.append(((ctx.M + D - 1) * t_star * b, b, runner, t_star, s_star))
+        consider(b, t_star, D, s_star.stages(root, ctx.K, 0))
+    # Phase 2: most promising sizes first; skip a size whose bottleneck alone (B * t*) is
+    # clearly slower than the best simulated plan; simulate the best frontier plans of the rest.
+    per_size.sort(key=lambda x: x[:2])
+    best_tps = min((x[3] for x in per_size), default=math.inf)
+    for _, b, runner, t_star, s_star in per_size:
+      if best is not None and B * t_star > prune * best.predicted["iteration_time"]:
+        continue
+      frontier = runner.shallower(t_star, s_star)
+      frontier.sort(key=lambda f: (runner.ctx.M + f[1] - 1) * f[0])
+      n_cands += len(frontier) + 1
+      for t, depth, search in frontier[:simulate_top]:
+        consider(b, t, depth, search.stages(root, runner.ctx.K, 0))
+    # Phase 3: the TPS objective spreads a stage's gradient all-reduce over the iteration,
+    # but it runs after the stage's last backward; at the best micro-batch sizes, also search
+    # without data parallelism (deeper, all-pipeline plans) and let the simulator decide.
+    if replication_variant and cluster.num_devices > 1:
+      top = sorted(evaluated, key=lambda p: p.predicted["iteration_time"])
+      sizes_done = []
+      for plan in top:
+        mb = plan.stages[0].microbatch_size
+        assert mb is not None  # assemble_plan sets every stage's micro-batch size
+        b = mb
+        if b in sizes_done:
+          continue
+        sizes_done.append(b)
+        if len(sizes_done) > 2:
+          break
+        ctx = context(b, [1])
+        runner = TPSSearch(ctx, root, eps)
+        lo = float(ctx.tsum[1].sum()) / (ctx.K * b)
+        got = runner.min_tps(max(lo, 1e-15))
+        if got is not None:
+          t_star, s_star = got
+          frontier = [(t_star, int(s_star.R(root, ctx.K, 0)), s_star)]
+          frontier += runner.shallower(t_star, s_star)
+          frontier.sort(key=lambda f: (ctx.M + f[1] - 1) * f[0])
+          for t, depth, search in frontier[:simulate_top]:
+            consider(b, t, depth, search.stages(root, ctx.K, 0))
+        extra_runs += runner.runs
+    runs = sum(x[2].runs for x in per_size) + extra_runs
+  finally:
+    sys.setrecursionlimit(old_limit)
+  if best is None or not best.predicted.get("memory_ok", True):
+    raise no_plan_error("graphpipe", layer_graph, cluster, B,
+                        "every micro-batch size exceeds device memory")
+  # A chain of stages is a stage DAG too: the chain DP's optima over the topological order
+  # join the candidates, so GraphPipe's plan space visibly contains the sequential one.
+  if chain_seeds:
+    chains = chain_candidates(layer_graph, cluster, B, sizes, cost_model=cm, costs=costs,
+                              schedule=schedule, simulate_top=3, sweep=False,
+                              planner="graphpipe", sequential=False)
+    evaluated += chains
+    n_sims += len(chains)
+  # Phase 4: the DP's objective is a proxy; polish the best plans by local search on the
+  # simulated time (device counts, layer moves, splits and merges, per micro-batch size).
+  best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs,
+                refine_sizes=refine_sizes, refine_within=refine_within, max_evals=refine_evals,
+                microbatch_sizes=sizes)
+  stats = SearchStats(seconds=time.perf_counter() - t0, dp_runs=runs,
+                      microbatch_sizes=tuple(sizes), candidates=n_cands, simulated=n_sims,
+                      best_tps=float(best_tps))
+  pred = dict(best.predicted)
+  pred["search"] = stats.to_dict()
+  pred["sp_ordering_edges"] = len(sp.added_edges)
+  return best.replace(predicted=pred)

@@ -1,0 +1,141 @@
+"""The series-parallel tree the GraphPipe DP walks, and the encoding of its values.
+
+``SPTreeNode`` wraps a ``passes.series_parallel.SPNode`` with the prefix sums the DP needs
+(layer positions, parameter and saved bytes, incident and internal transfer bytes). DP values
+encode (entry depth, bottleneck) as one float; ``seq_value``, ``par_value`` and
+``attach_value`` combine them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from gpp_jax.cost.cost_model import LayerCosts
+from gpp_jax.passes.series_parallel import SPNode
+
+INF = 1 << 30
+
+
+# DP values encode (depth, bottleneck) lexicographically as one float: the integer part is the
+# entry depth (stages from the entry to the sink), the fraction is 0.5 * (largest TPS of the
+# sub-problem's stages) / target, so among strategies of equal depth the more balanced wins.
+def seq_value(rest: float, frac: float) -> float:
+  """Value of a stage with TPS fraction ``frac`` in front of a sub-problem worth ``rest``."""
+  if rest >= INF:
+    return INF
+  d = int(rest)
+  return d + 1 + max(rest - d, frac)
+
+
+def par_value(a: float, b: float) -> float:
+  """Value of two sub-problems side by side (same context)."""
+  if a >= INF or b >= INF:
+    return INF
+  da, db = int(a), int(b)
+  return max(da, db) + max(a - da, b - db)
+
+
+def attach_value(e: float, rest: float) -> float:
+  """Value of a sub-problem solved in the context int(rest), followed by ``rest``."""
+  if e >= INF or rest >= INF:
+    return INF
+  d = int(e)
+  return d + max(e - d, rest - int(rest))
+
+
+def nan_to_zero(x: float) -> float:
+  return 0.0 if math.isnan(x) else float(x)
+
+
+class SPTreeNode:
+  """An SP tree node with the aggregates the DP needs (layer positions, not names)."""
+  __slots__ = ("kind", "children", "layers", "sig", "n", "params", "saved", "incident",
+               "internal", "cross", "child_layers", "to_siblings", "twin")
+
+  def __init__(self, sp: SPNode, costs: LayerCosts, incident: np.ndarray,
+               interner: dict, edge_map: dict, children: list | None = None):
+    self.kind = sp.kind
+    self.twin = None
+    if children is not None:
+      self.children = children
+    else:
+      self.children = [SPTreeNode(c, costs, incident, interner, edge_map) for c in sp.children]
+      if self.kind == "parallel":
+        # Branch order matters: runs of adjacent branches can share a stage and merges take a
+        # prefix. The DP tries two orders: lightest first (equal branches stay adjacent,
+        # light branches merge with a fork or join) and the topological order (the twin).
+        topo = list(self.children)
+        work = lambda c: float(costs.flops_ps[c.layers].sum() + costs.act_bytes_ps[c.layers].sum())
+        self.children.sort(key=lambda c: (work(c), c.layers[0]))
+        if [id(c) for c in topo] != [id(c) for c in self.children]:
+          self.twin = SPTreeNode(sp, costs, incident, interner, edge_map, children=topo)
+    self.layers = [l for c in self.children for l in c.layers] if self.children else \
+        [costs.index[l] for l in sp.layers]
+    if self.kind == "leaf":
+      i = self.layers[0]
+      self.n = 1
+      self.child_layers = [self.layers]
+      sig: tuple[Any, ...] = ("L", float(costs.flops_ps[i]), float(costs.act_bytes_ps[i]),
+             float(costs.param_bytes[i]), float(costs.saved_ps[i]),
+             nan_to_zero(costs.time_f_ps[i]), nan_to_zero(costs.time_b_ps[i]), float(incident[i]))
+      self.params = np.array([0.0, costs.param_bytes[i]])
+      self.saved = np.array([0.0, costs.saved_ps[i]])
+      self.incident = np.array([0.0, incident[i]])
+      self.internal = np.array([0.0, 0.0])
+      self.cross = None
+      self.to_siblings: dict[int, np.ndarray] = {}
+    else:
+      kids = self.children
+      self.n = len(kids)
+      self.child_layers = [k.layers for k in kids]
+      self.params = np.concatenate([[0.0], np.cumsum([k.total("params") for k in kids])])
+      self.saved = np.concatenate([[0.0], np.cumsum([k.total("saved") for k in kids])])
+      self.incident = np.concatenate([[0.0], np.cumsum([k.total("incident") for k in kids])])
+      self.internal = np.concatenate([[0.0], np.cumsum([k.total("internal") for k in kids])])
+      n = self.n
+      cross = np.zeros((n + 1, n + 1))
+      cross_sig: tuple[Any, ...] = ()
+      if self.kind == "series":
+        owner = {}
+        for j, k in enumerate(kids):
+          for l in k.layers:
+            owner[l] = j
+        E = np.zeros((n, n))
+        for l in self.layers:
+          for v, b in edge_map.get(l, ()):
+            if v in owner and owner[v] != owner[l]:
+              E[owner[l], owner[v]] += b
+        for i in range(n):
+          for p in range(i + 2, n + 1):
+            cross[i, p] = cross[i, p - 1] + E[i:p - 1, p - 1].sum()
+        cross_sig = tuple(np.round(E[np.nonzero(E)], 6)) + tuple(map(tuple, np.argwhere(E)))
+        # For a parallel child i: bytes between each of its branches and each series child
+        # (either direction).
+        self.to_siblings = {}
+        for i, k in enumerate(kids):
+          if k.kind != "parallel":
+            continue
+          G = np.zeros((k.n, n))
+          for br, ls in enumerate(k.child_layers):
+            for l in ls:
+              for v, b in edge_map.get(l, []) + edge_map.get(("in", l), []):
+                if v in owner and owner[v] != i:
+                  G[br, owner[v]] += b
+          self.to_siblings[i] = np.cumsum(np.vstack([np.zeros((1, n)), G]), axis=0)
+          cross_sig += (i, tuple(np.round(G[np.nonzero(G)], 6)), tuple(map(tuple, np.argwhere(G))))
+      else:
+        self.to_siblings = {}
+      self.cross = cross
+      sig = (self.kind[0].upper(), tuple(k.sig for k in kids), cross_sig)
+    self.sig = interner.setdefault(sig, len(interner))
+
+  def total(self, what: str) -> float:
+    arr = getattr(self, what)
+    if what == "internal" and self.cross is not None:
+      return float(arr[-1] + self.cross[0, self.n])
+    return float(arr[-1])
+
+  def block_layers(self, i: int, p: int) -> list[int]:
+    return [l for j in range(i, p) for l in self.child_layers[j]]
