@@ -8,7 +8,15 @@ import sys
 import pytest
 
 from gpp_jax.cli import plan as plan_cli
-from gpp_jax.experiments import reproduce as rp
+from gpp_jax.experiments.ablation import ABLATION_COLUMNS, ablation
+from gpp_jax.experiments.branches import BRANCH_COLUMNS, branch_sweep, branch_table
+from gpp_jax.experiments.loss_check import loss_check
+from gpp_jax.experiments.microbatch import MICROBATCH_COLUMNS, microbatch_sweep, microbatch_table
+from gpp_jax.experiments.report import (_label, paper_comparison, results_markdown, write_csv,
+                                        write_plots)
+from gpp_jax.experiments.sweeps import Sweep
+from gpp_jax.experiments.throughput import (SEARCH_COLUMNS, THROUGHPUT_COLUMNS, device_sweep,
+                                            search_time_table, throughput_table)
 from gpp_jax.ir.plan import Plan, validate_plan
 from gpp_jax.experiments.planner_runs import build_graph
 
@@ -78,23 +86,23 @@ def test_plan_cli_rejects_bad_input_before_planning():
     plan_cli.parse_shape(["branches"])
 
 
-TINY = rp.Sweep(models=("candle_uno", "mmt"), devices=(2, 4),
-                planners=("graphpipe", "pipedream", "piper"), preset="tiny", branches=(2, 4),
-                branch_devices=4, microbatch_model="mmt", microbatch_devices=4,
-                microbatch_batch=32, microbatch_list=(4, 16), ablation_devices=4,
-                loss_models=(), steps=1)
+TINY = Sweep(models=("candle_uno", "mmt"), devices=(2, 4),
+             planners=("graphpipe", "pipedream", "piper"), preset="tiny", branches=(2, 4),
+             branch_devices=4, microbatch_model="mmt", microbatch_devices=4,
+             microbatch_batch=32, microbatch_list=(4, 16), ablation_devices=4,
+             loss_models=(), steps=1)
 
 
 @pytest.fixture(scope="module")
 def tables():
   quiet = lambda msg: None  # noqa: E731
-  dev = rp.device_sweep(TINY, log=quiet)
-  br = rp.branch_sweep(TINY, log=quiet)
-  return {"throughput": rp.throughput_table(dev),
-          "search_time": rp.search_time_table(dev) + rp.search_time_table(br),
-          "branches": rp.branch_table(br),
-          "microbatch": rp.microbatch_table(rp.microbatch_sweep(TINY, log=quiet)),
-          "ablation": rp.ablation(TINY, dev, log=quiet), "_device_rows": dev}
+  dev = device_sweep(TINY, log=quiet)
+  br = branch_sweep(TINY, log=quiet)
+  return {"throughput": throughput_table(dev),
+          "search_time": search_time_table(dev) + search_time_table(br),
+          "branches": branch_table(br),
+          "microbatch": microbatch_table(microbatch_sweep(TINY, log=quiet)),
+          "ablation": ablation(TINY, dev, log=quiet), "_device_rows": dev}
 
 
 def test_throughput_and_search_tables(tables):
@@ -102,7 +110,7 @@ def test_throughput_and_search_tables(tables):
   assert [(r["model"], r["devices"]) for r in tp] == [("candle_uno", 2), ("candle_uno", 4),
                                                      ("mmt", 2), ("mmt", 4)]
   for r in tp:
-    assert set(r) == set(rp.THROUGHPUT_COLUMNS)
+    assert set(r) == set(THROUGHPUT_COLUMNS)
     seq = [r[p] for p in ("pipedream", "piper") if r[p]]
     assert r["best_sequential"] == max(seq)
     assert r["speedup"] == pytest.approx(r["graphpipe"] / r["best_sequential"])
@@ -110,10 +118,10 @@ def test_throughput_and_search_tables(tables):
   cu4 = tp[1]
   assert cu4["piper"] is None and cu4["failed"] == "piper"         # 7 tiny towers: state limit
   assert cu4["speedup"] > 1.0
-  assert [rp._label(r["model"]) for r in st[4:]] == ["CANDLE-Uno, 2 branches",
-                                                     "CANDLE-Uno, 4 branches"]
+  assert [_label(r["model"]) for r in st[4:]] == ["CANDLE-Uno, 2 branches",
+                                                  "CANDLE-Uno, 4 branches"]
   for r in st:
-    assert set(r) == set(rp.SEARCH_COLUMNS)
+    assert set(r) == set(SEARCH_COLUMNS)
     assert r["graphpipe_s"] > 0 and r["pipedream_s"] > 0
     assert r["pipedream_over_graphpipe"] == pytest.approx(r["pipedream_s"] / r["graphpipe_s"])
     assert (r["piper_over_graphpipe"] is None) == ("piper" in r["failed"].split())
@@ -123,39 +131,39 @@ def test_branch_microbatch_and_ablation_tables(tables):
   br = tables["branches"]
   assert [r["branches"] for r in br] == [2, 4]
   for r in br:
-    assert set(r) == set(rp.BRANCH_COLUMNS) and r["devices"] == 4
+    assert set(r) == set(BRANCH_COLUMNS) and r["devices"] == 4
     assert r["speedup_vs_pipedream"] == pytest.approx(r["graphpipe"] / r["pipedream"])
     assert r["speedup"] <= r["speedup_vs_pipedream"] + 1e-12     # best seq >= PipeDream
   mb = tables["microbatch"]
   assert [(r["microbatch"], r["num_microbatches"]) for r in mb] == [(4, 8), (16, 2)]
   for r in mb:
-    assert set(r) == set(rp.MICROBATCH_COLUMNS) and r["graphpipe"] and r["pipedream"]
+    assert set(r) == set(MICROBATCH_COLUMNS) and r["graphpipe"] and r["pipedream"]
   ab = tables["ablation"]
   assert [r["model"] for r in ab] == ["candle_uno", "mmt"]
   dev = {(r["model"], r["planner"]): r for r in tables["_device_rows"] if r["devices"] == 4}
   for r in ab:
-    assert set(r) == set(rp.ABLATION_COLUMNS)
+    assert set(r) == set(ABLATION_COLUMNS)
     assert r["full"] == dev[(r["model"], "graphpipe")]["throughput"]    # reused, not re-run
     assert r["full_speedup"] == pytest.approx(r["full"] / r["sequential"])
     assert r["parallel_speedup"] == pytest.approx(r["parallel"] / r["sequential"])
 
 
 def test_microbatch_sweep_holds_every_planner_to_the_size():
-  sweep = rp.Sweep(planners=("graphpipe", "pipedream"), preset="tiny", microbatch_model="mmt",
-                   microbatch_devices=4, microbatch_batch=32, microbatch_list=(8,))
-  rows = rp.microbatch_sweep(sweep, log=lambda m: None)
+  sweep = Sweep(planners=("graphpipe", "pipedream"), preset="tiny", microbatch_model="mmt",
+                microbatch_devices=4, microbatch_batch=32, microbatch_list=(8,))
+  rows = microbatch_sweep(sweep, log=lambda m: None)
   assert [r["planner"] for r in rows] == ["graphpipe", "pipedream"]
   assert all(r["microbatch"] == 8 and r["num_microbatches"] == 4 for r in rows)
 
 
 def test_outputs_csv_markdown_and_plots(tables, tmp_path):
   path = tmp_path / "throughput.csv"
-  rp.write_csv(tables["throughput"], rp.THROUGHPUT_COLUMNS, str(path))
+  write_csv(tables["throughput"], THROUGHPUT_COLUMNS, str(path))
   with open(path) as f:
     got = list(csv.DictReader(f))
-  assert len(got) == 4 and tuple(got[0]) == rp.THROUGHPUT_COLUMNS
+  assert len(got) == 4 and tuple(got[0]) == THROUGHPUT_COLUMNS
   assert got[1]["piper"] == "" and float(got[1]["speedup"]) > 1
-  comp = rp.paper_comparison(tables, TINY)
+  comp = paper_comparison(tables, TINY)
   head = next(r for r in comp if r["claim"].startswith("Max throughput gain over PipeDream"))
   best = max(r["graphpipe"] / max(r[p] for p in ("pipedream", "piper") if r[p])
              for r in tables["throughput"])
@@ -163,18 +171,18 @@ def test_outputs_csv_markdown_and_plots(tables, tmp_path):
   lost = [r for r in comp if r["paper"] is None]
   assert lost and all("lost" in r["note"] for r in lost)
   assert any("Table 1" in r["claim"] for r in lost)
-  md = rp.results_markdown(tables, TINY, plots=["throughput.png"])
+  md = results_markdown(tables, TINY, plots=["throughput.png"])
   for section in ("## Ours vs the paper", "## (a)", "## (b)", "## (c)", "## (d)", "## (e)",
                   "## What limits the comparison", "![throughput vs devices](throughput.png)"):
     assert section in md
   assert "| fail |" in md                                         # Piper's failed cell
   import matplotlib  # noqa: F401  (installed by the test extra)
-  files = rp.write_plots(tables, str(tmp_path))
+  files = write_plots(tables, str(tmp_path))
   assert files == ["throughput.png", "branches.png", "microbatch.png", "ablation.png"]
   assert all((tmp_path / f).stat().st_size > 1000 for f in files)
 
 
 def test_loss_check_reports_a_failed_run():
-  rows = rp.loss_check(["no_such_model"], steps=1, timeout=120, dtypes=("float32",))
+  rows = loss_check(["no_such_model"], steps=1, timeout=120, dtypes=("float32",))
   assert rows[0]["model"] == "no_such_model" and "exit" in rows[0]["error"]
   assert rows[0]["dtype"] == "float32"

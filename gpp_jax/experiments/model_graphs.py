@@ -27,6 +27,8 @@ Per-layer cost formulas (per sample; multiply by the batch):
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import networkx as nx
 
 from gpp_jax.ir.layer_graph import add_edge, add_layer, new_layer_graph
@@ -108,6 +110,7 @@ def dlrm(batch_size: int = 128, dense_branches: int = 7, dense_layers: int = 4,
     for l in range(dense_layers):
       d_out = embedding_dim if l == dense_layers - 1 else hidden
       prev = _dense(g, f"dense{br}.fc{l}", hidden, d_out, B, [prev] if prev else [])
+    assert prev is not None  # dense_layers >= 1
     tails.append(prev)
   for br in range(sparse_branches):
     name = f"sparse{br}.emb"
@@ -183,7 +186,8 @@ def chain(batch_size: int = 8, layers: int = 8, hidden: int = 1024) -> nx.DiGrap
   return g
 
 
-PRESETS = {"mmt": mmt, "dlrm": dlrm, "candle_uno": candle_uno, "gpt": gpt, "chain": chain}
+PRESETS: dict[str, Callable[..., nx.DiGraph]] = {
+    "mmt": mmt, "dlrm": dlrm, "candle_uno": candle_uno, "gpt": gpt, "chain": chain}
 
 
 def model_graph(name: str, **shape) -> nx.DiGraph:

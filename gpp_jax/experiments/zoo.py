@@ -48,7 +48,7 @@ def setup(model_name: str, preset: str = "tiny", *, seed: int = 0, learning_rate
 
   if dtype is not None:
     dtype = np.dtype(dtype)
-    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
       raise ValueError(f"dtype={dtype} needs 64-bit JAX: set jax.config.update("
                        "'jax_enable_x64', True) (or JAX_ENABLE_X64=1) before creating arrays")
   spec = get_model(model_name)
