@@ -135,6 +135,7 @@ class EmbeddingBag(nnx.Module):
     dim = config.embedding_dim
     self.table = nnx.Param(jax.random.uniform(rngs.params(), (num_embeddings, dim),
                                               minval=-1.0, maxval=1.0) / jnp.sqrt(dim))
+    self.proj: nnx.Linear | None
     if config.bag_output_dim != config.interaction_dim:
       self.proj = nnx.Linear(config.bag_output_dim, config.interaction_dim, rngs=rngs)
     else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import jax
 from flax import nnx
@@ -83,7 +83,8 @@ class ModelSpec:
   def abstract_model(self, config: Any) -> nnx.Module:
     """The model with ``jax.ShapeDtypeStruct`` leaves instead of arrays (no allocation)."""
     try:
-      return nnx.eval_shape(lambda: self.make_model(config, _ShapeOnlyKeys()))
+      # _ShapeOnlyKeys duck-types the part of nnx.Rngs the zoo's modules use.
+      return nnx.eval_shape(lambda: self.make_model(config, cast(nnx.Rngs, _ShapeOnlyKeys())))
     except AttributeError:  # a module wants more of nnx.Rngs than ``params()``
       return nnx.eval_shape(lambda: self.make_model(config, nnx.Rngs(0)))
 

@@ -81,7 +81,7 @@ def op_graph(closed: xc.ClosedJaxpr) -> nx.DiGraph:
   ``bytes``. Edge attributes: ``bytes`` of the variables flowing along the edge.
   """
   g = nx.DiGraph()
-  producer = {}
+  producer: dict[xc.Var, int] = {}
   for i, e in enumerate(closed.jaxpr.eqns):
     g.add_node(i, primitive=e.primitive.name, scope=scope_path(e), flops=eqn_flops(e),
                bytes=eqn_bytes(e))

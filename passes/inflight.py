@@ -160,7 +160,7 @@ def graph_1f1b(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatch
   if update:
     for s in range(S):
       lanes[s].append(Action("UPDATE", s))
-  sched = Schedule("graph-1f1b", M, tuple(sorted(tuple(e) for e in edges)),
+  sched = Schedule("graph-1f1b", M, tuple(sorted((u, v) for u, v in edges)),
                    tuple(tuple(l) for l in lanes))
   validate_schedule(sched)
   return sched

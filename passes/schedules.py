@@ -12,7 +12,7 @@ Generators:
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import networkx as nx
 
@@ -75,7 +75,8 @@ def one_f_one_b(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatc
   return sched
 
 
-GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "graph-1f1b": graph_1f1b}
+GENERATORS: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "graph-1f1b": graph_1f1b}
 
 
 def make_schedule(name: str, num_stages: int, edges: Sequence[tuple[int, int]],

@@ -10,7 +10,7 @@ stages that read it receive a copy once per step and send their gradient back to
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,8 +98,8 @@ def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
   where = plan.stage_of_layer()
   try:
     eqn_stage = [where[l] for l in eqn_layer]
-  except KeyError as e:
-    raise PlanError(f"layer {e.args[0]!r} is in no stage of the plan") from None
+  except KeyError as err:
+    raise PlanError(f"layer {err.args[0]!r} is in no stage of the plan") from None
   S = plan.num_stages
   param_owner = tuple(where[p] if p is not None else -1 for p in param_layer)
   for i, v in enumerate(J.invars):
@@ -167,7 +167,8 @@ def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
     order = sorted(range(len(ins)), key=lambda k: (not refs[k].diff, refs[k].kind != "param", k))
     ins = [ins[k] for k in order]
     refs = [refs[k] for k in order]
-    outs, orefs = [], []
+    outs: list[xc.Var] = []
+    orefs: list[OutputRef] = []
     for e in eqns:
       for o in e.outvars:
         if isinstance(o, xc.DropVar):
@@ -194,7 +195,12 @@ def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
   if edges - set(plan.edges):
     raise PlanError(f"the program needs stage edges {sorted(edges - set(plan.edges))} that the "
                     "plan lacks; rebuild the plan from this model's layer graph")
-  return StagedProgram(tuple(stages), param_owner, tuple(loss_outputs), tuple(sorted(edges)))
+  placed_loss_outputs: list[tuple[int, int]] = []
+  for lo in loss_outputs:
+    assert lo is not None  # every loss output is defined (checked above), so some stage has it
+    placed_loss_outputs.append(lo)
+  return StagedProgram(tuple(stages), param_owner, tuple(placed_loss_outputs),
+                       tuple(sorted(edges)))
 
 
 # ----------------------------------------------------------------------------- executables
@@ -214,9 +220,9 @@ class StageFunctions:
   where ``cts[k]`` is a tuple of cotangent contributions for output k (summed inside; empty for
   an output nobody differentiates) and ``acc`` the running parameter-gradient sums.
   """
-  fwd: object
-  bwd: object
-  zeros_acc: object
+  fwd: Callable[..., Any]
+  bwd: Callable[..., Any]
+  zeros_acc: Callable[..., Any]
 
 
 def stage_functions(stage: StageProgram, remat: bool = False) -> StageFunctions:

@@ -93,10 +93,11 @@ def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequen
       eqn_home[k] = outs_known[0]
     elif known:
       eqn_home[k] = max(known)[2]
-    if eqn_home[k] is not None:
+    hk = eqn_home[k]
+    if hk is not None:
       for o in e.outvars:
         if not isinstance(o, xc.DropVar):
-          home.setdefault(o, eqn_home[k])
+          home.setdefault(o, hk)
   # Backward: undecided equations take their first consumer's home.
   consumers: dict[int, list[int]] = {k: [] for k in range(len(eqns))}
   for k, e in enumerate(eqns):
@@ -105,11 +106,17 @@ def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequen
         consumers[producer[v]].append(k)
   for k in reversed(range(len(eqns))):
     if eqn_home[k] is None:
-      hs = [eqn_home[c] for c in consumers[k] if eqn_home[c] not in (None, PIPE)]
-      eqn_home[k] = hs[0] if hs else 0
+      hs = [h for h in (eqn_home[c] for c in consumers[k]) if h is not None and h != PIPE]
+      hk = hs[0] if hs else 0
+      eqn_home[k] = hk
       for o in eqns[k].outvars:
         if not isinstance(o, xc.DropVar):
-          home.setdefault(o, eqn_home[k])
+          home.setdefault(o, hk)
+  # Every equation has a home now.
+  homes: list[int] = []
+  for hk in eqn_home:
+    assert hk is not None
+    homes.append(hk)
   # Step inputs: their first consumer's home (parameters: their owner).
   invar_home = []
   for v in J.invars:
@@ -119,7 +126,7 @@ def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequen
     h = -1
     for k, e in enumerate(eqns):
       if k != marker_index and any(a is v for a in e.invars):
-        h = eqn_home[k]
+        h = homes[k]
         break
     invar_home.append(h)
     if h >= 0:
@@ -127,21 +134,24 @@ def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequen
   # Levels: one more whenever a value crosses between homes.
   eqn_level = [0] * len(eqns)
   for k, e in enumerate(eqns):
-    eqn_level[k] = max((eqn_level[producer[v]] + (eqn_home[producer[v]] != eqn_home[k])
+    eqn_level[k] = max((eqn_level[producer[v]] + (homes[producer[v]] != homes[k])
                         for v in e.invars if isinstance(v, xc.Var) and v in producer), default=0)
   groups: dict[tuple[int, int], list[int]] = {}
   for k in range(len(eqns)):
     if k != marker_index:
-      groups.setdefault((eqn_level[k], eqn_home[k]), []).append(k)
+      groups.setdefault((eqn_level[k], homes[k]), []).append(k)
   mlevel = eqn_level[marker_index]
-  pieces_before, pieces_after = [], []
+  pieces_before: list[Piece] = []
+  pieces_after: list[Piece] = []
   out_set = {v for v in J.outvars if isinstance(v, xc.Var)}
   const_val = dict(zip(J.constvars, closed.consts))
   for key in sorted(groups):
     ks = groups[key]
     inside = set(ks)
     defined = {o for k in ks for o in eqns[k].outvars if not isinstance(o, xc.DropVar)}
-    ins, consts, seen = [], [], set()
+    ins: list[xc.Var] = []
+    consts: list[xc.Var] = []
+    seen: set[xc.Var] = set()
     for k in ks:
       for a in eqns[k].invars:
         if isinstance(a, xc.Var) and a not in defined and a not in seen:

@@ -65,7 +65,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int, por
   while any(p.poll() is None for p in procs):
     for p in procs:
       rc = p.poll()
-      if rc not in (None, 0) and code == 0:
+      if rc is not None and rc != 0 and code == 0:
         code, failed_at = rc, time.monotonic()
     if failed_at is not None and time.monotonic() - failed_at > grace_s:
       for p in procs:

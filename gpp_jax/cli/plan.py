@@ -138,7 +138,7 @@ def main(argv: Sequence[str]) -> None:
 def run(argv: Sequence[str] | None = None) -> None:
   """Defines the flags and runs ``main`` under absl (``python -m gpp_jax.plan``)."""
   define_flags()
-  app.run(main, argv=argv)
+  app.run(main, argv=None if argv is None else list(argv))
 
 
 if __name__ == "__main__":

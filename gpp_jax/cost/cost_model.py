@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, TypeVar
 
 import networkx as nx
 import numpy as np
 
 from gpp_jax.cost.cluster import Cluster, DeviceSpec, Link
 from gpp_jax.ir.layer_graph import topo_layers
+
+# Bytes of one stage (float) or of many candidate stages at once (array), for the planners.
+_Bytes = TypeVar("_Bytes", float, np.ndarray)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +91,7 @@ class CostModel:
             + self.update_traffic * param_bytes / device.memory_bandwidth)
 
   # -- memory -------------------------------------------------------------------------------
-  def static_memory(self, param_bytes: float) -> float:
+  def static_memory(self, param_bytes: _Bytes) -> _Bytes:
     """Weights, gradients and optimizer state, replicated on every device of a stage."""
     return param_bytes * (1.0 + self.gradient_factor + self.optimizer_state_factor)
 

@@ -271,13 +271,13 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
   busy = [0.0] * S
   events: list[list[tuple[float, int]]] = [[] for _ in range(S)]
   split_w = any(a.kind == "W" for a in actions)
-  for a in actions:
-    if a.kind in ("F", "B", "W"):
-      busy[a.stage] += a.end - a.start
-    if a.kind == "F":
-      events[a.stage].append((a.start, 1))
-    elif a.kind == ("W" if split_w else "B"):
-      events[a.stage].append((a.end, -1))
+  for at in actions:
+    if at.kind in ("F", "B", "W"):
+      busy[at.stage] += at.end - at.start
+    if at.kind == "F":
+      events[at.stage].append((at.start, 1))
+    elif at.kind == ("W" if split_w else "B"):
+      events[at.stage].append((at.end, -1))
   peak = []
   for ev in events:
     cur = best = 0

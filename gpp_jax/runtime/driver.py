@@ -164,11 +164,11 @@ class PipelineRunner:
     self._zeros = [jax.jit(f.zeros_acc, out_shardings=p.replicated)
                    for f, p in zip(self.fns, self.place)]
     # Producer output position of each value id, and expected cotangent counts.
-    self.out_pos = {}
+    self.out_pos: dict[int, tuple[int, int]] = {}
     for st in staged.stages:
       for k, o in enumerate(st.outputs):
         self.out_pos[o.vid] = (st.index, k)
-    self.expect = {}
+    self.expect: dict[tuple[int, int], int] = {}
     for st in staged.stages:
       for r in st.inputs:
         if r.kind == "act" and r.diff:
@@ -186,12 +186,12 @@ class PipelineRunner:
     return placeholder(aval, self.place[s].for_array(aval))
 
   # ---------------------------------------------------------------- per-step inputs
-  def _prepare(self, params, data):
+  def _prepare(self, params: Sequence[Any], data: Sequence[Any]) -> None:
     """Per-step stage inputs that do not change across micro-batches (``_fixed[s][j]``:
     parameters, broadcast data, keys before folding) and the host-side batch chunks."""
     M = self.M
-    self._fixed = [[None] * len(st.inputs) for st in self.staged.stages]
-    self._batch_chunks = {}
+    self._fixed: list[list[Any]] = [[None] * len(st.inputs) for st in self.staged.stages]
+    self._batch_chunks: dict[int, list[np.ndarray]] = {}
     for s, st in enumerate(self.staged.stages):
       rep = self.place[s].replicated
       for j, r in enumerate(st.inputs):
@@ -266,12 +266,12 @@ class PipelineRunner:
         for c in o.consumers:
           self._inbox[(c, o.vid, m)] = self.place[c].put(outs[k])
     elif a.kind == "B":
-      cts = []
+      cts: list[tuple[Any, ...]] = []
       for k, o in enumerate(st.outputs):
-        c = list(self._ctbox.pop((s, k, m), ()))
+        contribs = list(self._ctbox.pop((s, k, m), ()))
         if o.diff and self.staged.loss_outputs[0] == (s, k):
-          c.append(self._seed)
-        cts.append(tuple(c))
+          contribs.append(self._seed)
+        cts.append(tuple(contribs))
       acts = [(j, r) for j, r in enumerate(st.inputs) if r.diff and r.kind == "act"]
       if self.local[s]:
         self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), cts, self._acc[s])
@@ -292,9 +292,14 @@ class PipelineRunner:
       raise GppError("measure=True records device-side times with one thread per stage and "
                      "runs in a single process only; leave it off for multi-process runs")
     M = self.M
-    self._inbox, self._ctbox, self._res = {}, {}, {}
+    # (consumer stage, value id, micro-batch) -> the value, put on the consumer.
+    self._inbox: dict[tuple[int, int, int], Any] = {}
+    # (producer stage, output position, micro-batch) -> cotangent contributions.
+    self._ctbox: dict[tuple[int, int, int], list[Any]] = {}
+    # (stage, micro-batch) -> forward residuals.
+    self._res: dict[tuple[int, int], Any] = {}
     nloss = len(self.staged.loss_outputs)
-    self._loss_vals = [[None] * nloss for _ in range(M)]
+    self._loss_vals: list[list[Any]] = [[None] * nloss for _ in range(M)]
     ls, lk = self.staged.loss_outputs[0]
     loss_aval = self._out_avals[ls][lk]
     self._seed = transfer(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.place[ls].replicated)

@@ -5,6 +5,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import networkx as nx
 import numpy as np
 from absl import logging
 from flax import nnx
@@ -17,20 +18,47 @@ from gpp_jax.errors import BatchError, CaptureError, PlanError
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.calibrate import calibrate_layers
 from gpp_jax.passes.capture import inline_calls
-from gpp_jax.passes.layering import layer_program
+from gpp_jax.passes.layering import Layering, layer_program
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.schedules import make_schedule
-from gpp_jax.passes.staging import stage_program
-from gpp_jax.passes.step_split import split_step
-from gpp_jax.runtime.placement import (LocalCopy, new_send_epoch, place_input, stage_placements,
-                               transfer)
+from gpp_jax.passes.staging import StagedProgram, stage_program
+from gpp_jax.passes.step_split import Piece, StepProgram, split_step
+from gpp_jax.runtime.placement import (LocalCopy, StagePlacement, new_send_epoch, place_input,
+                                       stage_placements, transfer)
+from gpp_jax.ir.schedule import Schedule
 from gpp_jax.ir.plan import Plan, validate_plan
 
 
 class Compiled:
-  """Everything built for one input signature: plan, staged program, schedule, runner."""
+  """Everything built for one input signature: plan, staged program, schedule, runner.
 
-  def __init__(self, **kw):
+  ``GraphPipeline._capture`` fills the capture fields (``step`` .. ``microbatch_size``);
+  ``GraphPipeline._build`` fills the build fields (``plan`` .. ``nbefore``). A field not given
+  to the constructor is not set.
+  """
+
+  out_tree: Any
+  # Capture.
+  step: xc.ClosedJaxpr
+  marker_index: int
+  loss: xc.ClosedJaxpr
+  layering: Layering
+  roles: list[str | None]
+  nparam: int
+  batch_size: int
+  microbatch_size: int
+  # Build.
+  plan: Plan
+  layer_graph: nx.DiGraph
+  schedule: Schedule
+  staged: StagedProgram
+  runner: PipelineRunner
+  prog: StepProgram
+  placements: list[StagePlacement]
+  pieces: list[tuple[Piece, Callable[..., Any]]]
+  nbefore: int
+
+  def __init__(self, **kw: Any):
     self.__dict__.update(kw)
 
 
@@ -127,7 +155,8 @@ class GraphPipeline:
     # Flat indices of batch leaves: graph state first, then the other arguments in order.
     nstate = len(jax.tree.leaves(nnx.state(tuple(args[i] for i in pure.graph_positions)))) \
         if pure.graph_positions else 0
-    batch_idx, offset = [], nstate
+    batch_idx: list[int] = []
+    offset = nstate
     for i, a in enumerate(args):
       if i in pure.graph_positions:
         if i in bpos:
@@ -145,6 +174,7 @@ class GraphPipeline:
       raise BatchError(f"batch leaves must share one leading (batch) dimension; got sizes "
                        f"{sorted(map(str, sizes))}")
     B = sizes.pop()
+    assert B is not None  # None in sizes raised above
     if B % M:
       raise BatchError(f"the batch of {B} examples does not split into {M} micro-batches; use a "
                        f"batch size divisible by {M} or a num_microbatches that divides {B}")

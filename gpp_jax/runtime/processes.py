@@ -11,6 +11,7 @@ Locally, ``python -m gpp_jax.launch`` starts the processes and passes their coor
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 from absl import logging
@@ -41,7 +42,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_num_cpu_devices", int(cpu_devices))
   if transfer_address:
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
-  kwargs = {}
+  kwargs: dict[str, Any] = {}
   if coordinator_address is not None:
     kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                   process_id=process_id)

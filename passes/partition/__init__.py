@@ -12,6 +12,9 @@
   exhaustive  every acyclic partition, for small graphs (ground truth)
   balanced    FLOP-balanced chain, one device per stage (no cost model)
 """
+from collections.abc import Callable
+
+from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.balanced import balanced_plan
 from gpp_jax.passes.partition.bapipe import bapipe_plan
 from gpp_jax.passes.partition.exhaustive import exhaustive_plan
@@ -20,7 +23,7 @@ from gpp_jax.passes.partition.luo import luo_plan
 from gpp_jax.passes.partition.pipedream import pipedream_plan
 from gpp_jax.passes.partition.piper import piper_plan
 
-PLANNERS = {
+PLANNERS: dict[str, Callable[..., Plan]] = {
     "balanced": balanced_plan,
     "graphpipe": graphpipe_plan,
     "pipedream": pipedream_plan,

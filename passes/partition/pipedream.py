@@ -175,10 +175,12 @@ def chain_candidates(layer_graph: nx.DiGraph, cluster: Cluster, B: int, sizes: l
     evaluate(b, s, rep)
   # At the two best micro-batch sizes, simulate every stage count, with and without
   # replication: the bottleneck estimate cannot see when the all-reduce or the fill matters.
-  top_sizes = []
+  top_sizes: list[int] = []
   for plan in sorted(evaluated, key=lambda p: p.predicted["iteration_time"]):
-    if plan.stages[0].microbatch_size not in top_sizes:
-      top_sizes.append(plan.stages[0].microbatch_size)
+    mb = plan.stages[0].microbatch_size
+    assert mb is not None  # assemble_plan sets every stage's micro-batch size
+    if mb not in top_sizes:
+      top_sizes.append(mb)
   for b in top_sizes[:2 if sweep else 0]:
     for rep in {replicate, False}:
       for _, _, s, r in sorted(candidates(b, rep))[:max(simulate_top, 8)]:

@@ -188,6 +188,7 @@ def _allreduce(cluster: Cluster, nbytes, d: int):
     return np.zeros_like(nbytes)
   c = cluster
   link = c.intra_link if (c.devices_per_node is None or d <= c.devices_per_node) else c.inter_link
+  assert link is not None  # a cluster with devices_per_node has an inter_link
   return 2 * (d - 1) * link.alpha + 2 * (d - 1) / d * nbytes / link.beta
 
 

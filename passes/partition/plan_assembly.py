@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, overload
 
 import networkx as nx
 
@@ -132,9 +132,9 @@ def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
     for l in ls:
       where[l] = new
     stage_list.append((tuple(ls), ranges[new]))
-  edges = set(stage_edges(layer_graph, where))
-  edges |= {(rank[a], rank[b]) for a, b in extra_edges}
-  edges = tuple(sorted(edges))
+  edge_set = set(stage_edges(layer_graph, where))
+  edge_set |= {(rank[a], rank[b]) for a, b in extra_edges}
+  edges = tuple(sorted(edge_set))
   fl = inflight_counts(len(stage_list), edges, num_microbatches=M).microbatches
   plan = Plan(stages=tuple(Stage(index=i, layers=ls, devices=ds, microbatch_size=microbatch,
                                  in_flight=fl[i]) for i, (ls, ds) in enumerate(stage_list)),
@@ -220,6 +220,14 @@ def check_memory(plan: Plan, cluster: Cluster) -> None:
       raise PlanError(f"stage {s} needs {m / 2**30:.2f} GiB per device but devices have "
                       f"{cluster.memory_per_device / 2**30:.2f} GiB; use more devices, a smaller "
                       "micro-batch or a smaller model")
+
+
+@overload
+def better(a: Plan, b: Plan | None) -> Plan: ...
+@overload
+def better(a: Plan | None, b: Plan) -> Plan: ...
+@overload
+def better(a: Plan | None, b: Plan | None) -> Plan | None: ...
 
 
 def better(a: Plan | None, b: Plan | None) -> Plan | None:

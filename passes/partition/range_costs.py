@@ -37,12 +37,13 @@ class RangeCosts:
   dps: list[int]
   order: list[int] | None = None
   n: int = 0
-  compute: dict = dataclasses.field(default_factory=dict)
-  comm: np.ndarray | None = None
-  params: np.ndarray | None = None
-  saved: np.ndarray | None = None
-  cut: np.ndarray | None = None
-  _tps: dict = dataclasses.field(default_factory=dict)
+  compute: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+  # Computed by __post_init__.
+  comm: np.ndarray = dataclasses.field(init=False)
+  params: np.ndarray = dataclasses.field(init=False)
+  saved: np.ndarray = dataclasses.field(init=False)
+  cut: np.ndarray = dataclasses.field(init=False)
+  _tps: dict[int | tuple[str, int], np.ndarray] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     c = self.costs
@@ -80,6 +81,7 @@ class RangeCosts:
   def upd(self, params: np.ndarray, d: int) -> np.ndarray:
     c = self.cluster
     link = c.intra_link if (c.devices_per_node is None or d <= c.devices_per_node) else c.inter_link
+    assert link is not None  # a cluster with devices_per_node has an inter_link
     ar = 0.0 if d <= 1 else 2 * (d - 1) * link.alpha + 2 * (d - 1) / d * params / link.beta
     return ar + self.cm.update_traffic * params / c.device.memory_bandwidth
 

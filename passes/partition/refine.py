@@ -57,7 +57,10 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
   info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
   sequential = bool(plan.predicted.get("sequential"))
   K = cluster.num_devices
-  mb = plan.stages[0].microbatch_size or plan.batch_size // plan.num_microbatches
+  B = plan.batch_size
+  if B is None:
+    raise ValueError("refine_plan needs a plan with its batch_size")
+  mb = plan.stages[0].microbatch_size or B // plan.num_microbatches
   ok = data_parallel_degrees(mb, K)
   ok_set = set(ok)
   fixed_edges = tuple(plan.edges) if not partition else ()
@@ -65,15 +68,15 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
   def build(stages: Stages) -> Plan:
     if not partition:          # same stages, same order and edges: only device counts change
       return assemble_plan(layer_graph, cluster, stages, microbatch=mb,
-                           batch_size=plan.batch_size, planner=plan.planner,
+                           batch_size=B, planner=plan.planner,
                            schedule=plan.schedule, extra_edges=fixed_edges, keep_order=True,
                            cost_model=cost_model, costs=costs, info=info)
-    return assemble_plan(layer_graph, cluster, stages, microbatch=mb, batch_size=plan.batch_size,
+    return assemble_plan(layer_graph, cluster, stages, microbatch=mb, batch_size=B,
                          planner=plan.planner, schedule=plan.schedule, sequential=sequential,
                          keep_order=sequential, cost_model=cost_model, costs=costs, info=info)
 
   cm = cost_model or DEFAULT_COST_MODEL
-  M = plan.batch_size // mb
+  M = B // mb
   per_layer: dict[int, np.ndarray] = {}
 
   def bound(stages: Stages) -> float:
@@ -209,7 +212,8 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
     moves = list(device_moves(current, takers, idle))
     if partition:
       moves += list((chain_moves if sequential else dag_moves)(current, takers, idle))
-    best, best_stages = None, None
+    best: Plan | None = None
+    best_stages: Stages | None = None
     for cand in moves:
       cand = canon(cand)
       k = key(cand)
@@ -229,6 +233,7 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
         best, best_stages = p, cand
     if best is None:
       break
+    assert best_stages is not None  # set together with best
     plan, current = best, best_stages
   return plan
 
@@ -271,6 +276,7 @@ def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
   budget = [max_evals]
   for plan in plans:
     b = plan.stages[0].microbatch_size
+    assert b is not None  # planners' plans set every stage's micro-batch size
     if b in done or len(done) >= refine_sizes or plan.predicted["iteration_time"] > cutoff:
       continue
     done.append(b)
@@ -278,6 +284,7 @@ def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
                                      costs=costs, budget=budget))
   # The polished stages may suit a neighbouring micro-batch size better than their own.
   b = best.stages[0].microbatch_size
+  assert b is not None
   for b2 in (b // 2, 2 * b):
     if b2 not in microbatch_sizes:
       continue
@@ -296,6 +303,7 @@ def _at_microbatch(plan: Plan, b: int, layer_graph: nx.DiGraph, cluster: Cluster
   info = {k: v for k, v in plan.predicted.items()
           if k not in _PREDICTION_KEYS and k != "sequential"}
   stages = [(s.layers, max(d for d in ok if d <= len(s.devices))) for s in plan.stages]
+  assert plan.batch_size is not None  # planners' plans carry their batch size
   return assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=plan.batch_size,
                        planner=plan.planner, schedule=plan.schedule, sequential=sequential,
                        keep_order=sequential, cost_model=cost_model, costs=costs, info=info)
