@@ -10,22 +10,25 @@ time and two predictions side by side:
             the measured host cost per action, on the machine's cores (forced CPU devices
             share them), plus the measured host time the step spends outside the pipeline.
 """
+
 import os
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
-import statistics  # noqa: E402
-import time  # noqa: E402
+import statistics
+import time
 
-import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
+import jax
+from absl import app, flags
 
-import gpp_jax  # noqa: E402
-from gpp_jax.ir import layer_graph as lg  # noqa: E402
-from gpp_jax.experiments import zoo  # noqa: E402
-from gpp_jax.cost.cluster import cpu_cluster  # noqa: E402
-from gpp_jax.cost.cost_model import plan_costs  # noqa: E402
-from gpp_jax.cost.simulator import simulate, simulate_times  # noqa: E402
+import gpp_jax
+from gpp_jax.cost.cluster import cpu_cluster
+from gpp_jax.cost.cost_model import plan_costs
+from gpp_jax.cost.simulator import simulate, simulate_times
+from gpp_jax.experiments import zoo
+from gpp_jax.ir import layer_graph as lg
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "tiny zoo models")
@@ -39,9 +42,15 @@ def measure(model_name):
   data = run.batches(FLAGS.batch_size, 2)
   n = 8
   cluster = cpu_cluster(n)
-  pp = gpp_jax.graph_pipeline(run.train_step, num_microbatches=FLAGS.microbatches,
-                              devices=jax.devices()[:n], planner="graphpipe", cluster=cluster,
-                              calibrate=True, layer_depth=run.spec.layer_depth)
+  pp = gpp_jax.graph_pipeline(
+    run.train_step,
+    num_microbatches=FLAGS.microbatches,
+    devices=jax.devices()[:n],
+    planner="graphpipe",
+    cluster=cluster,
+    calibrate=True,
+    layer_depth=run.spec.layer_depth,
+  )
   for i in range(3):
     jax.block_until_ready(pp(run.model, run.optimizer, data[i % 2]))
   wall, host_out, dispatch = [], [], []
@@ -58,22 +67,32 @@ def measure(model_name):
   plain = simulate(pp.plan, graph, cluster, schedule=pp.schedule).iteration_time
   pc = plan_costs(pp.plan, graph, cluster)
   d = statistics.median(dispatch)
-  hosted = simulate_times(pp.schedule, pc.forward, pc.backward, update=pc.update,
-                          activation_transfer=pc.activation_transfer,
-                          cotangent_transfer=pc.cotangent_transfer, host_dispatch=d,
-                          cores=len(os.sched_getaffinity(0))).iteration_time
+  hosted = simulate_times(
+    pp.schedule,
+    pc.forward,
+    pc.backward,
+    update=pc.update,
+    activation_transfer=pc.activation_transfer,
+    cotangent_transfer=pc.cotangent_transfer,
+    host_dispatch=d,
+    cores=len(os.sched_getaffinity(0)),
+  ).iteration_time
   hosted += statistics.median(host_out)
   return pp.plan, statistics.median(wall), plain, hosted, d
 
 
 def main(_):
-  print(f"{'model':12s} {'stages':>6s} {'depth':>5s} {'measured':>10s} {'devices':>10s} {'err':>6s} "
-        f"{'host':>10s} {'err':>6s}  host us/action")
+  print(
+    f"{'model':12s} {'stages':>6s} {'depth':>5s} {'measured':>10s} {'devices':>10s} {'err':>6s} "
+    f"{'host':>10s} {'err':>6s}  host us/action"
+  )
   for name in FLAGS.models:
     plan, meas, plain, hosted, d = measure(name)
-    print(f"{name:12s} {plan.num_stages:6d} {plan.depth():5d} {meas * 1e3:8.1f}ms "
-          f"{plain * 1e3:8.1f}ms {abs(plain - meas) / meas * 100:5.0f}% {hosted * 1e3:8.1f}ms "
-          f"{abs(hosted - meas) / meas * 100:5.0f}%  {d * 1e6:.0f}")
+    print(
+      f"{name:12s} {plan.num_stages:6d} {plan.depth():5d} {meas * 1e3:8.1f}ms "
+      f"{plain * 1e3:8.1f}ms {abs(plain - meas) / meas * 100:5.0f}% {hosted * 1e3:8.1f}ms "
+      f"{abs(hosted - meas) / meas * 100:5.0f}%  {d * 1e6:.0f}"
+    )
 
 
 if __name__ == "__main__":

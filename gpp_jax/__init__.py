@@ -8,16 +8,30 @@ pipeline micro-batches through them::
     loss, grads = gpp_jax.value_and_grad(loss_fn)(state.params)
     ...
 """
-from gpp_jax.runtime.pipeline import GraphPipeline, graph_pipeline
-from gpp_jax.runtime.capture_step import value_and_grad
+
 from gpp_jax.errors import BatchError, CaptureError, GppError, PlanError, ScheduleError
-from gpp_jax.passes.partition.manual import ManualPlan, manual_plan
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
+from gpp_jax.passes.partition.manual import ManualPlan, manual_plan
+from gpp_jax.runtime.capture_step import value_and_grad
+from gpp_jax.runtime.pipeline import GraphPipeline, graph_pipeline
 
 __all__ = [
-    "Action", "BatchError", "CaptureError", "GppError", "GraphPipeline", "ManualPlan", "Plan",
-    "PlanError", "Schedule", "ScheduleError", "Stage", "graph_pipeline", "manual_plan",
-    "validate_plan", "validate_schedule", "value_and_grad",
+  "Action",
+  "BatchError",
+  "CaptureError",
+  "GppError",
+  "GraphPipeline",
+  "ManualPlan",
+  "Plan",
+  "PlanError",
+  "Schedule",
+  "ScheduleError",
+  "Stage",
+  "graph_pipeline",
+  "manual_plan",
+  "validate_plan",
+  "validate_schedule",
+  "value_and_grad",
 ]
 __version__ = "0.1.0"

@@ -15,10 +15,11 @@ layer (see ``merge_scope``). Parameter paths::
 Batch: ``features_<i>`` float32 ``(batch, feat_i)`` and ``targets`` float32 ``(batch,)``.
 Loss: mean squared error, mean over examples.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ class CandleUnoConfig:
     head_width: width of those layers.
     dropout: dropout rate after every hidden activation (applied only with a loss key).
   """
+
   num_branches: int = 7
   feature_dims: int | tuple[int, ...] = UNO_FEATURE_DIMS
   branch_layers: int = 4
@@ -57,8 +59,10 @@ class CandleUnoConfig:
 
   def __post_init__(self):
     if self.num_branches < 1 or self.branch_layers < 1:
-      raise ValueError("CANDLE-Uno needs at least one branch of at least one layer, got "
-                       f"num_branches={self.num_branches}, branch_layers={self.branch_layers}")
+      raise ValueError(
+        "CANDLE-Uno needs at least one branch of at least one layer, got "
+        f"num_branches={self.num_branches}, branch_layers={self.branch_layers}"
+      )
     per_branch("feature_dims", self.feature_dims, self.num_branches)
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
@@ -69,18 +73,30 @@ class CandleUnoConfig:
     return per_branch("feature_dims", self.feature_dims, self.num_branches)
 
   @classmethod
-  def tiny(cls) -> "CandleUnoConfig":
+  def tiny(cls) -> CandleUnoConfig:
     """Three branches of different input widths and two 16-unit layers, for tests."""
-    return cls(num_branches=3, feature_dims=(5, 7, 3), branch_layers=2, branch_width=16,
-               head_layers=2, head_width=16)
+    return cls(
+      num_branches=3,
+      feature_dims=(5, 7, 3),
+      branch_layers=2,
+      branch_width=16,
+      head_layers=2,
+      head_width=16,
+    )
 
   @classmethod
-  def paper(cls) -> "CandleUnoConfig":
+  def paper(cls) -> CandleUnoConfig:
     """GraphPipe (arXiv 2406.17145, App. A.2): 7 branches x 4 FF layers at 4096. The input
     widths (the 7 Uno inputs) and a 4-layer 4096-wide head are taken from FlexFlow's
     CANDLE-Uno example, which the paper does not restate."""
-    return cls(num_branches=7, feature_dims=UNO_FEATURE_DIMS, branch_layers=4,
-               branch_width=4096, head_layers=4, head_width=4096)
+    return cls(
+      num_branches=7,
+      feature_dims=UNO_FEATURE_DIMS,
+      branch_layers=4,
+      branch_width=4096,
+      head_layers=4,
+      head_width=4096,
+    )
 
 
 class CandleUno(nnx.Module):
@@ -88,21 +104,33 @@ class CandleUno(nnx.Module):
 
   def __init__(self, config: CandleUnoConfig, *, rngs: nnx.Rngs):
     self.config = config
-    self.branches = nnx.List([
-        MLP((f, *[config.branch_width] * config.branch_layers), rngs=rngs, activate_last=True,
-            dropout_rate=config.dropout)
-        for f in config.branch_feature_dims])
-    self.head = MLP((config.num_branches * config.branch_width,
-                     *[config.head_width] * config.head_layers, 1), rngs=rngs,
-                    dropout_rate=config.dropout)
+    self.branches = nnx.List(
+      [
+        MLP(
+          (f, *[config.branch_width] * config.branch_layers),
+          rngs=rngs,
+          activate_last=True,
+          dropout_rate=config.dropout,
+        )
+        for f in config.branch_feature_dims
+      ]
+    )
+    self.head = MLP(
+      (config.num_branches * config.branch_width, *[config.head_width] * config.head_layers, 1),
+      rngs=rngs,
+      dropout_rate=config.dropout,
+    )
 
-  def branch_outputs(self, features: Sequence[jax.Array], *,
-                     dropout_key: Key = None) -> list[jax.Array]:
+  def branch_outputs(
+    self, features: Sequence[jax.Array], *, dropout_key: Key = None
+  ) -> list[jax.Array]:
     """Each branch's output ``(batch, branch_width)``, before the concatenation."""
     if len(features) != len(self.branches):
       raise ValueError(f"got {len(features)} feature arrays for {len(self.branches)} branches")
-    return [branch(x, dropout_key=subkey(dropout_key, i))
-            for i, (branch, x) in enumerate(zip(self.branches, features))]
+    return [
+      branch(x, dropout_key=subkey(dropout_key, i))
+      for i, (branch, x) in enumerate(zip(self.branches, features))
+    ]
 
   def __call__(self, features: Sequence[jax.Array], *, dropout_key: Key = None) -> jax.Array:
     """Per-branch features -> predictions ``(batch,)``."""
@@ -122,20 +150,19 @@ def features_of(batch: dict[str, jax.Array], config: CandleUnoConfig) -> list[ja
   return [batch[f"features_{i}"] for i in range(config.num_branches)]
 
 
-def forward(model: CandleUno, batch: dict[str, jax.Array],
-            dropout_key: Key = None) -> jax.Array:
+def forward(model: CandleUno, batch: dict[str, jax.Array], dropout_key: Key = None) -> jax.Array:
   """Predictions ``(batch,)`` for a batch."""
   return model(features_of(batch, model.config), dropout_key=dropout_key)
 
 
-def loss_fn(model: CandleUno, batch: dict[str, jax.Array],
-            dropout_key: Key = None) -> jax.Array:
+def loss_fn(model: CandleUno, batch: dict[str, jax.Array], dropout_key: Key = None) -> jax.Array:
   """Mean squared error, mean over examples."""
   return jnp.mean((forward(model, batch, dropout_key) - batch["targets"]) ** 2)
 
 
-def synthetic_batch(config: CandleUnoConfig, batch_size: int,
-                    key: jax.Array) -> dict[str, jax.Array]:
+def synthetic_batch(
+  config: CandleUnoConfig, batch_size: int, key: jax.Array
+) -> dict[str, jax.Array]:
   """Standard-normal features; targets a fixed smooth function of them plus noise."""
   keys = jax.random.split(key, 2 * config.num_branches + 1)
   batch, signal = {}, jnp.zeros((batch_size,))

@@ -23,10 +23,11 @@ Batch: ``dense_<i>`` float32 ``(batch, dense_dim_i)``, ``sparse_<i>`` int32
 ``(batch, bag_size)`` with ids in ``[0, num_embeddings_i)``, ``labels`` float32 ``(batch,)``
 in {0, 1}. Loss: sigmoid binary cross-entropy, mean over examples.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,7 @@ class DLRMConfig:
     top_width: width of those layers.
     dropout: dropout rate of the MLPs (applied only when the loss is given a key).
   """
+
   num_dense_branches: int = 7
   dense_dims: int | tuple[int, ...] = 13
   dense_layers: int = 4
@@ -109,22 +111,43 @@ class DLRMConfig:
     return self.num_dense_branches * self.interaction_dim + n * (n - 1) // 2
 
   @classmethod
-  def tiny(cls) -> "DLRMConfig":
+  def tiny(cls) -> DLRMConfig:
     """Two dense and three sparse branches of a few units each, for tests."""
-    return cls(num_dense_branches=2, dense_dims=(5, 3), dense_layers=2, dense_width=16,
-               num_sparse_branches=3, num_embeddings=(50, 20, 30), embedding_dim=8,
-               bag_size=4, bag_combine="sum", interaction_dim=8, top_layers=2, top_width=16)
+    return cls(
+      num_dense_branches=2,
+      dense_dims=(5, 3),
+      dense_layers=2,
+      dense_width=16,
+      num_sparse_branches=3,
+      num_embeddings=(50, 20, 30),
+      embedding_dim=8,
+      bag_size=4,
+      bag_combine="sum",
+      interaction_dim=8,
+      top_layers=2,
+      top_width=16,
+    )
 
   @classmethod
-  def paper(cls) -> "DLRMConfig":
+  def paper(cls) -> DLRMConfig:
     """GraphPipe (arXiv 2406.17145, App. A.2): 7 dense branches of 4 FF layers at 4096,
     7 embedding bags (dim 64, bag 100, 1M rows), top MLP at 4096. Not given there and chosen
     here: 13 dense inputs per branch (Criteo's dense feature count), sum-combined bags,
     interaction at the embedding size 64, 4 top layers."""
-    return cls(num_dense_branches=7, dense_dims=13, dense_layers=4, dense_width=4096,
-               num_sparse_branches=7, num_embeddings=1_000_000, embedding_dim=64,
-               bag_size=100, bag_combine="sum", interaction_dim=64, top_layers=4,
-               top_width=4096)
+    return cls(
+      num_dense_branches=7,
+      dense_dims=13,
+      dense_layers=4,
+      dense_width=4096,
+      num_sparse_branches=7,
+      num_embeddings=1_000_000,
+      embedding_dim=64,
+      bag_size=100,
+      bag_combine="sum",
+      interaction_dim=64,
+      top_layers=4,
+      top_width=4096,
+    )
 
 
 class EmbeddingBag(nnx.Module):
@@ -133,8 +156,10 @@ class EmbeddingBag(nnx.Module):
   def __init__(self, num_embeddings: int, config: DLRMConfig, *, rngs: nnx.Rngs):
     self.combine = config.bag_combine
     dim = config.embedding_dim
-    self.table = nnx.Param(jax.random.uniform(rngs.params(), (num_embeddings, dim),
-                                              minval=-1.0, maxval=1.0) / jnp.sqrt(dim))
+    self.table = nnx.Param(
+      jax.random.uniform(rngs.params(), (num_embeddings, dim), minval=-1.0, maxval=1.0)
+      / jnp.sqrt(dim)
+    )
     self.proj: nnx.Linear | None
     if config.bag_output_dim != config.interaction_dim:
       self.proj = nnx.Linear(config.bag_output_dim, config.interaction_dim, rngs=rngs)
@@ -143,7 +168,7 @@ class EmbeddingBag(nnx.Module):
 
   def __call__(self, ids: jax.Array) -> jax.Array:
     """``(batch, bag)`` int ids -> ``(batch, interaction_dim)``."""
-    rows = jnp.take(self.table[...], ids, axis=0)          # (batch, bag, dim)
+    rows = jnp.take(self.table[...], ids, axis=0)  # (batch, bag, dim)
     if self.combine == "sum":
       out = rows.sum(axis=1)
     elif self.combine == "mean":
@@ -159,9 +184,9 @@ def interaction(dense: Sequence[jax.Array], sparse: Sequence[jax.Array]) -> jax.
   Every input is ``(batch, d)`` with a common ``d``; the result is
   ``(batch, len(dense) * d + n * (n - 1) / 2)`` with ``n = len(dense) + len(sparse)``.
   """
-  z = jnp.stack([*dense, *sparse], axis=1)                 # (batch, n, d)
+  z = jnp.stack([*dense, *sparse], axis=1)  # (batch, n, d)
   dots = jnp.einsum("bnd,bmd->bnm", z, z)
-  a, b = np.triu_indices(z.shape[1], k=1)                  # static pair indices
+  a, b = np.triu_indices(z.shape[1], k=1)  # static pair indices
   return jnp.concatenate([*dense, dots[:, a, b]], axis=-1)
 
 
@@ -170,28 +195,43 @@ class DLRM(nnx.Module):
 
   def __init__(self, config: DLRMConfig, *, rngs: nnx.Rngs):
     self.config = config
-    self.dense = nnx.List([
-        MLP((d, *[config.dense_width] * config.dense_layers, config.interaction_dim),
-            rngs=rngs, dropout_rate=config.dropout)
-        for d in config.branch_dense_dims])
-    self.sparse = nnx.List([EmbeddingBag(n, config, rngs=rngs)
-                            for n in config.branch_num_embeddings])
-    self.top = MLP((config.num_interaction_features, *[config.top_width] * config.top_layers, 1),
-                   rngs=rngs, dropout_rate=config.dropout)
+    self.dense = nnx.List(
+      [
+        MLP(
+          (d, *[config.dense_width] * config.dense_layers, config.interaction_dim),
+          rngs=rngs,
+          dropout_rate=config.dropout,
+        )
+        for d in config.branch_dense_dims
+      ]
+    )
+    self.sparse = nnx.List(
+      [EmbeddingBag(n, config, rngs=rngs) for n in config.branch_num_embeddings]
+    )
+    self.top = MLP(
+      (config.num_interaction_features, *[config.top_width] * config.top_layers, 1),
+      rngs=rngs,
+      dropout_rate=config.dropout,
+    )
 
-  def branch_outputs(self, dense: Sequence[jax.Array], sparse: Sequence[jax.Array], *,
-                     dropout_key: Key = None) -> tuple[list[jax.Array], list[jax.Array]]:
+  def branch_outputs(
+    self, dense: Sequence[jax.Array], sparse: Sequence[jax.Array], *, dropout_key: Key = None
+  ) -> tuple[list[jax.Array], list[jax.Array]]:
     """The projected outputs of the dense and the sparse branches, before the interaction."""
     if len(dense) != len(self.dense) or len(sparse) != len(self.sparse):
-      raise ValueError(f"got {len(dense)} dense and {len(sparse)} sparse inputs for "
-                       f"{len(self.dense)} dense and {len(self.sparse)} sparse branches")
-    d = [m(x, dropout_key=subkey(dropout_key, i))
-         for i, (m, x) in enumerate(zip(self.dense, dense))]
+      raise ValueError(
+        f"got {len(dense)} dense and {len(sparse)} sparse inputs for "
+        f"{len(self.dense)} dense and {len(self.sparse)} sparse branches"
+      )
+    d = [
+      m(x, dropout_key=subkey(dropout_key, i)) for i, (m, x) in enumerate(zip(self.dense, dense))
+    ]
     s = [m(ids) for m, ids in zip(self.sparse, sparse)]
     return d, s
 
-  def __call__(self, dense: Sequence[jax.Array], sparse: Sequence[jax.Array], *,
-               dropout_key: Key = None) -> jax.Array:
+  def __call__(
+    self, dense: Sequence[jax.Array], sparse: Sequence[jax.Array], *, dropout_key: Key = None
+  ) -> jax.Array:
     """Dense features and id bags -> click logits ``(batch,)``."""
     d, s = self.branch_outputs(dense, sparse, dropout_key=dropout_key)
     with merge_scope("top/layers/0"):
@@ -204,11 +244,14 @@ def make_model(config: DLRMConfig, rngs: nnx.Rngs) -> DLRM:
   return DLRM(config, rngs=rngs)
 
 
-def inputs_of(batch: dict[str, jax.Array],
-              config: DLRMConfig) -> tuple[list[jax.Array], list[jax.Array]]:
+def inputs_of(
+  batch: dict[str, jax.Array], config: DLRMConfig
+) -> tuple[list[jax.Array], list[jax.Array]]:
   """The dense inputs ``dense_<i>`` and the id bags ``sparse_<i>`` of a batch."""
-  return ([batch[f"dense_{i}"] for i in range(config.num_dense_branches)],
-          [batch[f"sparse_{i}"] for i in range(config.num_sparse_branches)])
+  return (
+    [batch[f"dense_{i}"] for i in range(config.num_dense_branches)],
+    [batch[f"sparse_{i}"] for i in range(config.num_sparse_branches)],
+  )
 
 
 def forward(model: DLRM, batch: dict[str, jax.Array], dropout_key: Key = None) -> jax.Array:
@@ -223,8 +266,7 @@ def loss_fn(model: DLRM, batch: dict[str, jax.Array], dropout_key: Key = None) -
   return optax.sigmoid_binary_cross_entropy(logits, batch["labels"]).mean()
 
 
-def synthetic_batch(config: DLRMConfig, batch_size: int,
-                    key: jax.Array) -> dict[str, jax.Array]:
+def synthetic_batch(config: DLRMConfig, batch_size: int, key: jax.Array) -> dict[str, jax.Array]:
   """Non-negative dense features (log1p of |3 N(0,1)|, like log-transformed counts),
   uniform ids per table, Bernoulli(0.5) click labels."""
   nd, ns = config.num_dense_branches, config.num_sparse_branches
@@ -233,7 +275,8 @@ def synthetic_batch(config: DLRMConfig, batch_size: int,
   for i, d in enumerate(config.branch_dense_dims):
     batch[f"dense_{i}"] = jnp.log1p(jnp.abs(jax.random.normal(keys[i], (batch_size, d)) * 3.0))
   for i, n in enumerate(config.branch_num_embeddings):
-    batch[f"sparse_{i}"] = jax.random.randint(keys[nd + i], (batch_size, config.bag_size), 0, n,
-                                              dtype=jnp.int32)
+    batch[f"sparse_{i}"] = jax.random.randint(
+      keys[nd + i], (batch_size, config.bag_size), 0, n, dtype=jnp.int32
+    )
   batch["labels"] = jax.random.bernoulli(keys[-1], 0.5, (batch_size,)).astype(jnp.float32)
   return batch

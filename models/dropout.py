@@ -5,6 +5,7 @@ key (or None for the deterministic forward), and each dropout site derives its o
 ``jax.random.fold_in``. The forward is therefore a pure function of (parameters, batch, key),
 which is what a pipeline that traces the loss and replays it per micro-batch needs.
 """
+
 from __future__ import annotations
 
 import jax

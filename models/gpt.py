@@ -21,6 +21,7 @@ pass then keeps it on one owner and files the output projection in a sibling lay
 Batch: ``tokens`` int32 ``(batch, seq_len)`` and ``targets`` int32 ``(batch, seq_len)``, the
 next token at every position. Loss: token cross-entropy, mean over positions and examples.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,6 +49,7 @@ class GPTConfig:
     tie_embeddings: the output head reuses the token embedding matrix.
     dropout: dropout rate (applied only when the loss is given a key).
   """
+
   vocab_size: int = 50304
   seq_len: int = 256
   hidden: int = 1024
@@ -66,17 +68,16 @@ class GPTConfig:
       raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
 
   @classmethod
-  def tiny(cls) -> "GPTConfig":
+  def tiny(cls) -> GPTConfig:
     """Two 32-wide blocks over a 64-token vocabulary, for tests."""
     return cls(vocab_size=64, seq_len=16, hidden=32, num_layers=2, num_heads=4, ffn=64)
 
   @classmethod
-  def paper(cls) -> "GPTConfig":
+  def paper(cls) -> GPTConfig:
     """The sequential transformer of GraphPipe (arXiv 2406.17145, App. A.3), "same config as
     MMT" as one chain: 32 layers (4 x 8), seq 256, hidden 1024, 16 heads, FFN 4096. The
     vocabulary (GPT-2's 50257 padded to 50304) is our choice."""
-    return cls(vocab_size=50304, seq_len=256, hidden=1024, num_layers=32, num_heads=16,
-               ffn=4096)
+    return cls(vocab_size=50304, seq_len=256, hidden=1024, num_layers=32, num_heads=16, ffn=4096)
 
 
 class Embedding(nnx.Module):
@@ -90,8 +91,10 @@ class Embedding(nnx.Module):
   def __call__(self, ids: jax.Array) -> jax.Array:
     seq = ids.shape[1]
     if seq > self.positions.shape[0]:
-      raise ValueError(f"sequence length {seq} exceeds the {self.positions.shape[0]} learned "
-                       "positions; raise GPTConfig.seq_len")
+      raise ValueError(
+        f"sequence length {seq} exceeds the {self.positions.shape[0]} learned "
+        "positions; raise GPTConfig.seq_len"
+      )
     return jnp.take(self.tokens[...], ids, axis=0) + self.positions[...][:seq]
 
   def attend(self, x: jax.Array) -> jax.Array:
@@ -105,15 +108,30 @@ class GPT(nnx.Module):
   def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
     self.config = config
     self.embed = Embedding(config.vocab_size, config.seq_len, config.hidden, rngs=rngs)
-    self.blocks = nnx.List([
-        TransformerBlock(config.hidden, config.num_heads, config.ffn, rngs=rngs, causal=True,
-                         dropout_rate=config.dropout) for _ in range(config.num_layers)])
+    self.blocks = nnx.List(
+      [
+        TransformerBlock(
+          config.hidden,
+          config.num_heads,
+          config.ffn,
+          rngs=rngs,
+          causal=True,
+          dropout_rate=config.dropout,
+        )
+        for _ in range(config.num_layers)
+      ]
+    )
     self.norm = nnx.LayerNorm(config.hidden, rngs=rngs)
     if config.tie_embeddings:
       self.head = None
     else:
-      self.head = nnx.Linear(config.hidden, config.vocab_size, use_bias=False, rngs=rngs,
-                             kernel_init=nnx.initializers.normal(0.02))
+      self.head = nnx.Linear(
+        config.hidden,
+        config.vocab_size,
+        use_bias=False,
+        rngs=rngs,
+        kernel_init=nnx.initializers.normal(0.02),
+      )
 
   def __call__(self, tokens: jax.Array, *, dropout_key: Key = None) -> jax.Array:
     """``(batch, seq)`` token ids -> logits ``(batch, seq, vocab)``."""
@@ -142,6 +160,7 @@ def loss_fn(model: GPT, batch: dict[str, jax.Array], dropout_key: Key = None) ->
 
 def synthetic_batch(config: GPTConfig, batch_size: int, key: jax.Array) -> dict[str, jax.Array]:
   """Uniform random token streams, split into inputs and next-token targets."""
-  stream = jax.random.randint(key, (batch_size, config.seq_len + 1), 0, config.vocab_size,
-                              dtype=jnp.int32)
+  stream = jax.random.randint(
+    key, (batch_size, config.seq_len + 1), 0, config.vocab_size, dtype=jnp.int32
+  )
   return {"tokens": stream[:, :-1], "targets": stream[:, 1:]}

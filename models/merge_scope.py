@@ -8,6 +8,7 @@ equal a parameter layer's path, so each model names its merge after the first la
 consumes it (e.g. ``head/layers/0``): the merge then joins that layer and every branch keeps
 a single outgoing edge, into the head.
 """
+
 from __future__ import annotations
 
 import contextlib

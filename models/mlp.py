@@ -4,9 +4,10 @@ Each dense layer is its own ``nnx.Linear`` in ``layers``, so the parameters of l
 at ``.../layers/j/kernel`` and ``.../layers/j/bias`` and the layering pass sees one layer per
 dense layer.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
@@ -22,17 +23,24 @@ class MLP(nnx.Module):
   of layer ``j`` derived as ``fold_in(key, j)``.
   """
 
-  def __init__(self, dims: Sequence[int], *, rngs: nnx.Rngs,
-               activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
-               activate_last: bool = False, dropout_rate: float = 0.0):
+  def __init__(
+    self,
+    dims: Sequence[int],
+    *,
+    rngs: nnx.Rngs,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
+    activate_last: bool = False,
+    dropout_rate: float = 0.0,
+  ):
     if len(dims) < 2:
       raise ValueError(f"an MLP needs an input and at least one output width, got dims={dims}")
     self.dims = tuple(int(d) for d in dims)
     self.activation = activation
     self.activate_last = activate_last
     self.dropout_rate = dropout_rate
-    self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
-                            for a, b in zip(self.dims[:-1], self.dims[1:])])
+    self.layers = nnx.List(
+      [nnx.Linear(a, b, rngs=rngs) for a, b in zip(self.dims[:-1], self.dims[1:])]
+    )
 
   def __call__(self, x: jax.Array, *, dropout_key: Key = None) -> jax.Array:
     last = len(self.layers) - 1
@@ -41,4 +49,3 @@ class MLP(nnx.Module):
       if j < last or self.activate_last:
         x = dropout(self.activation(x), self.dropout_rate, subkey(dropout_key, j))
     return x
-

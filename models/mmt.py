@@ -20,10 +20,11 @@ layer (see ``merge_scope``). Parameter paths::
 Batch: ``features_<i>`` float32 ``(batch, seq_i, feat_i)`` and ``labels`` int32 ``(batch,)``.
 Loss: softmax cross-entropy, mean over examples.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,7 @@ class MMTConfig:
     num_classes: output classes.
     dropout: dropout rate (applied only when the loss is given a key).
   """
+
   num_branches: int = 4
   feature_dims: int | tuple[int, ...] = 1024
   seq_lens: int | tuple[int, ...] = 256
@@ -85,34 +87,53 @@ class MMTConfig:
     return per_branch("seq_lens", self.seq_lens, self.num_branches)
 
   @classmethod
-  def tiny(cls) -> "MMTConfig":
+  def tiny(cls) -> MMTConfig:
     """Three one-layer branches of different feature sizes and lengths, for tests."""
-    return cls(num_branches=3, feature_dims=(6, 10, 4), seq_lens=(8, 5, 8), hidden=16,
-               num_layers=1, num_heads=2, ffn=32, head_dims=(16,), num_classes=5)
+    return cls(
+      num_branches=3,
+      feature_dims=(6, 10, 4),
+      seq_lens=(8, 5, 8),
+      hidden=16,
+      num_layers=1,
+      num_heads=2,
+      ffn=32,
+      head_dims=(16,),
+      num_classes=5,
+    )
 
   @classmethod
-  def paper(cls) -> "MMTConfig":
+  def paper(cls) -> MMTConfig:
     """GraphPipe (arXiv 2406.17145, App. A.2): 4 branches x 8 layers, seq 256, hidden and
     embedding 1024, 16 heads, FFN 4096. Head width and class count are not given there;
     one 1024-wide hidden layer and 1000 classes are our choice."""
-    return cls(num_branches=4, feature_dims=1024, seq_lens=256, hidden=1024, num_layers=8,
-               num_heads=16, ffn=4096, head_dims=(1024,), num_classes=1000)
+    return cls(
+      num_branches=4,
+      feature_dims=1024,
+      seq_lens=256,
+      hidden=1024,
+      num_layers=8,
+      num_heads=16,
+      ffn=4096,
+      head_dims=(1024,),
+      num_classes=1000,
+    )
 
 
 class InputEmbedding(nnx.Module):
   """Projects one modality's features to ``hidden`` and adds learned positions."""
 
   def __init__(self, feature_dim: int, seq_len: int, hidden: int, *, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(),
-                                                            (feature_dim, hidden)))
+    self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (feature_dim, hidden)))
     self.bias = nnx.Param(jnp.zeros((hidden,)))
     self.position = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (seq_len, hidden)))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     seq = self.position.shape[0]
     if x.shape[1] != seq:
-      raise ValueError(f"input has sequence length {x.shape[1]}, the branch was built for "
-                       f"{seq}; set MMTConfig.seq_lens to match the data")
+      raise ValueError(
+        f"input has sequence length {x.shape[1]}, the branch was built for "
+        f"{seq}; set MMTConfig.seq_lens to match the data"
+      )
     return x @ self.kernel[...] + self.bias[...] + self.position[...]
 
 
@@ -122,9 +143,14 @@ class EncoderBranch(nnx.Module):
   def __init__(self, feature_dim: int, seq_len: int, config: MMTConfig, *, rngs: nnx.Rngs):
     self.dropout_rate = config.dropout
     self.input = InputEmbedding(feature_dim, seq_len, config.hidden, rngs=rngs)
-    self.layers = nnx.List([
-        TransformerBlock(config.hidden, config.num_heads, config.ffn, rngs=rngs,
-                         dropout_rate=config.dropout) for _ in range(config.num_layers)])
+    self.layers = nnx.List(
+      [
+        TransformerBlock(
+          config.hidden, config.num_heads, config.ffn, rngs=rngs, dropout_rate=config.dropout
+        )
+        for _ in range(config.num_layers)
+      ]
+    )
     self.norm = nnx.LayerNorm(config.hidden, rngs=rngs)
 
   def __call__(self, x: jax.Array, *, dropout_key: Key = None) -> jax.Array:
@@ -140,20 +166,29 @@ class MMT(nnx.Module):
 
   def __init__(self, config: MMTConfig, *, rngs: nnx.Rngs):
     self.config = config
-    self.branches = nnx.List([
+    self.branches = nnx.List(
+      [
         EncoderBranch(f, s, config, rngs=rngs)
-        for f, s in zip(config.branch_feature_dims, config.branch_seq_lens)])
-    self.head = MLP((config.num_branches * config.hidden, *config.head_dims,
-                     config.num_classes), rngs=rngs, activation=jax.nn.gelu,
-                    dropout_rate=config.dropout)
+        for f, s in zip(config.branch_feature_dims, config.branch_seq_lens)
+      ]
+    )
+    self.head = MLP(
+      (config.num_branches * config.hidden, *config.head_dims, config.num_classes),
+      rngs=rngs,
+      activation=jax.nn.gelu,
+      dropout_rate=config.dropout,
+    )
 
-  def branch_outputs(self, features: Sequence[jax.Array], *,
-                     dropout_key: Key = None) -> list[jax.Array]:
+  def branch_outputs(
+    self, features: Sequence[jax.Array], *, dropout_key: Key = None
+  ) -> list[jax.Array]:
     """Each branch's pooled output ``(batch, hidden)``, before the concatenation."""
     if len(features) != len(self.branches):
       raise ValueError(f"got {len(features)} feature arrays for {len(self.branches)} branches")
-    return [branch(x, dropout_key=subkey(dropout_key, i))
-            for i, (branch, x) in enumerate(zip(self.branches, features))]
+    return [
+      branch(x, dropout_key=subkey(dropout_key, i))
+      for i, (branch, x) in enumerate(zip(self.branches, features))
+    ]
 
   def __call__(self, features: Sequence[jax.Array], *, dropout_key: Key = None) -> jax.Array:
     """Per-modality features -> logits ``(batch, num_classes)``."""
@@ -187,8 +222,11 @@ def loss_fn(model: MMT, batch: dict[str, jax.Array], dropout_key: Key = None) ->
 def synthetic_batch(config: MMTConfig, batch_size: int, key: jax.Array) -> dict[str, jax.Array]:
   """Standard-normal features per modality and uniform class labels."""
   keys = jax.random.split(key, config.num_branches + 1)
-  batch = {f"features_{i}": jax.random.normal(keys[i], (batch_size, s, f), jnp.float32)
-           for i, (f, s) in enumerate(zip(config.branch_feature_dims, config.branch_seq_lens))}
-  batch["labels"] = jax.random.randint(keys[-1], (batch_size,), 0, config.num_classes,
-                                       dtype=jnp.int32)
+  batch = {
+    f"features_{i}": jax.random.normal(keys[i], (batch_size, s, f), jnp.float32)
+    for i, (f, s) in enumerate(zip(config.branch_feature_dims, config.branch_seq_lens))
+  }
+  batch["labels"] = jax.random.randint(
+    keys[-1], (batch_size,), 0, config.num_classes, dtype=jnp.int32
+  )
   return batch

@@ -12,12 +12,14 @@ config class, a constructor, a pure loss and a synthetic batch generator::
 ``loss_fn(model, batch, dropout_key=None)`` reads only its arguments; without a key it is
 the deterministic (dropout-free) forward. Models hold only ``nnx.Param`` state.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import types
-from typing import Any, Callable, Mapping, cast
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import jax
 from flax import nnx
@@ -64,6 +66,7 @@ class ModelSpec:
       dense layer (``branches/<i>/layers/<j>`` is depth 4, ``blocks/<j>`` depth 2); None
       when the full paths already are (for the layering pass's ``layer_depth``).
   """
+
   name: str
   config_cls: type
   make_model: Callable[[Any, nnx.Rngs], nnx.Module]
@@ -75,8 +78,7 @@ class ModelSpec:
   def preset(self, name: str, **overrides: Any) -> Any:
     """The config of preset ``name`` ("tiny" or "paper"), with fields replaced by overrides."""
     if name not in PRESETS:
-      raise ValueError(f"unknown preset {name!r} for model {self.name!r}; choose one of "
-                       f"{PRESETS}")
+      raise ValueError(f"unknown preset {name!r} for model {self.name!r}; choose one of {PRESETS}")
     config = getattr(self.config_cls, name)()
     return dataclasses.replace(config, **overrides) if overrides else config
 
@@ -94,17 +96,39 @@ class ModelSpec:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
 
 
-MODELS: Mapping[str, ModelSpec] = types.MappingProxyType({
-    "mmt": ModelSpec("mmt", mmt.MMTConfig, mmt.make_model, mmt.loss_fn, mmt.forward,
-                     mmt.synthetic_batch, layer_depth=4),
-    "dlrm": ModelSpec("dlrm", dlrm.DLRMConfig, dlrm.make_model, dlrm.loss_fn, dlrm.forward,
-                      dlrm.synthetic_batch),
-    "candle_uno": ModelSpec("candle_uno", candle_uno.CandleUnoConfig, candle_uno.make_model,
-                            candle_uno.loss_fn, candle_uno.forward,
-                            candle_uno.synthetic_batch),
-    "gpt": ModelSpec("gpt", gpt.GPTConfig, gpt.make_model, gpt.loss_fn, gpt.forward,
-                     gpt.synthetic_batch, layer_depth=2),
-})
+MODELS: Mapping[str, ModelSpec] = types.MappingProxyType(
+  {
+    "mmt": ModelSpec(
+      "mmt",
+      mmt.MMTConfig,
+      mmt.make_model,
+      mmt.loss_fn,
+      mmt.forward,
+      mmt.synthetic_batch,
+      layer_depth=4,
+    ),
+    "dlrm": ModelSpec(
+      "dlrm", dlrm.DLRMConfig, dlrm.make_model, dlrm.loss_fn, dlrm.forward, dlrm.synthetic_batch
+    ),
+    "candle_uno": ModelSpec(
+      "candle_uno",
+      candle_uno.CandleUnoConfig,
+      candle_uno.make_model,
+      candle_uno.loss_fn,
+      candle_uno.forward,
+      candle_uno.synthetic_batch,
+    ),
+    "gpt": ModelSpec(
+      "gpt",
+      gpt.GPTConfig,
+      gpt.make_model,
+      gpt.loss_fn,
+      gpt.forward,
+      gpt.synthetic_batch,
+      layer_depth=2,
+    ),
+  }
+)
 
 
 def get_model(name: str) -> ModelSpec:

@@ -9,6 +9,7 @@ The attention is written out (one fused QKV projection, scaled dot products, sof
 output projection) rather than taken from ``nnx.MultiHeadAttention`` so that it keeps no
 RNG streams or caches and dropout takes an explicit key.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,11 +24,20 @@ from gpp_jax.models.dropout import Key, dropout, subkey
 class SelfAttention(nnx.Module):
   """Multi-head self-attention over ``(batch, seq, hidden)``, optionally causal."""
 
-  def __init__(self, hidden: int, num_heads: int, *, rngs: nnx.Rngs, causal: bool = False,
-               dropout_rate: float = 0.0):
+  def __init__(
+    self,
+    hidden: int,
+    num_heads: int,
+    *,
+    rngs: nnx.Rngs,
+    causal: bool = False,
+    dropout_rate: float = 0.0,
+  ):
     if hidden % num_heads:
-      raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}; "
-                       "choose a head count that divides the hidden size")
+      raise ValueError(
+        f"hidden={hidden} is not divisible by num_heads={num_heads}; "
+        "choose a head count that divides the hidden size"
+      )
     self.num_heads = num_heads
     self.causal = causal
     self.dropout_rate = dropout_rate
@@ -38,7 +48,7 @@ class SelfAttention(nnx.Module):
     b, s, h = x.shape
     d = h // self.num_heads
     qkv = self.qkv(x).reshape(b, s, 3, self.num_heads, d)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]        # each (b, s, heads, d)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (b, s, heads, d)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
     if self.causal:
       mask = jnp.tril(jnp.ones((s, s), dtype=bool))
@@ -63,11 +73,20 @@ class FeedForward(nnx.Module):
 class TransformerBlock(nnx.Module):
   """Pre-LN block: ``x + attn(norm1(x))`` then ``x + ffn(norm2(x))``."""
 
-  def __init__(self, hidden: int, num_heads: int, ffn: int, *, rngs: nnx.Rngs,
-               causal: bool = False, dropout_rate: float = 0.0):
+  def __init__(
+    self,
+    hidden: int,
+    num_heads: int,
+    ffn: int,
+    *,
+    rngs: nnx.Rngs,
+    causal: bool = False,
+    dropout_rate: float = 0.0,
+  ):
     self.norm1 = nnx.LayerNorm(hidden, rngs=rngs)
-    self.attn = SelfAttention(hidden, num_heads, rngs=rngs, causal=causal,
-                              dropout_rate=dropout_rate)
+    self.attn = SelfAttention(
+      hidden, num_heads, rngs=rngs, causal=causal, dropout_rate=dropout_rate
+    )
     self.norm2 = nnx.LayerNorm(hidden, rngs=rngs)
     self.ffn = FeedForward(hidden, ffn, rngs=rngs, dropout_rate=dropout_rate)
 

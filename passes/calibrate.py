@@ -4,8 +4,10 @@ Each layer is cut out of the loss with the staging pass (one stage per layer), j
 given device like a real stage, and timed (forward, and backward with its vjp) on inputs of the
 right shapes. The times are for the traced micro-batch size, the LayerGraph's ``batch_size``.
 """
+
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -15,8 +17,8 @@ import networkx as nx
 import numpy as np
 
 from gpp_jax.ir.layer_graph import topo_layers
-from gpp_jax.passes.staging import stage_functions, stage_program
 from gpp_jax.ir.plan import Plan, Stage
+from gpp_jax.passes.staging import stage_functions, stage_program
 
 
 def _example(aval, device, rng):
@@ -39,8 +41,9 @@ def _median_time(fn, repeats):
   return statistics.median(ts)
 
 
-def calibrate_layers(closed, eqn_layer, param_layer, graph: nx.DiGraph, device,
-                     repeats: int = 5) -> nx.DiGraph:
+def calibrate_layers(
+  closed, eqn_layer, param_layer, graph: nx.DiGraph, device, repeats: int = 5
+) -> nx.DiGraph:
   """Returns a copy of ``graph`` with ``time_f`` and ``time_b`` (seconds) for every layer."""
   layers = topo_layers(graph)
   index = {l: i for i, l in enumerate(layers)}
@@ -56,11 +59,15 @@ def calibrate_layers(closed, eqn_layer, param_layer, graph: nx.DiGraph, device,
     diff = [a for a, r in zip(args, st.inputs) if r.diff]
     nondiff = [a for a, r in zip(args, st.inputs) if not r.diff]
     outs, res = fns.fwd(diff, nondiff)
-    cts = [(jax.device_put(jnp.ones_like(o), device),) if r.diff else ()
-           for o, r in zip(outs, st.outputs)]
+    cts = [
+      (jax.device_put(jnp.ones_like(o), device),) if r.diff else ()
+      for o, r in zip(outs, st.outputs)
+    ]
     zeros = jax.jit(fns.zeros_acc, out_shardings=jax.sharding.SingleDeviceSharding(device))
-    t_f = _median_time(lambda: fns.fwd(diff, nondiff), repeats)
-    t_b = _median_time(lambda: fns.bwd(res, cts, zeros()), repeats)  # includes a tiny zeros()
+    t_f = _median_time(functools.partial(fns.fwd, diff, nondiff), repeats)
+    t_b = _median_time(  # includes a tiny zeros()
+      lambda fns=fns, res=res, cts=cts, zeros=zeros: fns.bwd(res, cts, zeros()), repeats
+    )
     node = out.nodes[layers[st.index]]
     node["time_f"], node["time_b"] = t_f, t_b
   return out

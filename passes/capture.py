@@ -5,6 +5,7 @@ so that every equation of the model is visible at the top level, with its full n
 (outer scope + inner scope) kept. ``custom_jvp_call``, ``custom_vjp_call``, ``remat`` and control
 flow (``cond``, ``while``, ``scan``) stay whole: they are single equations of the OpGraph.
 """
+
 from __future__ import annotations
 
 import jax
@@ -83,8 +84,9 @@ def op_graph(closed: xc.ClosedJaxpr) -> nx.DiGraph:
   g = nx.DiGraph()
   producer: dict[xc.Var, int] = {}
   for i, e in enumerate(closed.jaxpr.eqns):
-    g.add_node(i, primitive=e.primitive.name, scope=scope_path(e), flops=eqn_flops(e),
-               bytes=eqn_bytes(e))
+    g.add_node(
+      i, primitive=e.primitive.name, scope=scope_path(e), flops=eqn_flops(e), bytes=eqn_bytes(e)
+    )
     for v in e.invars:
       if isinstance(v, xc.Var) and v in producer:
         p = producer[v]

@@ -6,6 +6,7 @@ reductions, the body cost times the trip count for ``scan``, and the sum over su
 other higher-order primitives (``while`` counts one trip: its trip count is unknown statically).
 Bytes are the bytes of the input and output arrays of the equation.
 """
+
 from __future__ import annotations
 
 import math

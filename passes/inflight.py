@@ -22,11 +22,12 @@ and fewer than ``in_flight(s)`` micro-batches are stashed, else it waits. Durati
 per-stage times (default: forward 1, backward 2) with free transfers; the resulting lanes are
 validated with ``validate_schedule``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 import networkx as nx
 
@@ -52,19 +53,24 @@ class InFlight:
     microbatches: the same in the stage's own micro-batches (``ceil(samples / b(s))``).
     microbatch_sizes: b(s) per stage (all 1 when counts are in micro-batches of equal size).
   """
+
   samples: tuple[int, ...]
   microbatches: tuple[int, ...]
   microbatch_sizes: tuple[int, ...]
 
   def __str__(self) -> str:
-    return "\n".join(f"stage {s:3d}: micro-batch {b:4d}, in flight {m:3d} ({n} samples)"
-                     for s, (n, m, b) in enumerate(zip(self.samples, self.microbatches,
-                                                       self.microbatch_sizes)))
+    return "\n".join(
+      f"stage {s:3d}: micro-batch {b:4d}, in flight {m:3d} ({n} samples)"
+      for s, (n, m, b) in enumerate(zip(self.samples, self.microbatches, self.microbatch_sizes))
+    )
 
 
-def inflight_counts(num_stages: int, edges: Sequence[tuple[int, int]],
-                    microbatch_sizes: Sequence[int] | None = None,
-                    num_microbatches: int | None = None) -> InFlight:
+def inflight_counts(
+  num_stages: int,
+  edges: Sequence[tuple[int, int]],
+  microbatch_sizes: Sequence[int] | None = None,
+  num_microbatches: int | None = None,
+) -> InFlight:
   """Stage DAG (+ per-stage micro-batch sizes) -> InFlight, computed sink to source.
 
   Args:
@@ -93,10 +99,15 @@ def longest_path_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> l
   return list(inflight_counts(num_stages, edges).microbatches)
 
 
-def graph_1f1b(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int,
-               in_flight: Sequence[int] | None = None,
-               forward: Sequence[float] | None = None, backward: Sequence[float] | None = None,
-               update: bool = True) -> Schedule:
+def graph_1f1b(
+  num_stages: int,
+  edges: Sequence[tuple[int, int]],
+  num_microbatches: int,
+  in_flight: Sequence[int] | None = None,
+  forward: Sequence[float] | None = None,
+  backward: Sequence[float] | None = None,
+  update: bool = True,
+) -> Schedule:
   """Stage DAG -> synchronous graph-1F1B Schedule, backward as early as possible.
 
   Args:
@@ -128,14 +139,20 @@ def graph_1f1b(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatch
       if busy_until[s] > now:
         continue
       m = b_next[s]
-      if m < f_next[s] and all(done.get(("B", c, m), float("inf")) <= now for c in succs[s]) \
-          and done[("F", s, m)] <= now:
+      if (
+        m < f_next[s]
+        and all(done.get(("B", c, m), float("inf")) <= now for c in succs[s])
+        and done[("F", s, m)] <= now
+      ):
         kind, dur = "B", tb[s]
         b_next[s] += 1
       else:
         m = f_next[s]
-        if m < M and m - b_next[s] < cap[s] and \
-            all(done.get(("F", p, m), float("inf")) <= now for p in preds[s]):
+        if (
+          m < M
+          and m - b_next[s] < cap[s]
+          and all(done.get(("F", p, m), float("inf")) <= now for p in preds[s])
+        ):
           kind, dur = "F", tf[s]
           f_next[s] += 1
         else:
@@ -152,15 +169,18 @@ def graph_1f1b(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatch
       heapq.heappop(events)
     if not events:
       if remaining:
-        raise ScheduleError(f"graph-1F1B cannot progress with in-flight caps {cap}: a stage "
-                            "waits for a micro-batch its cap forbids; raise the caps "
-                            "(the default L(s) always progresses)")
+        raise ScheduleError(
+          f"graph-1F1B cannot progress with in-flight caps {cap}: a stage "
+          "waits for a micro-batch its cap forbids; raise the caps "
+          "(the default L(s) always progresses)"
+        )
       break
     now = heapq.heappop(events)
   if update:
     for s in range(S):
       lanes[s].append(Action("UPDATE", s))
-  sched = Schedule("graph-1f1b", M, tuple(sorted((u, v) for u, v in edges)),
-                   tuple(tuple(l) for l in lanes))
+  sched = Schedule(
+    "graph-1f1b", M, tuple(sorted((u, v) for u, v in edges)), tuple(tuple(l) for l in lanes)
+  )
   validate_schedule(sched)
   return sched

@@ -19,10 +19,11 @@ Every equation is attributed to one layer by these rules, applied in program ord
      moves into that layer; the parameter is then shared between the two layers.
 ``layer_depth`` truncates layer paths to their first components to make coarser layers.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import networkx as nx
 from jax.extend import core as xc
@@ -41,6 +42,7 @@ class Layering:
     param_layer: for each jaxpr invar, the layer owning it if it is a parameter, else None.
     graph: the LayerGraph with costs (for the traced micro-batch size).
   """
+
   eqn_layer: tuple[str, ...]
   param_layer: tuple[str | None, ...]
   graph: nx.DiGraph
@@ -52,9 +54,14 @@ def _truncate(path: str, depth: int | None) -> str:
   return "/".join(path.split("/")[:depth])
 
 
-def layer_program(closed: xc.ClosedJaxpr, param_paths: Sequence[str | None], *,
-                  batch_size: int, layer_depth: int | None = None,
-                  name: str = "model") -> Layering:
+def layer_program(
+  closed: xc.ClosedJaxpr,
+  param_paths: Sequence[str | None],
+  *,
+  batch_size: int,
+  layer_depth: int | None = None,
+  name: str = "model",
+) -> Layering:
   """Groups equations into layers and builds the LayerGraph with costs.
 
   Args:
@@ -82,8 +89,9 @@ def layer_program(closed: xc.ClosedJaxpr, param_paths: Sequence[str | None], *,
   desired: list[str | None] = []
   fallback: list[str | None] = []
   for k, e in enumerate(J.eqns):
-    reads = [(aval_bytes(v.aval), is_param[v]) for v in e.invars
-             if isinstance(v, xc.Var) and v in is_param]
+    reads = [
+      (aval_bytes(v.aval), is_param[v]) for v in e.invars if isinstance(v, xc.Var) and v in is_param
+    ]
     want, back = None, None
     if reads:
       want = param_layer[max(reads)[1]]
@@ -162,11 +170,14 @@ def layer_program(closed: xc.ClosedJaxpr, param_paths: Sequence[str | None], *,
   param_layer = {i: final[k] for i, k in first_reader.items()}
 
   graph = _annotate(closed, final, param_layer, batch_size, name)
-  plist = tuple(param_layer.get(i) if param_paths[i] is not None else None
-                for i in range(len(J.invars)))
+  plist = tuple(
+    param_layer.get(i) if param_paths[i] is not None else None for i in range(len(J.invars))
+  )
   # Parameters no equation reads still need an owner: the first layer.
   first = lg.topo_layers(graph)[0] if graph.number_of_nodes() else name
-  plist = tuple(p if p is not None or param_paths[i] is None else first for i, p in enumerate(plist))
+  plist = tuple(
+    p if p is not None or param_paths[i] is None else first for i, p in enumerate(plist)
+  )
   return Layering(eqn_layer=tuple(final), param_layer=plist, graph=graph)
 
 

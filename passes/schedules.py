@@ -10,14 +10,15 @@ Generators:
   graph-1f1b: synchronous 1F1B on a stage DAG by list scheduling, backward as early as
           possible (see passes/inflight.py); the same as 1f1b on a chain.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import networkx as nx
 
-from gpp_jax.passes.inflight import graph_1f1b
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
+from gpp_jax.passes.inflight import graph_1f1b
 
 
 def _graph(num_stages: int, edges: Sequence[tuple[int, int]]) -> nx.DiGraph:
@@ -36,8 +37,9 @@ def longest_path_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> l
   return L
 
 
-def gpipe(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int,
-          update: bool = True) -> Schedule:
+def gpipe(
+  num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int, update: bool = True
+) -> Schedule:
   """GPipe: F for every micro-batch, then B for every micro-batch, per stage."""
   M = num_microbatches
   lanes = []
@@ -51,8 +53,13 @@ def gpipe(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: i
   return sched
 
 
-def one_f_one_b(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int,
-                warmup: Sequence[int] | None = None, update: bool = True) -> Schedule:
+def one_f_one_b(
+  num_stages: int,
+  edges: Sequence[tuple[int, int]],
+  num_microbatches: int,
+  warmup: Sequence[int] | None = None,
+  update: bool = True,
+) -> Schedule:
   """Synchronous 1F1B on a stage DAG; ``warmup[s]`` overrides the forwards before the first B."""
   M = num_microbatches
   L = longest_path_to_sink(num_stages, edges) if warmup is None else list(warmup)
@@ -76,11 +83,15 @@ def one_f_one_b(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatc
 
 
 GENERATORS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "graph-1f1b": graph_1f1b}
+  "gpipe": gpipe,
+  "1f1b": one_f_one_b,
+  "graph-1f1b": graph_1f1b,
+}
 
 
-def make_schedule(name: str, num_stages: int, edges: Sequence[tuple[int, int]],
-                  num_microbatches: int) -> Schedule:
+def make_schedule(
+  name: str, num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int
+) -> Schedule:
   """Builds the named schedule; raises ValueError naming the known generators."""
   try:
     gen = GENERATORS[name]

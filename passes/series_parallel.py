@@ -26,11 +26,13 @@ data: they only promise that the stage holding ``b`` runs after the one holding 
 same micro-batch, so the computation is unchanged (arithmetically identical). They are
 recorded in ``SPDecomposition.added_edges``. Recursion then continues on both sides.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import networkx as nx
 
@@ -47,8 +49,9 @@ class SPNode:
     layer: the layer of a leaf.
     layers: every layer under this node, in topological order.
   """
+
   kind: str
-  children: tuple["SPNode", ...] = ()
+  children: tuple[SPNode, ...] = ()
   layer: str | None = None
   layers: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
@@ -70,10 +73,10 @@ class SPNode:
     return {self.kind: [c.to_dict() for c in self.children]}
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "SPNode":
+  def from_dict(cls, d: Mapping[str, Any]) -> SPNode:
     if "leaf" in d:
       return cls("leaf", layer=d["leaf"])
-    (kind, kids), = d.items()
+    ((kind, kids),) = d.items()
     return cls(kind, tuple(cls.from_dict(k) for k in kids))
 
   def lines(self, indent: int = 0) -> list[str]:
@@ -92,6 +95,7 @@ class SPNode:
 @dataclasses.dataclass(frozen=True)
 class SPDecomposition:
   """The SP tree of a LayerGraph and the ordering edges added to make it SP."""
+
   root: SPNode
   added_edges: tuple[tuple[str, str], ...] = ()
 
@@ -101,17 +105,21 @@ class SPDecomposition:
     return not self.added_edges
 
   def to_json(self) -> str:
-    return json.dumps({"root": self.root.to_dict(),
-                       "added_edges": [list(e) for e in self.added_edges]})
+    return json.dumps(
+      {"root": self.root.to_dict(), "added_edges": [list(e) for e in self.added_edges]}
+    )
 
   @classmethod
-  def from_json(cls, s: str) -> "SPDecomposition":
+  def from_json(cls, s: str) -> SPDecomposition:
     d = json.loads(s)
     return cls(SPNode.from_dict(d["root"]), tuple(tuple(e) for e in d["added_edges"]))
 
   def __str__(self) -> str:
-    head = "SP decomposition" + (f", {len(self.added_edges)} ordering edges added: "
-                                 f"{list(self.added_edges)[:8]}" if self.added_edges else "")
+    head = "SP decomposition" + (
+      f", {len(self.added_edges)} ordering edges added: {list(self.added_edges)[:8]}"
+      if self.added_edges
+      else ""
+    )
     return head + "\n" + str(self.root)
 
 
@@ -164,7 +172,7 @@ def sp_decompose(g: nx.DiGraph) -> SPDecomposition:
     return comps
 
   def build(mask: int) -> SPNode:
-    idx = bits(mask)           # ascending positions = topological order
+    idx = bits(mask)  # ascending positions = topological order
     if len(idx) == 1:
       return SPNode("leaf", layer=order[idx[0]])
     comps = components(mask)

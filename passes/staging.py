@@ -7,10 +7,12 @@ integer activations). Its outputs are the values other stages read plus the loss
 produces. A parameter lives on one owner stage (the stage of the layer that owns it); other
 stages that read it receive a copy once per step and send their gradient back to the owner.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +20,8 @@ import numpy as np
 from jax.extend import core as xc
 
 from gpp_jax.errors import CaptureError, PlanError
-from gpp_jax.passes.capture import host_constant
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.capture import host_constant
 
 _BOUNDARY_UNSUPPORTED = {"token", "ref"}
 
@@ -32,6 +34,7 @@ class InputRef:
   non-parameter input: batch data, key, constant), or "act" (output var ``index`` of stage
   ``src``).
   """
+
   kind: str
   index: int
   src: int = -1
@@ -42,6 +45,7 @@ class InputRef:
 class OutputRef:
   """A stage output: global value id, consumer stages, and its position among the loss
   outputs (-1 if none)."""
+
   vid: int
   consumers: tuple[int, ...]
   loss_index: int
@@ -73,6 +77,7 @@ class StagedProgram:
     loss_outputs: for each loss jaxpr output, the (stage, output position) producing it.
     edges: stage edges (producer, consumer) that carry activations.
   """
+
   stages: tuple[StageProgram, ...]
   param_owner: tuple[int, ...]
   loss_outputs: tuple[tuple[int, int], ...]
@@ -91,8 +96,9 @@ def _is_float(aval) -> bool:
   return jnp.issubdtype(aval.dtype, jnp.floating) or jnp.issubdtype(aval.dtype, jnp.complexfloating)
 
 
-def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
-                  param_layer: Sequence[str | None], plan: Plan) -> StagedProgram:
+def stage_program(
+  closed: xc.ClosedJaxpr, eqn_layer: Sequence[str], param_layer: Sequence[str | None], plan: Plan
+) -> StagedProgram:
   """Splits the loss jaxpr by ``plan`` into per-stage sub-jaxprs with cut edges."""
   J = closed.jaxpr
   where = plan.stage_of_layer()
@@ -104,9 +110,11 @@ def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
   param_owner = tuple(where[p] if p is not None else -1 for p in param_layer)
   for i, v in enumerate(J.invars):
     if param_owner[i] >= 0 and not _is_float(v.aval):
-      raise CaptureError(f"parameter input {i} has dtype {v.aval.dtype}; only floating-point "
-                         "parameters can be differentiated (pass integer state outside the "
-                         "differentiated argument)")
+      raise CaptureError(
+        f"parameter input {i} has dtype {v.aval.dtype}; only floating-point "
+        "parameters can be differentiated (pass integer state outside the "
+        "differentiated argument)"
+      )
   defined: dict[xc.Var, int] = {}
   for e, s in zip(J.eqns, eqn_stage):
     for o in e.outvars:
@@ -120,16 +128,19 @@ def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
       if isinstance(a, xc.Var) and a in defined and defined[a] != s:
         consumers.setdefault(a, set()).add(s)
         if any(x in str(a.aval) for x in _BOUNDARY_UNSUPPORTED):
-          raise CaptureError(f"value of type {a.aval} crosses from stage {defined[a]} to stage "
-                             f"{s}; it cannot be transferred between devices. Put the layers "
-                             "that produce and consume it in the same stage.")
+          raise CaptureError(
+            f"value of type {a.aval} crosses from stage {defined[a]} to stage "
+            f"{s}; it cannot be transferred between devices. Put the layers "
+            "that produce and consume it in the same stage."
+          )
   loss_pos: dict[xc.Var, list[int]] = {}
   for k, v in enumerate(J.outvars):
     if not isinstance(v, xc.Var) or v not in defined:
       raise CaptureError(
-          f"loss output {k} ({v}) is a constant or an input passed through unchanged; the loss "
-          "function must compute its outputs from the model (return e.g. a mean of per-example "
-          "losses)")
+        f"loss output {k} ({v}) is a constant or an input passed through unchanged; the loss "
+        "function must compute its outputs from the model (return e.g. a mean of per-example "
+        "losses)"
+      )
     loss_pos.setdefault(v, []).append(k)
   vid: dict[xc.Var, int] = {}
   for e in J.eqns:
@@ -143,8 +154,10 @@ def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
   for s in range(S):
     eqns = [e for e, t in zip(J.eqns, eqn_stage) if t == s]
     if not eqns:
-      raise PlanError(f"stage {s} computes nothing: no equation of the loss falls into its "
-                      f"layers {plan.stages[s].layers}; remove the stage or give it layers")
+      raise PlanError(
+        f"stage {s} computes nothing: no equation of the loss falls into its "
+        f"layers {plan.stages[s].layers}; remove the stage or give it layers"
+      )
     seen, ins, refs, consts = set(), [], [], []
     for e in eqns:
       for a in e.invars:
@@ -181,29 +194,45 @@ def stage_program(closed: xc.ClosedJaxpr, eqn_layer: Sequence[str],
           outs.append(o)
           orefs.append(OutputRef(vid[o], cons, loss_pos.get(o, [-1])[0], _is_float(o.aval)))
     cvals = [host_constant(closed.consts[const_index[c]]) for c in consts]
-    dbg = xc.DebugInfo("graph_pipeline", f"stage{s}", tuple(f"in{i}" for i in range(len(ins))),
-                       tuple(f"out{i}" for i in range(len(outs))))
+    dbg = xc.DebugInfo(
+      "graph_pipeline",
+      f"stage{s}",
+      tuple(f"in{i}" for i in range(len(ins))),
+      tuple(f"out{i}" for i in range(len(outs))),
+    )
     effects = frozenset().union(*[e.effects for e in eqns])
     if effects:
       prims = sorted({e.primitive.name for e in eqns if e.effects})
-      raise CaptureError(f"unsupported primitive {', '.join(prims)} in stage {s}: it has side "
-                         "effects, and a pipelined loss function must be pure. Remove debug "
-                         "prints and callbacks from the loss (return values as aux instead).")
+      raise CaptureError(
+        f"unsupported primitive {', '.join(prims)} in stage {s}: it has side "
+        "effects, and a pipelined loss function must be pure. Remove debug "
+        "prints and callbacks from the loss (return values as aux instead)."
+      )
     sub = xc.Jaxpr(consts, ins, outs, eqns, effects, debug_info=dbg)
-    stages.append(StageProgram(s, xc.ClosedJaxpr(sub, cvals), tuple(refs), tuple(orefs),
-                               sum(r.diff for r in refs), len(eqns)))
+    stages.append(
+      StageProgram(
+        s,
+        xc.ClosedJaxpr(sub, cvals),
+        tuple(refs),
+        tuple(orefs),
+        sum(r.diff for r in refs),
+        len(eqns),
+      )
+    )
   if edges - set(plan.edges):
-    raise PlanError(f"the program needs stage edges {sorted(edges - set(plan.edges))} that the "
-                    "plan lacks; rebuild the plan from this model's layer graph")
+    raise PlanError(
+      f"the program needs stage edges {sorted(edges - set(plan.edges))} that the "
+      "plan lacks; rebuild the plan from this model's layer graph"
+    )
   placed_loss_outputs: list[tuple[int, int]] = []
   for lo in loss_outputs:
     assert lo is not None  # every loss output is defined (checked above), so some stage has it
     placed_loss_outputs.append(lo)
-  return StagedProgram(tuple(stages), param_owner, tuple(placed_loss_outputs),
-                       tuple(sorted(edges)))
+  return StagedProgram(tuple(stages), param_owner, tuple(placed_loss_outputs), tuple(sorted(edges)))
 
 
 # ----------------------------------------------------------------------------- executables
+
 
 def _zeros_ct(aval):
   if _is_float(aval):
@@ -220,6 +249,7 @@ class StageFunctions:
   where ``cts[k]`` is a tuple of cotangent contributions for output k (summed inside; empty for
   an output nobody differentiates) and ``acc`` the running parameter-gradient sums.
   """
+
   fwd: Callable[..., Any]
   bwd: Callable[..., Any]
   zeros_acc: Callable[..., Any]
@@ -242,6 +272,7 @@ def stage_functions(stage: StageProgram, remat: bool = False) -> StageFunctions:
     return ([a + g for a, g in zip(acc, grads[:nparam])], list(grads[nparam:]))
 
   if remat:
+
     def fwd(diff, nondiff):
       return call(diff, nondiff), (diff, nondiff)
 
@@ -250,6 +281,7 @@ def stage_functions(stage: StageProgram, remat: bool = False) -> StageFunctions:
       _, vjp = jax.vjp(lambda *d: call(d, nondiff), *diff)
       return finish(vjp(cotangents(cts)), acc)
   else:
+
     def fwd(diff, nondiff):
       return jax.vjp(lambda *d: call(d, nondiff), *diff)
 

@@ -13,15 +13,15 @@ the optimizer update, metrics) is split by where values live:
   level, so cross-stage reductions (``optax.clip_by_global_norm``'s global norm) are computed
   exactly: partial sums move between stages as small explicit transfers.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from jax.extend import core as xc
 
 from gpp_jax.passes.capture import host_constant
-
 from gpp_jax.passes.costs import aval_bytes
 
 PIPE = -1  # home of the pipeline marker
@@ -30,6 +30,7 @@ PIPE = -1  # home of the pipeline marker
 @dataclasses.dataclass(frozen=True)
 class Piece:
   """A group of step equations that run together on one stage's devices."""
+
   home: int
   level: int
   jaxpr: xc.ClosedJaxpr
@@ -47,6 +48,7 @@ class StepProgram:
     before, after: pieces that run before / after the pipeline, in a valid order.
     invar_home: home stage of each step input (-1: not placed, e.g. batch data or unused).
   """
+
   jaxpr: xc.ClosedJaxpr
   marker: xc.JaxprEqn
   before: tuple[Piece, ...]
@@ -54,8 +56,12 @@ class StepProgram:
   invar_home: tuple[int, ...]
 
 
-def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequence[int],
-               marker_out_home: Sequence[int]) -> StepProgram:
+def split_step(
+  closed: xc.ClosedJaxpr,
+  marker_index: int,
+  marker_in_home: Sequence[int],
+  marker_out_home: Sequence[int],
+) -> StepProgram:
   """Splits the step around the marker equation.
 
   Args:
@@ -87,8 +93,11 @@ def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequen
     if k == marker_index:
       continue
     outs_known = [home[o] for o in e.outvars if not isinstance(o, xc.DropVar) and o in home]
-    known = [(aval_bytes(v.aval), -home[v], home[v]) for v in e.invars
-             if isinstance(v, xc.Var) and v in home and home[v] != PIPE]
+    known = [
+      (aval_bytes(v.aval), -home[v], home[v])
+      for v in e.invars
+      if isinstance(v, xc.Var) and v in home and home[v] != PIPE
+    ]
     if outs_known:
       eqn_home[k] = outs_known[0]
     elif known:
@@ -134,8 +143,14 @@ def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequen
   # Levels: one more whenever a value crosses between homes.
   eqn_level = [0] * len(eqns)
   for k, e in enumerate(eqns):
-    eqn_level[k] = max((eqn_level[producer[v]] + (homes[producer[v]] != homes[k])
-                        for v in e.invars if isinstance(v, xc.Var) and v in producer), default=0)
+    eqn_level[k] = max(
+      (
+        eqn_level[producer[v]] + (homes[producer[v]] != homes[k])
+        for v in e.invars
+        if isinstance(v, xc.Var) and v in producer
+      ),
+      default=0,
+    )
   groups: dict[tuple[int, int], list[int]] = {}
   for k in range(len(eqns)):
     if k != marker_index:
@@ -157,16 +172,32 @@ def split_step(closed: xc.ClosedJaxpr, marker_index: int, marker_in_home: Sequen
         if isinstance(a, xc.Var) and a not in defined and a not in seen:
           seen.add(a)
           (consts if a in const_val else ins).append(a)
-    outs = [o for o in sorted(defined, key=lambda o: producer[o])
-            if o in out_set or any(c not in inside for c in consumers[producer[o]])]
-    dbg = xc.DebugInfo("graph_pipeline", f"step_piece_{key[1]}_{key[0]}",
-                       tuple(f"in{i}" for i in range(len(ins))),
-                       tuple(f"out{i}" for i in range(len(outs))))
-    sub = xc.Jaxpr(consts, ins, outs, [eqns[k] for k in ks],
-                   frozenset().union(*[eqns[k].effects for k in ks]), debug_info=dbg)
-    piece = Piece(key[1], key[0], xc.ClosedJaxpr(sub, [host_constant(const_val[c]) for c in consts]),
-                  tuple(ins), tuple(outs))
+    outs = [
+      o
+      for o in sorted(defined, key=lambda o: producer[o])
+      if o in out_set or any(c not in inside for c in consumers[producer[o]])
+    ]
+    dbg = xc.DebugInfo(
+      "graph_pipeline",
+      f"step_piece_{key[1]}_{key[0]}",
+      tuple(f"in{i}" for i in range(len(ins))),
+      tuple(f"out{i}" for i in range(len(outs))),
+    )
+    sub = xc.Jaxpr(
+      consts,
+      ins,
+      outs,
+      [eqns[k] for k in ks],
+      frozenset().union(*[eqns[k].effects for k in ks]),
+      debug_info=dbg,
+    )
+    piece = Piece(
+      key[1],
+      key[0],
+      xc.ClosedJaxpr(sub, [host_constant(const_val[c]) for c in consts]),
+      tuple(ins),
+      tuple(outs),
+    )
     # The marker reads only values of lower levels, and whatever reads the marker sits above it.
     (pieces_before if key[0] < mlevel else pieces_after).append(piece)
   return StepProgram(closed, marker, tuple(pieces_before), tuple(pieces_after), tuple(invar_home))
-

@@ -1,4 +1,5 @@
 """Shared helpers: tiny models as plain pytrees and a pipelined-vs-reference runner."""
+
 from __future__ import annotations
 
 import jax
@@ -9,8 +10,8 @@ import optax
 import gpp_jax
 
 OPTIMIZERS = {
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
-    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+  "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
 }
 
 
@@ -24,26 +25,39 @@ def apply_dense(p, x):
 
 def make_batch(seed, batch, din, dout):
   rng = np.random.default_rng(seed)
-  return {"x": rng.normal(size=(batch, din)).astype(np.float32),
-          "y": rng.normal(size=(batch, dout)).astype(np.float32)}
+  return {
+    "x": rng.normal(size=(batch, din)).astype(np.float32),
+    "y": rng.normal(size=(batch, dout)).astype(np.float32),
+  }
 
 
 def mse_step(model_fn, tx):
   """A plain-pytree train step: MSE loss, optax update, loss metric."""
+
   def step(params, opt_state, batch):
     def loss_fn(p):
       return jnp.mean((model_fn(p, batch["x"]) - batch["y"]) ** 2)
+
     loss, grads = gpp_jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
   return step
 
 
 def max_diff(a, b) -> float:
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   assert len(la) == len(lb), (len(la), len(lb))
-  return max(float(np.max(np.abs(np.asarray(jax.device_get(x), np.float64) -
-                                 np.asarray(jax.device_get(y), np.float64)))) for x, y in zip(la, lb))
+  return max(
+    float(
+      np.max(
+        np.abs(
+          np.asarray(jax.device_get(x), np.float64) - np.asarray(jax.device_get(y), np.float64)
+        )
+      )
+    )
+    for x, y in zip(la, lb)
+  )
 
 
 def compare_steps(step, args, batch, steps=3, **pp_kwargs):

@@ -8,6 +8,7 @@ the values it holds against a one-device reference it computes itself.
   mode "kill":  steps until killed from outside; exits 3 with the error message when a step
                 fails (the peer died).
 """
+
 import os
 import sys
 
@@ -41,6 +42,7 @@ tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
 def step(params, opt_state, batch):
   def loss_fn(p):
     return jnp.mean((model(p, batch["x"]) - batch["y"]) ** 2)
+
   loss, grads = gpp_jax.value_and_grad(loss_fn)(params)
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, loss
@@ -51,14 +53,19 @@ def main():
   timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
   ks = jax.random.split(jax.random.key(0), 4)
   with jax.default_device(jax.local_devices()[0]):
-    params = {"l0": dense(ks[0], 6, 8), "l1": dense(ks[1], 8, 8), "l2": dense(ks[2], 8, 8),
-              "l3": dense(ks[3], 8, 3)}
+    params = {
+      "l0": dense(ks[0], 6, 8),
+      "l1": dense(ks[1], 8, 8),
+      "l2": dense(ks[2], 8, 8),
+      "l3": dense(ks[3], 8, 3),
+    }
     params = jax.tree.map(np.asarray, params)
   rng = np.random.default_rng(0)
-  batch = {"x": rng.normal(size=(16, 6)).astype(np.float32),
-           "y": rng.normal(size=(16, 3)).astype(np.float32)}
-  plan = gpp_jax.manual_plan({"l0": 0, "l1": 1, "l2": 2, "l3": 3},
-                             devices={0: 0, 1: 4, 2: 1, 3: 5})
+  batch = {
+    "x": rng.normal(size=(16, 6)).astype(np.float32),
+    "y": rng.normal(size=(16, 3)).astype(np.float32),
+  }
+  plan = gpp_jax.manual_plan({"l0": 0, "l1": 1, "l2": 2, "l3": 3}, devices={0: 0, 1: 4, 2: 1, 3: 5})
   pp = gpp_jax.graph_pipeline(step, num_microbatches=4, planner=plan, timeout_s=timeout)
   p, o = params, tx.init(params)
   if mode == "kill":
@@ -84,8 +91,11 @@ def main():
       diffs.append(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
       checked += 1
   ok = checked > 0 and max(diffs) <= 1e-5
-  print(f"RESULT process={jax.process_index()} checked={checked} maxdiff={max(diffs):.3g} "
-        f"edges={sorted(pp.plan.edges)}", flush=True)
+  print(
+    f"RESULT process={jax.process_index()} checked={checked} maxdiff={max(diffs):.3g} "
+    f"edges={sorted(pp.plan.edges)}",
+    flush=True,
+  )
   sys.stdout.flush()
   # Let every process finish its receives before any exits (os._exit skips JAX's shutdown).
   multihost_utils.sync_global_devices("gpp-worker-done")

@@ -1,13 +1,22 @@
 """Cluster IR and cost model."""
+
 import math
 
 import numpy as np
 import pytest
 
-from gpp_jax.experiments import model_graphs as mg
-from gpp_jax.cost.cluster import (CPU, Cluster, DeviceSpec, GiB, Link, as_cluster, cpu_cluster,
-                             v100_cluster)
+from gpp_jax.cost.cluster import (
+  CPU,
+  Cluster,
+  DeviceSpec,
+  GiB,
+  Link,
+  as_cluster,
+  cpu_cluster,
+  v100_cluster,
+)
 from gpp_jax.cost.cost_model import CostModel, layer_costs, plan_costs, stage_edge_bytes
+from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.layer_graph import add_edge, add_layer, new_layer_graph
 from gpp_jax.ir.plan import Plan, Stage
 
@@ -17,7 +26,7 @@ def test_v100_preset_is_the_papers_cluster():
   assert c.num_devices == 8 and len(c.devices) == 8
   assert c.devices_per_node == 4 and c.num_nodes == 2
   assert c.memory_per_device == 16 * GiB
-  assert c.inter_link.beta == pytest.approx(100e9 / 8)        # 100 Gb/s
+  assert c.inter_link.beta == pytest.approx(100e9 / 8)  # 100 Gb/s
   assert c.link(0, 3) is c.intra_link and c.link(3, 4) is c.inter_link
   assert c.link_between([0, 1], [2, 3]) is c.intra_link
   assert c.link_between([2, 3], [4]) is c.inter_link
@@ -52,7 +61,7 @@ def test_as_cluster_accepts_counts():
 def test_efficiency_curve_interpolates_in_log_space_and_clamps():
   d = DeviceSpec("x", 1e12, 1e11, efficiency=((1, 0.2), (16, 0.6)))
   assert d.efficiency_at(0.5) == 0.2 and d.efficiency_at(64) == 0.6
-  assert d.efficiency_at(4) == pytest.approx(0.4)               # halfway in log2
+  assert d.efficiency_at(4) == pytest.approx(0.4)  # halfway in log2
   xs = [d.efficiency_at(s) for s in (1, 2, 3, 5, 8, 16)]
   assert xs == sorted(xs)
   with pytest.raises(ValueError, match="increase"):
@@ -71,7 +80,7 @@ def test_roofline_picks_the_slower_of_compute_and_memory():
   compute_bound = layer_costs(_one_layer(8e9, 8e3, 0.0))
   tf, tb = cm.layer_times(compute_bound, dev, 8)
   assert tf[0] == pytest.approx(8e9 / 1e12)
-  assert tb[0] == pytest.approx(2 * tf[0])                      # backward defaults to 2x
+  assert tb[0] == pytest.approx(2 * tf[0])  # backward defaults to 2x
   memory_bound = layer_costs(_one_layer(8e3, 8e9, 0.0))
   tf, _ = cm.layer_times(memory_bound, dev, 8)
   assert tf[0] == pytest.approx(8e9 / 1e11)
@@ -80,7 +89,7 @@ def test_roofline_picks_the_slower_of_compute_and_memory():
 def test_weights_are_read_once_per_micro_batch():
   dev = DeviceSpec("d", peak_flops=1e15, memory_bandwidth=1e9)
   cm = CostModel()
-  c = layer_costs(_one_layer(1.0, 1e6 + 8e3, 1e6))             # 1 MB weights + 1 KB/sample
+  c = layer_costs(_one_layer(1.0, 1e6 + 8e3, 1e6))  # 1 MB weights + 1 KB/sample
   t1 = cm.layer_times(c, dev, 1)[0][0]
   t8 = cm.layer_times(c, dev, 8)[0][0]
   assert t1 == pytest.approx((1e6 + 1e3) / 1e9)
@@ -96,7 +105,7 @@ def test_measured_times_replace_the_roofline_and_scale_with_efficiency():
   tf, tb = CostModel().layer_times(c, dev, 8)
   assert (tf[0], tb[0]) == pytest.approx((0.08, 0.2))
   tf1, _ = CostModel().layer_times(c, dev, 1)
-  assert tf1[0] == pytest.approx(0.08 / 8 * 1.0 / 0.5)           # small batch: half as efficient
+  assert tf1[0] == pytest.approx(0.08 / 8 * 1.0 / 0.5)  # small batch: half as efficient
 
 
 def test_kernel_overhead_is_added_per_pass():
@@ -110,7 +119,7 @@ def test_ring_allreduce_and_memory_terms():
   link = Link(alpha=1e-5, beta=1e10)
   assert cm.allreduce_time(1e9, 1, link) == 0.0
   assert cm.allreduce_time(1e9, 4, link) == pytest.approx(6e-5 + 1.5 * 1e9 / 1e10)
-  assert cm.static_memory(100.0) == 400.0                       # weights, grads, Adam m and v
+  assert cm.static_memory(100.0) == 400.0  # weights, grads, Adam m and v
   assert CostModel(optimizer_state_factor=0.0).static_memory(100.0) == 200.0
   # Activations: saved bytes per sample x micro-batch x in-flight / data-parallel degree.
   assert cm.stage_memory(100.0, 10.0, 8, 2, 3) == 400.0 + 10.0 * 8 / 2 * 3
@@ -125,11 +134,15 @@ def test_plan_costs_prices_edges_on_the_link_between_stage_devices():
   add_layer(g, "b", flops=4e9, bytes=4e3, param_bytes=1e3, act_bytes=4e6)
   add_layer(g, "c", flops=4e9, bytes=4e3, param_bytes=1e3, act_bytes=4e6)
   add_edge(g, "a", "b", 4e6)
-  add_edge(g, "a", "c", 4e6)          # read by two layers of the same stage: sent once
+  add_edge(g, "a", "c", 4e6)  # read by two layers of the same stage: sent once
   add_edge(g, "b", "c", 4e6)
   cl = v100_cluster(8)
-  plan = Plan(stages=(Stage(0, ("a",), (3,)), Stage(1, ("b", "c"), (4, 5))), edges=((0, 1),),
-              num_microbatches=2, batch_size=4)
+  plan = Plan(
+    stages=(Stage(0, ("a",), (3,)), Stage(1, ("b", "c"), (4, 5))),
+    edges=((0, 1),),
+    num_microbatches=2,
+    batch_size=4,
+  )
   pc = plan_costs(plan, g, cl)
   # Micro-batch 2 samples: 1e6 bytes per sample * 2 over the inter-node link.
   ib = cl.inter_link
@@ -163,5 +176,6 @@ def test_model_graph_costs_follow_the_shapes():
   assert mg.model_graph("candle_uno", branches=16).number_of_nodes() == 16 * 4 + 7
   with pytest.raises(ValueError, match="unknown model graph"):
     mg.model_graph("resnet")
-  assert math.isclose(float(np.sum(layer_costs(m).param_bytes)),
-                      sum(m.nodes[n]["param_bytes"] for n in m))
+  assert math.isclose(
+    float(np.sum(layer_costs(m).param_bytes)), sum(m.nodes[n]["param_bytes"] for n in m)
+  )

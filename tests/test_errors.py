@@ -1,14 +1,15 @@
 """Bad input gets a clear error naming the problem and the fix."""
+
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from harness import OPTIMIZERS, apply_dense, dense, make_batch, mse_step
+from test_pipeline_numerics import chain_model, chain_params
 
 import gpp_jax
 from gpp_jax.ir.layer_graph import add_edge, add_layer, new_layer_graph
 from gpp_jax.ir.plan import Plan, Stage
-from harness import OPTIMIZERS, apply_dense, dense, make_batch, mse_step
-from test_pipeline_numerics import chain_model, chain_params
 
 TX = OPTIMIZERS["adamw"]()
 
@@ -85,14 +86,17 @@ def test_side_effect_in_loss_is_rejected():
 
   params = {"l0": dense(jax.random.key(0), 6, 4), "l1": dense(jax.random.key(1), 4, 3)}
   pp = _pp(mse_step(model, TX), planner=gpp_jax.manual_plan({"l0": 0, "l1": 1}))
-  with pytest.raises(gpp_jax.CaptureError, match=r"unsupported primitive debug_print.*must be pure"):
+  with pytest.raises(
+    gpp_jax.CaptureError, match=r"unsupported primitive debug_print.*must be pure"
+  ):
     pp(params, TX.init(params), make_batch(0, 8, 6, 3))
 
 
 def test_batch_used_outside_the_loss():
   def step(params, opt_state, batch):
-    loss, grads = gpp_jax.value_and_grad(
-        lambda p: jnp.mean((chain_model(p, batch["x"]) - batch["y"]) ** 2))(params)
+    _loss, grads = gpp_jax.value_and_grad(
+      lambda p: jnp.mean((chain_model(p, batch["x"]) - batch["y"]) ** 2)
+    )(params)
     updates, opt_state = TX.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, {"ymean": batch["y"].mean()}
 
@@ -102,8 +106,9 @@ def test_batch_used_outside_the_loss():
 
 def test_step_without_marker():
   def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(
-        lambda p: jnp.mean((chain_model(p, batch["x"]) - batch["y"]) ** 2))(params)
+    loss, _grads = jax.value_and_grad(
+      lambda p: jnp.mean((chain_model(p, batch["x"]) - batch["y"]) ** 2)
+    )(params)
     return params, opt_state, loss
 
   with pytest.raises(gpp_jax.CaptureError, match="never calls gpp_jax.value_and_grad"):
@@ -112,8 +117,9 @@ def test_step_without_marker():
 
 def test_non_scalar_loss():
   def step(params, opt_state, batch):
-    loss, grads = gpp_jax.value_and_grad(
-        lambda p: (chain_model(p, batch["x"]) - batch["y"]) ** 2)(params)
+    loss, _grads = gpp_jax.value_and_grad(lambda p: (chain_model(p, batch["x"]) - batch["y"]) ** 2)(
+      params
+    )
     return params, opt_state, loss
 
   with pytest.raises(gpp_jax.CaptureError, match="scalar loss"):

@@ -1,4 +1,5 @@
 """Linen TrainState and NNX steps, dropout, pipelined vs one device."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,9 +7,9 @@ import optax
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
+from harness import compare_steps, max_diff
 
 import gpp_jax
-from harness import compare_steps, max_diff
 
 TOL = 1e-5
 
@@ -26,26 +27,32 @@ class LinenNet(nn.Module):
 
 def _batch(seed=0, n=16):
   rng = np.random.default_rng(seed)
-  return {"x": rng.normal(size=(n, 5)).astype(np.float32),
-          "y": rng.normal(size=(n, 3)).astype(np.float32)}
+  return {
+    "x": rng.normal(size=(n, 5)).astype(np.float32),
+    "y": rng.normal(size=(n, 3)).astype(np.float32),
+  }
 
 
 def test_linen_trainstate_step():
   model = LinenNet()
   params = model.init(jax.random.key(0), jnp.ones((1, 5)))
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=optax.chain(optax.clip_by_global_norm(1.0),
-                                                       optax.adam(1e-2)))
+  state = train_state.TrainState.create(
+    apply_fn=model.apply,
+    params=params,
+    tx=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+  )
 
   def train_step(state, batch):
     def loss_fn(params):
       return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
     loss, grads = gpp_jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   plan = gpp_jax.manual_plan({"LinenNet/fc1": 0, "LinenNet/fc2": 1, "LinenNet/head": 2})
-  r, p, pp = compare_steps(train_step, (state,), _batch(), num_microbatches=4,
-                           devices=jax.devices()[:3], planner=plan)
+  r, p, pp = compare_steps(
+    train_step, (state,), _batch(), num_microbatches=4, devices=jax.devices()[:3], planner=plan
+  )
   # Linen names the layers by module path from the name stack.
   assert set(pp.layer_graph.nodes) == {"LinenNet/fc1", "LinenNet/fc2", "LinenNet/head"}
   assert int(p[0].step) == 3
@@ -67,6 +74,7 @@ class NNXNet(nnx.Module):
 def nnx_train_step(model, optimizer, batch):
   def loss_fn(model):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
   loss, grads = gpp_jax.value_and_grad(loss_fn)(model)
   optimizer.update(model, grads)
   return loss
@@ -80,8 +88,12 @@ def test_nnx_step_with_optimizer():
   ref_model, ref_opt = fresh()
   ref_step = nnx.jit(nnx_train_step)
   model, opt = fresh()
-  pp = gpp_jax.graph_pipeline(nnx_train_step, num_microbatches=4, devices=jax.devices()[:3],
-                              planner=gpp_jax.manual_plan({"enc": 0, "mid": 1, "head": 2}))
+  pp = gpp_jax.graph_pipeline(
+    nnx_train_step,
+    num_microbatches=4,
+    devices=jax.devices()[:3],
+    planner=gpp_jax.manual_plan({"enc": 0, "mid": 1, "head": 2}),
+  )
   batch = _batch(1)
   dbatch = jax.device_put(batch, jax.devices()[0])
   with jax.transfer_guard("disallow"):
@@ -108,8 +120,7 @@ def test_plain_pytree_dropout_matches_gradient_accumulation():
     return jnp.mean((out - y) ** 2)
 
   def step(params, opt_state, key, batch):
-    loss, grads = gpp_jax.value_and_grad(
-        lambda p: loss_of(p, batch["x"], batch["y"], key))(params)
+    loss, grads = gpp_jax.value_and_grad(lambda p: loss_of(p, batch["x"], batch["y"], key))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -126,8 +137,7 @@ def test_plain_pytree_dropout_matches_gradient_accumulation():
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  pp = gpp_jax.graph_pipeline(step, num_microbatches=M, devices=jax.devices()[:2],
-                              batch_argnums=3)
+  pp = gpp_jax.graph_pipeline(step, num_microbatches=M, devices=jax.devices()[:2], batch_argnums=3)
   batch = _batch(2)
   dev0 = jax.devices()[0]
   rp, ro = jax.device_put((params, tx.init(params)), dev0)
@@ -141,5 +151,10 @@ def test_plain_pytree_dropout_matches_gradient_accumulation():
   assert max_diff(rp, pp_p) <= TOL
   # Dropout really is active: without the fold-in the masks would repeat per micro-batch.
   no_drop = jax.jit(lambda p, b: jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2))
-  assert abs(float(no_drop(params, batch)) - float(
-      loss_of(params, batch["x"], batch["y"], jax.random.key(0)))) > 1e-3
+  assert (
+    abs(
+      float(no_drop(params, batch))
+      - float(loss_of(params, batch["x"], batch["y"], jax.random.key(0)))
+    )
+    > 1e-3
+  )

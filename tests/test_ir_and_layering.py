@@ -1,22 +1,24 @@
 """IR round trips and the layering rules on small programs."""
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
 from gpp_jax.ir import layer_graph as lg
-from gpp_jax.runtime.capture_step import layer_path
+from gpp_jax.ir.plan import Plan, validate_plan
 from gpp_jax.passes.capture import inline_calls, op_graph
 from gpp_jax.passes.layering import layer_program
 from gpp_jax.passes.partition.balanced import balanced_plan
-from gpp_jax.ir.plan import Plan, validate_plan
+from gpp_jax.runtime.capture_step import layer_path
 
 
 def _layered(fn, params, *data, depth=None):
   with_path, tree = jax.tree_util.tree_flatten_with_path(params)
   leaves = [x for _, x in with_path]
-  closed = jax.make_jaxpr(lambda *a: fn(jax.tree.unflatten(tree, a[:len(leaves)]), *a[len(leaves):]))(
-      *leaves, *data)
+  closed = jax.make_jaxpr(
+    lambda *a: fn(jax.tree.unflatten(tree, a[: len(leaves)]), *a[len(leaves) :])
+  )(*leaves, *data)
   closed = inline_calls(closed)
   paths = [layer_path(p) for p, _ in with_path] + [None] * len(data)
   return closed, layer_program(closed, paths, batch_size=data[0].shape[0], layer_depth=depth)
@@ -63,7 +65,7 @@ def test_nnx_layers_from_parameter_paths_and_depth():
     def __call__(self, x):
       for b in self.blocks:
         x = b(x)
-      return jnp.mean(x ** 2)
+      return jnp.mean(x**2)
 
   model = Net(nnx.Rngs(0))
   gd, st = nnx.split(model)

@@ -1,4 +1,5 @@
 """The package's import graph: no cycles, and no module both an IR and a program."""
+
 from __future__ import annotations
 
 import ast
@@ -45,8 +46,10 @@ def import_graph() -> nx.DiGraph:
       if isinstance(node, ast.Import):
         targets = [a.name for a in node.names]
       elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-        targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
-                   else node.module for a in node.names]
+        targets = [
+          f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+          for a in node.names
+        ]
       else:
         continue
       if _type_checking_only(node, parents):
@@ -61,17 +64,27 @@ def import_graph() -> nx.DiGraph:
 
 def test_the_import_graph_has_no_cycles():
   g = import_graph()
-  assert len(g) > 50, sorted(g)   # the walk found the package
+  assert len(g) > 50, sorted(g)  # the walk found the package
   cycles = sorted(sorted(c) for c in nx.simple_cycles(g))
   assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles[:10])
 
 
 def test_library_modules_do_not_import_the_programs():
   g = import_graph()
-  programs = {m for m in g if m.startswith("gpp_jax.cli") or m.startswith("gpp_jax.experiments")
-              or m in ("gpp_jax.train", "gpp_jax.plan", "gpp_jax.launch")}
-  library = {m for m in g if m.startswith(("gpp_jax.ir", "gpp_jax.runtime", "gpp_jax.cost",
-                                           "gpp_jax.passes", "gpp_jax.models"))}
+  programs = {
+    m
+    for m in g
+    if m.startswith("gpp_jax.cli")
+    or m.startswith("gpp_jax.experiments")
+    or m in ("gpp_jax.train", "gpp_jax.plan", "gpp_jax.launch")
+  }
+  library = {
+    m
+    for m in g
+    if m.startswith(
+      ("gpp_jax.ir", "gpp_jax.runtime", "gpp_jax.cost", "gpp_jax.passes", "gpp_jax.models")
+    )
+  }
   bad = sorted((u, v) for u, v in g.edges if u in library and v in programs)
   assert not bad, bad
 

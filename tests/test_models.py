@@ -1,8 +1,10 @@
 """Model zoo: shapes, losses, trainability, parameter counts and branch independence."""
+
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import jax
@@ -12,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gpp_jax.models import candle_uno, dlrm, gpt, mmt
+from gpp_jax.models import candle_uno, dlrm, mmt
 from gpp_jax.models.registry import MODELS, PRESETS, get_config, get_model
 
 NAMES = ("mmt", "dlrm", "candle_uno", "gpt")
@@ -33,6 +35,7 @@ def rbg_key(seed: int) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Tiny:
   """A tiny-preset model, its batch, and its split (graphdef, params)."""
+
   spec: Any
   config: Any
   batch: dict
@@ -56,8 +59,9 @@ def tiny(name: str, **overrides) -> Tiny:
   spec = MODELS[name]
   config = spec.preset("tiny", **overrides)
   # make_model runs under jit (one compilation instead of one per eager operation).
-  graphdef, params = fast_jit(lambda: nnx.split(spec.make_model(config, nnx.Rngs(rbg_key(0))),
-                                                nnx.Param))()
+  graphdef, params = fast_jit(
+    lambda: nnx.split(spec.make_model(config, nnx.Rngs(rbg_key(0))), nnx.Param)
+  )()
   batch = fast_jit(spec.synthetic_batch, static_argnums=(0, 1))(config, BATCH, rbg_key(1))
   return Tiny(spec, config, batch, graphdef, params)
 
@@ -85,6 +89,7 @@ def _path_str(key_path) -> str:
 
 
 # ---------------------------------------------------------------------------------- registry
+
 
 def test_registry_lists_the_four_models_with_both_presets():
   assert set(MODELS) == set(NAMES)
@@ -115,19 +120,26 @@ def test_registry_rejects_unknown_names_and_bad_configs():
 
 # ------------------------------------------------------------------------- shapes and losses
 
+
 def _expected_output_shape(name, config):
-  return {"mmt": lambda: (BATCH, config.num_classes),
-          "dlrm": lambda: (BATCH,),
-          "candle_uno": lambda: (BATCH,),
-          "gpt": lambda: (BATCH, config.seq_len, config.vocab_size)}[name]()
+  return {
+    "mmt": lambda: (BATCH, config.num_classes),
+    "dlrm": lambda: (BATCH,),
+    "candle_uno": lambda: (BATCH,),
+    "gpt": lambda: (BATCH, config.seq_len, config.vocab_size),
+  }[name]()
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_synthetic_batch_has_batch_dim_and_realistic_dtypes(name):
   t = tiny(name)
   c = t.config
-  int_keys = {"mmt": lambda: {"labels"}, "candle_uno": set, "gpt": lambda: {"tokens", "targets"},
-              "dlrm": lambda: {f"sparse_{i}" for i in range(c.num_sparse_branches)}}[name]()
+  int_keys = {
+    "mmt": lambda: {"labels"},
+    "candle_uno": set,
+    "gpt": lambda: {"tokens", "targets"},
+    "dlrm": lambda: {f"sparse_{i}" for i in range(c.num_sparse_branches)},
+  }[name]()
   for key, x in t.batch.items():
     assert x.shape[0] == BATCH, key
     assert x.dtype == (jnp.int32 if key in int_keys else jnp.float32), key
@@ -135,7 +147,7 @@ def test_synthetic_batch_has_batch_dim_and_realistic_dtypes(name):
     for i, rows in enumerate(c.branch_num_embeddings):
       ids = t.batch[f"sparse_{i}"]
       assert ids.shape == (BATCH, c.bag_size)
-      assert 0 <= int(ids.min()) and int(ids.max()) < rows
+      assert int(ids.min()) >= 0 and int(ids.max()) < rows
   if name == "gpt":  # targets are the inputs shifted by one position
     np.testing.assert_array_equal(t.batch["targets"][:, :-1], t.batch["tokens"][:, 1:])
 
@@ -157,8 +169,10 @@ def test_loss_is_a_mean_over_examples(name):
   t = tiny(name)
   half = BATCH // 2
   whole = evaluate(name)(t.params, t.batch)[1]
-  first, second = (evaluate(name)(t.params, jax.tree.map(lambda x, s=s: x[s], t.batch))[1]
-                   for s in (slice(0, half), slice(half, BATCH)))
+  first, second = (
+    evaluate(name)(t.params, jax.tree.map(lambda x, s=s: x[s], t.batch))[1]
+    for s in (slice(0, half), slice(half, BATCH))
+  )
   assert float(first) != float(second)
   np.testing.assert_allclose(whole, (first + second) / 2, rtol=1e-5)
 
@@ -169,10 +183,10 @@ def test_dropout_takes_an_explicit_key_and_mutates_nothing(name):
   config = dataclasses.replace(t.config, dropout=0.3)
   model = t.merge(config=config)
   assert not jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param)))  # parameters only
-  graphdef, state = nnx.split(model)          # all of its state, not only the parameters
+  graphdef, state = nnx.split(model)  # all of its state, not only the parameters
 
   @fast_jit
-  def loss_and_state_after(state, key):       # what nnx.jit does to carry mutations out
+  def loss_and_state_after(state, key):  # what nnx.jit does to carry mutations out
     model = nnx.merge(graphdef, state)
     return t.spec.loss_fn(model, t.batch, key), nnx.state(model)
 
@@ -181,14 +195,17 @@ def test_dropout_takes_an_explicit_key_and_mutates_nothing(name):
   assert float(with_k1) != float(loss_and_state_after(state, k2)[0])
   assert float(loss_and_state_after(state, k1)[0]) == float(with_k1)
   assert jax.tree.all(jax.tree.map(np.array_equal, state, after))
+
   # Without a key the program is the deterministic one: the same as without dropout.
   def program(cfg, key):
     return str(jax.make_jaxpr(lambda p: t.spec.loss_fn(t.merge(p, cfg), t.batch, key))(t.params))
+
   assert program(config, None) == program(t.config, None)
   assert program(config, k1) != program(t.config, k1)
 
 
 # ------------------------------------------------------------------------------- training
+
 
 @pytest.mark.parametrize("name", NAMES)
 def test_twenty_adam_steps_decrease_the_loss(name):
@@ -197,14 +214,15 @@ def test_twenty_adam_steps_decrease_the_loss(name):
 
   @fast_jit
   def step(params, opt_state):
-    loss, grads = jax.value_and_grad(
-        lambda p: t.spec.loss_fn(nnx.merge(t.graphdef, p), t.batch))(params)
+    loss, grads = jax.value_and_grad(lambda p: t.spec.loss_fn(nnx.merge(t.graphdef, p), t.batch))(
+      params
+    )
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
   params, opt_state = t.params, opt.init(t.params)
   losses = []
-  for _ in range(21):                             # 20 updates; the 21st call reports the loss
+  for _ in range(21):  # 20 updates; the 21st call reports the loss
     params, opt_state, loss = step(params, opt_state)
     losses.append(float(loss))
   assert np.all(np.isfinite(losses))
@@ -213,12 +231,13 @@ def test_twenty_adam_steps_decrease_the_loss(name):
 
 # --------------------------------------------------------------------- paper parameter counts
 
+
 def _linear(a, b):
   return a * b + b
 
 
 def _dense_stack(dims):
-  return sum(_linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+  return sum(_linear(a, b) for a, b in itertools.pairwise(dims))
 
 
 def _transformer_block(h, ffn):
@@ -228,14 +247,20 @@ def _transformer_block(h, ffn):
 
 def _closed_form(name, c) -> int:
   if name == "mmt":
-    branches = sum(f * c.hidden + c.hidden + s * c.hidden                 # input, positions
-                   + c.num_layers * _transformer_block(c.hidden, c.ffn)
-                   + 2 * c.hidden                                         # final LayerNorm
-                   for f, s in zip(c.branch_feature_dims, c.branch_seq_lens))
+    branches = sum(
+      f * c.hidden
+      + c.hidden
+      + s * c.hidden  # input, positions
+      + c.num_layers * _transformer_block(c.hidden, c.ffn)
+      + 2 * c.hidden  # final LayerNorm
+      for f, s in zip(c.branch_feature_dims, c.branch_seq_lens)
+    )
     return branches + _dense_stack((c.num_branches * c.hidden, *c.head_dims, c.num_classes))
   if name == "dlrm":
-    dense = sum(_dense_stack((d, *[c.dense_width] * c.dense_layers, c.interaction_dim))
-                for d in c.branch_dense_dims)
+    dense = sum(
+      _dense_stack((d, *[c.dense_width] * c.dense_layers, c.interaction_dim))
+      for d in c.branch_dense_dims
+    )
     bag = c.embedding_dim * (c.bag_size if c.bag_combine == "concat" else 1)
     proj = 0 if bag == c.interaction_dim else _linear(bag, c.interaction_dim)
     sparse = sum(rows * c.embedding_dim + proj for rows in c.branch_num_embeddings)
@@ -243,14 +268,20 @@ def _closed_form(name, c) -> int:
     top_in = c.num_dense_branches * c.interaction_dim + n * (n - 1) // 2
     return dense + sparse + _dense_stack((top_in, *[c.top_width] * c.top_layers, 1))
   if name == "candle_uno":
-    branches = sum(_dense_stack((f, *[c.branch_width] * c.branch_layers))
-                   for f in c.branch_feature_dims)
+    branches = sum(
+      _dense_stack((f, *[c.branch_width] * c.branch_layers)) for f in c.branch_feature_dims
+    )
     head = _dense_stack((c.num_branches * c.branch_width, *[c.head_width] * c.head_layers, 1))
     return branches + head
   if name == "gpt":
     head = 0 if c.tie_embeddings else c.hidden * c.vocab_size
-    return (c.vocab_size * c.hidden + c.seq_len * c.hidden
-            + c.num_layers * _transformer_block(c.hidden, c.ffn) + 2 * c.hidden + head)
+    return (
+      c.vocab_size * c.hidden
+      + c.seq_len * c.hidden
+      + c.num_layers * _transformer_block(c.hidden, c.ffn)
+      + 2 * c.hidden
+      + head
+    )
   raise AssertionError(name)
 
 
@@ -266,24 +297,40 @@ def test_paper_param_count_matches_closed_form(name):
 
 def test_paper_presets_have_the_published_shapes():
   c = mmt.MMTConfig.paper()
-  assert (c.num_branches, c.num_layers, c.branch_seq_lens[0], c.hidden, c.num_heads,
-          c.ffn) == (4, 8, 256, 1024, 16, 4096)
+  assert (c.num_branches, c.num_layers, c.branch_seq_lens[0], c.hidden, c.num_heads, c.ffn) == (
+    4,
+    8,
+    256,
+    1024,
+    16,
+    4096,
+  )
   d = dlrm.DLRMConfig.paper()
-  assert (d.num_dense_branches, d.dense_layers, d.dense_width, d.num_sparse_branches,
-          d.embedding_dim, d.bag_size, d.branch_num_embeddings[0], d.top_width) == (
-              7, 4, 4096, 7, 64, 100, 1_000_000, 4096)
+  assert (
+    d.num_dense_branches,
+    d.dense_layers,
+    d.dense_width,
+    d.num_sparse_branches,
+    d.embedding_dim,
+    d.bag_size,
+    d.branch_num_embeddings[0],
+    d.top_width,
+  ) == (7, 4, 4096, 7, 64, 100, 1_000_000, 4096)
   u = candle_uno.CandleUnoConfig.paper()
   assert (u.num_branches, u.branch_layers, u.branch_width) == (7, 4, 4096)
   # A hand-checked total, so a change to the preset or to the closed form is noticed.
   assert _closed_form("mmt", c) == 413_554_664
 
 
-@pytest.mark.parametrize("name, overrides", [
-    ("dlrm", {"bag_combine": "concat"}),       # bags of 4 x 8 projected to 8
-    ("dlrm", {"interaction_dim": 12}),         # sum-combined bags projected 8 -> 12
+@pytest.mark.parametrize(
+  "name, overrides",
+  [
+    ("dlrm", {"bag_combine": "concat"}),  # bags of 4 x 8 projected to 8
+    ("dlrm", {"interaction_dim": 12}),  # sum-combined bags projected 8 -> 12
     ("gpt", {"tie_embeddings": True}),
     ("mmt", {"head_dims": ()}),
-])
+  ],
+)
 def test_variant_param_counts_match_closed_form(name, overrides):
   spec = MODELS[name]
   config = spec.preset("tiny", **overrides)
@@ -296,13 +343,16 @@ def test_variant_param_counts_match_closed_form(name, overrides):
 
 # ------------------------------------------------------------------------- branch structure
 
+
 def _branches(name, config):
   """(batch keys, parameter path prefixes) of each branch, in branch order."""
   if name == "dlrm":
-    keys = ([f"dense_{i}" for i in range(config.num_dense_branches)]
-            + [f"sparse_{i}" for i in range(config.num_sparse_branches)])
-    prefixes = ([f"dense/{i}/" for i in range(config.num_dense_branches)]
-                + [f"sparse/{i}/" for i in range(config.num_sparse_branches)])
+    keys = [f"dense_{i}" for i in range(config.num_dense_branches)] + [
+      f"sparse_{i}" for i in range(config.num_sparse_branches)
+    ]
+    prefixes = [f"dense/{i}/" for i in range(config.num_dense_branches)] + [
+      f"sparse/{i}/" for i in range(config.num_sparse_branches)
+    ]
     return keys, prefixes
   n = config.num_branches
   return [f"features_{i}" for i in range(n)], [f"branches/{i}/" for i in range(n)]
@@ -364,7 +414,7 @@ def test_each_branch_output_reads_only_its_own_parameters_and_input(name):
   t = tiny(name)
   keys, prefixes = _branches(name, t.config)
   param_paths = [_path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(t.params)[0]]
-  batch_keys = sorted(t.batch)                      # flattening order of the dict
+  batch_keys = sorted(t.batch)  # flattening order of the dict
   closed = jax.make_jaxpr(lambda p, b: _branch_outputs(name, t.merge(p), b))(t.params, t.batch)
   jaxpr = closed.jaxpr
   assert len(jaxpr.invars) == len(param_paths) + len(batch_keys)
@@ -375,7 +425,7 @@ def test_each_branch_output_reads_only_its_own_parameters_and_input(name):
     assert inputs == {key}, (k, inputs)
     assert params and all(p.startswith(prefix) for p in params), (prefix, sorted(params))
     owned = {p for p in param_paths if p.startswith(prefix)}
-    assert params == owned, sorted(owned - params)   # every branch parameter does work
+    assert params == owned, sorted(owned - params)  # every branch parameter does work
 
 
 @pytest.mark.parametrize("name", BRANCHED)
@@ -408,7 +458,7 @@ def test_gpt_tied_head_reads_the_token_embedding(tie):
   # token embedding reach the logits only through the output head, i.e. only when tied.
   half = t.config.vocab_size // 2
   batch = {k: v % half for k, v in t.batch.items()}
-  bumped = jax.tree.map(lambda x: x, t.params)        # a copy: new Variables
+  bumped = jax.tree.map(lambda x: x, t.params)  # a copy: new Variables
   bumped["embed"]["tokens"][...] = t.params["embed"]["tokens"][...].at[half:].add(1.0)
   forward = fast_jit(lambda p: t.spec.forward(t.merge(p), batch))
   assert (not np.allclose(forward(t.params), forward(bumped))) == tie

@@ -1,4 +1,5 @@
 """Two processes with 4 forced CPU devices each, started on loopback."""
+
 import os
 import signal
 import subprocess
@@ -7,8 +8,8 @@ import time
 
 import pytest
 
-from gpp_jax.runtime import processes as dist
 from gpp_jax.cli.launch import free_port
+from gpp_jax.runtime import processes as dist
 
 WORKER = os.path.join(os.path.dirname(__file__), "mp_worker.py")
 pytestmark = pytest.mark.slow
@@ -17,18 +18,40 @@ pytestmark = pytest.mark.slow
 def _env(i, port):
   e = dict(os.environ)
   e.pop("XLA_FLAGS", None)
-  e.update({dist.ENV_COORDINATOR: f"127.0.0.1:{port}", dist.ENV_NUM_PROCESSES: "2",
-            dist.ENV_PROCESS_ID: str(i), dist.ENV_LOCAL_DEVICES: "4",
-            dist.ENV_TRANSFER_ADDRESS: f"127.0.0.1:{free_port()}", "PYTHONUNBUFFERED": "1"})
+  e.update(
+    {
+      dist.ENV_COORDINATOR: f"127.0.0.1:{port}",
+      dist.ENV_NUM_PROCESSES: "2",
+      dist.ENV_PROCESS_ID: str(i),
+      dist.ENV_LOCAL_DEVICES: "4",
+      dist.ENV_TRANSFER_ADDRESS: f"127.0.0.1:{free_port()}",
+      "PYTHONUNBUFFERED": "1",
+    }
+  )
   return e
 
 
 def test_two_processes_match_one_device_reference():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  r = subprocess.run([sys.executable, "-m", "gpp_jax.launch", "--num_processes=2",
-                      "--devices_per_process=4", "--", "python", WORKER, "check", "120"],
-                     capture_output=True, text=True, timeout=300, env=env)
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "gpp_jax.launch",
+      "--num_processes=2",
+      "--devices_per_process=4",
+      "--",
+      "python",
+      WORKER,
+      "check",
+      "120",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   out = r.stdout + r.stderr
   assert r.returncode == 0, out[-3000:]
   results = [l for l in out.splitlines() if "RESULT" in l]
@@ -43,9 +66,16 @@ def _run_and_interrupt(sig):
   """Starts both processes, sends ``sig`` to process 1 after its step 2; returns process 0's
   exit code, output and the seconds it took to fail."""
   port = free_port()
-  procs = [subprocess.Popen([sys.executable, WORKER, "kill", "10"], env=_env(i, port),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, WORKER, "kill", "10"],
+      env=_env(i, port),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     deadline = time.monotonic() + 180
     seen = []
@@ -77,6 +107,8 @@ def test_killing_a_process_fails_the_other_with_a_clear_message():
 def test_stalled_peer_times_out_with_a_clear_message():
   rc, out, elapsed = _run_and_interrupt(signal.SIGSTOP)
   assert rc == 3, out[-3000:]
-  assert "FAILED: the pipelined step did not finish within 10 s on process 0 of 2" in out, out[-3000:]
+  assert "FAILED: the pipelined step did not finish within 10 s on process 0 of 2" in out, out[
+    -3000:
+  ]
   assert "peer process has died or stalls" in out
   assert elapsed < 60

@@ -1,11 +1,12 @@
 """Pipelined steps equal the undecorated step on one device (3 steps, float32, 1e-5)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import OPTIMIZERS, apply_dense, compare_steps, dense, make_batch, max_diff, mse_step
 
 import gpp_jax
-from harness import OPTIMIZERS, apply_dense, compare_steps, dense, make_batch, max_diff, mse_step
 
 TOL = 1e-5
 
@@ -33,10 +34,16 @@ CHAIN_PLAN = gpp_jax.manual_plan({"l0": 0, "l1": 1, "l2": 2, "l3": 3})
 def test_chain_four_stages(schedule, remat, opt):
   tx = OPTIMIZERS[opt]()
   params = chain_params()
-  r, p, pp = compare_steps(mse_step(chain_model, tx), (params, tx.init(params)),
-                           make_batch(0, 16, 6, 3), num_microbatches=4,
-                           devices=jax.devices()[:4], planner=CHAIN_PLAN, schedule=schedule,
-                           remat=remat)
+  r, p, pp = compare_steps(
+    mse_step(chain_model, tx),
+    (params, tx.init(params)),
+    make_batch(0, 16, 6, 3),
+    num_microbatches=4,
+    devices=jax.devices()[:4],
+    planner=CHAIN_PLAN,
+    schedule=schedule,
+    remat=remat,
+  )
   assert pp.plan.num_stages == 4 and pp.plan.depth() == 4
   assert pp.schedule.name == schedule
   assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
@@ -56,20 +63,29 @@ def diamond_model(p, x):
 
 def test_diamond_three_stages():
   ks = jax.random.split(jax.random.key(1), 4)
-  params = {"inp": dense(ks[0], 5, 12), "left": dense(ks[1], 12, 8),
-            "right": dense(ks[2], 12, 8), "head": dense(ks[3], 16, 2)}
+  params = {
+    "inp": dense(ks[0], 5, 12),
+    "left": dense(ks[1], 12, 8),
+    "right": dense(ks[2], 12, 8),
+    "head": dense(ks[3], 16, 2),
+  }
   tx = OPTIMIZERS["adamw"]()
   plan = gpp_jax.manual_plan({"inp": 0, "left": 1, "right": 2, "head": 2})
-  r, p, pp = compare_steps(mse_step(diamond_model, tx), (params, tx.init(params)),
-                           make_batch(1, 12, 5, 2), num_microbatches=3,
-                           devices=jax.devices()[:3], planner=plan)
+  r, p, pp = compare_steps(
+    mse_step(diamond_model, tx),
+    (params, tx.init(params)),
+    make_batch(1, 12, 5, 2),
+    num_microbatches=3,
+    devices=jax.devices()[:3],
+    planner=plan,
+  )
   assert sorted(pp.plan.edges) == [(0, 1), (0, 2), (1, 2)]
   assert max_diff(r[:2], p[:2]) <= TOL
   assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
 
 
 def branches_model(p, x):
-  outs = [jnp.tanh(apply_dense(p[f"b{i}"], x[:, 3 * i:3 * i + 3])) for i in range(4)]
+  outs = [jnp.tanh(apply_dense(p[f"b{i}"], x[:, 3 * i : 3 * i + 3])) for i in range(4)]
   return apply_dense(p["head"], jnp.concatenate(outs, axis=-1))
 
 
@@ -79,9 +95,15 @@ def test_four_branches_run_as_concurrent_stages(schedule):
   params = {**{f"b{i}": dense(ks[i], 3, 8) for i in range(4)}, "head": dense(ks[4], 32, 2)}
   tx = OPTIMIZERS["clip_adam"]()
   plan = gpp_jax.manual_plan({"b0": 0, "b1": 1, "b2": 2, "b3": 3, "head": 4})
-  r, p, pp = compare_steps(mse_step(branches_model, tx), (params, tx.init(params)),
-                           make_batch(2, 16, 12, 2), num_microbatches=4,
-                           devices=jax.devices()[:5], planner=plan, schedule=schedule)
+  r, p, pp = compare_steps(
+    mse_step(branches_model, tx),
+    (params, tx.init(params)),
+    make_batch(2, 16, 12, 2),
+    num_microbatches=4,
+    devices=jax.devices()[:5],
+    planner=plan,
+    schedule=schedule,
+  )
   g = pp.plan.stage_graph()
   # The four branch stages are mutually independent: a DAG of depth 2, not a chain of 5.
   assert pp.plan.depth() == 2
@@ -98,20 +120,30 @@ def skip_model(p, x):
 
 def test_skip_connection_to_non_adjacent_stage():
   ks = jax.random.split(jax.random.key(3), 4)
-  params = {"l0": dense(ks[0], 4, 8), "l1": dense(ks[1], 8, 8), "l2": dense(ks[2], 8, 8),
-            "l3": dense(ks[3], 8, 2)}
+  params = {
+    "l0": dense(ks[0], 4, 8),
+    "l1": dense(ks[1], 8, 8),
+    "l2": dense(ks[2], 8, 8),
+    "l3": dense(ks[3], 8, 2),
+  }
   tx = OPTIMIZERS["adamw"]()
-  r, p, pp = compare_steps(mse_step(skip_model, tx), (params, tx.init(params)),
-                           make_batch(3, 8, 4, 2), num_microbatches=2,
-                           devices=jax.devices()[:4], planner=CHAIN_PLAN, remat=True)
+  r, p, pp = compare_steps(
+    mse_step(skip_model, tx),
+    (params, tx.init(params)),
+    make_batch(3, 8, 4, 2),
+    num_microbatches=2,
+    devices=jax.devices()[:4],
+    planner=CHAIN_PLAN,
+    remat=True,
+  )
   assert (0, 3) in pp.plan.edges
   assert max_diff(r[:2], p[:2]) <= TOL
 
 
 def tied_model(p, tokens):
-  h = p["embed"][tokens].mean(axis=1)             # stage 0 reads the embedding
+  h = p["embed"][tokens].mean(axis=1)  # stage 0 reads the embedding
   h = jnp.tanh(apply_dense(p["mid"], h))
-  return h @ p["embed"].T                         # the head reads it again, on another stage
+  return h @ p["embed"].T  # the head reads it again, on another stage
 
 
 def test_parameter_shared_by_two_stages():
@@ -123,17 +155,27 @@ def test_parameter_shared_by_two_stages():
     def loss_fn(p):
       logits = tied_model(p, batch["x"])
       return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1))
+
     loss, grads = gpp_jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     import optax
+
     return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
   rng = np.random.default_rng(4)
-  batch = {"x": rng.integers(0, 11, (8, 3)).astype(np.int32),
-           "y": rng.integers(0, 11, (8,)).astype(np.int32)}
+  batch = {
+    "x": rng.integers(0, 11, (8, 3)).astype(np.int32),
+    "y": rng.integers(0, 11, (8,)).astype(np.int32),
+  }
   plan = gpp_jax.manual_plan({"embed": 0, "mid": 1, "embed#2": 2})
-  r, p, pp = compare_steps(step, (params, tx.init(params)), batch, num_microbatches=4,
-                           devices=jax.devices()[:3], planner=plan)
+  r, p, pp = compare_steps(
+    step,
+    (params, tx.init(params)),
+    batch,
+    num_microbatches=4,
+    devices=jax.devices()[:3],
+    planner=plan,
+  )
   staged = pp._last.staged
   # The embedding lives on stage 0 and stage 2 reads a copy of it.
   embed_in = [i for i, o in enumerate(staged.param_owner) if o == 0]
@@ -146,8 +188,13 @@ def test_parameter_shared_by_two_stages():
 def test_balanced_default_planner_and_metrics():
   tx = OPTIMIZERS["adamw"]()
   params = chain_params()
-  r, p, pp = compare_steps(mse_step(chain_model, tx), (params, tx.init(params)),
-                           make_batch(5, 8, 6, 3), num_microbatches=2, devices=jax.devices()[:2])
+  r, p, pp = compare_steps(
+    mse_step(chain_model, tx),
+    (params, tx.init(params)),
+    make_batch(5, 8, 6, 3),
+    num_microbatches=2,
+    devices=jax.devices()[:2],
+  )
   assert pp.plan.planner == "balanced" and pp.plan.num_stages == 2
   assert max_diff(r, p) <= TOL
   text = pp.explain()
@@ -160,11 +207,17 @@ def test_global_norm_clipping_active_is_exact():
   # A tiny threshold makes clipping scale every update, so the cross-stage global norm
   # must be computed exactly for the parameters to match.
   import optax
+
   tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
   params = chain_params()
-  r, p, pp = compare_steps(mse_step(chain_model, tx), (params, tx.init(params)),
-                           make_batch(9, 16, 6, 3), num_microbatches=4,
-                           devices=jax.devices()[:4], planner=CHAIN_PLAN)
+  r, p, _pp = compare_steps(
+    mse_step(chain_model, tx),
+    (params, tx.init(params)),
+    make_batch(9, 16, 6, 3),
+    num_microbatches=4,
+    devices=jax.devices()[:4],
+    planner=CHAIN_PLAN,
+  )
   moved = max_diff(params, r[0])
   assert 1e-4 < moved < 1e-2  # clipped: each step moves by at most 1e-3
   assert max_diff(r[0], p[0]) <= 1e-7

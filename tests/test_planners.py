@@ -1,28 +1,35 @@
 """Planners: validity on random graphs, agreement on chains, distance to the exhaustive optimum."""
+
 import networkx as nx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.cost.cluster import Link, cpu_cluster, v100_cluster
+from gpp_jax.cost.simulator import simulate
 from gpp_jax.errors import PlanError
-from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS, get_planner
-from gpp_jax.passes.partition.exhaustive import acyclic_partitions
-from gpp_jax.passes.partition.plan_assembly import (assemble_plan, microbatch_sizes, place_stages,
-                                                    schedule_for)
-from gpp_jax.passes.partition.refine import refine_plan, spend_idle_devices
-from gpp_jax.passes.partition.piper import piper_plan
+from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, validate_plan
 from gpp_jax.ir.schedule import validate_schedule
-from gpp_jax.cost.simulator import simulate
+from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS, get_planner
+from gpp_jax.passes.partition.exhaustive import acyclic_partitions
+from gpp_jax.passes.partition.piper import piper_plan
+from gpp_jax.passes.partition.plan_assembly import (
+  assemble_plan,
+  microbatch_sizes,
+  place_stages,
+  schedule_for,
+)
+from gpp_jax.passes.partition.refine import refine_plan, spend_idle_devices
 
 COST_PLANNERS = ("graphpipe", "pipedream", "piper", "bapipe", "luo", "exhaustive")
 
 
 def check_plan(plan: Plan, g: nx.DiGraph, cluster) -> None:
   """Everything every planner promises about its plan."""
-  validate_plan(plan, g, cluster.num_devices)                      # convex, acyclic, disjoint
+  validate_plan(plan, g, cluster.num_devices)  # convex, acyclic, disjoint
   validate_schedule(schedule_for(plan))
+  assert plan.batch_size is not None
   for s in plan.stages:
     devs = list(s.devices)
     assert devs == list(range(devs[0], devs[0] + len(devs))), "devices are a contiguous range"
@@ -42,10 +49,16 @@ def check_plan(plan: Plan, g: nx.DiGraph, cluster) -> None:
   assert plan.planner in text and "devices" in text and "predicted iteration" in text
 
 
-@settings(max_examples=8, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 6), p=st.floats(0.1, 0.7),
-       k=st.sampled_from([1, 2, 4]), batch=st.sampled_from([4, 8, 16]))
+@settings(
+  max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+  seed=st.integers(0, 10_000),
+  n=st.integers(1, 6),
+  p=st.floats(0.1, 0.7),
+  k=st.sampled_from([1, 2, 4]),
+  batch=st.sampled_from([4, 8, 16]),
+)
 def test_every_planner_makes_valid_plans_on_random_dags(seed, n, p, k, batch):
   g = mg.random_dag(seed, num_layers=n, edge_prob=p, batch_size=batch)
   cluster = cpu_cluster(k)
@@ -63,7 +76,7 @@ def test_planners_on_a_two_level_cluster(name):
   cluster = v100_cluster(8)
   plan = PLANNERS[name](g, cluster, 64)
   check_plan(plan, g, cluster)
-  for s in plan.stages:                # a stage that fits in a node does not straddle two
+  for s in plan.stages:  # a stage that fits in a node does not straddle two
     if len(s.devices) <= 4:
       assert len({cluster.node_of(d) for d in s.devices}) == 1
 
@@ -92,13 +105,15 @@ def test_graphpipe_matches_pipedream_on_uniform_chains(k):
   assert abs(ratio - 1) <= 0.01, (ratio, str(gp), str(pd))
 
 
-@pytest.mark.parametrize("layers,k,batch,beta", [(8, 4, 32, 1e9), (12, 8, 64, 1e9),
-                                                 (6, 4, 16, 5e9), (16, 8, 64, 0.3e9)])
+@pytest.mark.parametrize(
+  "layers,k,batch,beta", [(8, 4, 32, 1e9), (12, 8, 64, 1e9), (6, 4, 16, 5e9), (16, 8, 64, 0.3e9)]
+)
 def test_graphpipe_matches_pipedream_on_random_chains(layers, k, batch, beta):
   """On chains both planners search the same plans and get the same polish."""
   for seed in range(3):
-    g = mg.random_branches(seed, branches=1, max_branch_layers=layers, fork=False, join=False,
-                           batch_size=batch)
+    g = mg.random_branches(
+      seed, branches=1, max_branch_layers=layers, fork=False, join=False, batch_size=batch
+    )
     cluster = cpu_cluster(k).replace(intra_link=Link(20e-6, beta))
     gp = PLANNERS["graphpipe"](g, cluster, batch)
     pd = PLANNERS["pipedream"](g, cluster, batch)
@@ -110,14 +125,22 @@ def test_graphpipe_is_close_to_the_exhaustive_optimum():
   """Chains, identical and random branches, series-parallel and other DAGs on 4 devices
   (``benchmarks/exhaustive_gap.py`` measures the same families with more seeds)."""
   cluster = cpu_cluster(4).replace(intra_link=Link(20e-6, 2e9))
-  graphs = ([mg.random_branches(s, branches=1, max_branch_layers=6, fork=False, batch_size=64)
-             for s in (0, 3, 4, 5)]
-            + [mg.random_branches(s, branches=2 + s % 2, identical=True, fork=False,
-                                  batch_size=64) for s in range(7)]
-            + [mg.random_branches(s, branches=2 + s % 2, max_branch_layers=3, batch_size=64)
-               for s in (1, 4, 5, 6)]
-            + [mg.random_sp_dag(s, num_layers=6, batch_size=64) for s in range(8)]
-            + [mg.random_dag(s, num_layers=6, edge_prob=0.4, batch_size=64) for s in range(4)])
+  graphs = (
+    [
+      mg.random_branches(s, branches=1, max_branch_layers=6, fork=False, batch_size=64)
+      for s in (0, 3, 4, 5)
+    ]
+    + [
+      mg.random_branches(s, branches=2 + s % 2, identical=True, fork=False, batch_size=64)
+      for s in range(7)
+    ]
+    + [
+      mg.random_branches(s, branches=2 + s % 2, max_branch_layers=3, batch_size=64)
+      for s in (1, 4, 5, 6)
+    ]
+    + [mg.random_sp_dag(s, num_layers=6, batch_size=64) for s in range(8)]
+    + [mg.random_dag(s, num_layers=6, edge_prob=0.4, batch_size=64) for s in range(4)]
+  )
   ratios = []
   for g in graphs:
     opt = PLANNERS["exhaustive"](g, cluster, 64)
@@ -132,28 +155,29 @@ def test_refine_improves_a_poor_plan_and_keeps_it_valid(sequential):
   g = mg.random_branches(5, branches=3, max_branch_layers=3, batch_size=64)
   cluster = cpu_cluster(4).replace(intra_link=Link(20e-6, 2e9))
   layers = list(nx.topological_sort(g))
-  halves = [(layers[:2], 1), (layers[2:], 1)]          # two single-device stages, 2 idle
-  poor = assemble_plan(g, cluster, halves, microbatch=16, batch_size=64, planner="manual",
-                       sequential=sequential)
+  halves = [(layers[:2], 1), (layers[2:], 1)]  # two single-device stages, 2 idle
+  poor = assemble_plan(
+    g, cluster, halves, microbatch=16, batch_size=64, planner="manual", sequential=sequential
+  )
   better_plan = refine_plan(poor, g, cluster)
   check_plan(better_plan, g, cluster)
   assert better_plan.predicted["iteration_time"] < 0.9 * poor.predicted["iteration_time"]
   assert better_plan.num_microbatches == poor.num_microbatches
-  if sequential:     # a chain stays a chain: its stages are cuts of one topological order
+  if sequential:  # a chain stays a chain: its stages are cuts of one topological order
     assert better_plan.predicted["sequential"] and better_plan.depth() == better_plan.num_stages
     order = [l for s in better_plan.stages for l in s.layers]
     assert all(order.index(u) < order.index(v) for u, v in g.edges)
   budget = [0]
-  assert refine_plan(poor, g, cluster, budget=budget) is poor     # nothing simulated
+  assert refine_plan(poor, g, cluster, budget=budget) is poor  # nothing simulated
 
 
 def test_exhaustive_enumerates_every_acyclic_partition():
   g = mg.random_dag(1, num_layers=4, edge_prob=0.0)
-  assert len(acyclic_partitions(g)) == 15                       # Bell(4): no edges, all valid
+  assert len(acyclic_partitions(g)) == 15  # Bell(4): no edges, all valid
   g.add_edge("l0", "l1", bytes=1.0)
   g.add_edge("l1", "l2", bytes=1.0)
   parts = acyclic_partitions(g)
-  assert not any(any(set(b) == {"l0", "l2"} for b in p) for p in parts)   # not convex
+  assert not any(any(set(b) == {"l0", "l2"} for b in p) for p in parts)  # not convex
   with pytest.raises(PlanError, match="small problems"):
     PLANNERS["exhaustive"](mg.chain(layers=12), cpu_cluster(2), 8)
 
@@ -193,7 +217,7 @@ def test_bapipe_and_luo_choose_schedules_by_simulation():
 
 def test_memory_limits_are_respected_or_reported():
   g = mg.chain(batch_size=8, layers=4, hidden=1024)
-  tiny = cpu_cluster(2, memory_per_device=2**20)                 # 1 MiB: nothing fits
+  tiny = cpu_cluster(2, memory_per_device=2**20)  # 1 MiB: nothing fits
   for name in COST_PLANNERS:
     with pytest.raises(PlanError, match="no plan fits"):
       PLANNERS[name](g, tiny, 8)
@@ -221,9 +245,16 @@ def test_idle_devices_are_handed_out_when_they_help():
   g = mg.chain(batch_size=32, layers=2, hidden=2048)
   cluster = cpu_cluster(4)
   pd = PLANNERS["pipedream"](g, cluster, 32)
-  lean = assemble_plan(g, cluster, [(s.layers, 1) for s in pd.stages],
-                       microbatch=pd.stages[0].microbatch_size, batch_size=32,
-                       planner="pipedream", keep_order=True, extra_edges=pd.edges)
+  lean = assemble_plan(
+    g,
+    cluster,
+    [(s.layers, 1) for s in pd.stages],
+    microbatch=pd.stages[0].microbatch_size,
+    batch_size=32,
+    planner="pipedream",
+    keep_order=True,
+    extra_edges=pd.edges,
+  )
   polished = spend_idle_devices(lean, g, cluster)
   assert polished.predicted["iteration_time"] <= lean.predicted["iteration_time"]
   assert len(polished.predicted["idle_devices"]) <= len(lean.predicted["idle_devices"])

@@ -1,4 +1,5 @@
 """The planning CLI and the paper-reproduction tables, on tiny shapes (a few seconds)."""
+
 import csv
 import json
 import os
@@ -12,13 +13,23 @@ from gpp_jax.experiments.ablation import ABLATION_COLUMNS, ablation
 from gpp_jax.experiments.branches import BRANCH_COLUMNS, branch_sweep, branch_table
 from gpp_jax.experiments.loss_check import loss_check
 from gpp_jax.experiments.microbatch import MICROBATCH_COLUMNS, microbatch_sweep, microbatch_table
-from gpp_jax.experiments.report import (_label, paper_comparison, results_markdown, write_csv,
-                                        write_plots)
-from gpp_jax.experiments.sweeps import Sweep
-from gpp_jax.experiments.throughput import (SEARCH_COLUMNS, THROUGHPUT_COLUMNS, device_sweep,
-                                            search_time_table, throughput_table)
-from gpp_jax.ir.plan import Plan, validate_plan
 from gpp_jax.experiments.planner_runs import build_graph
+from gpp_jax.experiments.report import (
+  _label,
+  paper_comparison,
+  results_markdown,
+  write_csv,
+  write_plots,
+)
+from gpp_jax.experiments.sweeps import Sweep
+from gpp_jax.experiments.throughput import (
+  SEARCH_COLUMNS,
+  THROUGHPUT_COLUMNS,
+  device_sweep,
+  search_time_table,
+  throughput_table,
+)
+from gpp_jax.ir.plan import Plan, validate_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +39,7 @@ def _summary(text: str) -> dict[str, str]:
   lines = text.splitlines()
   start = next(i for i, l in enumerate(lines) if l.startswith("planner "))
   rows = {}
-  for line in lines[start + 2:]:
+  for line in lines[start + 2 :]:
     if not line.strip():
       break
     rows[line.split()[0]] = line
@@ -39,9 +50,23 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
   out = tmp_path / "plans.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run(
-      [sys.executable, "-m", "gpp_jax.plan", "--model=candle_uno", "--preset=tiny",
-       "--cluster=v100", "--num_devices=4", "--planner=graphpipe,piper,pipedream",
-       f"--json={out}"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    [
+      sys.executable,
+      "-m",
+      "gpp_jax.plan",
+      "--model=candle_uno",
+      "--preset=tiny",
+      "--cluster=v100",
+      "--num_devices=4",
+      "--planner=graphpipe,piper,pipedream",
+      f"--json={out}",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    env=env,
+    timeout=120,
+  )
   assert proc.returncode == 0, proc.stderr
   assert "RuntimeWarning" not in proc.stderr
   rows = _summary(proc.stdout)
@@ -51,7 +76,7 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
   for name in ("graphpipe", "pipedream"):
     cells = rows[name].split()
     assert "FAILED" not in rows[name] and cells[8] == "yes"
-    assert float(cells[6]) > 0                                    # samples/s
+    assert float(cells[6]) > 0  # samples/s
   assert "Plan by graphpipe" in proc.stdout and "Plan by pipedream" in proc.stdout
   report = json.loads(out.read_text())
   by = {r["planner"]: r for r in report["results"]}
@@ -63,8 +88,13 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
 
 
 def test_plan_cli_compare_and_report():
-  report = plan_cli.compare("candle_uno", preset="tiny", num_devices=4,
-                            planners=("graphpipe", "pipedream"), shape={"branches": 4})
+  report = plan_cli.compare(
+    "candle_uno",
+    preset="tiny",
+    num_devices=4,
+    planners=("graphpipe", "pipedream"),
+    shape={"branches": 4},
+  )
   assert report["graph"] == "candle_uno4" and report["batch_size"] == 4 * 128
   gp, pd = report["results"]
   # Four independent towers on four devices: the stage DAG is shallower and faster.
@@ -72,9 +102,11 @@ def test_plan_cli_compare_and_report():
   rows = _summary(plan_cli.format_report(report))
   assert rows["graphpipe"].split()[-1] == "1.000"
   assert float(rows["pipedream"].split()[-1]) == pytest.approx(
-      pd["throughput"] / gp["throughput"], abs=1e-3)
-  fixed = plan_cli.compare("candle_uno", preset="tiny", num_devices=4, planners=("graphpipe",),
-                           num_microbatches=8)["results"][0]
+    pd["throughput"] / gp["throughput"], abs=1e-3
+  )
+  fixed = plan_cli.compare(
+    "candle_uno", preset="tiny", num_devices=4, planners=("graphpipe",), num_microbatches=8
+  )["results"][0]
   assert fixed["num_microbatches"] == 8 and fixed["microbatch"] == 4 * 128 // 8
 
 
@@ -86,40 +118,59 @@ def test_plan_cli_rejects_bad_input_before_planning():
     plan_cli.parse_shape(["branches"])
 
 
-TINY = Sweep(models=("candle_uno", "mmt"), devices=(2, 4),
-             planners=("graphpipe", "pipedream", "piper"), preset="tiny", branches=(2, 4),
-             branch_devices=4, microbatch_model="mmt", microbatch_devices=4,
-             microbatch_batch=32, microbatch_list=(4, 16), ablation_devices=4,
-             loss_models=(), steps=1)
+TINY = Sweep(
+  models=("candle_uno", "mmt"),
+  devices=(2, 4),
+  planners=("graphpipe", "pipedream", "piper"),
+  preset="tiny",
+  branches=(2, 4),
+  branch_devices=4,
+  microbatch_model="mmt",
+  microbatch_devices=4,
+  microbatch_batch=32,
+  microbatch_list=(4, 16),
+  ablation_devices=4,
+  loss_models=(),
+  steps=1,
+)
 
 
 @pytest.fixture(scope="module")
 def tables():
-  quiet = lambda msg: None  # noqa: E731
+  quiet = lambda msg: None
   dev = device_sweep(TINY, log=quiet)
   br = branch_sweep(TINY, log=quiet)
-  return {"throughput": throughput_table(dev),
-          "search_time": search_time_table(dev) + search_time_table(br),
-          "branches": branch_table(br),
-          "microbatch": microbatch_table(microbatch_sweep(TINY, log=quiet)),
-          "ablation": ablation(TINY, dev, log=quiet), "_device_rows": dev}
+  return {
+    "throughput": throughput_table(dev),
+    "search_time": search_time_table(dev) + search_time_table(br),
+    "branches": branch_table(br),
+    "microbatch": microbatch_table(microbatch_sweep(TINY, log=quiet)),
+    "ablation": ablation(TINY, dev, log=quiet),
+    "_device_rows": dev,
+  }
 
 
 def test_throughput_and_search_tables(tables):
   tp, st = tables["throughput"], tables["search_time"]
-  assert [(r["model"], r["devices"]) for r in tp] == [("candle_uno", 2), ("candle_uno", 4),
-                                                     ("mmt", 2), ("mmt", 4)]
+  assert [(r["model"], r["devices"]) for r in tp] == [
+    ("candle_uno", 2),
+    ("candle_uno", 4),
+    ("mmt", 2),
+    ("mmt", 4),
+  ]
   for r in tp:
     assert set(r) == set(THROUGHPUT_COLUMNS)
     seq = [r[p] for p in ("pipedream", "piper") if r[p]]
     assert r["best_sequential"] == max(seq)
     assert r["speedup"] == pytest.approx(r["graphpipe"] / r["best_sequential"])
-    assert r["bapipe"] is None and r["luo"] is None                # not in this sweep
+    assert r["bapipe"] is None and r["luo"] is None  # not in this sweep
   cu4 = tp[1]
-  assert cu4["piper"] is None and cu4["failed"] == "piper"         # 7 tiny towers: state limit
+  assert cu4["piper"] is None and cu4["failed"] == "piper"  # 7 tiny towers: state limit
   assert cu4["speedup"] > 1.0
-  assert [_label(r["model"]) for r in st[4:]] == ["CANDLE-Uno, 2 branches",
-                                                  "CANDLE-Uno, 4 branches"]
+  assert [_label(r["model"]) for r in st[4:]] == [
+    "CANDLE-Uno, 2 branches",
+    "CANDLE-Uno, 4 branches",
+  ]
   for r in st:
     assert set(r) == set(SEARCH_COLUMNS)
     assert r["graphpipe_s"] > 0 and r["pipedream_s"] > 0
@@ -133,7 +184,7 @@ def test_branch_microbatch_and_ablation_tables(tables):
   for r in br:
     assert set(r) == set(BRANCH_COLUMNS) and r["devices"] == 4
     assert r["speedup_vs_pipedream"] == pytest.approx(r["graphpipe"] / r["pipedream"])
-    assert r["speedup"] <= r["speedup_vs_pipedream"] + 1e-12     # best seq >= PipeDream
+    assert r["speedup"] <= r["speedup_vs_pipedream"] + 1e-12  # best seq >= PipeDream
   mb = tables["microbatch"]
   assert [(r["microbatch"], r["num_microbatches"]) for r in mb] == [(4, 8), (16, 2)]
   for r in mb:
@@ -143,14 +194,20 @@ def test_branch_microbatch_and_ablation_tables(tables):
   dev = {(r["model"], r["planner"]): r for r in tables["_device_rows"] if r["devices"] == 4}
   for r in ab:
     assert set(r) == set(ABLATION_COLUMNS)
-    assert r["full"] == dev[(r["model"], "graphpipe")]["throughput"]    # reused, not re-run
+    assert r["full"] == dev[(r["model"], "graphpipe")]["throughput"]  # reused, not re-run
     assert r["full_speedup"] == pytest.approx(r["full"] / r["sequential"])
     assert r["parallel_speedup"] == pytest.approx(r["parallel"] / r["sequential"])
 
 
 def test_microbatch_sweep_holds_every_planner_to_the_size():
-  sweep = Sweep(planners=("graphpipe", "pipedream"), preset="tiny", microbatch_model="mmt",
-                microbatch_devices=4, microbatch_batch=32, microbatch_list=(8,))
+  sweep = Sweep(
+    planners=("graphpipe", "pipedream"),
+    preset="tiny",
+    microbatch_model="mmt",
+    microbatch_devices=4,
+    microbatch_batch=32,
+    microbatch_list=(8,),
+  )
   rows = microbatch_sweep(sweep, log=lambda m: None)
   assert [r["planner"] for r in rows] == ["graphpipe", "pipedream"]
   assert all(r["microbatch"] == 8 and r["num_microbatches"] == 4 for r in rows)
@@ -165,18 +222,28 @@ def test_outputs_csv_markdown_and_plots(tables, tmp_path):
   assert got[1]["piper"] == "" and float(got[1]["speedup"]) > 1
   comp = paper_comparison(tables, TINY)
   head = next(r for r in comp if r["claim"].startswith("Max throughput gain over PipeDream"))
-  best = max(r["graphpipe"] / max(r[p] for p in ("pipedream", "piper") if r[p])
-             for r in tables["throughput"])
+  best = max(
+    r["graphpipe"] / max(r[p] for p in ("pipedream", "piper") if r[p]) for r in tables["throughput"]
+  )
   assert head["paper"] == "1.61x" and float(head["ratio"]) == pytest.approx(best / 1.61, abs=0.01)
   lost = [r for r in comp if r["paper"] is None]
   assert lost and all("lost" in r["note"] for r in lost)
   assert any("Table 1" in r["claim"] for r in lost)
   md = results_markdown(tables, TINY, plots=["throughput.png"])
-  for section in ("## Ours vs the paper", "## (a)", "## (b)", "## (c)", "## (d)", "## (e)",
-                  "## What limits the comparison", "![throughput vs devices](throughput.png)"):
+  for section in (
+    "## Ours vs the paper",
+    "## (a)",
+    "## (b)",
+    "## (c)",
+    "## (d)",
+    "## (e)",
+    "## What limits the comparison",
+    "![throughput vs devices](throughput.png)",
+  ):
     assert section in md
-  assert "| fail |" in md                                         # Piper's failed cell
+  assert "| fail |" in md  # Piper's failed cell
   import matplotlib  # noqa: F401  (installed by the test extra)
+
   files = write_plots(tables, str(tmp_path))
   assert files == ["throughput.png", "branches.png", "microbatch.png", "ablation.png"]
   assert all((tmp_path / f).stat().st_size > 1000 for f in files)

@@ -1,20 +1,28 @@
 """Simulator, in-flight counts, the graph-1F1B schedule and the series-parallel pass."""
+
 import json
 
 import networkx as nx
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.cost.cluster import cpu_cluster
 from gpp_jax.cost.cost_model import plan_costs
+from gpp_jax.cost.simulator import (
+  SimResult,
+  chrome_trace,
+  simulate,
+  simulate_times,
+  write_chrome_trace,
+)
 from gpp_jax.errors import ScheduleError
+from gpp_jax.experiments import model_graphs as mg
+from gpp_jax.ir.plan import Plan, Stage
+from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.inflight import graph_1f1b, inflight_counts, longest_path_to_sink
 from gpp_jax.passes.schedules import gpipe, make_schedule, one_f_one_b
 from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose, with_ordering_edges
-from gpp_jax.ir.plan import Plan, Stage
-from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
-from gpp_jax.cost.simulator import SimResult, chrome_trace, simulate, simulate_times, write_chrome_trace
 
 
 def chain(S):
@@ -22,8 +30,10 @@ def chain(S):
 
 
 @pytest.mark.parametrize("gen", [gpipe, one_f_one_b, graph_1f1b])
-@pytest.mark.parametrize("S,M,tf,tb", [(1, 1, 1.0, 2.0), (4, 8, 1.0, 2.0), (3, 2, 0.5, 1.5),
-                                       (6, 12, 2.0, 3.0), (5, 5, 1.0, 1.0)])
+@pytest.mark.parametrize(
+  "S,M,tf,tb",
+  [(1, 1, 1.0, 2.0), (4, 8, 1.0, 2.0), (3, 2, 0.5, 1.5), (6, 12, 2.0, 3.0), (5, 5, 1.0, 1.0)],
+)
 def test_closed_form_on_uniform_chains(gen, S, M, tf, tb):
   res = simulate_times(gen(S, chain(S), M), [tf] * S, [tb] * S)
   assert res.iteration_time == pytest.approx((M + S - 1) * (tf + tb))
@@ -33,22 +43,29 @@ def test_closed_form_on_uniform_chains(gen, S, M, tf, tb):
 
 def test_transfers_add_their_latency_on_the_critical_path():
   S, M, tf, tb, c = 4, 6, 1.0, 2.0, 0.25
-  xfer = {e: c for e in chain(S)}
+  xfer = dict.fromkeys(chain(S), c)
   res = simulate_times(gpipe(S, chain(S), M), [tf] * S, [tb] * S, activation_transfer=xfer)
   assert res.iteration_time == pytest.approx((M + S - 1) * (tf + tb) + 2 * (S - 1) * c)
   assert len(res.transfers) == 2 * (S - 1) * M
   # 1F1B also waits for round trips in its steady state, so it pays at least as much.
   one = simulate_times(one_f_one_b(S, chain(S), M), [tf] * S, [tb] * S, activation_transfer=xfer)
   assert one.iteration_time >= res.iteration_time - 1e-9
-  assert one.iteration_time > simulate_times(one_f_one_b(S, chain(S), M), [tf] * S,
-                                             [tb] * S).iteration_time
+  assert (
+    one.iteration_time
+    > simulate_times(one_f_one_b(S, chain(S), M), [tf] * S, [tb] * S).iteration_time
+  )
 
 
 def test_in_flight_and_memory():
   S, M = 4, 8
-  one = simulate_times(one_f_one_b(S, chain(S), M), [1.0] * S, [2.0] * S,
-                       static_memory=[100.0] * S, activation_memory=[10.0] * S,
-                       stage_devices=[(0,), (1,), (2, 3), (4,)])
+  one = simulate_times(
+    one_f_one_b(S, chain(S), M),
+    [1.0] * S,
+    [2.0] * S,
+    static_memory=[100.0] * S,
+    activation_memory=[10.0] * S,
+    stage_devices=[(0,), (1,), (2, 3), (4,)],
+  )
   assert one.peak_in_flight == (4, 3, 2, 1)
   assert one.stage_memory == (140.0, 130.0, 120.0, 110.0)
   assert one.peak_memory == {0: 140.0, 1: 130.0, 2: 120.0, 3: 120.0, 4: 110.0}
@@ -82,7 +99,7 @@ def test_dag_join_waits_for_every_branch():
   edges = [(0, 1), (0, 2), (1, 3), (2, 3)]
   res = simulate_times(one_f_one_b(4, edges, 1), [1.0, 1.0, 5.0, 1.0], [1.0, 1.0, 1.0, 1.0])
   assert res.time_of(Action("F", 3, 0))[0] == pytest.approx(6.0)
-  assert res.time_of(Action("B", 0, 0))[0] == pytest.approx(9.0)   # after B of branch 2
+  assert res.time_of(Action("B", 0, 0))[0] == pytest.approx(9.0)  # after B of branch 2
 
 
 def test_a_deadlocked_schedule_is_reported():
@@ -95,9 +112,13 @@ def test_a_deadlocked_schedule_is_reported():
 
 
 def test_result_json_and_chrome_trace(tmp_path):
-  res = simulate_times(one_f_one_b(3, chain(3), 4), [1e-3] * 3, [2e-3] * 3,
-                       activation_transfer={(0, 1): 1e-4, (1, 2): 1e-4},
-                       stage_devices=[(0,), (1,), (2,)])
+  res = simulate_times(
+    one_f_one_b(3, chain(3), 4),
+    [1e-3] * 3,
+    [2e-3] * 3,
+    activation_transfer={(0, 1): 1e-4, (1, 2): 1e-4},
+    stage_devices=[(0,), (1,), (2,)],
+  )
   back = SimResult.from_json(res.to_json())
   assert back == res
   path = tmp_path / "trace.json"
@@ -106,7 +127,7 @@ def test_result_json_and_chrome_trace(tmp_path):
   xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
   assert len(xs) == len(res.actions) + len(res.transfers)
   f00 = next(e for e in xs if e["name"] == "F0.0")
-  assert f00["dur"] == pytest.approx(1e3)                         # microseconds
+  assert f00["dur"] == pytest.approx(1e3)  # microseconds
   assert trace == chrome_trace(res)
   assert "iteration" in str(res)
 
@@ -114,18 +135,29 @@ def test_result_json_and_chrome_trace(tmp_path):
 def test_simulate_plan_uses_the_cost_model():
   g = mg.chain(batch_size=8, layers=4, hidden=256)
   cl = cpu_cluster(2)
-  plan = Plan(stages=(Stage(0, ("fc0", "fc1"), (0,), 4), Stage(1, ("fc2", "fc3"), (1,), 4)),
-              edges=((0, 1),), num_microbatches=2, batch_size=8)
+  plan = Plan(
+    stages=(Stage(0, ("fc0", "fc1"), (0,), 4), Stage(1, ("fc2", "fc3"), (1,), 4)),
+    edges=((0, 1),),
+    num_microbatches=2,
+    batch_size=8,
+  )
   res = simulate(plan, g, cl)
   pc = plan_costs(plan, g, cl)
-  ref = simulate_times(one_f_one_b(2, [(0, 1)], 2), pc.forward, pc.backward, update=pc.update,
-                       activation_transfer=pc.activation_transfer,
-                       static_memory=pc.static_memory, activation_memory=pc.activation_memory)
+  ref = simulate_times(
+    one_f_one_b(2, [(0, 1)], 2),
+    pc.forward,
+    pc.backward,
+    update=pc.update,
+    activation_transfer=pc.activation_transfer,
+    static_memory=pc.static_memory,
+    activation_memory=pc.activation_memory,
+  )
   assert res.iteration_time == pytest.approx(ref.iteration_time)
   assert res.peak_memory[0] == pytest.approx(pc.static_memory[0] + 2 * pc.activation_memory[0])
 
 
 # -- in-flight counts and graph-1F1B ---------------------------------------------------------
+
 
 def test_inflight_rules_reproduce_the_papers_figure_5():
   edges = chain(3)
@@ -177,6 +209,7 @@ def test_graph_1f1b_on_random_stage_dags(dag, M, times):
 
 # -- series-parallel decomposition -----------------------------------------------------------
 
+
 def _convex(g, layers):
   s = set(layers)
   out = {v for u in s for v in g.successors(u)} - s
@@ -224,7 +257,7 @@ def test_sp_tree_covers_every_layer_once_with_convex_nodes(seed, n, p):
   assert nx.is_directed_acyclic_graph(h)
   for node in _walk(d.root):
     assert _convex(g, node.layers)
-    if node.kind == "series":          # every earlier child reaches every later one in h
+    if node.kind == "series":  # every earlier child reaches every later one in h
       for a, b in zip(node.children, node.children[1:]):
         assert all(nx.has_path(h, u, v) for u in a.layers for v in b.layers)
     if node.kind == "parallel":
@@ -237,13 +270,15 @@ def test_sp_tree_covers_every_layer_once_with_convex_nodes(seed, n, p):
 
 
 def test_host_dispatch_mode_limits():
-  from gpp_jax.passes.schedules import one_f_one_b
   from gpp_jax.cost.simulator import simulate_times
+  from gpp_jax.passes.schedules import one_f_one_b
+
   S, M, tf, tb = 3, 4, 1.0, 2.0
   sched = one_f_one_b(S, [(0, 1), (1, 2)], M)
   free = simulate_times(sched, [tf] * S, [tb] * S)
-  assert simulate_times(sched, [tf] * S, [tb] * S, host_dispatch=0.0).iteration_time == \
-      pytest.approx(free.iteration_time)
+  assert simulate_times(
+    sched, [tf] * S, [tb] * S, host_dispatch=0.0
+  ).iteration_time == pytest.approx(free.iteration_time)
   # One core: everything runs one after another.
   one = simulate_times(sched, [tf] * S, [tb] * S, host_dispatch=0.0, cores=1)
   assert one.iteration_time == pytest.approx(S * M * (tf + tb))

@@ -1,4 +1,5 @@
 """The tiny zoo models train pipelined with the GraphPipe plan exactly as on one device."""
+
 import json
 import os
 import subprocess
@@ -27,9 +28,21 @@ def test_float64_loss_curve_matches_one_device_for_200_steps(tmp_path):
   crossing): in float64 the pipelined curve is the one-device curve."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   out = tmp_path / "curves.json"
-  r = subprocess.run([sys.executable, "-m", "gpp_jax.experiments.loss_curves",
-                      "--models=candle_uno", "--steps=200", "--dtype=float64", f"--out={out}"],
-                     capture_output=True, text=True, timeout=600, env=env)
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "gpp_jax.experiments.loss_curves",
+      "--models=candle_uno",
+      "--steps=200",
+      "--dtype=float64",
+      f"--out={out}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   c = json.loads(out.read_text())["candle_uno"]
   pipe, one = np.array(c["pipelined"]), np.array(c["one_device"])
@@ -40,6 +53,7 @@ def test_float64_loss_curve_matches_one_device_for_200_steps(tmp_path):
 
 def test_zoo_float64_needs_x64():
   from gpp_jax.experiments import zoo
+
   with pytest.raises(ValueError, match="jax_enable_x64"):
     zoo.setup("candle_uno", dtype="float64")
 
@@ -47,13 +61,34 @@ def test_zoo_float64_needs_x64():
 def test_train_entry_point_writes_a_run_folder(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   flagfile = os.path.join(os.path.dirname(__file__), "..", "configs", "candle_uno_tiny.flags")
-  r = subprocess.run([sys.executable, "-m", "gpp_jax.train", f"--flagfile={flagfile}",
-                      "--num_devices=4", "--num_microbatches=4", "--batch_size=16", "--steps=4",
-                      "--log_every=2", f"--run_dir={tmp_path}"],
-                     capture_output=True, text=True, timeout=600, env=env)
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "gpp_jax.train",
+      f"--flagfile={flagfile}",
+      "--num_devices=4",
+      "--num_microbatches=4",
+      "--batch_size=16",
+      "--steps=4",
+      "--log_every=2",
+      f"--run_dir={tmp_path}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
-  for name in ("plan.json", "plan.txt", "layer_graph.json", "stage_graph.dot",
-               "timeline_measured.json", "timeline_predicted.json", "metrics.jsonl"):
+  for name in (
+    "plan.json",
+    "plan.txt",
+    "layer_graph.json",
+    "stage_graph.dot",
+    "timeline_measured.json",
+    "timeline_predicted.json",
+    "metrics.jsonl",
+  ):
     assert (tmp_path / name).stat().st_size > 0, name
   rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [2, 3] and all(np.isfinite(r["loss"]) for r in rows)

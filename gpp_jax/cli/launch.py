@@ -8,8 +8,10 @@ follows ``--`` is not a flag, that command, e.g. ``-- python my_script.py``). Pr
 is prefixed with ``[i]``. If one process fails, the others are stopped after ``--grace_s``, and
 the launcher exits with the first non-zero exit code.
 """
+
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -35,8 +37,15 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(command: list[str], num_processes: int, devices_per_process: int, port: int = 0,
-           grace_s: float = 10.0, env: dict | None = None, pin_cores: bool = False) -> int:
+def launch(
+  command: list[str],
+  num_processes: int,
+  devices_per_process: int,
+  port: int = 0,
+  grace_s: float = 10.0,
+  env: dict | None = None,
+  pin_cores: bool = False,
+) -> int:
   """Runs ``command`` in ``num_processes`` processes; returns the first non-zero exit code.
 
   With ``pin_cores`` process i runs on core ``i % cores`` only.
@@ -46,12 +55,22 @@ def launch(command: list[str], num_processes: int, devices_per_process: int, por
   procs = []
   for i in range(num_processes):
     e = dict(os.environ if env is None else env)
-    e.update({dist.ENV_COORDINATOR: f"127.0.0.1:{port}", dist.ENV_NUM_PROCESSES: str(num_processes),
-              dist.ENV_PROCESS_ID: str(i), dist.ENV_LOCAL_DEVICES: str(devices_per_process),
-              dist.ENV_TRANSFER_ADDRESS: f"127.0.0.1:{free_port()}", "PYTHONUNBUFFERED": "1"})
-    pin = (lambda c=cores[i % len(cores)]: os.sched_setaffinity(0, {c})) if pin_cores else None
-    procs.append(subprocess.Popen(command, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, preexec_fn=pin))
+    e.update(
+      {
+        dist.ENV_COORDINATOR: f"127.0.0.1:{port}",
+        dist.ENV_NUM_PROCESSES: str(num_processes),
+        dist.ENV_PROCESS_ID: str(i),
+        dist.ENV_LOCAL_DEVICES: str(devices_per_process),
+        dist.ENV_TRANSFER_ADDRESS: f"127.0.0.1:{free_port()}",
+        "PYTHONUNBUFFERED": "1",
+      }
+    )
+    pin = functools.partial(os.sched_setaffinity, 0, {cores[i % len(cores)]}) if pin_cores else None
+    procs.append(
+      subprocess.Popen(
+        command, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pin
+      )
+    )
 
   def pump(i, p):
     for line in p.stdout:
@@ -88,8 +107,16 @@ def main(argv):
     command = [sys.executable, "-m", "gpp_jax.train", *rest]
   else:
     command = [sys.executable if rest[0] == "python" else rest[0], *rest[1:]]
-  sys.exit(launch(command, FLAGS.num_processes, FLAGS.devices_per_process, FLAGS.port,
-                    FLAGS.grace_s, pin_cores=FLAGS.pin_cores))
+  sys.exit(
+    launch(
+      command,
+      FLAGS.num_processes,
+      FLAGS.devices_per_process,
+      FLAGS.port,
+      FLAGS.grace_s,
+      pin_cores=FLAGS.pin_cores,
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Small pieces the entry points share: predicted timelines and
 reading a metric that may live on another process."""
+
 from __future__ import annotations
 
 import jax
@@ -11,6 +12,7 @@ from gpp_jax.ir import layer_graph as lg
 def predicted_timeline(pipeline, cluster):
   """The simulator's SimResult for a built ``GraphPipeline``'s plan and schedule."""
   from gpp_jax.cost.simulator import simulate
+
   c = pipeline._require()  # pylint: disable=protected-access
   graph = lg.scaled(pipeline.layer_graph, c.batch_size)
   return simulate(pipeline.plan, graph, cluster, schedule=pipeline.schedule)
@@ -18,6 +20,7 @@ def predicted_timeline(pipeline, cluster):
 
 def write_predicted_timeline(pipeline, cluster, path: str):
   from gpp_jax.cost.simulator import write_chrome_trace
+
   result = predicted_timeline(pipeline, cluster)
   write_chrome_trace(result, path)
   return result

@@ -14,6 +14,7 @@ Logs loss, throughput and progress while it runs and writes a run folder (``--ru
 Multi-process: started by ``python -m gpp_jax.launch`` (GPP_* variables), or with
 ``--distributed`` on a cluster where ``jax.distributed.initialize()`` finds its environment.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,14 @@ from absl import app, flags, logging
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "mmt", "model: mmt, dlrm, candle_uno or gpt")
 flags.DEFINE_string("preset", "tiny", "model size preset: tiny or paper")
-flags.DEFINE_string("planner", "graphpipe", "planner name (graphpipe, pipedream, piper, bapipe, "
-                    "luo, balanced)")
-flags.DEFINE_string("schedule", None, "micro-batch schedule: 1f1b, gpipe or graph-1f1b "
-                    "(default: the planner's choice)")
+flags.DEFINE_string(
+  "planner", "graphpipe", "planner name (graphpipe, pipedream, piper, bapipe, luo, balanced)"
+)
+flags.DEFINE_string(
+  "schedule",
+  None,
+  "micro-batch schedule: 1f1b, gpipe or graph-1f1b (default: the planner's choice)",
+)
 flags.DEFINE_integer("num_devices", 8, "devices to use (the first N of jax.devices())")
 flags.DEFINE_integer("num_microbatches", 8, "micro-batches per step")
 flags.DEFINE_integer("batch_size", 64, "examples per step")
@@ -45,15 +50,21 @@ flags.DEFINE_integer("num_batches", 4, "distinct synthetic batches, cycled")
 flags.DEFINE_string("run_dir", None, "output folder (default runs/<model>-<planner>-<time>)")
 flags.DEFINE_string("cluster", "cpu", "cluster preset the planner and simulator use: cpu or v100")
 flags.DEFINE_bool("calibrate", True, "time each layer on the device before planning (cpu cluster)")
-flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() from the cluster environment")
-flags.DEFINE_string("transfer_address", None, "host:port for cross-process transfers (with --distributed)")
+flags.DEFINE_bool(
+  "distributed", False, "call jax.distributed.initialize() from the cluster environment"
+)
+flags.DEFINE_string(
+  "transfer_address", None, "host:port for cross-process transfers (with --distributed)"
+)
 flags.DEFINE_float("timeout_s", 300.0, "multi-process: fail a step that stalls this long")
 
 
 def _setup_devices():
   """Multi-process set-up, or enough forced CPU devices for a single-process CPU run."""
   import jax
+
   from gpp_jax.runtime import processes as distributed
+
   if distributed.initialize_from_env():
     return
   if FLAGS.distributed:
@@ -69,8 +80,10 @@ def write_stage_graph(plan, layer_graph, path_dot):
   for s in plan.stages:
     flops = sum(layer_graph.nodes[l]["flops"] for l in s.layers)
     first = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
-    lines.append(f'  s{s.index} [label="stage {s.index}\\n{first}\\n{len(s.layers)} layers, '
-                 f'{flops / 1e6:.1f} MFLOP\\ndevices {list(s.devices)}"];')
+    lines.append(
+      f'  s{s.index} [label="stage {s.index}\\n{first}\\n{len(s.layers)} layers, '
+      f'{flops / 1e6:.1f} MFLOP\\ndevices {list(s.devices)}"];'
+    )
   for a, b in plan.edges:
     lines.append(f"  s{a} -> s{b};")
   lines.append("}")
@@ -85,29 +98,45 @@ def main(argv):
   del argv
   _setup_devices()
   import jax
+
   import gpp_jax
-  from gpp_jax.ir import layer_graph as lg
   from gpp_jax.cli import reporting
   from gpp_jax.cost.cluster import make_cluster
   from gpp_jax.experiments import zoo
+  from gpp_jax.ir import layer_graph as lg
 
   devices = jax.devices()
   if FLAGS.num_devices > len(devices):
-    raise app.UsageError(f"--num_devices={FLAGS.num_devices} but only {len(devices)} devices; "
-                         "set XLA_FLAGS=--xla_force_host_platform_device_count=N for CPU")
-  devices = devices[:FLAGS.num_devices]
-  run = zoo.setup(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, learning_rate=FLAGS.learning_rate,
-                  clip_norm=FLAGS.clip_norm)
+    raise app.UsageError(
+      f"--num_devices={FLAGS.num_devices} but only {len(devices)} devices; "
+      "set XLA_FLAGS=--xla_force_host_platform_device_count=N for CPU"
+    )
+  devices = devices[: FLAGS.num_devices]
+  run = zoo.setup(
+    FLAGS.model,
+    FLAGS.preset,
+    seed=FLAGS.seed,
+    learning_rate=FLAGS.learning_rate,
+    clip_norm=FLAGS.clip_norm,
+  )
   model, optimizer, train_step = run.model, run.optimizer, run.train_step
   data = run.batches(FLAGS.batch_size, FLAGS.num_batches)
   cluster = make_cluster(FLAGS.cluster, len(devices))
-  pp = gpp_jax.graph_pipeline(train_step, num_microbatches=FLAGS.num_microbatches,
-                              devices=devices, planner=FLAGS.planner, schedule=FLAGS.schedule,
-                              remat=FLAGS.remat, cluster=cluster, timeout_s=FLAGS.timeout_s,
-                              calibrate=FLAGS.calibrate and FLAGS.cluster == "cpu",
-                              layer_depth=run.spec.layer_depth)
+  pp = gpp_jax.graph_pipeline(
+    train_step,
+    num_microbatches=FLAGS.num_microbatches,
+    devices=devices,
+    planner=FLAGS.planner,
+    schedule=FLAGS.schedule,
+    remat=FLAGS.remat,
+    cluster=cluster,
+    timeout_s=FLAGS.timeout_s,
+    calibrate=FLAGS.calibrate and FLAGS.cluster == "cpu",
+    layer_depth=run.spec.layer_depth,
+  )
   run_dir = FLAGS.run_dir or os.path.join(
-      "runs", f"{FLAGS.model}-{FLAGS.planner}-{time.strftime('%Y%m%d-%H%M%S')}")
+    "runs", f"{FLAGS.model}-{FLAGS.planner}-{time.strftime('%Y%m%d-%H%M%S')}"
+  )
   main_process = jax.process_index() == 0
   if main_process:
     os.makedirs(run_dir, exist_ok=True)
@@ -124,7 +153,8 @@ def main(argv):
     with open(os.path.join(run_dir, "layer_graph.json"), "w") as f:
       f.write(lg.to_json(pp.layer_graph))
     write_stage_graph(pp.plan, pp.layer_graph, os.path.join(run_dir, "stage_graph.dot"))
-  metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w") if main_process else None
+  # Open for the whole run (closed after the last step); lines are flushed as they are written.
+  metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w") if main_process else None  # noqa: SIM115
   t_log, samples = time.perf_counter(), 0
   for step in range(1, FLAGS.steps):
     if step == FLAGS.steps - 1 and jax.process_count() == 1:
@@ -134,11 +164,20 @@ def main(argv):
     if step % FLAGS.log_every == 0 or step == FLAGS.steps - 1:
       value = reporting.fetch(loss)
       dt = time.perf_counter() - t_log
-      rec = {"step": step, "loss": value, "samples_per_s": samples / dt,
-             "step_ms": dt / max(samples // FLAGS.batch_size, 1) * 1e3}
-      logging.info("step %d/%d loss %s  %.1f samples/s  %.1f ms/step", step, FLAGS.steps - 1,
-                   f"{value:.5f}" if value is not None else "(remote)", rec["samples_per_s"],
-                   rec["step_ms"])
+      rec = {
+        "step": step,
+        "loss": value,
+        "samples_per_s": samples / dt,
+        "step_ms": dt / max(samples // FLAGS.batch_size, 1) * 1e3,
+      }
+      logging.info(
+        "step %d/%d loss %s  %.1f samples/s  %.1f ms/step",
+        step,
+        FLAGS.steps - 1,
+        f"{value:.5f}" if value is not None else "(remote)",
+        rec["samples_per_s"],
+        rec["step_ms"],
+      )
       if metrics:
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
@@ -148,7 +187,9 @@ def main(argv):
     tl = pp.timeline
     with open(os.path.join(run_dir, "timeline_measured.json"), "w") as f:
       json.dump(tl.to_chrome_trace(), f)
-    reporting.write_predicted_timeline(pp, cluster, os.path.join(run_dir, "timeline_predicted.json"))
+    reporting.write_predicted_timeline(
+      pp, cluster, os.path.join(run_dir, "timeline_predicted.json")
+    )
     logging.info("run folder: %s", os.path.abspath(run_dir))
   sys.stdout.flush()
 

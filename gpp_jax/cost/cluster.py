@@ -15,13 +15,16 @@ Presets:
 The presets are starting points; ``Cluster.replace`` (or a calibration pass that measures the
 real machine) swaps any number for a measured one.
 """
+
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import json
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 GiB = 2**30
 
@@ -39,6 +42,7 @@ class DeviceSpec:
       points it is interpolated linearly in log2(samples); outside it is clamped.
     kernel_overhead: fixed seconds per layer per pass (launch and framework overhead).
   """
+
   name: str
   peak_flops: float
   memory_bandwidth: float
@@ -50,9 +54,11 @@ class DeviceSpec:
       raise ValueError(f"device {self.name!r}: peak_flops and memory_bandwidth must be positive")
     pts = tuple((float(s), float(f)) for s, f in self.efficiency)
     if not pts or any(s <= 0 or not 0 < f <= 1 for s, f in pts):
-      raise ValueError(f"device {self.name!r}: efficiency points must be (samples > 0, "
-                       f"0 < fraction <= 1), got {self.efficiency}")
-    if any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):
+      raise ValueError(
+        f"device {self.name!r}: efficiency points must be (samples > 0, "
+        f"0 < fraction <= 1), got {self.efficiency}"
+      )
+    if any(a[0] >= b[0] for a, b in itertools.pairwise(pts)):
       raise ValueError(f"device {self.name!r}: efficiency samples must increase, got {pts}")
     object.__setattr__(self, "efficiency", pts)
 
@@ -72,14 +78,17 @@ class DeviceSpec:
 @dataclasses.dataclass(frozen=True)
 class Link:
   """An affine link: ``bytes`` take ``alpha + bytes / beta`` seconds."""
+
   alpha: float
   beta: float
   name: str = ""
 
   def __post_init__(self):
     if self.alpha < 0 or self.beta <= 0:
-      raise ValueError(f"link {self.name!r}: need alpha >= 0 and beta > 0, got "
-                       f"alpha={self.alpha}, beta={self.beta}")
+      raise ValueError(
+        f"link {self.name!r}: need alpha >= 0 and beta > 0, got "
+        f"alpha={self.alpha}, beta={self.beta}"
+      )
 
   def time(self, nbytes: float) -> float:
     return 0.0 if nbytes <= 0 else self.alpha + nbytes / self.beta
@@ -98,6 +107,7 @@ class Cluster:
     devices_per_node: devices per node (None: one level, all devices on one node).
     name: a label.
   """
+
   num_devices: int
   device: DeviceSpec
   memory_per_device: float
@@ -112,8 +122,10 @@ class Cluster:
     if self.memory_per_device <= 0:
       raise ValueError(f"memory_per_device must be positive, got {self.memory_per_device}")
     if (self.inter_link is None) != (self.devices_per_node is None):
-      raise ValueError("give both inter_link and devices_per_node for a two-level cluster, "
-                       "or neither for a single level")
+      raise ValueError(
+        "give both inter_link and devices_per_node for a two-level cluster, "
+        "or neither for a single level"
+      )
     if self.devices_per_node is not None and self.devices_per_node < 1:
       raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
 
@@ -154,74 +166,88 @@ class Cluster:
       return self.inter_link
     return self.intra_link
 
-  def replace(self, **kw) -> "Cluster":
+  def replace(self, **kw) -> Cluster:
     return dataclasses.replace(self, **kw)
 
-  def with_devices(self, num_devices: int) -> "Cluster":
+  def with_devices(self, num_devices: int) -> Cluster:
     return dataclasses.replace(self, num_devices=int(num_devices))
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "Cluster":
+  def from_dict(cls, d: Mapping[str, Any]) -> Cluster:
     dev = dict(d["device"])
     dev["efficiency"] = tuple(tuple(p) for p in dev.get("efficiency", ((1, 1.0),)))
     inter = d.get("inter_link")
-    return cls(num_devices=int(d["num_devices"]), device=DeviceSpec(**dev),
-               memory_per_device=float(d["memory_per_device"]), intra_link=Link(**d["intra_link"]),
-               inter_link=None if inter is None else Link(**inter),
-               devices_per_node=d.get("devices_per_node"), name=d.get("name", "cluster"))
+    return cls(
+      num_devices=int(d["num_devices"]),
+      device=DeviceSpec(**dev),
+      memory_per_device=float(d["memory_per_device"]),
+      intra_link=Link(**d["intra_link"]),
+      inter_link=None if inter is None else Link(**inter),
+      devices_per_node=d.get("devices_per_node"),
+      name=d.get("name", "cluster"),
+    )
 
   def to_json(self, indent: int | None = 1) -> str:
     return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
   @classmethod
-  def from_json(cls, s: str) -> "Cluster":
+  def from_json(cls, s: str) -> Cluster:
     return cls.from_dict(json.loads(s))
 
   def __str__(self) -> str:
     d = self.device
-    lines = [f"Cluster {self.name}: {self.num_devices} x {d.name}, "
-             f"{self.memory_per_device / GiB:.1f} GiB each",
-             f"  device: {d.peak_flops / 1e12:.2f} TFLOP/s peak, "
-             f"{d.memory_bandwidth / 1e9:.0f} GB/s memory, "
-             f"{d.kernel_overhead * 1e6:.1f} us per layer pass, efficiency "
-             + ", ".join(f"{s:g}:{f:.2f}" for s, f in d.efficiency),
-             f"  intra-node link: alpha {self.intra_link.alpha * 1e6:.1f} us, "
-             f"beta {self.intra_link.beta / 1e9:.1f} GB/s"]
+    lines = [
+      f"Cluster {self.name}: {self.num_devices} x {d.name}, "
+      f"{self.memory_per_device / GiB:.1f} GiB each",
+      f"  device: {d.peak_flops / 1e12:.2f} TFLOP/s peak, "
+      f"{d.memory_bandwidth / 1e9:.0f} GB/s memory, "
+      f"{d.kernel_overhead * 1e6:.1f} us per layer pass, efficiency "
+      + ", ".join(f"{s:g}:{f:.2f}" for s, f in d.efficiency),
+      f"  intra-node link: alpha {self.intra_link.alpha * 1e6:.1f} us, "
+      f"beta {self.intra_link.beta / 1e9:.1f} GB/s",
+    ]
     if self.inter_link is not None:
-      lines.append(f"  inter-node link: alpha {self.inter_link.alpha * 1e6:.1f} us, "
-                   f"beta {self.inter_link.beta / 1e9:.2f} GB/s; {self.devices_per_node} "
-                   f"devices per node, {self.num_nodes} nodes")
+      lines.append(
+        f"  inter-node link: alpha {self.inter_link.alpha * 1e6:.1f} us, "
+        f"beta {self.inter_link.beta / 1e9:.2f} GB/s; {self.devices_per_node} "
+        f"devices per node, {self.num_nodes} nodes"
+      )
     return "\n".join(lines)
 
 
 V100 = DeviceSpec(
-    name="V100-SXM2-16GB",
-    peak_flops=15.7e12,          # FP32 peak
-    memory_bandwidth=900e9,      # HBM2
-    # Fraction of peak reached by dense layers at a given per-device micro-batch; the
-    # roofline's weight-read term adds the small-batch penalty on top of this.
-    efficiency=((1, 0.45), (4, 0.6), (16, 0.72), (64, 0.8)),
-    kernel_overhead=20e-6,
+  name="V100-SXM2-16GB",
+  peak_flops=15.7e12,  # FP32 peak
+  memory_bandwidth=900e9,  # HBM2
+  # Fraction of peak reached by dense layers at a given per-device micro-batch; the
+  # roofline's weight-read term adds the small-batch penalty on top of this.
+  efficiency=((1, 0.45), (4, 0.6), (16, 0.72), (64, 0.8)),
+  kernel_overhead=20e-6,
 )
 
 CPU = DeviceSpec(
-    name="host-cpu",
-    peak_flops=20e9,
-    memory_bandwidth=10e9,
-    efficiency=((1, 0.5), (16, 0.8)),
-    kernel_overhead=50e-6,
+  name="host-cpu",
+  peak_flops=20e9,
+  memory_bandwidth=10e9,
+  efficiency=((1, 0.5), (16, 0.8)),
+  kernel_overhead=50e-6,
 )
 
 
 def v100_cluster(num_devices: int) -> Cluster:
   """The GraphPipe paper's cluster: nodes of 4 V100 16 GB (NVLink), 100 Gb/s between nodes."""
-  return Cluster(num_devices=num_devices, device=V100, memory_per_device=16 * GiB,
-                 intra_link=Link(alpha=5e-6, beta=50e9, name="nvlink"),
-                 inter_link=Link(alpha=10e-6, beta=100e9 / 8, name="infiniband-edr"),
-                 devices_per_node=4, name=f"v100x{num_devices}")
+  return Cluster(
+    num_devices=num_devices,
+    device=V100,
+    memory_per_device=16 * GiB,
+    intra_link=Link(alpha=5e-6, beta=50e9, name="nvlink"),
+    inter_link=Link(alpha=10e-6, beta=100e9 / 8, name="infiniband-edr"),
+    devices_per_node=4,
+    name=f"v100x{num_devices}",
+  )
 
 
 def cpu_cluster(num_devices: int, memory_per_device: float = 4 * GiB) -> Cluster:
@@ -230,9 +256,13 @@ def cpu_cluster(num_devices: int, memory_per_device: float = 4 * GiB) -> Cluster
   The numbers are rough: the devices share the host's cores and memory; a calibration pass
   can replace them with measured ones.
   """
-  return Cluster(num_devices=num_devices, device=CPU, memory_per_device=memory_per_device,
-                 intra_link=Link(alpha=20e-6, beta=5e9, name="host-memcpy"),
-                 name=f"cpux{num_devices}")
+  return Cluster(
+    num_devices=num_devices,
+    device=CPU,
+    memory_per_device=memory_per_device,
+    intra_link=Link(alpha=20e-6, beta=5e9, name="host-memcpy"),
+    name=f"cpux{num_devices}",
+  )
 
 
 CLUSTER_PRESETS = {"cpu": cpu_cluster, "v100": v100_cluster}
@@ -247,7 +277,7 @@ def make_cluster(name: str, num_devices: int) -> Cluster:
     raise ValueError(f"unknown cluster {name!r}; choose one of {sorted(CLUSTER_PRESETS)}") from None
 
 
-def as_cluster(cluster: "Cluster | int | None", default_devices: int = 1) -> Cluster:
+def as_cluster(cluster: Cluster | int | None, default_devices: int = 1) -> Cluster:
   """Accepts a Cluster, a device count (a ``cpu_cluster``) or None (``default_devices``)."""
   if isinstance(cluster, Cluster):
     return cluster
@@ -255,5 +285,7 @@ def as_cluster(cluster: "Cluster | int | None", default_devices: int = 1) -> Clu
     return cpu_cluster(default_devices)
   if isinstance(cluster, int):
     return cpu_cluster(cluster)
-  raise TypeError(f"expected a Cluster or a device count, got {type(cluster).__name__}; "
-                  "build one with gpp_jax.cost.cluster.v100_cluster(n) or cpu_cluster(n)")
+  raise TypeError(
+    f"expected a Cluster or a device count, got {type(cluster).__name__}; "
+    "build one with gpp_jax.cost.cluster.v100_cluster(n) or cpu_cluster(n)"
+  )

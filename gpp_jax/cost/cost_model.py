@@ -23,11 +23,13 @@ Memory per device of a stage:
 ``+ saved_bytes_per_sample * microbatch / d * in_flight``          (stashed activations)
 with ``in_flight`` the micro-batches the stage holds at once (its 1F1B warm-up).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import networkx as nx
 import numpy as np
@@ -51,6 +53,7 @@ class CostModel:
     tps_formula: how planners combine a stage's compute and its transfers into a time per
       sample: "sum" (no overlap, conservative, as PipeDream's planner) or "max" (full overlap).
   """
+
   gradient_factor: float = 1.0
   optimizer_state_factor: float = 2.0
   backward_factor: float = 2.0
@@ -62,14 +65,21 @@ class CostModel:
       raise ValueError(f"tps_formula must be 'sum' or 'max', got {self.tps_formula!r}")
 
   # -- per-layer and per-stage times -------------------------------------------------------
-  def layer_times(self, costs: "LayerCosts", device: DeviceSpec,
-                  samples: float) -> tuple[np.ndarray, np.ndarray]:
+  def layer_times(
+    self, costs: LayerCosts, device: DeviceSpec, samples: float
+  ) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward seconds of every layer (``costs.layers`` order) for ``samples``
     samples on one device."""
     return _layer_times(self, costs, device, float(samples))
 
-  def stage_time(self, costs: "LayerCosts", layers: Sequence[int], device: DeviceSpec,
-                 microbatch: float, dp: int = 1) -> tuple[float, float]:
+  def stage_time(
+    self,
+    costs: LayerCosts,
+    layers: Sequence[int],
+    device: DeviceSpec,
+    microbatch: float,
+    dp: int = 1,
+  ) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch of a stage made of ``layers`` (indices)
     that is data parallel over ``dp`` devices."""
     tf, tb = self.layer_times(costs, device, microbatch / dp)
@@ -87,23 +97,33 @@ class CostModel:
 
   def update_time(self, param_bytes: float, device: DeviceSpec, n: int, link: Link) -> float:
     """Gradient all-reduce over the stage's ``n`` devices plus the optimizer update."""
-    return (self.allreduce_time(param_bytes, n, link)
-            + self.update_traffic * param_bytes / device.memory_bandwidth)
+    return (
+      self.allreduce_time(param_bytes, n, link)
+      + self.update_traffic * param_bytes / device.memory_bandwidth
+    )
 
   # -- memory -------------------------------------------------------------------------------
   def static_memory(self, param_bytes: _Bytes) -> _Bytes:
     """Weights, gradients and optimizer state, replicated on every device of a stage."""
     return param_bytes * (1.0 + self.gradient_factor + self.optimizer_state_factor)
 
-  def activation_memory(self, saved_bytes_per_sample: float, microbatch: float, dp: int,
-                        in_flight: float) -> float:
+  def activation_memory(
+    self, saved_bytes_per_sample: float, microbatch: float, dp: int, in_flight: float
+  ) -> float:
     """Stashed activations per device: ``in_flight`` micro-batches split over ``dp`` devices."""
     return saved_bytes_per_sample * microbatch / dp * in_flight
 
-  def stage_memory(self, param_bytes: float, saved_bytes_per_sample: float, microbatch: float,
-                   dp: int, in_flight: float) -> float:
-    return (self.static_memory(param_bytes)
-            + self.activation_memory(saved_bytes_per_sample, microbatch, dp, in_flight))
+  def stage_memory(
+    self,
+    param_bytes: float,
+    saved_bytes_per_sample: float,
+    microbatch: float,
+    dp: int,
+    in_flight: float,
+  ) -> float:
+    return self.static_memory(param_bytes) + self.activation_memory(
+      saved_bytes_per_sample, microbatch, dp, in_flight
+    )
 
   def combine(self, compute: float, comm: float) -> float:
     """A stage's busy time per micro-batch from its compute and transfer times."""
@@ -113,7 +133,7 @@ class CostModel:
 DEFAULT_COST_MODEL = CostModel()
 
 
-def _layer_times(cm: CostModel, costs: "LayerCosts", device: DeviceSpec, samples: float):
+def _layer_times(cm: CostModel, costs: LayerCosts, device: DeviceSpec, samples: float):
   key = (cm, device, samples)
   hit = costs._times.get(key)
   if hit is not None:
@@ -150,6 +170,7 @@ class LayerCosts:
     time_f_ps, time_b_ps: measured seconds per sample at ``batch_size`` (NaN if not measured).
     edges: (u, v, bytes per sample) with u, v positions.
   """
+
   layers: tuple[str, ...]
   index: Mapping[str, int]
   batch_size: int
@@ -176,19 +197,26 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
   arr = lambda f: np.array([f(d) for d in nd], dtype=float)
   tf = arr(lambda d: d["time_f"] / B if d.get("time_f") is not None else math.nan)
   tb = arr(lambda d: d["time_b"] / B if d.get("time_b") is not None else math.nan)
+
   def fixed(d):
     if d.get("param_read_bytes") is not None:
       return float(d["param_read_bytes"])
     return d["param_bytes"] if d["bytes"] >= d["param_bytes"] else 0.0
+
   W = arr(fixed)
   return LayerCosts(
-      layers=layers, index=index, batch_size=int(B),
-      flops_ps=arr(lambda d: d["flops"] / B),
-      act_bytes_ps=np.maximum(arr(lambda d: d["bytes"]) - W, 0.0) / B,
-      param_bytes=arr(lambda d: d["param_bytes"]), param_read_bytes=W,
-      saved_ps=arr(lambda d: d["saved_bytes"] / B),
-      time_f_ps=tf, time_b_ps=np.where(np.isnan(tf), math.nan, tb),
-      edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)))
+    layers=layers,
+    index=index,
+    batch_size=int(B),
+    flops_ps=arr(lambda d: d["flops"] / B),
+    act_bytes_ps=np.maximum(arr(lambda d: d["bytes"]) - W, 0.0) / B,
+    param_bytes=arr(lambda d: d["param_bytes"]),
+    param_read_bytes=W,
+    saved_ps=arr(lambda d: d["saved_bytes"] / B),
+    time_f_ps=tf,
+    time_b_ps=np.where(np.isnan(tf), math.nan, tb),
+    edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +232,7 @@ class PlanCosts:
     activation_memory: bytes per device stashed for one micro-batch, per stage.
     microbatch: samples per micro-batch, per stage.
   """
+
   forward: tuple[float, ...]
   backward: tuple[float, ...]
   update: tuple[float, ...]
@@ -220,8 +249,10 @@ def plan_microbatch(plan, stage) -> float:
     return float(stage.microbatch_size)
   if plan.batch_size:
     return plan.batch_size / plan.num_microbatches
-  raise ValueError(f"stage {stage.index} has no microbatch_size and the plan no batch_size; "
-                   "set one of them so costs can be scaled to a micro-batch")
+  raise ValueError(
+    f"stage {stage.index} has no microbatch_size and the plan no batch_size; "
+    "set one of them so costs can be scaled to a micro-batch"
+  )
 
 
 def stage_edge_bytes(costs: LayerCosts, stage_of: Sequence[int]) -> dict[tuple[int, int], float]:
@@ -239,8 +270,13 @@ def stage_edge_bytes(costs: LayerCosts, stage_of: Sequence[int]) -> dict[tuple[i
   return out
 
 
-def plan_costs(plan, layer_graph: nx.DiGraph, cluster: Cluster,
-               cost_model: CostModel | None = None, costs: LayerCosts | None = None) -> PlanCosts:
+def plan_costs(
+  plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+) -> PlanCosts:
   """Plan + LayerGraph + Cluster -> PlanCosts (per-stage times, transfers, memory terms)."""
   cm = cost_model or DEFAULT_COST_MODEL
   costs = costs or layer_costs(layer_graph)
@@ -263,24 +299,34 @@ def plan_costs(plan, layer_graph: nx.DiGraph, cluster: Cluster,
     mbs.append(mb)
   edge_bytes = stage_edge_bytes(costs, stage_of)
   xfer = {}
-  for (i, j) in plan.edges:
+  for i, j in plan.edges:
     nbytes = edge_bytes.get((i, j), 0.0) * mbs[i]
     link = cluster.link_between(plan.stages[i].devices, plan.stages[j].devices)
     xfer[(i, j)] = cm.transfer_time(nbytes, link)
-  return PlanCosts(forward=tuple(fw), backward=tuple(bw), update=tuple(up),
-                   activation_transfer=xfer, cotangent_transfer=dict(xfer),
-                   static_memory=tuple(stat), activation_memory=tuple(act),
-                   microbatch=tuple(mbs))
+  return PlanCosts(
+    forward=tuple(fw),
+    backward=tuple(bw),
+    update=tuple(up),
+    activation_transfer=xfer,
+    cotangent_transfer=dict(xfer),
+    static_memory=tuple(stat),
+    activation_memory=tuple(act),
+    microbatch=tuple(mbs),
+  )
 
 
 def describe_costs(pc: PlanCosts) -> str:
   """A readable table of a PlanCosts."""
-  rows = [f"{'stage':>5s} {'mb':>6s} {'fwd ms':>9s} {'bwd ms':>9s} {'upd ms':>9s} "
-          f"{'static MiB':>11s} {'act/mb MiB':>11s}"]
+  rows = [
+    f"{'stage':>5s} {'mb':>6s} {'fwd ms':>9s} {'bwd ms':>9s} {'upd ms':>9s} "
+    f"{'static MiB':>11s} {'act/mb MiB':>11s}"
+  ]
   for i in range(len(pc.forward)):
-    rows.append(f"{i:5d} {pc.microbatch[i]:6g} {pc.forward[i] * 1e3:9.3f} "
-                f"{pc.backward[i] * 1e3:9.3f} {pc.update[i] * 1e3:9.3f} "
-                f"{pc.static_memory[i] / 2**20:11.1f} {pc.activation_memory[i] / 2**20:11.2f}")
+    rows.append(
+      f"{i:5d} {pc.microbatch[i]:6g} {pc.forward[i] * 1e3:9.3f} "
+      f"{pc.backward[i] * 1e3:9.3f} {pc.update[i] * 1e3:9.3f} "
+      f"{pc.static_memory[i] / 2**20:11.1f} {pc.activation_memory[i] / 2**20:11.2f}"
+    )
   for (i, j), t in sorted(pc.activation_transfer.items()):
     rows.append(f"  edge {i}->{j}: {t * 1e3:.3f} ms per micro-batch each way")
   return "\n".join(rows)

@@ -21,12 +21,14 @@ Two entry points:
   simulate(plan, layer_graph, cluster, ...)  times, transfers and memory from the cost model.
 ``write_chrome_trace(result, path)`` writes a Chrome / Perfetto JSON trace of a SimResult.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections import defaultdict
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 
@@ -41,6 +43,7 @@ Times = float | Sequence[float] | Mapping[int, float]
 @dataclasses.dataclass(frozen=True)
 class ActionTime:
   """When one action ran."""
+
   kind: str
   stage: int
   microbatch: int
@@ -56,6 +59,7 @@ class ActionTime:
 class TransferTime:
   """When one transfer ran: ``kind`` is "activation" (src -> dst) or "cotangent" (src -> dst,
   flowing against the stage edge dst -> src)."""
+
   kind: str
   src: int
   dst: int
@@ -81,6 +85,7 @@ class SimResult:
     stage_devices: the devices of each stage (empty tuples when not known).
     peak_memory: peak bytes per device, keyed by device index (empty when devices not known).
   """
+
   schedule: str
   num_stages: int
   num_microbatches: int
@@ -114,24 +119,34 @@ class SimResult:
     return json.dumps(self.to_dict(), sort_keys=True)
 
   @classmethod
-  def from_json(cls, s: str) -> "SimResult":
+  def from_json(cls, s: str) -> SimResult:
     d = json.loads(s)
-    return cls(schedule=d["schedule"], num_stages=d["num_stages"],
-               num_microbatches=d["num_microbatches"], iteration_time=d["iteration_time"],
-               actions=tuple(ActionTime(**a) for a in d["actions"]),
-               transfers=tuple(TransferTime(**t) for t in d["transfers"]),
-               busy=tuple(d["busy"]), bubble=tuple(d["bubble"]),
-               peak_in_flight=tuple(d["peak_in_flight"]), stage_memory=tuple(d["stage_memory"]),
-               stage_devices=tuple(tuple(x) for x in d["stage_devices"]),
-               peak_memory={int(k): v for k, v in d["peak_memory"].items()})
+    return cls(
+      schedule=d["schedule"],
+      num_stages=d["num_stages"],
+      num_microbatches=d["num_microbatches"],
+      iteration_time=d["iteration_time"],
+      actions=tuple(ActionTime(**a) for a in d["actions"]),
+      transfers=tuple(TransferTime(**t) for t in d["transfers"]),
+      busy=tuple(d["busy"]),
+      bubble=tuple(d["bubble"]),
+      peak_in_flight=tuple(d["peak_in_flight"]),
+      stage_memory=tuple(d["stage_memory"]),
+      stage_devices=tuple(tuple(x) for x in d["stage_devices"]),
+      peak_memory={int(k): v for k, v in d["peak_memory"].items()},
+    )
 
   def __str__(self) -> str:
-    rows = [f"Simulated {self.schedule}: {self.num_stages} stages x {self.num_microbatches} "
-            f"micro-batches, iteration {self.iteration_time * 1e3:.3f} ms",
-            f"{'stage':>5s} {'busy ms':>9s} {'bubble':>7s} {'in-flight':>9s} {'mem MiB':>9s}"]
+    rows = [
+      f"Simulated {self.schedule}: {self.num_stages} stages x {self.num_microbatches} "
+      f"micro-batches, iteration {self.iteration_time * 1e3:.3f} ms",
+      f"{'stage':>5s} {'busy ms':>9s} {'bubble':>7s} {'in-flight':>9s} {'mem MiB':>9s}",
+    ]
     for s in range(self.num_stages):
-      rows.append(f"{s:5d} {self.busy[s] * 1e3:9.3f} {self.bubble[s]:7.1%} "
-                  f"{self.peak_in_flight[s]:9d} {self.stage_memory[s] / 2**20:9.1f}")
+      rows.append(
+        f"{s:5d} {self.busy[s] * 1e3:9.3f} {self.bubble[s]:7.1%} "
+        f"{self.peak_in_flight[s]:9d} {self.stage_memory[s] / 2**20:9.1f}"
+      )
     return "\n".join(rows)
 
 
@@ -147,18 +162,25 @@ def _per_action(times: Any, what: str, num_stages: int) -> Callable[[int, int], 
     if isinstance(t, (int, float)):
       return float(t)
     return float(t[m])
+
   return get
 
 
-def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Sequence[Times], *,
-                   weight: Sequence[Times] | None = None,
-                   update: Sequence[float] | None = None,
-                   activation_transfer: Mapping[tuple[int, int], float] | None = None,
-                   cotangent_transfer: Mapping[tuple[int, int], float] | None = None,
-                   static_memory: Sequence[float] | None = None,
-                   activation_memory: Sequence[float] | None = None,
-                   stage_devices: Sequence[Sequence[int]] | None = None,
-                   host_dispatch: float | None = None, cores: int | None = None) -> SimResult:
+def simulate_times(
+  schedule: Schedule,
+  forward: Sequence[Times],
+  backward: Sequence[Times],
+  *,
+  weight: Sequence[Times] | None = None,
+  update: Sequence[float] | None = None,
+  activation_transfer: Mapping[tuple[int, int], float] | None = None,
+  cotangent_transfer: Mapping[tuple[int, int], float] | None = None,
+  static_memory: Sequence[float] | None = None,
+  activation_memory: Sequence[float] | None = None,
+  stage_devices: Sequence[Sequence[int]] | None = None,
+  host_dispatch: float | None = None,
+  cores: int | None = None,
+) -> SimResult:
   """Schedule + explicit times -> SimResult.
 
   Args:
@@ -193,7 +215,7 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
   devs = tuple(tuple(d) for d in stage_devices) if stage_devices is not None else ((),) * S
 
   end: dict[tuple[str, int, int], float] = {}
-  arrive: dict[tuple[str, int, int, int], float] = {}   # (kind, src, dst, m) -> arrival time
+  arrive: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, m) -> arrival time
   chan_free: dict[tuple[str, int, int], float] = defaultdict(float)
   lane_free = [0.0] * S
   pos = [0] * S
@@ -213,8 +235,11 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
     if a.kind == "F":
       return [arrive.get(("activation", p, a.stage, m)) for p in preds[a.stage]], tf(a.stage, m)
     if a.kind == "B":
-      return ([end.get(("F", a.stage, m))] +
-              [arrive.get(("cotangent", c, a.stage, m)) for c in succs[a.stage]], tb(a.stage, m))
+      return (
+        [end.get(("F", a.stage, m))]
+        + [arrive.get(("cotangent", c, a.stage, m)) for c in succs[a.stage]],
+        tb(a.stage, m),
+      )
     if a.kind == "W":
       return [end.get(("B", a.stage, m))], tw(a.stage, m)
     return [], float(up[a.stage])
@@ -262,10 +287,13 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
         pos[s] += 1
         progressed = True
     if not progressed:
-      blocked = [str(schedule.lanes[s][pos[s]]) for s in range(S)
-                 if pos[s] < len(schedule.lanes[s])]
-      raise ScheduleError(f"simulation deadlocks with actions {blocked} waiting; validate the "
-                          f"schedule with validate_schedule\n{schedule.grid()}")
+      blocked = [
+        str(schedule.lanes[s][pos[s]]) for s in range(S) if pos[s] < len(schedule.lanes[s])
+      ]
+      raise ScheduleError(
+        f"simulation deadlocks with actions {blocked} waiting; validate the "
+        f"schedule with validate_schedule\n{schedule.grid()}"
+      )
 
   T = max((a.end for a in actions), default=0.0)
   busy = [0.0] * S
@@ -281,7 +309,7 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
   peak = []
   for ev in events:
     cur = best = 0
-    for _, d in sorted(ev, key=lambda e: (e[0], e[1])):   # frees before allocations at ties
+    for _, d in sorted(ev, key=lambda e: (e[0], e[1])):  # frees before allocations at ties
       cur += d
       best = max(best, cur)
     peak.append(best)
@@ -290,31 +318,56 @@ def simulate_times(schedule: Schedule, forward: Sequence[Times], backward: Seque
   for s in range(S):
     for d in devs[s]:
       per_dev[d] = max(per_dev.get(d, 0.0), mem[s])
-  return SimResult(schedule=schedule.name, num_stages=S, num_microbatches=M, iteration_time=T,
-                   actions=tuple(actions), transfers=tuple(transfers), busy=tuple(busy),
-                   bubble=tuple((1.0 - b / T) if T > 0 else 0.0 for b in busy),
-                   peak_in_flight=tuple(peak), stage_memory=tuple(mem), stage_devices=devs,
-                   peak_memory=per_dev)
+  return SimResult(
+    schedule=schedule.name,
+    num_stages=S,
+    num_microbatches=M,
+    iteration_time=T,
+    actions=tuple(actions),
+    transfers=tuple(transfers),
+    busy=tuple(busy),
+    bubble=tuple((1.0 - b / T) if T > 0 else 0.0 for b in busy),
+    peak_in_flight=tuple(peak),
+    stage_memory=tuple(mem),
+    stage_devices=devs,
+    peak_memory=per_dev,
+  )
 
 
-def simulate(plan, layer_graph: nx.DiGraph, cluster: Cluster, *, schedule: Schedule | None = None,
-             cost_model: CostModel | None = None, costs: LayerCosts | None = None) -> SimResult:
+def simulate(
+  plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  *,
+  schedule: Schedule | None = None,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+) -> SimResult:
   """Plan + LayerGraph + Cluster -> SimResult, with times and memory from the cost model.
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph.
   """
   if schedule is None:
     from gpp_jax.passes.schedules import make_schedule
+
     schedule = make_schedule(plan.schedule, plan.num_stages, plan.edges, plan.num_microbatches)
   if schedule.num_stages != plan.num_stages:
-    raise ValueError(f"the schedule has {schedule.num_stages} stages but the plan "
-                     f"{plan.num_stages}; build the schedule from this plan")
+    raise ValueError(
+      f"the schedule has {schedule.num_stages} stages but the plan "
+      f"{plan.num_stages}; build the schedule from this plan"
+    )
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
-  return simulate_times(schedule, pc.forward, pc.backward, update=pc.update,
-                        activation_transfer=pc.activation_transfer,
-                        cotangent_transfer=pc.cotangent_transfer,
-                        static_memory=pc.static_memory, activation_memory=pc.activation_memory,
-                        stage_devices=[s.devices for s in plan.stages])
+  return simulate_times(
+    schedule,
+    pc.forward,
+    pc.backward,
+    update=pc.update,
+    activation_transfer=pc.activation_transfer,
+    cotangent_transfer=pc.cotangent_transfer,
+    static_memory=pc.static_memory,
+    activation_memory=pc.activation_memory,
+    stage_devices=[s.devices for s in plan.stages],
+  )
 
 
 def chrome_trace(result: SimResult) -> dict[str, Any]:
@@ -331,23 +384,50 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
   colors = {"F": "good", "B": "bad", "W": "terrible", "UPDATE": "generic_work"}
   for a in result.actions:
     name = f"{a.kind}{a.stage}" if a.kind == "UPDATE" else f"{a.kind}{a.stage}.{a.microbatch}"
-    ev.append({"ph": "X", "name": name, "cat": a.kind, "pid": a.stage, "tid": 0,
-               "ts": a.start * 1e6, "dur": (a.end - a.start) * 1e6, "cname": colors[a.kind],
-               "args": {"microbatch": a.microbatch}})
+    ev.append(
+      {
+        "ph": "X",
+        "name": name,
+        "cat": a.kind,
+        "pid": a.stage,
+        "tid": 0,
+        "ts": a.start * 1e6,
+        "dur": (a.end - a.start) * 1e6,
+        "cname": colors[a.kind],
+        "args": {"microbatch": a.microbatch},
+      }
+    )
   chans: dict[tuple[str, int, int], int] = {}
   for t in result.transfers:
     if t.end <= t.start:
       continue
     tid = chans.setdefault((t.kind, t.src, t.dst), len(chans))
-    ev.append({"ph": "X", "name": f"{'act' if t.kind == 'activation' else 'cot'} "
-               f"{t.src}->{t.dst} m{t.microbatch}", "cat": t.kind, "pid": links, "tid": tid,
-               "ts": t.start * 1e6, "dur": (t.end - t.start) * 1e6})
+    ev.append(
+      {
+        "ph": "X",
+        "name": f"{'act' if t.kind == 'activation' else 'cot'} {t.src}->{t.dst} m{t.microbatch}",
+        "cat": t.kind,
+        "pid": links,
+        "tid": tid,
+        "ts": t.start * 1e6,
+        "dur": (t.end - t.start) * 1e6,
+      }
+    )
   for (kind, src, dst), tid in chans.items():
-    ev.append({"ph": "M", "name": "thread_name", "pid": links, "tid": tid,
-               "args": {"name": f"{kind} {src}->{dst}"}})
-  return {"traceEvents": ev, "displayTimeUnit": "ms",
-          "otherData": {"schedule": result.schedule,
-                        "iteration_time_s": result.iteration_time}}
+    ev.append(
+      {
+        "ph": "M",
+        "name": "thread_name",
+        "pid": links,
+        "tid": tid,
+        "args": {"name": f"{kind} {src}->{dst}"},
+      }
+    )
+  return {
+    "traceEvents": ev,
+    "displayTimeUnit": "ms",
+    "otherData": {"schedule": result.schedule, "iteration_time_s": result.iteration_time},
+  }
 
 
 def write_chrome_trace(result: SimResult, path: str) -> None:

@@ -4,54 +4,89 @@
 GraphPipe held to that plan's micro-batch size ("parallel") and full GraphPipe;
 ``plot_ablation`` draws both over the sequential plan.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.experiments import plotting
-from gpp_jax.experiments.planner_runs import (MODEL_LABELS, best_row, build_graph,
-                                              default_batch_size)
-from gpp_jax.experiments.sweeps import (Log, Row, Sweep, fmt_num, ratio, run_config, run_one,
-                                        stdout_log)
+from gpp_jax.experiments.planner_runs import MODEL_LABELS, best_row, build_graph, default_batch_size
+from gpp_jax.experiments.sweeps import (
+  Log,
+  Row,
+  Sweep,
+  fmt_num,
+  ratio,
+  run_config,
+  run_one,
+  stdout_log,
+)
 
 # CSV header order of table (d).
-ABLATION_COLUMNS = ("model", "devices", "batch", "sequential", "sequential_planner",
-                    "sequential_microbatch", "parallel", "parallel_depth", "full",
-                    "full_microbatch", "full_depth", "parallel_speedup", "full_speedup")
+ABLATION_COLUMNS = (
+  "model",
+  "devices",
+  "batch",
+  "sequential",
+  "sequential_planner",
+  "sequential_microbatch",
+  "parallel",
+  "parallel_depth",
+  "full",
+  "full_microbatch",
+  "full_depth",
+  "parallel_speedup",
+  "full_speedup",
+)
 
 
-def ablation(sweep: Sweep, device_rows: Sequence[Mapping[str, Any]] = (),
-             log: Log = stdout_log) -> list[Row]:
+def ablation(
+  sweep: Sweep, device_rows: Sequence[Mapping[str, Any]] = (), log: Log = stdout_log
+) -> list[Row]:
   """(d): per model at ``ablation_devices``: the best sequential plan, GraphPipe at that plan's
   micro-batch size ("parallel": the stage-graph effect alone) and full GraphPipe (its own
   micro-batch choice). Reuses ``device_rows`` of that device count when given."""
   k = sweep.ablation_devices
   out = []
   for model in sweep.models:
-    have: Sequence[Mapping[str, Any]] = [r for r in device_rows
-                                         if r["model"] == model and r["devices"] == k]
+    have: Sequence[Mapping[str, Any]] = [
+      r for r in device_rows if r["model"] == model and r["devices"] == k
+    ]
     batch = default_batch_size(model, k)
     graph = build_graph(model, sweep.preset, batch)
     cluster = make_cluster(sweep.cluster, k)
     if not have:
-      have = run_config(sweep.planners, graph, cluster, batch,
-                        {"model": model, "devices": k, "batch": batch})
+      have = run_config(
+        sweep.planners, graph, cluster, batch, {"model": model, "devices": k, "batch": batch}
+      )
     full = next(r for r in have if r["planner"] == "graphpipe")
     seq = best_row(have, [p for p in sweep.planners if p != "graphpipe"])
-    row = {"model": model, "devices": k, "batch": batch, "full": full.get("throughput"),
-           "full_microbatch": full.get("microbatch"), "full_depth": full.get("depth")}
+    row = {
+      "model": model,
+      "devices": k,
+      "batch": batch,
+      "full": full.get("throughput"),
+      "full_microbatch": full.get("microbatch"),
+      "full_depth": full.get("depth"),
+    }
     if seq is not None:
-      par = run_one("graphpipe", graph, cluster, batch,
-                    num_microbatches=batch // seq["microbatch"])
-      row.update(sequential=seq["throughput"], sequential_planner=seq["planner"],
-                 sequential_microbatch=seq["microbatch"], parallel=par.get("throughput"),
-                 parallel_depth=par.get("depth"))
+      par = run_one("graphpipe", graph, cluster, batch, num_microbatches=batch // seq["microbatch"])
+      row.update(
+        sequential=seq["throughput"],
+        sequential_planner=seq["planner"],
+        sequential_microbatch=seq["microbatch"],
+        parallel=par.get("throughput"),
+        parallel_depth=par.get("depth"),
+      )
     out.append(row)
-    log(f"  ablation {model} x{k}: sequential {fmt_num(row.get('sequential'))} "
-        f"({row.get('sequential_planner')}, mb {row.get('sequential_microbatch')}), parallel "
-        f"{fmt_num(row.get('parallel'))}, full {fmt_num(row['full'])} "
-        f"(mb {row['full_microbatch']})")
+    log(
+      f"  ablation {model} x{k}: sequential {fmt_num(row.get('sequential'))} "
+      f"({row.get('sequential_planner')}, mb {row.get('sequential_microbatch')}), parallel "
+      f"{fmt_num(row.get('parallel'))}, full {fmt_num(row['full'])} "
+      f"(mb {row['full_microbatch']})"
+    )
   return [_with_ratios(r) for r in out]
 
 
@@ -66,9 +101,15 @@ def plot_ablation(plt, ab: Sequence[Mapping[str, Any]], out_dir: str) -> str:
   """``ablation.png``: table (d), "parallel" and full GraphPipe over the best sequential plan
   per model."""
   fig, ax = plt.subplots(figsize=(5, 3.6))
-  plotting.ratio_bars(ax, [MODEL_LABELS.get(r["model"], r["model"]) for r in ab],
-                      [("best sequential", [1.0 for _ in ab]),
-                       ("Parallel", [r["parallel_speedup"] or 0 for r in ab]),
-                       ("GraphPipe", [r["full_speedup"] or 0 for r in ab])],
-                      0.27, f"throughput / best sequential ({ab[0]['devices']} devices)")
+  plotting.ratio_bars(
+    ax,
+    [MODEL_LABELS.get(r["model"], r["model"]) for r in ab],
+    [
+      ("best sequential", [1.0 for _ in ab]),
+      ("Parallel", [r["parallel_speedup"] or 0 for r in ab]),
+      ("GraphPipe", [r["full_speedup"] or 0 for r in ab]),
+    ],
+    0.27,
+    f"throughput / best sequential ({ab[0]['devices']} devices)",
+  )
   return plotting.save(plt, fig, out_dir, "ablation.png")

@@ -4,21 +4,43 @@
 ``branch_table`` (table (b)) sets GraphPipe beside PipeDream and the best sequential plan, and
 ``plot_branches`` draws the two ratios per branch count.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.experiments import plotting
 from gpp_jax.experiments.planner_runs import build_graph, default_batch_size
-from gpp_jax.experiments.sweeps import (Log, Row, Sweep, by_planner, group_rows, ratio,
-                                        run_config, stdout_log, vs_best_sequential)
+from gpp_jax.experiments.sweeps import (
+  Log,
+  Row,
+  Sweep,
+  by_planner,
+  group_rows,
+  ratio,
+  run_config,
+  stdout_log,
+  vs_best_sequential,
+)
 
 # CSV header order of table (b).
-BRANCH_COLUMNS = ("branches", "devices", "batch", "graphpipe", "graphpipe_stages",
-                  "graphpipe_depth", "graphpipe_microbatch", "pipedream", "pipedream_stages",
-                  "best_sequential", "best_sequential_planner", "speedup",
-                  "speedup_vs_pipedream")
+BRANCH_COLUMNS = (
+  "branches",
+  "devices",
+  "batch",
+  "graphpipe",
+  "graphpipe_stages",
+  "graphpipe_depth",
+  "graphpipe_microbatch",
+  "pipedream",
+  "pipedream_stages",
+  "best_sequential",
+  "best_sequential_planner",
+  "speedup",
+  "speedup_vs_pipedream",
+)
 
 
 def branch_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
@@ -29,9 +51,15 @@ def branch_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
   cluster = make_cluster(sweep.cluster, k)
   for b in sweep.branches:
     graph = build_graph("candle_uno", sweep.preset, batch, branches=b)
-    rows += run_config(sweep.planners, graph, cluster, batch,
-                       {"model": f"candle_uno:branches={b}", "branches": b, "devices": k,
-                        "batch": batch}, f"candle_uno {b} branches x{k}", log)
+    rows += run_config(
+      sweep.planners,
+      graph,
+      cluster,
+      batch,
+      {"model": f"candle_uno:branches={b}", "branches": b, "devices": k, "batch": batch},
+      f"candle_uno {b} branches x{k}",
+      log,
+    )
   return rows
 
 
@@ -41,12 +69,21 @@ def branch_table(branch_rows: Sequence[Mapping[str, Any]]) -> list[Row]:
   for (b,), rows in group_rows(branch_rows, ("branches",)).items():
     by, gp, seq = by_planner(rows)
     pd = by.get("pipedream", {})
-    out.append({"branches": b, "devices": rows[0]["devices"], "batch": rows[0]["batch"],
-                "graphpipe": gp.get("throughput"), "graphpipe_stages": gp.get("stages"),
-                "graphpipe_depth": gp.get("depth"), "graphpipe_microbatch": gp.get("microbatch"),
-                "pipedream": pd.get("throughput"), "pipedream_stages": pd.get("stages"),
-                **vs_best_sequential(gp, seq),
-                "speedup_vs_pipedream": ratio(gp.get("throughput"), pd.get("throughput"))})
+    out.append(
+      {
+        "branches": b,
+        "devices": rows[0]["devices"],
+        "batch": rows[0]["batch"],
+        "graphpipe": gp.get("throughput"),
+        "graphpipe_stages": gp.get("stages"),
+        "graphpipe_depth": gp.get("depth"),
+        "graphpipe_microbatch": gp.get("microbatch"),
+        "pipedream": pd.get("throughput"),
+        "pipedream_stages": pd.get("stages"),
+        **vs_best_sequential(gp, seq),
+        "speedup_vs_pipedream": ratio(gp.get("throughput"), pd.get("throughput")),
+      }
+    )
   return out
 
 
@@ -54,10 +91,16 @@ def plot_branches(plt, br: Sequence[Mapping[str, Any]], out_dir: str) -> str:
   """``branches.png``: table (b), GraphPipe / PipeDream and / best sequential per branch
   count."""
   fig, ax = plt.subplots(figsize=(5, 3.6))
-  plotting.ratio_bars(ax, [str(r["branches"]) for r in br],
-                      [("GraphPipe / PipeDream", [r["speedup_vs_pipedream"] or 0 for r in br]),
-                       ("GraphPipe / best sequential", [r["speedup"] or 0 for r in br])],
-                      0.4, "throughput ratio")
+  plotting.ratio_bars(
+    ax,
+    [str(r["branches"]) for r in br],
+    [
+      ("GraphPipe / PipeDream", [r["speedup_vs_pipedream"] or 0 for r in br]),
+      ("GraphPipe / best sequential", [r["speedup"] or 0 for r in br]),
+    ],
+    0.4,
+    "throughput ratio",
+  )
   ax.axhline(1.0, color="k", linewidth=0.8)
   ax.set_xlabel(f"CANDLE-Uno branches ({br[0]['devices']} devices)")
   return plotting.save(plt, fig, out_dir, "branches.png")

@@ -10,27 +10,38 @@ ReLU pre-activation that rounding puts on the other side of zero switches that u
 gradient on or off, after which the curves separate; ``--dtype=float64`` runs both sides in
 64-bit so such crossings are out of reach and the comparison shows the computation itself.
 """
+
 from __future__ import annotations
 
 import os
 
 if __name__ == "__main__":
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  )
 
-import json  # noqa: E402
+import json
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from absl import app, flags
+from flax import nnx
 
-import gpp_jax  # noqa: E402
-from gpp_jax.experiments import zoo  # noqa: E402
+import gpp_jax
+from gpp_jax.experiments import zoo
 
 
-def loss_curves(model_name: str, steps: int, *, planner="graphpipe", num_devices: int = 8,
-                num_microbatches: int = 8, batch_size: int = 32, seed: int = 0,
-                dtype=None):
+def loss_curves(
+  model_name: str,
+  steps: int,
+  *,
+  planner="graphpipe",
+  num_devices: int = 8,
+  num_microbatches: int = 8,
+  batch_size: int = 32,
+  seed: int = 0,
+  dtype=None,
+):
   """Returns (pipelined losses, one-device losses, plan) over ``steps`` steps; ``dtype``
   as for ``zoo.setup`` (float64 needs ``jax_enable_x64``)."""
   pipe_run = zoo.setup(model_name, seed=seed, dtype=dtype)
@@ -38,9 +49,15 @@ def loss_curves(model_name: str, steps: int, *, planner="graphpipe", num_devices
   data = pipe_run.batches(batch_size, 4)
   devices = jax.devices()[:num_devices]
   from gpp_jax.cost.cluster import cpu_cluster
-  pp = gpp_jax.graph_pipeline(pipe_run.train_step, num_microbatches=num_microbatches,
-                              devices=devices, planner=planner, cluster=cpu_cluster(num_devices),
-                              layer_depth=pipe_run.spec.layer_depth)
+
+  pp = gpp_jax.graph_pipeline(
+    pipe_run.train_step,
+    num_microbatches=num_microbatches,
+    devices=devices,
+    planner=planner,
+    cluster=cpu_cluster(num_devices),
+    layer_depth=pipe_run.spec.layer_depth,
+  )
   ref = nnx.jit(ref_run.train_step)
   dev0 = devices[0]
   ref_data = [jax.device_put(b, dev0) for b in data]
@@ -55,8 +72,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "zoo models (tiny presets)")
 flags.DEFINE_integer("steps", 200, "training steps")
 flags.DEFINE_string("out", None, "write the curves as JSON here")
-flags.DEFINE_enum("dtype", "float32", ["float32", "float64"],
-                  "parameter and feature precision of both runs (float64 turns on jax_enable_x64)")
+flags.DEFINE_enum(
+  "dtype",
+  "float32",
+  ["float32", "float64"],
+  "parameter and feature precision of both runs (float64 turns on jax_enable_x64)",
+)
 
 
 def main(_):
@@ -66,11 +87,18 @@ def main(_):
   for name in FLAGS.models:
     pipe, one, plan = loss_curves(name, FLAGS.steps, dtype=FLAGS.dtype)
     diff = float(np.max(np.abs(pipe - one)))
-    results[name] = {"pipelined": pipe.tolist(), "one_device": one.tolist(), "max_diff": diff,
-                     "dtype": FLAGS.dtype,
-                     "stages": plan.num_stages, "depth": plan.depth()}
-    print(f"{name}: {plan.num_stages} stages (depth {plan.depth()}), loss {one[0]:.4f} -> "
-          f"{one[-1]:.4f} over {FLAGS.steps} steps, max |pipelined - one device| = {diff:.2e}")
+    results[name] = {
+      "pipelined": pipe.tolist(),
+      "one_device": one.tolist(),
+      "max_diff": diff,
+      "dtype": FLAGS.dtype,
+      "stages": plan.num_stages,
+      "depth": plan.depth(),
+    }
+    print(
+      f"{name}: {plan.num_stages} stages (depth {plan.depth()}), loss {one[0]:.4f} -> "
+      f"{one[-1]:.4f} over {FLAGS.steps} steps, max |pipelined - one device| = {diff:.2e}"
+    )
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       json.dump(results, f)

@@ -4,22 +4,40 @@
 micro-batch size at a time; ``microbatch_table`` (table (c)) pivots its rows and
 ``plot_microbatch`` draws samples/s over the micro-batch size.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.experiments import plotting
 from gpp_jax.experiments.planner_runs import build_graph
-from gpp_jax.experiments.sweeps import (ALL_PLANNERS, Log, Row, Sweep, by_planner, group_rows,
-                                        planner_throughputs, run_config, stdout_log,
-                                        vs_best_sequential)
+from gpp_jax.experiments.sweeps import (
+  ALL_PLANNERS,
+  Log,
+  Row,
+  Sweep,
+  by_planner,
+  group_rows,
+  planner_throughputs,
+  run_config,
+  stdout_log,
+  vs_best_sequential,
+)
 from gpp_jax.passes.partition.plan_assembly import microbatch_sizes
 
 # CSV header order of table (c).
-MICROBATCH_COLUMNS = ("microbatch", "num_microbatches", *ALL_PLANNERS, "graphpipe_depth",
-                      "best_sequential", "best_sequential_planner", "best_sequential_depth",
-                      "speedup")
+MICROBATCH_COLUMNS = (
+  "microbatch",
+  "num_microbatches",
+  *ALL_PLANNERS,
+  "graphpipe_depth",
+  "best_sequential",
+  "best_sequential_planner",
+  "best_sequential_depth",
+  "speedup",
+)
 
 
 def microbatch_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
@@ -31,11 +49,16 @@ def microbatch_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
   cluster = make_cluster(sweep.cluster, k)
   sizes = list(sweep.microbatch_list) or microbatch_sizes(B)
   for b in sizes:
-    rows += run_config(sweep.planners, graph, cluster, B,
-                       {"model": sweep.microbatch_model, "devices": k, "batch": B,
-                        "microbatch_size": b},
-                       f"{sweep.microbatch_model} micro-batch {b} x{k}", log,
-                       num_microbatches=B // b)
+    rows += run_config(
+      sweep.planners,
+      graph,
+      cluster,
+      B,
+      {"model": sweep.microbatch_model, "devices": k, "batch": B, "microbatch_size": b},
+      f"{sweep.microbatch_model} micro-batch {b} x{k}",
+      log,
+      num_microbatches=B // b,
+    )
   return rows
 
 
@@ -45,8 +68,11 @@ def microbatch_table(mb_rows: Sequence[Mapping[str, Any]]) -> list[Row]:
   for (b,), rows in group_rows(mb_rows, ("microbatch_size",)).items():
     by, gp, seq = by_planner(rows)
     row = {"microbatch": b, "num_microbatches": rows[0]["batch"] // b, **planner_throughputs(by)}
-    row.update(graphpipe_depth=gp.get("depth"), **vs_best_sequential(gp, seq),
-               best_sequential_depth=seq and seq["depth"])
+    row.update(
+      graphpipe_depth=gp.get("depth"),
+      **vs_best_sequential(gp, seq),
+      best_sequential_depth=seq and seq["depth"],
+    )
     out.append(row)
   return out
 

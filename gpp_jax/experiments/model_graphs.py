@@ -25,6 +25,7 @@ Per-layer cost formulas (per sample; multiply by the batch):
   embedding bag (rows, dim, bag): flops bag * dim; params 4 rows dim (read: 4 bag dim);
                         output 4 dim; saved 4 bag (the indices).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,23 +39,34 @@ F32 = 4
 
 def _dense(g: nx.DiGraph, name: str, d_in: int, d_out: int, B: int, inputs=()) -> str:
   params = F32 * (d_in * d_out + d_out)
-  add_layer(g, name, flops=2.0 * d_in * d_out * B,
-            bytes=params + F32 * (d_in + d_out) * B,
-            param_bytes=params, act_bytes=F32 * d_out * B,
-            saved_bytes=F32 * (d_in + d_out) * B)
+  add_layer(
+    g,
+    name,
+    flops=2.0 * d_in * d_out * B,
+    bytes=params + F32 * (d_in + d_out) * B,
+    param_bytes=params,
+    act_bytes=F32 * d_out * B,
+    saved_bytes=F32 * (d_in + d_out) * B,
+  )
   for src in inputs:
     add_edge(g, src, name, g.nodes[src]["act_bytes"])
   return name
 
 
-def _transformer(g: nx.DiGraph, name: str, s: int, h: int, a: int, f: int, B: int,
-                 inputs=()) -> str:
+def _transformer(
+  g: nx.DiGraph, name: str, s: int, h: int, a: int, f: int, B: int, inputs=()
+) -> str:
   params = F32 * (4 * h * h + 2 * h * f + f + 9 * h)
   act = F32 * s * h
-  add_layer(g, name, flops=(2.0 * s * (4 * h * h + 2 * h * f) + 4.0 * s * s * h) * B,
-            bytes=params + F32 * (16 * s * h + 4 * s * f + 3 * a * s * s) * B,
-            param_bytes=params, act_bytes=act * B,
-            saved_bytes=F32 * (12 * s * h + 2 * s * f + 2 * a * s * s) * B)
+  add_layer(
+    g,
+    name,
+    flops=(2.0 * s * (4 * h * h + 2 * h * f) + 4.0 * s * s * h) * B,
+    bytes=params + F32 * (16 * s * h + 4 * s * f + 3 * a * s * s) * B,
+    param_bytes=params,
+    act_bytes=act * B,
+    saved_bytes=F32 * (12 * s * h + 2 * s * f + 2 * a * s * s) * B,
+  )
   for src in inputs:
     add_edge(g, src, name, g.nodes[src]["act_bytes"])
   return name
@@ -69,14 +81,28 @@ def _concat(g: nx.DiGraph, name: str, inputs, B: int) -> str:
 
 
 def _loss(g: nx.DiGraph, name: str, src: str, B: int) -> str:
-  add_layer(g, name, flops=4.0 * g.nodes[src]["act_bytes"] / F32, bytes=g.nodes[src]["act_bytes"],
-            param_bytes=0.0, act_bytes=F32 * B, saved_bytes=g.nodes[src]["act_bytes"])
+  add_layer(
+    g,
+    name,
+    flops=4.0 * g.nodes[src]["act_bytes"] / F32,
+    bytes=g.nodes[src]["act_bytes"],
+    param_bytes=0.0,
+    act_bytes=F32 * B,
+    saved_bytes=g.nodes[src]["act_bytes"],
+  )
   add_edge(g, src, name, g.nodes[src]["act_bytes"])
   return name
 
 
-def mmt(batch_size: int = 32, branches: int = 4, layers: int = 8, seq: int = 256,
-        hidden: int = 1024, heads: int = 16, ffn: int = 4096) -> nx.DiGraph:
+def mmt(
+  batch_size: int = 32,
+  branches: int = 4,
+  layers: int = 8,
+  seq: int = 256,
+  hidden: int = 1024,
+  heads: int = 16,
+  ffn: int = 4096,
+) -> nx.DiGraph:
   """Multi-modal Transformer: ``branches`` towers of ``layers`` Transformer layers."""
   B = batch_size
   g = new_layer_graph(f"mmt{branches}x{layers}", B)
@@ -92,9 +118,17 @@ def mmt(batch_size: int = 32, branches: int = 4, layers: int = 8, seq: int = 256
   return g
 
 
-def dlrm(batch_size: int = 128, dense_branches: int = 7, dense_layers: int = 4,
-         hidden: int = 4096, sparse_branches: int = 7, embedding_dim: int = 64,
-         bag_size: int = 100, rows: int = 1_000_000, top_layers: int = 4) -> nx.DiGraph:
+def dlrm(
+  batch_size: int = 128,
+  dense_branches: int = 7,
+  dense_layers: int = 4,
+  hidden: int = 4096,
+  sparse_branches: int = 7,
+  embedding_dim: int = 64,
+  bag_size: int = 100,
+  rows: int = 1_000_000,
+  top_layers: int = 4,
+) -> nx.DiGraph:
   """DLRM with dense feed-forward branches and embedding-bag branches.
 
   Each dense branch has ``dense_layers`` layers at ``hidden`` whose last one projects to
@@ -115,16 +149,28 @@ def dlrm(batch_size: int = 128, dense_branches: int = 7, dense_layers: int = 4,
   for br in range(sparse_branches):
     name = f"sparse{br}.emb"
     params = F32 * rows * embedding_dim
-    add_layer(g, name, flops=float(bag_size * embedding_dim * B),
-              bytes=F32 * (bag_size * embedding_dim + embedding_dim) * B,
-              param_bytes=params, param_read_bytes=0.0, act_bytes=F32 * embedding_dim * B,
-              saved_bytes=F32 * bag_size * B)
+    add_layer(
+      g,
+      name,
+      flops=float(bag_size * embedding_dim * B),
+      bytes=F32 * (bag_size * embedding_dim + embedding_dim) * B,
+      param_bytes=params,
+      param_read_bytes=0.0,
+      act_bytes=F32 * embedding_dim * B,
+      saved_bytes=F32 * bag_size * B,
+    )
     tails.append(name)
   n = len(tails)
   width = n * embedding_dim + n * (n - 1) // 2
-  add_layer(g, "interaction", flops=float(n * n * embedding_dim * B),
-            bytes=F32 * (n * embedding_dim + width) * B, param_bytes=0.0,
-            act_bytes=F32 * width * B, saved_bytes=F32 * n * embedding_dim * B)
+  add_layer(
+    g,
+    "interaction",
+    flops=float(n * n * embedding_dim * B),
+    bytes=F32 * (n * embedding_dim + width) * B,
+    param_bytes=0.0,
+    act_bytes=F32 * width * B,
+    saved_bytes=F32 * n * embedding_dim * B,
+  )
   for src in tails:
     add_edge(g, src, "interaction", g.nodes[src]["act_bytes"])
   prev = "interaction"
@@ -135,8 +181,9 @@ def dlrm(batch_size: int = 128, dense_branches: int = 7, dense_layers: int = 4,
   return g
 
 
-def candle_uno(batch_size: int = 128, branches: int = 7, layers: int = 4, hidden: int = 4096,
-               top_layers: int = 4) -> nx.DiGraph:
+def candle_uno(
+  batch_size: int = 128, branches: int = 7, layers: int = 4, hidden: int = 4096, top_layers: int = 4
+) -> nx.DiGraph:
   """CANDLE-Uno: ``branches`` feature towers of ``layers`` dense layers, then a top MLP."""
   if branches < 1:
     raise ValueError(f"CANDLE-Uno needs at least one branch, got {branches}")
@@ -156,21 +203,35 @@ def candle_uno(batch_size: int = 128, branches: int = 7, layers: int = 4, hidden
   return g
 
 
-def gpt(batch_size: int = 32, layers: int = 24, seq: int = 1024, hidden: int = 1024,
-        heads: int = 16, ffn: int | None = None, vocab: int = 50257) -> nx.DiGraph:
+def gpt(
+  batch_size: int = 32,
+  layers: int = 24,
+  seq: int = 1024,
+  hidden: int = 1024,
+  heads: int = 16,
+  ffn: int | None = None,
+  vocab: int = 50257,
+) -> nx.DiGraph:
   """GPT-style chain: token embedding, ``layers`` Transformer layers, LM head."""
   B = batch_size
   ffn = ffn or 4 * hidden
   g = new_layer_graph(f"gpt{layers}", B)
   params = F32 * vocab * hidden
-  add_layer(g, "embed", flops=float(seq * hidden * B), bytes=F32 * 2 * seq * hidden * B,
-            param_bytes=params, param_read_bytes=0.0, act_bytes=F32 * seq * hidden * B,
-            saved_bytes=F32 * seq * B)
+  add_layer(
+    g,
+    "embed",
+    flops=float(seq * hidden * B),
+    bytes=F32 * 2 * seq * hidden * B,
+    param_bytes=params,
+    param_read_bytes=0.0,
+    act_bytes=F32 * seq * hidden * B,
+    saved_bytes=F32 * seq * B,
+  )
   prev = "embed"
   for l in range(layers):
     prev = _transformer(g, f"layer{l}", seq, hidden, heads, ffn, B, [prev])
   head = _dense(g, "lm_head", hidden, vocab, B * seq, [prev])
-  g.nodes[head]["act_bytes"] = F32 * seq * B   # the loss reads logits in place; pass labels' size
+  g.nodes[head]["act_bytes"] = F32 * seq * B  # the loss reads logits in place; pass labels' size
   g.nodes[head]["saved_bytes"] = F32 * seq * (hidden + vocab) * B
   _loss(g, "loss", head, B)
   return g
@@ -187,7 +248,12 @@ def chain(batch_size: int = 8, layers: int = 8, hidden: int = 1024) -> nx.DiGrap
 
 
 PRESETS: dict[str, Callable[..., nx.DiGraph]] = {
-    "mmt": mmt, "dlrm": dlrm, "candle_uno": candle_uno, "gpt": gpt, "chain": chain}
+  "mmt": mmt,
+  "dlrm": dlrm,
+  "candle_uno": candle_uno,
+  "gpt": gpt,
+  "chain": chain,
+}
 
 
 def model_graph(name: str, **shape) -> nx.DiGraph:
@@ -198,19 +264,28 @@ def model_graph(name: str, **shape) -> nx.DiGraph:
     raise ValueError(f"unknown model graph {name!r}; choose one of {sorted(PRESETS)}") from None
 
 
-def random_dag(seed: int, num_layers: int = 6, edge_prob: float = 0.4,
-               batch_size: int = 8, hidden: int = 512) -> nx.DiGraph:
+def random_dag(
+  seed: int, num_layers: int = 6, edge_prob: float = 0.4, batch_size: int = 8, hidden: int = 512
+) -> nx.DiGraph:
   """A random layer DAG with dense-layer-like costs (for tests): layer i may feed any later
   layer with probability ``edge_prob``; widths vary so layers differ in cost."""
   import random
+
   rng = random.Random(seed)
   B = batch_size
   g = new_layer_graph(f"random{seed}", B)
   for i in range(num_layers):
     w = hidden * rng.choice((1, 2, 3, 4))
     params = F32 * w * hidden
-    add_layer(g, f"l{i}", flops=2.0 * w * hidden * B, bytes=params + F32 * (w + hidden) * B,
-              param_bytes=params, act_bytes=F32 * hidden * B, saved_bytes=F32 * (w + hidden) * B)
+    add_layer(
+      g,
+      f"l{i}",
+      flops=2.0 * w * hidden * B,
+      bytes=params + F32 * (w + hidden) * B,
+      param_bytes=params,
+      act_bytes=F32 * hidden * B,
+      saved_bytes=F32 * (w + hidden) * B,
+    )
   for i in range(num_layers):
     for j in range(i + 1, num_layers):
       if rng.random() < edge_prob:
@@ -218,19 +293,28 @@ def random_dag(seed: int, num_layers: int = 6, edge_prob: float = 0.4,
   return g
 
 
-def random_sp_dag(seed: int, num_layers: int = 6, batch_size: int = 8,
-                  hidden: int = 512) -> nx.DiGraph:
+def random_sp_dag(
+  seed: int, num_layers: int = 6, batch_size: int = 8, hidden: int = 512
+) -> nx.DiGraph:
   """A random series-parallel layer DAG (for tests): the layers are split recursively into
   series parts (every sink of a part feeds every source of the next) or parallel parts."""
   import random
+
   rng = random.Random(seed)
   B = batch_size
   g = new_layer_graph(f"random_sp{seed}", B)
   for i in range(num_layers):
     w = hidden * rng.choice((1, 2, 3, 4))
     params = F32 * w * hidden
-    add_layer(g, f"l{i}", flops=2.0 * w * hidden * B, bytes=params + F32 * (w + hidden) * B,
-              param_bytes=params, act_bytes=F32 * hidden * B, saved_bytes=F32 * (w + hidden) * B)
+    add_layer(
+      g,
+      f"l{i}",
+      flops=2.0 * w * hidden * B,
+      bytes=params + F32 * (w + hidden) * B,
+      param_bytes=params,
+      act_bytes=F32 * hidden * B,
+      saved_bytes=F32 * (w + hidden) * B,
+    )
 
   def build(names: list[str]) -> tuple[list[str], list[str]]:
     """Wires ``names`` into an SP graph; returns its (sources, sinks)."""
@@ -249,14 +333,22 @@ def random_sp_dag(seed: int, num_layers: int = 6, batch_size: int = 8,
   return g
 
 
-def random_branches(seed: int, branches: int = 2, max_branch_layers: int = 2,
-                    batch_size: int = 8, hidden: int = 512, fork: bool | None = None,
-                    join: bool = True, identical: bool = False) -> nx.DiGraph:
+def random_branches(
+  seed: int,
+  branches: int = 2,
+  max_branch_layers: int = 2,
+  batch_size: int = 8,
+  hidden: int = 512,
+  fork: bool | None = None,
+  join: bool = True,
+  identical: bool = False,
+) -> nx.DiGraph:
   """A small multi-branch graph (for tests), shaped like the benchmark models: an optional
   fork layer, ``branches`` chains of 1..max_branch_layers layers with random widths, and a
   join layer. ``identical``: every branch has the same length and widths (like the towers of
   CANDLE-Uno or MMT)."""
   import random
+
   rng = random.Random(seed)
   B = batch_size
   g = new_layer_graph(f"random_branches{seed}", B)
@@ -265,8 +357,15 @@ def random_branches(seed: int, branches: int = 2, max_branch_layers: int = 2,
   def layer(name: str, inputs, width: int | None = None) -> str:
     w = hidden * (width or rng.choice((1, 2, 3, 4)))
     params = F32 * w * hidden
-    add_layer(g, name, flops=2.0 * w * hidden * B, bytes=params + F32 * (w + hidden) * B,
-              param_bytes=params, act_bytes=F32 * hidden * B, saved_bytes=F32 * (w + hidden) * B)
+    add_layer(
+      g,
+      name,
+      flops=2.0 * w * hidden * B,
+      bytes=params + F32 * (w + hidden) * B,
+      param_bytes=params,
+      act_bytes=F32 * hidden * B,
+      saved_bytes=F32 * (w + hidden) * B,
+    )
     for src in inputs:
       add_edge(g, src, name, g.nodes[src]["act_bytes"])
     return name

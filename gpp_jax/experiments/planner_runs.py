@@ -13,16 +13,18 @@ Presets:
 Mini-batch: the paper sizes mini-batches "close to the memory limit" (its table is lost), so the
 default grows with the device count: ``PER_DEVICE_BATCH[model] * num_devices``.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 
-from gpp_jax.experiments import model_graphs
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.errors import PlanError
+from gpp_jax.experiments import model_graphs
 from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS
 
 # Samples per device of the default mini-batch (the planner benchmark's choice).
@@ -30,16 +32,29 @@ PER_DEVICE_BATCH = {"mmt": 8, "dlrm": 128, "candle_uno": 128, "gpt": 8, "chain":
 
 # Small shapes with the paper models' topologies (branch counts kept, widths cut).
 TINY_SHAPES: dict[str, dict[str, Any]] = {
-    "mmt": dict(branches=4, layers=2, seq=16, hidden=64, heads=4, ffn=256),
-    "dlrm": dict(dense_branches=3, dense_layers=2, hidden=256, sparse_branches=3,
-                 embedding_dim=16, bag_size=8, rows=10_000, top_layers=2),
-    "candle_uno": dict(branches=7, layers=2, hidden=256, top_layers=2),
-    "gpt": dict(layers=4, seq=64, hidden=128, heads=4, vocab=1000),
-    "chain": dict(layers=6, hidden=256),
+  "mmt": dict(branches=4, layers=2, seq=16, hidden=64, heads=4, ffn=256),
+  "dlrm": dict(
+    dense_branches=3,
+    dense_layers=2,
+    hidden=256,
+    sparse_branches=3,
+    embedding_dim=16,
+    bag_size=8,
+    rows=10_000,
+    top_layers=2,
+  ),
+  "candle_uno": dict(branches=7, layers=2, hidden=256, top_layers=2),
+  "gpt": dict(layers=4, seq=64, hidden=128, heads=4, vocab=1000),
+  "chain": dict(layers=6, hidden=256),
 }
 PRESETS = ("paper", "tiny")
-MODEL_LABELS = {"mmt": "MMT", "dlrm": "DLRM", "candle_uno": "CANDLE-Uno", "gpt": "GPT",
-                "chain": "chain"}
+MODEL_LABELS = {
+  "mmt": "MMT",
+  "dlrm": "DLRM",
+  "candle_uno": "CANDLE-Uno",
+  "gpt": "GPT",
+  "chain": "chain",
+}
 
 
 def default_batch_size(model: str, num_devices: int) -> int:
@@ -47,8 +62,7 @@ def default_batch_size(model: str, num_devices: int) -> int:
   return PER_DEVICE_BATCH.get(model, 8) * num_devices
 
 
-def build_graph(model: str, preset: str = "paper", batch_size: int = 128,
-                **shape) -> nx.DiGraph:
+def build_graph(model: str, preset: str = "paper", batch_size: int = 128, **shape) -> nx.DiGraph:
   """A synthetic LayerGraph of ``model`` at ``preset`` shapes (``shape`` overrides any)."""
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
@@ -57,9 +71,16 @@ def build_graph(model: str, preset: str = "paper", batch_size: int = 128,
   return model_graphs.model_graph(model, batch_size=batch_size, **base)
 
 
-def run_planner(name: str, graph: nx.DiGraph, cluster: Cluster, batch_size: int, *,
-                num_microbatches: int | None = None, keep_plan: bool = False,
-                **options) -> dict[str, Any]:
+def run_planner(
+  name: str,
+  graph: nx.DiGraph,
+  cluster: Cluster,
+  batch_size: int,
+  *,
+  num_microbatches: int | None = None,
+  keep_plan: bool = False,
+  **options,
+) -> dict[str, Any]:
   """Runs planner ``name`` and returns one row.
 
   A plan gives ``throughput`` (samples/s), ``iteration_time`` (s), ``stages``, ``depth``,
@@ -71,26 +92,33 @@ def run_planner(name: str, graph: nx.DiGraph, cluster: Cluster, batch_size: int,
   """
   t0 = time.perf_counter()
   try:
-    plan = PLANNERS[name](graph, cluster, batch_size, num_microbatches=num_microbatches,
-                          **options)
+    plan = PLANNERS[name](graph, cluster, batch_size, num_microbatches=num_microbatches, **options)
   except (PlanError, ValueError) as e:
     return {"planner": name, "error": str(e), "seconds": time.perf_counter() - t0}
   seconds = time.perf_counter() - t0
   p = plan.predicted
-  row = {"planner": name, "seconds": seconds,
-         "throughput": p["throughput"], "iteration_time": p["iteration_time"],
-         "stages": plan.num_stages, "depth": plan.depth(),
-         "microbatch": plan.stages[0].microbatch_size,
-         "num_microbatches": plan.num_microbatches, "max_memory": p["max_memory"],
-         "memory_ok": p["memory_ok"], "idle_devices": len(p["idle_devices"]),
-         "schedule": plan.schedule}
+  row = {
+    "planner": name,
+    "seconds": seconds,
+    "throughput": p["throughput"],
+    "iteration_time": p["iteration_time"],
+    "stages": plan.num_stages,
+    "depth": plan.depth(),
+    "microbatch": plan.stages[0].microbatch_size,
+    "num_microbatches": plan.num_microbatches,
+    "max_memory": p["max_memory"],
+    "memory_ok": p["memory_ok"],
+    "idle_devices": len(p["idle_devices"]),
+    "schedule": plan.schedule,
+  }
   if keep_plan:
     row["plan"] = plan
   return row
 
 
-def run_planners(names: Iterable[str], graph: nx.DiGraph, cluster: Cluster, batch_size: int,
-                 **kw) -> list[dict[str, Any]]:
+def run_planners(
+  names: Iterable[str], graph: nx.DiGraph, cluster: Cluster, batch_size: int, **kw
+) -> list[dict[str, Any]]:
   """``run_planner`` for each name, in order."""
   return [run_planner(n, graph, cluster, batch_size, **kw) for n in names]
 
@@ -100,8 +128,9 @@ def short_error(row: Mapping[str, Any]) -> str:
   return str(row.get("error", "")).split(";")[0]
 
 
-def best_row(rows: Sequence[Mapping[str, Any]],
-             planners: Iterable[str] = SEQUENTIAL_PLANNERS) -> Mapping[str, Any] | None:
+def best_row(
+  rows: Sequence[Mapping[str, Any]], planners: Iterable[str] = SEQUENTIAL_PLANNERS
+) -> Mapping[str, Any] | None:
   """The row with the highest throughput among ``planners`` (None if none of them planned)."""
   names = set(planners)
   ok = [r for r in rows if r["planner"] in names and r.get("throughput")]

@@ -5,15 +5,22 @@ styles, the two kinds of axes the figures draw (one line per planner; grouped ba
 and saving a figure. The figure modules (``throughput``, ``branches``, ``microbatch``,
 ``ablation``) each draw their own plot with these.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gpp_jax.experiments.sweeps import ALL_PLANNERS
 
-PLANNER_LABELS = {"graphpipe": "GraphPipe", "pipedream": "PipeDream", "piper": "Piper",
-                  "bapipe": "BaPipe", "luo": "Luo et al."}
+PLANNER_LABELS = {
+  "graphpipe": "GraphPipe",
+  "pipedream": "PipeDream",
+  "piper": "Piper",
+  "bapipe": "BaPipe",
+  "luo": "Luo et al.",
+}
 PLANNER_STYLES = {"graphpipe": {"marker": "o", "linewidth": 2.2}}
 DEFAULT_STYLE = {"marker": "."}
 
@@ -22,6 +29,7 @@ def pyplot() -> Any | None:
   """``matplotlib.pyplot`` on the Agg backend, or None (with a notice) without matplotlib."""
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -43,8 +51,9 @@ def planner_lines(ax, rows: Sequence[Mapping[str, Any]], x_key: str) -> None:
   ax.grid(alpha=0.3)
 
 
-def ratio_bars(ax, ticks: Sequence[str], series: Sequence[tuple[str, Sequence[float]]],
-               width: float, ylabel: str) -> None:
+def ratio_bars(
+  ax, ticks: Sequence[str], series: Sequence[tuple[str, Sequence[float]]], width: float, ylabel: str
+) -> None:
   """Grouped bars: one group per tick, one bar per (label, values) of ``series``, centred on
   the tick; a legend of the series' labels."""
   x = list(range(len(ticks)))

@@ -31,12 +31,14 @@ or table has its own module (``throughput``: (a) and (e); ``branches``: (b); ``m
 ``FULL``, ``QUICK``) and what the sweeps share, ``plotting`` the matplotlib helpers, and
 ``report`` the CSV, markdown and plot writers and ``results.md``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from gpp_jax.experiments.ablation import ABLATION_COLUMNS, ablation
 from gpp_jax.experiments.branches import BRANCH_COLUMNS, branch_sweep, branch_table
@@ -45,25 +47,35 @@ from gpp_jax.experiments.microbatch import MICROBATCH_COLUMNS, microbatch_sweep,
 from gpp_jax.experiments.report import results_markdown, write_csv, write_plots
 from gpp_jax.experiments.sweeps import FULL, QUICK, Sweep
 from gpp_jax.experiments.sweeps import stdout_log as _log
-from gpp_jax.experiments.throughput import (SEARCH_COLUMNS, THROUGHPUT_COLUMNS, device_sweep,
-                                            search_time_table, throughput_table)
+from gpp_jax.experiments.throughput import (
+  SEARCH_COLUMNS,
+  THROUGHPUT_COLUMNS,
+  device_sweep,
+  search_time_table,
+  throughput_table,
+)
 
 
-def reproduce(sweep: Sweep, out_dir: str, *, loss: bool = True, plots: bool = True,
-              command: str = "") -> dict[str, list[dict[str, Any]]]:
+def reproduce(
+  sweep: Sweep, out_dir: str, *, loss: bool = True, plots: bool = True, command: str = ""
+) -> dict[str, list[dict[str, Any]]]:
   """Runs every sweep and writes the CSVs, plots and ``results.md`` to ``out_dir``."""
   t0 = time.perf_counter()
   os.makedirs(out_dir, exist_ok=True)
   _log(f"(a) device sweep: {', '.join(sweep.models)} on {sweep.devices} devices")
   dev = device_sweep(sweep)
-  tables: dict[str, list[dict[str, Any]]] = {"throughput": throughput_table(dev),
-                                             "search_time": search_time_table(dev)}
+  tables: dict[str, list[dict[str, Any]]] = {
+    "throughput": throughput_table(dev),
+    "search_time": search_time_table(dev),
+  }
   _log(f"(b) branch sweep: CANDLE-Uno {sweep.branches} branches, {sweep.branch_devices} devices")
   branch_rows = branch_sweep(sweep)
   tables["branches"] = branch_table(branch_rows)
   tables["search_time"] += search_time_table(branch_rows)
-  _log(f"(c) micro-batch sweep: {sweep.microbatch_model}, {sweep.microbatch_devices} devices, "
-       f"mini-batch {sweep.microbatch_batch}")
+  _log(
+    f"(c) micro-batch sweep: {sweep.microbatch_model}, {sweep.microbatch_devices} devices, "
+    f"mini-batch {sweep.microbatch_batch}"
+  )
   tables["microbatch"] = microbatch_table(microbatch_sweep(sweep))
   _log(f"(d) ablation at {sweep.ablation_devices} devices")
   tables["ablation"] = ablation(sweep, dev)
@@ -71,19 +83,28 @@ def reproduce(sweep: Sweep, out_dir: str, *, loss: bool = True, plots: bool = Tr
     _log(f"real training: {', '.join(sweep.loss_models)}, {sweep.steps} steps on 8 CPU devices")
     tables["loss_check"] = loss_check(sweep.loss_models, sweep.steps)
     for r in tables["loss_check"]:
-      _log(f"  {r['model']} ({r['dtype']}): " + (f"max diff {r['max_diff']:.2e}" if "max_diff" in r
-                                  else r["error"]))
-  columns = {"throughput": THROUGHPUT_COLUMNS, "search_time": SEARCH_COLUMNS,
-             "branches": BRANCH_COLUMNS, "microbatch": MICROBATCH_COLUMNS,
-             "ablation": ABLATION_COLUMNS, "loss_check": LOSS_COLUMNS}
+      _log(
+        f"  {r['model']} ({r['dtype']}): "
+        + (f"max diff {r['max_diff']:.2e}" if "max_diff" in r else r["error"])
+      )
+  columns = {
+    "throughput": THROUGHPUT_COLUMNS,
+    "search_time": SEARCH_COLUMNS,
+    "branches": BRANCH_COLUMNS,
+    "microbatch": MICROBATCH_COLUMNS,
+    "ablation": ABLATION_COLUMNS,
+    "loss_check": LOSS_COLUMNS,
+  }
   for name, rows in tables.items():
     write_csv(rows, columns[name], os.path.join(out_dir, f"{name}.csv"))
   files = write_plots(tables, out_dir) if plots else []
   md = results_markdown(tables, sweep, files, command, time.perf_counter() - t0)
   with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write(md)
-  _log(f"wrote {', '.join([f'{n}.csv' for n in tables] + files + ['results.md'])} to "
-       f"{out_dir} in {time.perf_counter() - t0:.0f} s")
+  _log(
+    f"wrote {', '.join([f'{n}.csv' for n in tables] + files + ['results.md'])} to "
+    f"{out_dir} in {time.perf_counter() - t0:.0f} s"
+  )
   return tables
 
 
@@ -91,16 +112,19 @@ def define_flags() -> None:
   """Defines the flags (only when run as a program: ``gpp_jax.train`` and ``loss_curves``
   define flags of the same names)."""
   from absl import flags
+
   flags.DEFINE_string("out_dir", "docs/", "folder for results.md, the CSVs and the plots")
   flags.DEFINE_bool("quick", False, "reduced sweep (4 and 8 devices, 20 training steps)")
-  flags.DEFINE_integer("steps", None, "training steps of the real-training check (default "
-                       "200, 20 with --quick)")
+  flags.DEFINE_integer(
+    "steps", None, "training steps of the real-training check (default 200, 20 with --quick)"
+  )
   flags.DEFINE_bool("loss_check", True, "run the real-training check (a subprocess)")
   flags.DEFINE_bool("plots", True, "write PNG plots when matplotlib is importable")
 
 
 def main(argv: Sequence[str]) -> None:
   from absl import app, flags
+
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   FLAGS = flags.FLAGS
@@ -113,5 +137,6 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
   from absl import app
+
   define_flags()
   app.run(main)

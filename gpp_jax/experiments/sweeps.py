@@ -9,13 +9,15 @@ Each sweep returns long-form rows: one per (configuration, planner), the fields 
 ``planner_runs.run_planner`` plus the configuration. Each figure module's table builder
 pivots them into one row per configuration.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
-from gpp_jax.passes.partition import SEQUENTIAL_PLANNERS
 from gpp_jax.experiments.planner_runs import best_row, run_planner, short_error
+from gpp_jax.passes.partition import SEQUENTIAL_PLANNERS
 
 ALL_PLANNERS = ("graphpipe",) + tuple(SEQUENTIAL_PLANNERS)
 # The sequential planners the paper compares against (Fig. 6, Table 1).
@@ -44,6 +46,7 @@ class Sweep:
     ablation_devices: device count of the ablation.
     loss_models, steps: the real-training check (zoo models, tiny presets).
   """
+
   models: tuple[str, ...] = ("mmt", "dlrm", "candle_uno")
   devices: tuple[int, ...] = (4, 8, 16, 32)
   planners: tuple[str, ...] = ALL_PLANNERS
@@ -65,8 +68,14 @@ class Sweep:
 
 
 FULL = Sweep()
-QUICK = Sweep(devices=(4, 8), branches=(2, 4), branch_devices=8, microbatch_list=(8, 32),
-              ablation_devices=8, steps=20)
+QUICK = Sweep(
+  devices=(4, 8),
+  branches=(2, 4),
+  branch_devices=8,
+  microbatch_list=(8, 32),
+  ablation_devices=8,
+  steps=20,
+)
 
 
 def stdout_log(msg: str) -> None:
@@ -76,6 +85,7 @@ def stdout_log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------ running
 
+
 def run_one(name: str, graph, cluster, batch: int, **kw) -> Row:
   """``planner_runs.run_planner`` with a failed row's message cut to its cause."""
   row = run_planner(name, graph, cluster, batch, **kw)
@@ -84,8 +94,16 @@ def run_one(name: str, graph, cluster, batch: int, **kw) -> Row:
   return row
 
 
-def run_config(planners: Sequence[str], graph, cluster, batch: int, fields: Mapping[str, Any],
-               label: str = "", log: Log | None = None, **kw) -> list[Row]:
+def run_config(
+  planners: Sequence[str],
+  graph,
+  cluster,
+  batch: int,
+  fields: Mapping[str, Any],
+  label: str = "",
+  log: Log | None = None,
+  **kw,
+) -> list[Row]:
   """Every planner on one configuration: one row per planner, ``fields`` (the configuration)
   first, then ``run_one``'s row (``kw`` go to the planner). With ``log``, one line
   ``"  {label}: "`` + each planner's result once all have run."""
@@ -104,6 +122,7 @@ def brief(r: Mapping[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- table helpers
 
+
 def group_rows(rows: Iterable[Mapping[str, Any]], keys: Sequence[str]) -> dict[tuple, list]:
   """Rows grouped by the values of ``keys``, groups in first-seen order."""
   groups: dict[tuple, list] = {}
@@ -112,9 +131,9 @@ def group_rows(rows: Iterable[Mapping[str, Any]], keys: Sequence[str]) -> dict[t
   return groups
 
 
-def by_planner(rows: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Mapping[str, Any]],
-                                                           Mapping[str, Any],
-                                                           Mapping[str, Any] | None]:
+def by_planner(
+  rows: Sequence[Mapping[str, Any]],
+) -> tuple[dict[str, Mapping[str, Any]], Mapping[str, Any], Mapping[str, Any] | None]:
   """One configuration's rows as (row per planner, GraphPipe's row ({} when absent), the best
   sequential row (None when no sequential planner planned))."""
   by = {r["planner"]: r for r in rows}
@@ -128,9 +147,11 @@ def planner_throughputs(by: Mapping[str, Mapping[str, Any]]) -> Row:
 
 def vs_best_sequential(gp: Mapping[str, Any], seq: Mapping[str, Any] | None) -> Row:
   """The best sequential plan's throughput and planner, and GraphPipe / that throughput."""
-  return {"best_sequential": seq and seq["throughput"],
-          "best_sequential_planner": seq and seq["planner"],
-          "speedup": ratio(gp.get("throughput"), seq and seq["throughput"])}
+  return {
+    "best_sequential": seq and seq["throughput"],
+    "best_sequential_planner": seq and seq["planner"],
+    "speedup": ratio(gp.get("throughput"), seq and seq["throughput"]),
+  }
 
 
 def ratio(a, b) -> float | None:

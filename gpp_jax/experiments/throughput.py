@@ -4,24 +4,53 @@ The device sweep runs every planner on every model and device count; ``throughpu
 (table (a)) and ``search_time_table`` (table (e)) pivot its rows, and ``plot_throughput``
 draws table (a), one panel per model.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.experiments import plotting
 from gpp_jax.experiments.planner_runs import MODEL_LABELS, build_graph, default_batch_size
-from gpp_jax.experiments.sweeps import (ALL_PLANNERS, PAPER_BASELINES, Log, Row, Sweep,
-                                        by_planner, group_rows, planner_throughputs, run_config,
-                                        stdout_log, vs_best_sequential)
+from gpp_jax.experiments.sweeps import (
+  ALL_PLANNERS,
+  PAPER_BASELINES,
+  Log,
+  Row,
+  Sweep,
+  by_planner,
+  group_rows,
+  planner_throughputs,
+  run_config,
+  stdout_log,
+  vs_best_sequential,
+)
 
 # CSV header order of each table.
-THROUGHPUT_COLUMNS = ("model", "devices", "batch", *[f"{p}" for p in ALL_PLANNERS],
-                      "graphpipe_stages", "graphpipe_depth", "graphpipe_microbatch",
-                      "best_sequential", "best_sequential_planner", "best_sequential_stages",
-                      "best_sequential_microbatch", "speedup", "failed")
-SEARCH_COLUMNS = ("model", "devices", *[f"{p}_s" for p in ALL_PLANNERS], "failed",
-                  "pipedream_over_graphpipe", "piper_over_graphpipe")
+THROUGHPUT_COLUMNS = (
+  "model",
+  "devices",
+  "batch",
+  *[f"{p}" for p in ALL_PLANNERS],
+  "graphpipe_stages",
+  "graphpipe_depth",
+  "graphpipe_microbatch",
+  "best_sequential",
+  "best_sequential_planner",
+  "best_sequential_stages",
+  "best_sequential_microbatch",
+  "speedup",
+  "failed",
+)
+SEARCH_COLUMNS = (
+  "model",
+  "devices",
+  *[f"{p}_s" for p in ALL_PLANNERS],
+  "failed",
+  "pipedream_over_graphpipe",
+  "piper_over_graphpipe",
+)
 
 
 def device_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
@@ -32,8 +61,15 @@ def device_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
       batch = default_batch_size(model, k)
       graph = build_graph(model, sweep.preset, batch)
       cluster = make_cluster(sweep.cluster, k)
-      rows += run_config(sweep.planners, graph, cluster, batch,
-                         {"model": model, "devices": k, "batch": batch}, f"{model} x{k}", log)
+      rows += run_config(
+        sweep.planners,
+        graph,
+        cluster,
+        batch,
+        {"model": model, "devices": k, "batch": batch},
+        f"{model} x{k}",
+        log,
+      )
   return rows
 
 
@@ -44,11 +80,15 @@ def throughput_table(device_rows: Sequence[Mapping[str, Any]]) -> list[Row]:
   for (model, k), rows in group_rows(device_rows, ("model", "devices")).items():
     by, gp, seq = by_planner(rows)
     row = {"model": model, "devices": k, "batch": rows[0]["batch"], **planner_throughputs(by)}
-    row.update(graphpipe_stages=gp.get("stages"), graphpipe_depth=gp.get("depth"),
-               graphpipe_microbatch=gp.get("microbatch"), **vs_best_sequential(gp, seq),
-               best_sequential_stages=seq and seq["stages"],
-               best_sequential_microbatch=seq and seq["microbatch"],
-               failed=" ".join(r["planner"] for r in rows if "error" in r))
+    row.update(
+      graphpipe_stages=gp.get("stages"),
+      graphpipe_depth=gp.get("depth"),
+      graphpipe_microbatch=gp.get("microbatch"),
+      **vs_best_sequential(gp, seq),
+      best_sequential_stages=seq and seq["stages"],
+      best_sequential_microbatch=seq and seq["microbatch"],
+      failed=" ".join(r["planner"] for r in rows if "error" in r),
+    )
     out.append(row)
   return out
 

@@ -1,8 +1,10 @@
 """Training set-up for the model-zoo models: model, optimizer, step function, data."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +34,19 @@ class ZooRun:
       x = np.asarray(x)
       return x.astype(self.dtype) if self.dtype and np.issubdtype(x.dtype, np.floating) else x
 
-    return [jax.tree.map(host, self.spec.synthetic_batch(self.config, batch_size, k))
-            for k in keys]
+    return [jax.tree.map(host, self.spec.synthetic_batch(self.config, batch_size, k)) for k in keys]
 
 
-def setup(model_name: str, preset: str = "tiny", *, seed: int = 0, learning_rate: float = 1e-3,
-          clip_norm: float = 1.0, dtype: Any = None, **overrides) -> ZooRun:
+def setup(
+  model_name: str,
+  preset: str = "tiny",
+  *,
+  seed: int = 0,
+  learning_rate: float = 1e-3,
+  clip_norm: float = 1.0,
+  dtype: Any = None,
+  **overrides,
+) -> ZooRun:
   """A zoo model with AdamW (and global-norm clipping) and an NNX-style train step.
 
   The step is written the way the NNX docs write one, with ``gpp_jax.value_and_grad``; undecorated
@@ -49,15 +58,21 @@ def setup(model_name: str, preset: str = "tiny", *, seed: int = 0, learning_rate
   if dtype is not None:
     dtype = np.dtype(dtype)
     if dtype.itemsize == 8 and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
-      raise ValueError(f"dtype={dtype} needs 64-bit JAX: set jax.config.update("
-                       "'jax_enable_x64', True) (or JAX_ENABLE_X64=1) before creating arrays")
+      raise ValueError(
+        f"dtype={dtype} needs 64-bit JAX: set jax.config.update("
+        "'jax_enable_x64', True) (or JAX_ENABLE_X64=1) before creating arrays"
+      )
   spec = get_model(model_name)
   config = spec.preset(preset, **overrides)
   model = spec.make_model(config, nnx.Rngs(seed))
   if dtype is not None:
     params = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
+    nnx.update(
+      model,
+      jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
+      ),
+    )
   chain = [optax.clip_by_global_norm(clip_norm)] if clip_norm > 0 else []
   optimizer = nnx.Optimizer(model, optax.chain(*chain, optax.adamw(learning_rate)), wrt=nnx.Param)
 

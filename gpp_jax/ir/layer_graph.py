@@ -22,6 +22,7 @@ Node (layer) attributes, all for ``batch_size`` samples, forward pass only:
 Edge attributes:
   bytes: float        bytes flowing along the edge per ``batch_size`` samples.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,16 +40,30 @@ def new_layer_graph(name: str, batch_size: int) -> nx.DiGraph:
   return nx.DiGraph(name=name, batch_size=int(batch_size))
 
 
-def add_layer(g: nx.DiGraph, name: str, *, flops: float = 0.0, bytes: float = 0.0,  # pylint: disable=redefined-builtin
-              param_bytes: float = 0.0, act_bytes: float = 0.0,
-              saved_bytes: float | None = None, **extra: Any) -> None:
+def add_layer(
+  g: nx.DiGraph,
+  name: str,
+  *,
+  flops: float = 0.0,
+  bytes: float = 0.0,  # pylint: disable=redefined-builtin
+  param_bytes: float = 0.0,
+  act_bytes: float = 0.0,
+  saved_bytes: float | None = None,
+  **extra: Any,
+) -> None:
   """Adds a layer with its costs; ``order`` defaults to insertion order."""
   if name in g:
     raise ValueError(f"layer {name!r} already exists")
-  g.add_node(name, flops=float(flops), bytes=float(bytes), param_bytes=float(param_bytes),
-             act_bytes=float(act_bytes),
-             saved_bytes=float(act_bytes if saved_bytes is None else saved_bytes),
-             order=extra.pop("order", g.number_of_nodes()), **extra)
+  g.add_node(
+    name,
+    flops=float(flops),
+    bytes=float(bytes),
+    param_bytes=float(param_bytes),
+    act_bytes=float(act_bytes),
+    saved_bytes=float(act_bytes if saved_bytes is None else saved_bytes),
+    order=extra.pop("order", g.number_of_nodes()),
+    **extra,
+  )
 
 
 def add_edge(g: nx.DiGraph, src: str, dst: str, bytes: float) -> None:  # pylint: disable=redefined-builtin
@@ -107,12 +122,16 @@ def from_json(s: str) -> nx.DiGraph:
 
 def describe(g: nx.DiGraph) -> str:
   """A readable table of the layers and their costs."""
-  rows = [f"LayerGraph {g.graph.get('name', '')!s} (batch {g.graph['batch_size']}): "
-          f"{g.number_of_nodes()} layers, {g.number_of_edges()} edges",
-          f"{'layer':40s} {'GFLOP':>10s} {'param MiB':>10s} {'act MiB':>10s}  inputs"]
+  rows = [
+    f"LayerGraph {g.graph.get('name', '')!s} (batch {g.graph['batch_size']}): "
+    f"{g.number_of_nodes()} layers, {g.number_of_edges()} edges",
+    f"{'layer':40s} {'GFLOP':>10s} {'param MiB':>10s} {'act MiB':>10s}  inputs",
+  ]
   for n in topo_layers(g):
     d = g.nodes[n]
     preds = ", ".join(sorted(g.predecessors(n)))
-    rows.append(f"{n:40.40s} {d['flops'] / 1e9:10.4f} {d['param_bytes'] / 2**20:10.3f} "
-                f"{d['act_bytes'] / 2**20:10.3f}  {preds}")
+    rows.append(
+      f"{n:40.40s} {d['flops'] / 1e9:10.4f} {d['param_bytes'] / 2**20:10.3f} "
+      f"{d['act_bytes'] / 2**20:10.3f}  {preds}"
+    )
   return "\n".join(rows)

@@ -4,11 +4,13 @@ A Plan is what every planner returns and what the staging pass consumes. Stages 
 (``edges``); each stage owns a disjoint set of devices (data parallel inside the stage when it
 has several) and a micro-batch size.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 
@@ -26,6 +28,7 @@ class Stage:
     microbatch_size: samples per micro-batch at this stage (None: batch / num_microbatches).
     in_flight: micro-batches whose activations this stage holds at most (None: not computed).
   """
+
   index: int
   layers: tuple[str, ...]
   devices: tuple[int, ...]
@@ -36,9 +39,14 @@ class Stage:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "Stage":
-    return cls(index=int(d["index"]), layers=tuple(d["layers"]), devices=tuple(d["devices"]),
-               microbatch_size=d.get("microbatch_size"), in_flight=d.get("in_flight"))
+  def from_dict(cls, d: Mapping[str, Any]) -> Stage:
+    return cls(
+      index=int(d["index"]),
+      layers=tuple(d["layers"]),
+      devices=tuple(d["devices"]),
+      microbatch_size=d.get("microbatch_size"),
+      in_flight=d.get("in_flight"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +62,7 @@ class Plan:
     batch_size: mini-batch size the plan was made for (None if not known).
     predicted: what the planner's cost model predicts (iteration_time, memory per stage...).
   """
+
   stages: tuple[Stage, ...]
   edges: tuple[tuple[int, int], ...]
   num_microbatches: int
@@ -79,38 +88,52 @@ class Plan:
     """Pipeline depth: number of stages on the longest path of the stage graph."""
     return nx.dag_longest_path_length(self.stage_graph()) + 1
 
-  def replace(self, **kw) -> "Plan":
+  def replace(self, **kw) -> Plan:
     return dataclasses.replace(self, **kw)
 
   def to_dict(self) -> dict[str, Any]:
-    return {"stages": [s.to_dict() for s in self.stages], "edges": [list(e) for e in self.edges],
-            "num_microbatches": self.num_microbatches, "schedule": self.schedule,
-            "planner": self.planner, "batch_size": self.batch_size,
-            "predicted": dict(self.predicted)}
+    return {
+      "stages": [s.to_dict() for s in self.stages],
+      "edges": [list(e) for e in self.edges],
+      "num_microbatches": self.num_microbatches,
+      "schedule": self.schedule,
+      "planner": self.planner,
+      "batch_size": self.batch_size,
+      "predicted": dict(self.predicted),
+    }
 
   def to_json(self, indent: int | None = 1) -> str:
     return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
-    return cls(stages=tuple(Stage.from_dict(s) for s in d["stages"]),
-               edges=tuple(tuple(e) for e in d["edges"]),
-               num_microbatches=int(d["num_microbatches"]), schedule=d.get("schedule", "1f1b"),
-               planner=d.get("planner", "manual"), batch_size=d.get("batch_size"),
-               predicted=dict(d.get("predicted", {})))
+  def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+    return cls(
+      stages=tuple(Stage.from_dict(s) for s in d["stages"]),
+      edges=tuple(tuple(e) for e in d["edges"]),
+      num_microbatches=int(d["num_microbatches"]),
+      schedule=d.get("schedule", "1f1b"),
+      planner=d.get("planner", "manual"),
+      batch_size=d.get("batch_size"),
+      predicted=dict(d.get("predicted", {})),
+    )
 
   @classmethod
-  def from_json(cls, s: str) -> "Plan":
+  def from_json(cls, s: str) -> Plan:
     return cls.from_dict(json.loads(s))
 
   def __str__(self) -> str:
     p = self.predicted
-    head = (f"Plan by {self.planner}: {self.num_stages} stages, depth {self.depth()}, "
-            f"{self.num_microbatches} micro-batches, schedule {self.schedule}")
+    head = (
+      f"Plan by {self.planner}: {self.num_stages} stages, depth {self.depth()}, "
+      f"{self.num_microbatches} micro-batches, schedule {self.schedule}"
+    )
     if "iteration_time" in p:
       head += f", predicted iteration {p['iteration_time'] * 1e3:.3f} ms"
-    rows = [head, f"{'stage':>5s} {'devices':>12s} {'mb':>4s} {'flight':>6s} {'mem MiB':>9s}"
-            f" {'next':>8s}  layers"]
+    rows = [
+      head,
+      f"{'stage':>5s} {'devices':>12s} {'mb':>4s} {'flight':>6s} {'mem MiB':>9s}"
+      f" {'next':>8s}  layers",
+    ]
     mem = p.get("stage_memory", {})
     for s in self.stages:
       nxt = ",".join(str(j) for i, j in self.edges if i == s.index) or "-"
@@ -118,9 +141,11 @@ class Plan:
       layers = ", ".join(s.layers)
       if len(layers) > 80:
         layers = f"{s.layers[0]} ... {s.layers[-1]} ({len(s.layers)} layers)"
-      rows.append(f"{s.index:5d} {_devs(s.devices):>12s} {s.microbatch_size or '-':>4} "
-                  f"{s.in_flight or '-':>6} {'-' if m is None else f'{m / 2**20:.1f}':>9s}"
-                  f" {nxt:>8s}  {layers}")
+      rows.append(
+        f"{s.index:5d} {_devs(s.devices):>12s} {s.microbatch_size or '-':>4} "
+        f"{s.in_flight or '-':>6} {'-' if m is None else f'{m / 2**20:.1f}':>9s}"
+        f" {nxt:>8s}  {layers}"
+      )
     return "\n".join(rows)
 
 
@@ -131,14 +156,24 @@ def _devs(devs: Sequence[int]) -> str:
   return ",".join(map(str, devs))
 
 
-def stage_edges(layer_graph: nx.DiGraph, stage_of_layer: Mapping[str, int]) -> tuple[tuple[int, int], ...]:
+def stage_edges(
+  layer_graph: nx.DiGraph, stage_of_layer: Mapping[str, int]
+) -> tuple[tuple[int, int], ...]:
   """Stage-graph edges induced by the layer graph (constraint C2 of GraphPipe)."""
-  return tuple(sorted({(stage_of_layer[u], stage_of_layer[v]) for u, v in layer_graph.edges
-                       if stage_of_layer[u] != stage_of_layer[v]}))
+  return tuple(
+    sorted(
+      {
+        (stage_of_layer[u], stage_of_layer[v])
+        for u, v in layer_graph.edges
+        if stage_of_layer[u] != stage_of_layer[v]
+      }
+    )
+  )
 
 
-def validate_plan(plan: Plan, layer_graph: nx.DiGraph | None = None,
-                  num_devices: int | None = None) -> None:
+def validate_plan(
+  plan: Plan, layer_graph: nx.DiGraph | None = None, num_devices: int | None = None
+) -> None:
   """Raises PlanError naming the first problem with ``plan`` and how to fix it.
 
   Checks: stage indices; every layer in exactly one stage; each stage convex (no path leaves
@@ -153,18 +188,24 @@ def validate_plan(plan: Plan, layer_graph: nx.DiGraph | None = None,
   if plan.num_microbatches < 1:
     raise PlanError(f"num_microbatches must be >= 1, got {plan.num_microbatches}")
   if num_devices is not None and plan.num_stages > num_devices:
-    raise PlanError(f"the plan has {plan.num_stages} stages but only {num_devices} devices; "
-                    "merge stages or pass more devices")
+    raise PlanError(
+      f"the plan has {plan.num_stages} stages but only {num_devices} devices; "
+      "merge stages or pass more devices"
+    )
   seen: dict[int, int] = {}
   for s in plan.stages:
     for d in s.devices:
       if d in seen:
-        raise PlanError(f"device {d} is used by stages {seen[d]} and {s.index}; stages need "
-                        "disjoint devices (use fewer stages or more devices)")
+        raise PlanError(
+          f"device {d} is used by stages {seen[d]} and {s.index}; stages need "
+          "disjoint devices (use fewer stages or more devices)"
+        )
       seen[d] = s.index
       if num_devices is not None and not 0 <= d < num_devices:
-        raise PlanError(f"stage {s.index} uses device {d}, but only {num_devices} devices are "
-                        f"available (indices 0..{num_devices - 1})")
+        raise PlanError(
+          f"stage {s.index} uses device {d}, but only {num_devices} devices are "
+          f"available (indices 0..{num_devices - 1})"
+        )
   if layer_graph is not None:
     _check_layers(plan, layer_graph)
   sg = plan.stage_graph()
@@ -177,11 +218,15 @@ def _check_layers(plan: Plan, layer_graph: nx.DiGraph) -> None:
   for s in plan.stages:
     for l in s.layers:
       if l not in layer_graph:
-        raise PlanError(f"stage {s.index} names unknown layer {l!r}; known layers: "
-                        f"{sorted(layer_graph.nodes)[:20]}")
+        raise PlanError(
+          f"stage {s.index} names unknown layer {l!r}; known layers: "
+          f"{sorted(layer_graph.nodes)[:20]}"
+        )
       if l in where:
-        raise PlanError(f"layer {l!r} is in stages {where[l]} and {s.index}; each layer belongs "
-                        "to exactly one stage")
+        raise PlanError(
+          f"layer {l!r} is in stages {where[l]} and {s.index}; each layer belongs "
+          "to exactly one stage"
+        )
       where[l] = s.index
   missing = [l for l in layer_graph if l not in where]
   if missing:
@@ -194,9 +239,11 @@ def _check_layers(plan: Plan, layer_graph: nx.DiGraph) -> None:
     cyc = nx.find_cycle(q)
     s = cyc[0][0]
     raise PlanError(
-        f"stage {s} is not convex: a path leaves it and re-enters it (stage cycle {cyc}). "
-        f"Move the layers between the two visits into stage {s}, or split it.")
+      f"stage {s} is not convex: a path leaves it and re-enters it (stage cycle {cyc}). "
+      f"Move the layers between the two visits into stage {s}, or split it."
+    )
   if set(induced) - set(plan.edges):
-    raise PlanError(f"plan.edges {sorted(plan.edges)} lack the stage edges "
-                    f"{sorted(set(induced) - set(plan.edges))} that the layer graph induces")
-
+    raise PlanError(
+      f"plan.edges {sorted(plan.edges)} lack the stage edges "
+      f"{sorted(set(induced) - set(plan.edges))} that the layer graph induces"
+    )

@@ -10,12 +10,13 @@ Each stage owns disjoint devices, so a stage's action list is the program of its
 Transfers are implied by the stage graph: an activation moves when its producer's F ends, a
 cotangent when its consumer's B ends. The simulator and the driver read the same Schedule.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import networkx as nx
 
@@ -35,7 +36,11 @@ class Action:
       raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
 
   def __str__(self) -> str:
-    return f"{self.kind}{self.stage}" if self.kind == "UPDATE" else f"{self.kind}{self.stage}.{self.microbatch}"
+    return (
+      f"{self.kind}{self.stage}"
+      if self.kind == "UPDATE"
+      else f"{self.kind}{self.stage}.{self.microbatch}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,7 @@ class Schedule:
     edges: stage-graph edges (i, j): stage i's outputs feed stage j.
     lanes: ``lanes[s]`` is the ordered action list of stage s.
   """
+
   name: str
   num_microbatches: int
   edges: tuple[tuple[int, int], ...]
@@ -64,15 +70,24 @@ class Schedule:
     return g
 
   def to_json(self) -> str:
-    return json.dumps({"name": self.name, "num_microbatches": self.num_microbatches,
-                       "edges": [list(e) for e in self.edges],
-                       "lanes": [[[a.kind, a.stage, a.microbatch] for a in lane] for lane in self.lanes]})
+    return json.dumps(
+      {
+        "name": self.name,
+        "num_microbatches": self.num_microbatches,
+        "edges": [list(e) for e in self.edges],
+        "lanes": [[[a.kind, a.stage, a.microbatch] for a in lane] for lane in self.lanes],
+      }
+    )
 
   @classmethod
-  def from_json(cls, s: str) -> "Schedule":
+  def from_json(cls, s: str) -> Schedule:
     d = json.loads(s)
-    return cls(d["name"], d["num_microbatches"], tuple(tuple(e) for e in d["edges"]),
-               tuple(tuple(Action(*a) for a in lane) for lane in d["lanes"]))
+    return cls(
+      d["name"],
+      d["num_microbatches"],
+      tuple(tuple(e) for e in d["edges"]),
+      tuple(tuple(Action(*a) for a in lane) for lane in d["lanes"]),
+    )
 
   def grid(self, mark: Action | None = None) -> str:
     """The schedule as a text grid, one row per stage; ``mark`` is shown in brackets."""
@@ -83,7 +98,10 @@ class Schedule:
     return "\n".join(rows)
 
   def __str__(self) -> str:
-    return f"Schedule {self.name}: {self.num_stages} stages x {self.num_microbatches} micro-batches\n" + self.grid()
+    return (
+      f"Schedule {self.name}: {self.num_stages} stages x {self.num_microbatches} micro-batches\n"
+      + self.grid()
+    )
 
 
 def dependencies(a: Action, g: nx.DiGraph, split_w: bool = False) -> Iterable[Action]:
@@ -131,8 +149,11 @@ def validate_schedule(sched: Schedule) -> None:
       if not 0 <= a.microbatch < M:
         _fail(sched, a, f"micro-batch {a.microbatch} outside 0..{M - 1}")
       if a.microbatch != last[a.kind] + 1:
-        _fail(sched, a, f"stage {s} runs {a.kind} out of order: expected micro-batch "
-              f"{last[a.kind] + 1} next")
+        _fail(
+          sched,
+          a,
+          f"stage {s} runs {a.kind} out of order: expected micro-batch {last[a.kind] + 1} next",
+        )
       last[a.kind] = a.microbatch
       if a.kind == "B" and Action("F", s, a.microbatch) not in seen:
         _fail(sched, a, f"{a} comes before F{s}.{a.microbatch} on its stage")
@@ -179,9 +200,12 @@ def _dispatch_order(sched: Schedule) -> tuple[Action, ...]:
         else:
           break
     if not progressed:
-      blocked = [sched.lanes[s][pos[s]] for s in range(sched.num_stages) if pos[s] < len(sched.lanes[s])]
-      waits = "; ".join(f"{a} waits for {[str(d) for d in dependencies(a, g) if d not in done]}"
-                        for a in blocked)
+      blocked = [
+        sched.lanes[s][pos[s]] for s in range(sched.num_stages) if pos[s] < len(sched.lanes[s])
+      ]
+      waits = "; ".join(
+        f"{a} waits for {[str(d) for d in dependencies(a, g) if d not in done]}" for a in blocked
+      )
       raise ScheduleError(f"schedule deadlocks: {waits}\n{sched.grid(mark=blocked[0])}")
   return tuple(order)
 

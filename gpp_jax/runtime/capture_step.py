@@ -6,12 +6,14 @@ while the step is being traced, it records the loss function as a ClosedJaxpr (t
 partition into stages) and emits one marker equation whose outputs are the loss (and aux) and
 the gradients; the rest of the step stays ordinary JAX.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -25,13 +27,16 @@ value_and_grad_p.multiple_results = True
 
 def _abstract_eval(*avals, loss_jaxpr, num_params, **_):
   del avals
-  return ([v.aval for v in loss_jaxpr.jaxpr.outvars] +
-          [v.aval for v in loss_jaxpr.jaxpr.invars[:num_params]])
+  return [v.aval for v in loss_jaxpr.jaxpr.outvars] + [
+    v.aval for v in loss_jaxpr.jaxpr.invars[:num_params]
+  ]
 
 
 def _impl(*args, **_):
-  raise CaptureError("the gpp_value_and_grad marker only exists while graph_pipeline traces a "
-                     "step; it cannot be executed directly")
+  raise CaptureError(
+    "the gpp_value_and_grad marker only exists while graph_pipeline traces a "
+    "step; it cannot be executed directly"
+  )
 
 
 value_and_grad_p.def_abstract_eval(_abstract_eval)
@@ -41,6 +46,7 @@ value_and_grad_p.def_impl(_impl)
 @dataclasses.dataclass
 class LossRecord:
   """What the marker recorded about the loss function."""
+
   param_paths: list[str]
   num_params: int
   has_aux: bool
@@ -97,14 +103,17 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
   Flax NNX module (its ``nnx.Param`` variables are differentiated, as ``nnx.value_and_grad``
   does). The loss must be a scalar mean over the examples of the batch.
   """
+
   def wrapped(params, *args, **kwargs):
     if _STATE.recording is None:
       if _is_graph_node(params):
         return nnx.value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
       return jax.value_and_grad(fun, has_aux=has_aux)(params, *args, **kwargs)
     if _STATE.recording:
-      raise CaptureError("gpp_jax.value_and_grad was called twice in one step; a pipelined "
-                         "step computes one loss. Combine the losses in one loss function.")
+      raise CaptureError(
+        "gpp_jax.value_and_grad was called twice in one step; a pipelined "
+        "step computes one loss. Combine the losses in one loss function."
+      )
     if _is_graph_node(params):
       graphdef, pstate, rest = nnx.split(params, nnx.Param, ...)
       with_path, ptree = jax.tree_util.tree_flatten_with_path(pstate)
@@ -116,6 +125,7 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
 
       def rebuild(leaves):
         return jax.tree.unflatten(ptree, leaves)
+
     leaves = [x for _, x in with_path]
     paths = [layer_path(p) for p, _ in with_path]
     out_tree = []
@@ -129,8 +139,10 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
       else:
         loss, aux = out, None
       if getattr(loss, "shape", None) != ():
-        raise CaptureError(f"the loss function must return a scalar loss (a mean over the "
-                           f"batch); got shape {getattr(loss, 'shape', type(loss))}")
+        raise CaptureError(
+          f"the loss function must return a scalar loss (a mean over the "
+          f"batch); got shape {getattr(loss, 'shape', type(loss))}"
+        )
       flat_out, tree = jax.tree.flatten((loss, aux))
       out_tree.append(tree)
       return flat_out
@@ -142,13 +154,19 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
     tracers = [c for c, t in zip(closed.consts, is_tr) if t]
     const_vars = [v for v, t in zip(J.constvars, is_tr) if not t]
     consts = [c for c, t in zip(closed.consts, is_tr) if not t]
-    dbg = xc.DebugInfo("graph_pipeline", "loss", tuple(f"in{i}" for i in range(len(J.invars) + len(tracer_vars))),
-                       tuple(f"out{i}" for i in range(len(J.outvars))))
+    dbg = xc.DebugInfo(
+      "graph_pipeline",
+      "loss",
+      tuple(f"in{i}" for i in range(len(J.invars) + len(tracer_vars))),
+      tuple(f"out{i}" for i in range(len(J.outvars))),
+    )
     loss_jaxpr = xc.ClosedJaxpr(
-        xc.Jaxpr(const_vars, list(J.invars) + tracer_vars, J.outvars, J.eqns, J.effects,
-                 debug_info=dbg), consts)
-    outs = value_and_grad_p.bind(*leaves, *tracers, loss_jaxpr=loss_jaxpr,
-                                 num_params=len(leaves))
+      xc.Jaxpr(
+        const_vars, list(J.invars) + tracer_vars, J.outvars, J.eqns, J.effects, debug_info=dbg
+      ),
+      consts,
+    )
+    outs = value_and_grad_p.bind(*leaves, *tracers, loss_jaxpr=loss_jaxpr, num_params=len(leaves))
     _STATE.recording.append(LossRecord(paths, len(leaves), has_aux))
     nout = len(J.outvars)
     loss_aux = jax.tree.unflatten(out_tree[0], outs[:nout])
@@ -160,9 +178,11 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
 
 # ------------------------------------------------------------------ NNX functionalisation
 
+
 @dataclasses.dataclass
 class PureStep:
   """A step function turned pure: ``pure(*leaves) -> (out leaves, new graph-state leaves)``."""
+
   fn: Callable
   in_tree: Any
   graph_positions: tuple[int, ...]

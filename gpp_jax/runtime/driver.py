@@ -16,21 +16,23 @@ transfer.
 With ``measure=True`` each stage runs in its own thread that blocks on every action, which
 gives a measured per-action timeline (start/end on the device) at some cost in overhead.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gpp_jax.errors import BatchError, GppError, PlanError, ScheduleError
+from gpp_jax.ir.schedule import Action, Schedule, dispatch_order
 from gpp_jax.passes.staging import StagedProgram, stage_functions
 from gpp_jax.runtime.placement import StagePlacement, transfer
-from gpp_jax.ir.schedule import Action, Schedule, dispatch_order
 
 BATCH, KEY, BROADCAST = "batch", "key", "broadcast"
 
@@ -51,16 +53,27 @@ class Timeline:
   ``measured`` is True when ``end`` is when the device finished the action (measure mode);
   otherwise start/end bracket only the host-side dispatch.
   """
+
   events: list[TimelineEvent]
   total: float
   measured: bool
 
   def to_chrome_trace(self) -> dict:
-    return {"traceEvents": [
-        {"name": f"{e.action}{e.stage}.{e.microbatch}", "ph": "X", "pid": 0, "tid": e.stage,
-         "ts": e.start * 1e6, "dur": max(e.end - e.start, 0) * 1e6,
-         "args": {"microbatch": e.microbatch}} for e in self.events],
-        "displayTimeUnit": "ms"}
+    return {
+      "traceEvents": [
+        {
+          "name": f"{e.action}{e.stage}.{e.microbatch}",
+          "ph": "X",
+          "pid": 0,
+          "tid": e.stage,
+          "ts": e.start * 1e6,
+          "dur": max(e.end - e.start, 0) * 1e6,
+          "args": {"microbatch": e.microbatch},
+        }
+        for e in self.events
+      ],
+      "displayTimeUnit": "ms",
+    }
 
 
 def _is_key(x) -> bool:
@@ -81,8 +94,10 @@ def is_local(placement: StagePlacement) -> bool:
   """Whether this process runs the stage; a stage may not span processes."""
   procs = {d.process_index for d in placement.devices}
   if len(procs) > 1:
-    raise PlanError(f"a stage spans devices of processes {sorted(procs)}; every stage must run on "
-                    "the devices of one process")
+    raise PlanError(
+      f"a stage spans devices of processes {sorted(procs)}; every stage must run on "
+      "the devices of one process"
+    )
   return procs.pop() == jax.process_index()
 
 
@@ -107,16 +122,20 @@ def wait_for(values, timeout_s: float) -> None:
 
   threading.Thread(target=block, daemon=True, name="gpp-wait").start()
   if not done.wait(timeout_s):
-    raise GppError(f"the pipelined step did not finish within {timeout_s:.0f} s on process "
-                   f"{jax.process_index()} of {jax.process_count()}: a peer process has died or "
-                   "stalls (its activations or gradients never arrived). Check the other "
-                   "processes' logs; raise timeout_s if steps are legitimately this slow.")
+    raise GppError(
+      f"the pipelined step did not finish within {timeout_s:.0f} s on process "
+      f"{jax.process_index()} of {jax.process_count()}: a peer process has died or "
+      "stalls (its activations or gradients never arrived). Check the other "
+      "processes' logs; raise timeout_s if steps are legitimately this slow."
+    )
   if failure:
     where = f"process {jax.process_index()} of {jax.process_count()}"
     if jax.process_count() > 1:
-      raise GppError(f"the pipelined step failed on {where}: a transfer with a peer process "
-                     f"broke, so the peer process has died or closed its connection. Check the "
-                     f"other processes' logs. Cause: {failure[0]}") from failure[0]
+      raise GppError(
+        f"the pipelined step failed on {where}: a transfer with a peer process "
+        f"broke, so the peer process has died or closed its connection. Check the "
+        f"other processes' logs. Cause: {failure[0]}"
+      ) from failure[0]
     raise GppError(f"the pipelined step failed on {where}: {failure[0]}") from failure[0]
 
 
@@ -143,9 +162,15 @@ def _add(a, b):
 class PipelineRunner:
   """Runs the pipelined value-and-grad of a StagedProgram for one step."""
 
-  def __init__(self, staged: StagedProgram, schedule: Schedule,
-               placements: Sequence[StagePlacement], data_roles: Sequence[str | None],
-               num_microbatches: int, remat: bool = False):
+  def __init__(
+    self,
+    staged: StagedProgram,
+    schedule: Schedule,
+    placements: Sequence[StagePlacement],
+    data_roles: Sequence[str | None],
+    num_microbatches: int,
+    remat: bool = False,
+  ):
     """
     Args:
       staged: the staged loss.
@@ -161,8 +186,9 @@ class PipelineRunner:
     self.roles = list(data_roles)
     self.M = num_microbatches
     self.fns = [stage_functions(s, remat=remat) for s in staged.stages]
-    self._zeros = [jax.jit(f.zeros_acc, out_shardings=p.replicated)
-                   for f, p in zip(self.fns, self.place)]
+    self._zeros = [
+      jax.jit(f.zeros_acc, out_shardings=p.replicated) for f, p in zip(self.fns, self.place)
+    ]
     # Producer output position of each value id, and expected cotangent counts.
     self.out_pos: dict[int, tuple[int, int]] = {}
     for st in staged.stages:
@@ -208,8 +234,9 @@ class PipelineRunner:
           elif role == BATCH and r.index not in self._batch_chunks:
             host = np.asarray(jax.device_get(x))
             if host.shape[0] % M:
-              raise BatchError(f"batch input of shape {host.shape} does not split into {M} "
-                               "micro-batches")
+              raise BatchError(
+                f"batch input of shape {host.shape} does not split into {M} micro-batches"
+              )
             self._batch_chunks[r.index] = np.split(host, M)
 
   def _stage_args(self, s, m):
@@ -236,12 +263,16 @@ class PipelineRunner:
     """Data readiness of a local action (used by the threaded measuring executor)."""
     st = self.staged.stages[a.stage]
     if a.kind == "F":
-      return all((a.stage, r.index, a.microbatch) in self._inbox for r in st.inputs if r.kind == "act")
+      return all(
+        (a.stage, r.index, a.microbatch) in self._inbox for r in st.inputs if r.kind == "act"
+      )
     if a.kind == "B":
       if (a.stage, a.microbatch) not in self._res:
         return False
-      return all(len(self._ctbox.get((a.stage, k, a.microbatch), ())) == self.expect.get((a.stage, k), 0)
-                 for k in range(len(st.outputs)))
+      return all(
+        len(self._ctbox.get((a.stage, k, a.microbatch), ())) == self.expect.get((a.stage, k), 0)
+        for k in range(len(st.outputs))
+      )
     return True
 
   def _run_action(self, a: Action):
@@ -260,8 +291,10 @@ class PipelineRunner:
         for r in st.inputs:
           if r.kind == "act":
             self._inbox.pop((s, r.index, m))
-        outs = [self._remote(v, s) if o.consumers else None
-                for v, o in zip(self._out_avals[s], st.outputs)]
+        outs = [
+          self._remote(v, s) if o.consumers else None
+          for v, o in zip(self._out_avals[s], st.outputs)
+        ]
       for k, o in enumerate(st.outputs):
         for c in o.consumers:
           self._inbox[(c, o.vid, m)] = self.place[c].put(outs[k])
@@ -289,8 +322,10 @@ class PipelineRunner:
   def run(self, params: Sequence[Any], data: Sequence[Any], measure: bool = False):
     """Returns (loss outputs averaged over micro-batches, parameter gradients on owners)."""
     if measure and self.multiprocess:
-      raise GppError("measure=True records device-side times with one thread per stage and "
-                     "runs in a single process only; leave it off for multi-process runs")
+      raise GppError(
+        "measure=True records device-side times with one thread per stage and "
+        "runs in a single process only; leave it off for multi-process runs"
+      )
     M = self.M
     # (consumer stage, value id, micro-batch) -> the value, put on the consumer.
     self._inbox: dict[tuple[int, int, int], Any] = {}
@@ -313,7 +348,9 @@ class PipelineRunner:
       for a in self.order:
         t = time.perf_counter()
         self._run_action(a)
-        events.append(TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0))
+        events.append(
+          TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0)
+        )
     grads = self._gather_grads(params)
     outs = []
     chunks = next(iter(self._batch_chunks.values()), None)
@@ -353,7 +390,9 @@ class PipelineRunner:
             produced = self._produced(a)
           jax.block_until_ready(produced)
           with cond:
-            events.append(TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0))
+            events.append(
+              TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0)
+            )
             cond.notify_all()
       except BaseException as e:  # propagate to the caller
         with cond:

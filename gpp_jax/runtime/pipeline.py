@@ -1,8 +1,10 @@
 """The user-facing decorator: ``@gpp_jax.graph_pipeline``."""
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import networkx as nx
@@ -11,22 +13,36 @@ from absl import logging
 from flax import nnx
 from jax.extend import core as xc
 
+from gpp_jax.errors import BatchError, CaptureError
 from gpp_jax.ir import layer_graph as lg
-from gpp_jax.runtime.capture_step import functionalize, recording, value_and_grad_p
-from gpp_jax.runtime.driver import BATCH, BROADCAST, KEY, PipelineRunner, _is_key, placeholder, wait_for
-from gpp_jax.errors import BatchError, CaptureError, PlanError
-from gpp_jax.passes.partition.manual import ManualPlan
+from gpp_jax.ir.plan import Plan, validate_plan
+from gpp_jax.ir.schedule import Schedule
 from gpp_jax.passes.calibrate import calibrate_layers
 from gpp_jax.passes.capture import inline_calls
 from gpp_jax.passes.layering import Layering, layer_program
 from gpp_jax.passes.partition import get_planner
+from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.staging import StagedProgram, stage_program
 from gpp_jax.passes.step_split import Piece, StepProgram, split_step
-from gpp_jax.runtime.placement import (LocalCopy, StagePlacement, new_send_epoch, place_input,
-                                       stage_placements, transfer)
-from gpp_jax.ir.schedule import Schedule
-from gpp_jax.ir.plan import Plan, validate_plan
+from gpp_jax.runtime.capture_step import functionalize, recording, value_and_grad_p
+from gpp_jax.runtime.driver import (
+  BATCH,
+  BROADCAST,
+  KEY,
+  PipelineRunner,
+  _is_key,
+  placeholder,
+  wait_for,
+)
+from gpp_jax.runtime.placement import (
+  LocalCopy,
+  StagePlacement,
+  new_send_epoch,
+  place_input,
+  stage_placements,
+  transfer,
+)
 
 
 class Compiled:
@@ -69,12 +85,23 @@ class GraphPipeline:
   (the last step's), and ``explain()``.
   """
 
-  def __init__(self, fn: Callable, *, num_microbatches: int, devices: Sequence[Any] | None = None,
-               planner: str | Plan | ManualPlan | Callable = "balanced", schedule: str | None = None,
-               batch_argnums: int | Sequence[int] | None = None, remat: bool = False,
-               layer_depth: int | None = None, cluster: Any = None, measure: bool = False,
-               planner_options: dict | None = None, timeout_s: float = 300.0,
-               calibrate: bool = False):
+  def __init__(
+    self,
+    fn: Callable,
+    *,
+    num_microbatches: int,
+    devices: Sequence[Any] | None = None,
+    planner: str | Plan | ManualPlan | Callable = "balanced",
+    schedule: str | None = None,
+    batch_argnums: int | Sequence[int] | None = None,
+    remat: bool = False,
+    layer_depth: int | None = None,
+    cluster: Any = None,
+    measure: bool = False,
+    planner_options: dict | None = None,
+    timeout_s: float = 300.0,
+    calibrate: bool = False,
+  ):
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     self.fn = fn
@@ -128,8 +155,10 @@ class GraphPipeline:
       flops = sum(g.nodes[l]["flops"] for l in s.layers)
       pbytes = sum(g.nodes[l]["param_bytes"] for l in s.layers)
       devs = ", ".join(str(self.devices[d]) for d in s.devices)
-      lines.append(f"stage {s.index} on {devs}: {len(s.layers)} layers, {flops / 1e6:.3f} MFLOP "
-                   f"forward per micro-batch, {pbytes / 2**20:.3f} MiB parameters")
+      lines.append(
+        f"stage {s.index} on {devs}: {len(s.layers)} layers, {flops / 1e6:.3f} MFLOP "
+        f"forward per micro-batch, {pbytes / 2**20:.3f} MiB parameters"
+      )
     lines.append("")
     lines.append(str(c.schedule))
     return "\n".join(lines)
@@ -145,7 +174,9 @@ class GraphPipeline:
       return (len(args) - 1,)
     for a in self.batch_argnums:
       if not -len(args) <= a < len(args):
-        raise ValueError(f"batch_argnums {self.batch_argnums} out of range for {len(args)} arguments")
+        raise ValueError(
+          f"batch_argnums {self.batch_argnums} out of range for {len(args)} arguments"
+        )
     return tuple(a % len(args) for a in self.batch_argnums)
 
   def _capture(self, args, pure, leaves) -> Compiled:
@@ -153,8 +184,11 @@ class GraphPipeline:
     M = self.num_microbatches
     bpos = self._batch_positions(args)
     # Flat indices of batch leaves: graph state first, then the other arguments in order.
-    nstate = len(jax.tree.leaves(nnx.state(tuple(args[i] for i in pure.graph_positions)))) \
-        if pure.graph_positions else 0
+    nstate = (
+      len(jax.tree.leaves(nnx.state(tuple(args[i] for i in pure.graph_positions))))
+      if pure.graph_positions
+      else 0
+    )
     batch_idx: list[int] = []
     offset = nstate
     for i, a in enumerate(args):
@@ -167,17 +201,22 @@ class GraphPipeline:
         batch_idx.extend(range(offset, offset + n))
       offset += n
     if not batch_idx:
-      raise BatchError(f"the batch arguments {bpos} hold no arrays; pass the batch there or set "
-                       "batch_argnums")
+      raise BatchError(
+        f"the batch arguments {bpos} hold no arrays; pass the batch there or set batch_argnums"
+      )
     sizes = {np.shape(leaves[i])[0] if np.ndim(leaves[i]) else None for i in batch_idx}
     if None in sizes or len(sizes) != 1:
-      raise BatchError(f"batch leaves must share one leading (batch) dimension; got sizes "
-                       f"{sorted(map(str, sizes))}")
+      raise BatchError(
+        f"batch leaves must share one leading (batch) dimension; got sizes "
+        f"{sorted(map(str, sizes))}"
+      )
     B = sizes.pop()
     assert B is not None  # None in sizes raised above
     if B % M:
-      raise BatchError(f"the batch of {B} examples does not split into {M} micro-batches; use a "
-                       f"batch size divisible by {M} or a num_microbatches that divides {B}")
+      raise BatchError(
+        f"the batch of {B} examples does not split into {M} micro-batches; use a "
+        f"batch size divisible by {M} or a num_microbatches that divides {B}"
+      )
     mb = B // M
     abstract = []
     for i, x in enumerate(leaves):
@@ -188,24 +227,29 @@ class GraphPipeline:
     with recording() as recs:
       step = jax.make_jaxpr(pure.fn)(*abstract)
     if not recs:
-      raise CaptureError("the step never calls gpp_jax.value_and_grad; replace "
-                         "jax.value_and_grad / nnx.value_and_grad by gpp_jax.value_and_grad")
+      raise CaptureError(
+        "the step never calls gpp_jax.value_and_grad; replace "
+        "jax.value_and_grad / nnx.value_and_grad by gpp_jax.value_and_grad"
+      )
     rec = recs[0]
     step = inline_calls(step)
     J = step.jaxpr
     markers = [k for k, e in enumerate(J.eqns) if e.primitive is value_and_grad_p]
     if len(markers) != 1:
-      raise CaptureError(f"expected one gpp_jax.value_and_grad in the step, found {len(markers)} "
-                         "(it may not sit inside jax.lax control flow)")
+      raise CaptureError(
+        f"expected one gpp_jax.value_and_grad in the step, found {len(markers)} "
+        "(it may not sit inside jax.lax control flow)"
+      )
     mk = markers[0]
     marker = J.eqns[mk]
     batch_vars = {J.invars[i] for i in batch_idx}
     for k, e in enumerate(J.eqns):
       if k != mk and any(isinstance(a, xc.Var) and a in batch_vars for a in e.invars):
         raise CaptureError(
-            f"the batch is used outside the loss function (by `{e.primitive.name}` at "
-            f"{e.source_info.name_stack or 'top level'}); move every computation on the batch "
-            "into the function given to gpp_jax.value_and_grad")
+          f"the batch is used outside the loss function (by `{e.primitive.name}` at "
+          f"{e.source_info.name_stack or 'top level'}); move every computation on the batch "
+          "into the function given to gpp_jax.value_and_grad"
+        )
     if any(isinstance(a, xc.Var) and a in batch_vars for a in J.outvars):
       raise CaptureError("the step returns its batch input; return only results")
     nparam = rec.num_params
@@ -220,15 +264,29 @@ class GraphPipeline:
       else:
         roles.append(BROADCAST)
     if BATCH not in roles:
-      raise CaptureError("the loss function does not read the batch; the pipeline splits the "
-                         "batch read inside the loss into micro-batches")
+      raise CaptureError(
+        "the loss function does not read the batch; the pipeline splits the "
+        "batch read inside the loss into micro-batches"
+      )
     loss = inline_calls(marker.params["loss_jaxpr"])
-    layering = layer_program(loss, rec.param_paths + [None] * (len(roles) - nparam),
-                             batch_size=mb, layer_depth=self.layer_depth,
-                             name=getattr(self.fn, "__name__", "step"))
-    return Compiled(out_tree=pure.out_tree[-1], step=step, marker_index=mk, loss=loss,
-                    layering=layering, roles=roles, nparam=nparam, batch_size=B,
-                    microbatch_size=mb)
+    layering = layer_program(
+      loss,
+      rec.param_paths + [None] * (len(roles) - nparam),
+      batch_size=mb,
+      layer_depth=self.layer_depth,
+      name=getattr(self.fn, "__name__", "step"),
+    )
+    return Compiled(
+      out_tree=pure.out_tree[-1],
+      step=step,
+      marker_index=mk,
+      loss=loss,
+      layering=layering,
+      roles=roles,
+      nparam=nparam,
+      batch_size=B,
+      microbatch_size=mb,
+    )
 
   def layer_graph_for(self, *args):
     """Traces the step for these arguments and returns its LayerGraph, without planning."""
@@ -237,14 +295,20 @@ class GraphPipeline:
 
   def _build(self, args, pure, leaves) -> Compiled:
     c = self._capture(args, pure, leaves)
-    M, B, mb, loss, layering = (self.num_microbatches, c.batch_size, c.microbatch_size, c.loss,
-                                c.layering)
+    M, B, mb, loss, layering = (
+      self.num_microbatches,
+      c.batch_size,
+      c.microbatch_size,
+      c.loss,
+      c.layering,
+    )
     step, mk, roles, nparam = c.step, c.marker_index, c.roles, c.nparam
     marker = step.jaxpr.eqns[mk]
     graph = layering.graph
     if self.calibrate:
-      graph = calibrate_layers(loss, layering.eqn_layer, layering.param_layer, graph,
-                               self.devices[0])
+      graph = calibrate_layers(
+        loss, layering.eqn_layer, layering.param_layer, graph, self.devices[0]
+      )
     plan = self._make_plan(graph, B)
     placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
@@ -255,11 +319,28 @@ class GraphPipeline:
     prog = split_step(step, mk, in_home, out_home)
     runner = PipelineRunner(staged, sched, placements, roles, M, remat=self.remat)
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
-    logging.info("graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
-                 plan.num_stages, plan.depth(), M, mb, len(pieces))
-    return Compiled(out_tree=c.out_tree, plan=plan, layer_graph=graph, layering=layering,
-                    schedule=sched, staged=staged, runner=runner, prog=prog, pieces=pieces,
-                    nbefore=len(prog.before), placements=placements, batch_size=B)
+    logging.info(
+      "graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
+      plan.num_stages,
+      plan.depth(),
+      M,
+      mb,
+      len(pieces),
+    )
+    return Compiled(
+      out_tree=c.out_tree,
+      plan=plan,
+      layer_graph=graph,
+      layering=layering,
+      schedule=sched,
+      staged=staged,
+      runner=runner,
+      prog=prog,
+      pieces=pieces,
+      nbefore=len(prog.before),
+      placements=placements,
+      batch_size=B,
+    )
 
   def _make_plan(self, graph, batch_size) -> Plan:
     M = self.num_microbatches
@@ -276,14 +357,22 @@ class GraphPipeline:
     if isinstance(p, str):
       fn = get_planner(p)
       cluster = self.cluster if self.cluster is not None else nd
-      plan = fn(lg.scaled(graph, batch_size), cluster, batch_size, num_microbatches=M,
-                **self.planner_options)
+      plan = fn(
+        lg.scaled(graph, batch_size),
+        cluster,
+        batch_size,
+        num_microbatches=M,
+        **self.planner_options,
+      )
     elif callable(p):
-      plan = p(graph, self.cluster if self.cluster is not None else nd, batch_size,
-               num_microbatches=M)
+      plan = p(
+        graph, self.cluster if self.cluster is not None else nd, batch_size, num_microbatches=M
+      )
     else:
-      raise TypeError(f"planner must be a name, a Plan, a gpp_jax.manual_plan or a callable; "
-                      f"got {type(p).__name__}")
+      raise TypeError(
+        f"planner must be a name, a Plan, a gpp_jax.manual_plan or a callable; "
+        f"got {type(p).__name__}"
+      )
     if plan.num_microbatches != M:
       plan = plan.replace(num_microbatches=M)
     if self.schedule_name is not None:
@@ -294,8 +383,11 @@ class GraphPipeline:
   # ------------------------------------------------------------------ running
   def __call__(self, *args):
     pure, leaves = functionalize(self.fn, args)
-    key = (pure.in_tree, tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves),
-           pure.graph_positions)
+    key = (
+      pure.in_tree,
+      tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves),
+      pure.graph_positions,
+    )
     c = self._compiled.get(key)
     if c is None:
       c = self._compiled[key] = self._build(args, pure, leaves)
@@ -339,16 +431,18 @@ class GraphPipeline:
         for o, val in zip(p.outputs, outs):
           env[o] = val
 
-    run_pieces(c.pieces[:c.nbefore])
+    run_pieces(c.pieces[: c.nbefore])
     marker = c.prog.marker
     nparam = sum(r is None for r in c.runner.roles)
-    vals = [read(a) if r in (None, KEY, BROADCAST) else value(a)
-            for a, r in zip(marker.invars, c.runner.roles)]
+    vals = [
+      read(a) if r in (None, KEY, BROADCAST) else value(a)
+      for a, r in zip(marker.invars, c.runner.roles)
+    ]
     outs, grads = c.runner.run(vals[:nparam], vals, measure=self.measure)
     for o, val in zip(marker.outvars, list(outs) + list(grads)):
       if not isinstance(o, xc.DropVar):
         env[o] = val
-    run_pieces(c.pieces[c.nbefore:])
+    run_pieces(c.pieces[c.nbefore :])
     outs = [value(a) for a in J.outvars]
     if c.runner.multiprocess:
       wait_for(outs, self.timeout_s)

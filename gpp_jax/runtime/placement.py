@@ -1,9 +1,11 @@
 """Where a stage's values live: one device, or a sub-mesh with the batch axis sharded."""
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,6 +23,7 @@ class StagePlacement:
   leading dimension is the micro-batch size are sharded along it, and XLA reduces the parameter
   gradients across the k devices inside the stage's backward.
   """
+
   devices: tuple[Any, ...]
   microbatch_size: int
 
@@ -80,13 +83,13 @@ class LocalCopy:
   devices; such a value is never sent between processes. The process that runs its home places
   its own copy there, the others stand in a placeholder.
   """
+
   value: Any
 
 
 def _placeholder_for(x, sharding):
   aval = jax.typeof(x) if isinstance(x, jax.Array) else jax.typeof(np.asarray(x))
-  return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [],
-                                                  dtype=aval.dtype)
+  return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [], dtype=aval.dtype)
 
 
 def _has_local(sharding) -> bool:
@@ -101,9 +104,10 @@ def place_input(x, sharding: jax.sharding.Sharding):
     return jax.device_put(x, sharding)
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     raise GppError(
-        "a step argument lives on another process's device but is needed elsewhere; pass the "
-        "values a previous step returned back unchanged, and the same initial values on every "
-        "process")
+      "a step argument lives on another process's device but is needed elsewhere; pass the "
+      "values a previous step returned back unchanged, and the same initial values on every "
+      "process"
+    )
   return jax.device_put(x, sharding) if _has_local(sharding) else _placeholder_for(x, sharding)
 
 
@@ -122,9 +126,9 @@ def transfer(x, sharding: jax.sharding.Sharding):
   # With several processes every put is issued, even onto the same devices: skipping those
   # broke JAX's cross-host transfers (measured with jax 0.10.2: "Async transfer object was
   # deleted before transfers completed"), while issuing them works.
-  if jax.process_count() > 1 and not _has_local(sharding):
-    if _is_remote(x) or not isinstance(x, jax.Array):
-      return _placeholder_for(x, sharding)
+  remote_only = jax.process_count() > 1 and not _has_local(sharding)
+  if remote_only and (_is_remote(x) or not isinstance(x, jax.Array)):
+    return _placeholder_for(x, sharding)
   out = jax.device_put(x, sharding)
   if _is_remote(x) or (jax.process_count() > 1 and not _has_local(sharding)):
     # A receive or a send: JAX's transfer objects hang off both arrays and must outlive the
@@ -146,14 +150,18 @@ def new_send_epoch() -> None:
   _IN_FLIGHT.append([])
 
 
-def stage_placements(device_groups: Sequence[Sequence[Any]], microbatch_size: int) -> list[StagePlacement]:
+def stage_placements(
+  device_groups: Sequence[Sequence[Any]], microbatch_size: int
+) -> list[StagePlacement]:
   """Placements for each stage's device group; checks the micro-batch splits across it."""
   out = []
   for s, devs in enumerate(device_groups):
     k = len(devs)
     if k > 1 and microbatch_size % k:
-      raise PlanError(f"stage {s} spans {k} devices but a micro-batch has {microbatch_size} "
-                      f"examples, which do not split {k} ways; use a stage width that divides "
-                      f"{microbatch_size} or fewer micro-batches")
+      raise PlanError(
+        f"stage {s} spans {k} devices but a micro-batch has {microbatch_size} "
+        f"examples, which do not split {k} ways; use a stage width that divides "
+        f"{microbatch_size} or fewer micro-batches"
+      )
     out.append(StagePlacement(tuple(devs), microbatch_size))
   return out

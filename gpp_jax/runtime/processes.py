@@ -8,6 +8,7 @@ pipeline driver then moves activations and cotangents between processes with ord
 Locally, ``python -m gpp_jax.launch`` starts the processes and passes their coordinates in the
 ``GPP_*`` environment variables read by ``initialize_from_env``.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,15 @@ ENV_LOCAL_DEVICES = "GPP_LOCAL_DEVICES"
 ENV_TRANSFER_ADDRESS = "GPP_TRANSFER_ADDRESS"
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, transfer_address: str | None = None,
-               cpu_devices: int | None = None, initialization_timeout: int = 120) -> None:
+def initialize(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  *,
+  transfer_address: str | None = None,
+  cpu_devices: int | None = None,
+  initialization_timeout: int = 120,
+) -> None:
   """Starts ``jax.distributed`` for a pipelined run.
 
   Args:
@@ -44,19 +51,28 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
   kwargs: dict[str, Any] = {}
   if coordinator_address is not None:
-    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
-                  process_id=process_id)
+    kwargs = dict(
+      coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
   jax.distributed.initialize(initialization_timeout=initialization_timeout, **kwargs)
-  logging.info("process %d of %d: %d local devices, %d global", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count())
+  logging.info(
+    "process %d of %d: %d local devices, %d global",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
 
 
 def initialize_from_env() -> bool:
   """Initialises from the ``GPP_*`` variables set by ``gpp_jax.launch``; False if absent."""
   if ENV_COORDINATOR not in os.environ:
     return False
-  initialize(os.environ[ENV_COORDINATOR], int(os.environ[ENV_NUM_PROCESSES]),
-             int(os.environ[ENV_PROCESS_ID]),
-             transfer_address=os.environ.get(ENV_TRANSFER_ADDRESS),
-             cpu_devices=int(os.environ[ENV_LOCAL_DEVICES]) if ENV_LOCAL_DEVICES in os.environ else None)
+  initialize(
+    os.environ[ENV_COORDINATOR],
+    int(os.environ[ENV_NUM_PROCESSES]),
+    int(os.environ[ENV_PROCESS_ID]),
+    transfer_address=os.environ.get(ENV_TRANSFER_ADDRESS),
+    cpu_devices=int(os.environ[ENV_LOCAL_DEVICES]) if ENV_LOCAL_DEVICES in os.environ else None,
+  )
   return True

@@ -12,6 +12,7 @@
   exhaustive  every acyclic partition, for small graphs (ground truth)
   balanced    FLOP-balanced chain, one device per stage (no cost model)
 """
+
 from collections.abc import Callable
 
 from gpp_jax.ir.plan import Plan
@@ -24,13 +25,13 @@ from gpp_jax.passes.partition.pipedream import pipedream_plan
 from gpp_jax.passes.partition.piper import piper_plan
 
 PLANNERS: dict[str, Callable[..., Plan]] = {
-    "balanced": balanced_plan,
-    "graphpipe": graphpipe_plan,
-    "pipedream": pipedream_plan,
-    "piper": piper_plan,
-    "bapipe": bapipe_plan,
-    "luo": luo_plan,
-    "exhaustive": exhaustive_plan,
+  "balanced": balanced_plan,
+  "graphpipe": graphpipe_plan,
+  "pipedream": pipedream_plan,
+  "piper": piper_plan,
+  "bapipe": bapipe_plan,
+  "luo": luo_plan,
+  "exhaustive": exhaustive_plan,
 }
 SEQUENTIAL_PLANNERS = ("pipedream", "piper", "bapipe", "luo")
 
@@ -39,5 +40,6 @@ def get_planner(name: str):
   try:
     return PLANNERS[name]
   except KeyError:
-    raise ValueError(f"unknown planner {name!r}; choose one of {sorted(PLANNERS)} "
-                     "or pass a Plan") from None
+    raise ValueError(
+      f"unknown planner {name!r}; choose one of {sorted(PLANNERS)} or pass a Plan"
+    ) from None

@@ -4,6 +4,7 @@ Linearises the LayerGraph in topological order and cuts it into contiguous piece
 equal forward FLOPs (at most one stage per device), one device per stage. Independent branches
 are not run concurrently; use the graphpipe planner for that.
 """
+
 from __future__ import annotations
 
 import networkx as nx
@@ -12,9 +13,15 @@ from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan, Stage, stage_edges
 
 
-def balanced_plan(layer_graph: nx.DiGraph, cluster=None, batch_size: int | None = None, *,
-                  num_microbatches: int | None = None, num_stages: int | None = None,
-                  schedule: str = "1f1b") -> Plan:
+def balanced_plan(
+  layer_graph: nx.DiGraph,
+  cluster=None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  num_stages: int | None = None,
+  schedule: str = "1f1b",
+) -> Plan:
   """Cuts the topologically ordered layers into ``num_stages`` FLOP-balanced contiguous stages.
 
   Args:
@@ -25,7 +32,9 @@ def balanced_plan(layer_graph: nx.DiGraph, cluster=None, batch_size: int | None 
     num_stages: stages to cut into (default: min(devices, layers)).
   """
   layers = topo_layers(layer_graph)
-  ndev = cluster if isinstance(cluster, int) else (len(cluster.devices) if cluster is not None else 1)
+  ndev = (
+    cluster if isinstance(cluster, int) else (len(cluster.devices) if cluster is not None else 1)
+  )
   S = min(num_stages or ndev, len(layers))
   w = [max(layer_graph.nodes[l]["flops"], 1.0) for l in layers]
   # Minimise the largest stage with a linear-partition DP (exact for contiguous cuts).
@@ -49,9 +58,15 @@ def balanced_plan(layer_graph: nx.DiGraph, cluster=None, batch_size: int | None 
     bounds.append((j, i))
     i = j
   bounds.reverse()
-  stages = tuple(Stage(index=k, layers=tuple(layers[a:b]), devices=(k,))
-                 for k, (a, b) in enumerate(bounds))
+  stages = tuple(
+    Stage(index=k, layers=tuple(layers[a:b]), devices=(k,)) for k, (a, b) in enumerate(bounds)
+  )
   where = {l: s.index for s in stages for l in s.layers}
-  return Plan(stages=stages, edges=stage_edges(layer_graph, where),
-              num_microbatches=num_microbatches or S, schedule=schedule, planner="balanced",
-              batch_size=batch_size)
+  return Plan(
+    stages=stages,
+    edges=stage_edges(layer_graph, where),
+    num_microbatches=num_microbatches or S,
+    schedule=schedule,
+    planner="balanced",
+    batch_size=batch_size,
+  )

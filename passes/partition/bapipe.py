@@ -13,6 +13,7 @@ repository's reading of it (recorded in BUILD_NOTES.md):
   stage count S and mode; candidates are ranked by the estimate (M + S - 1) * TPS * b and the
   best ones are simulated with their mode's schedule; the fastest plan wins.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,16 +24,23 @@ import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel
-from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
-                                                    microbatch_sizes, no_plan_error, planner_inputs)
-from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.plan_assembly import (
+  MAX_MICROBATCHES,
+  assemble_plan,
+  better,
+  microbatch_sizes,
+  no_plan_error,
+  planner_inputs,
+)
+from gpp_jax.passes.partition.range_costs import RangeCosts
 
 MODES = ("1f1b", "gpipe")
 
 
-def balanced_ranges(rc: RangeCosts, r: int, S: int, M: int, mode: str,
-                    mem_cap: float) -> tuple[float, list[tuple[int, int]]] | None:
+def balanced_ranges(
+  rc: RangeCosts, r: int, S: int, M: int, mode: str, mem_cap: float
+) -> tuple[float, list[tuple[int, int]]] | None:
   """Min-max partition of all layers into S contiguous ranges, each on r devices, within memory
   for ``mode``; returns (bottleneck TPS, ranges) or None."""
   n = rc.n
@@ -46,7 +54,7 @@ def balanced_ranges(rc: RangeCosts, r: int, S: int, M: int, mode: str,
     mem = rc.memory(r, flight)
     cost = np.where(mem <= mem_cap, tps, math.inf)
     cost[np.tril_indices(n + 1)] = math.inf
-    cand = np.maximum(cost, P[s - 1][None, :])       # [i, j]
+    cand = np.maximum(cost, P[s - 1][None, :])  # [i, j]
     arg[s] = np.argmin(cand, axis=1)
     P[s] = cand[np.arange(n + 1), arg[s]]
   if not math.isfinite(P[S, 0]):
@@ -59,10 +67,17 @@ def balanced_ranges(rc: RangeCosts, r: int, S: int, M: int, mode: str,
   return float(P[S, 0]), out
 
 
-def bapipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
-                batch_size: int | None = None, *, num_microbatches: int | None = None,
-                cost_model: CostModel | None = None, modes: tuple[str, ...] = MODES,
-                max_microbatches: int | None = MAX_MICROBATCHES, simulate_top: int = 8) -> Plan:
+def bapipe_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  modes: tuple[str, ...] = MODES,
+  max_microbatches: int | None = MAX_MICROBATCHES,
+  simulate_top: int = 8,
+) -> Plan:
   """BaPipe: LayerGraph + Cluster -> sequential Plan (see the module docstring).
 
   Args:
@@ -91,12 +106,21 @@ def bapipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
           found.append(((M + S - 1) * tps * b, b, r, S, mode, ranges, tps))
   found.sort(key=lambda c: c[:5])
   best = None
-  for est, b, r, S, mode, ranges, tps in found[:simulate_top]:
+  for _est, b, r, _S, mode, ranges, tps in found[:simulate_top]:
     stages = [(costs.layers[i:j], r) for i, j in ranges]
-    plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
-                         planner="bapipe", schedule=mode, sequential=True,
-                         cost_model=cm, costs=costs,
-                         info={"bottleneck_tps": tps, "replicas": r})
+    plan = assemble_plan(
+      layer_graph,
+      cluster,
+      stages,
+      microbatch=b,
+      batch_size=B,
+      planner="bapipe",
+      schedule=mode,
+      sequential=True,
+      cost_model=cm,
+      costs=costs,
+      info={"bottleneck_tps": tps, "replicas": r},
+    )
     best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("bapipe", layer_graph, cluster, B)

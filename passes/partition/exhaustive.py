@@ -7,6 +7,7 @@ plan with the synchronous 1F1B schedule and returns the fastest one within memor
 ground truth the tests hold the other planners against; a cheap lower bound per candidate
 (the busiest stage's compute for all micro-batches) skips candidates that cannot win.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -15,13 +16,18 @@ import time
 import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster, as_cluster
-from gpp_jax.cost.cost_model import CostModel, DEFAULT_COST_MODEL, layer_costs
+from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, layer_costs
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import topo_layers, validate_layer_graph
-from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
-                                                    data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error)
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.plan_assembly import (
+  MAX_MICROBATCHES,
+  assemble_plan,
+  better,
+  data_parallel_degrees,
+  microbatch_sizes,
+  no_plan_error,
+)
 
 
 def acyclic_partitions(layer_graph: nx.DiGraph) -> list[list[list[str]]]:
@@ -51,11 +57,18 @@ def acyclic_partitions(layer_graph: nx.DiGraph) -> list[list[list[str]]]:
   return out
 
 
-def exhaustive_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
-                    batch_size: int | None = None, *, num_microbatches: int | None = None,
-                    cost_model: CostModel | None = None, schedule: str = "1f1b",
-                    max_layers: int = 8, max_devices: int = 8,
-                    max_microbatches: int | None = MAX_MICROBATCHES) -> Plan:
+def exhaustive_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  schedule: str = "1f1b",
+  max_layers: int = 8,
+  max_devices: int = 8,
+  max_microbatches: int | None = MAX_MICROBATCHES,
+) -> Plan:
   """Exhaustive search (see the module docstring); for at most ``max_layers`` layers and
   ``max_devices`` devices."""
   t0 = time.perf_counter()
@@ -63,10 +76,12 @@ def exhaustive_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = Non
   cluster = as_cluster(cluster)
   n = layer_graph.number_of_nodes()
   K = cluster.num_devices
-  if n > max_layers or K > max_devices:
-    raise PlanError(f"exhaustive search is for small problems (at most {max_layers} layers and "
-                    f"{max_devices} devices), got {n} layers on {K} devices; use graphpipe, "
-                    "or raise max_layers / max_devices knowing the cost grows like Bell(n)")
+  if n > max_layers or max_devices < K:
+    raise PlanError(
+      f"exhaustive search is for small problems (at most {max_layers} layers and "
+      f"{max_devices} devices), got {n} layers on {K} devices; use graphpipe, "
+      "or raise max_layers / max_devices knowing the cost grows like Bell(n)"
+    )
   cm = cost_model or DEFAULT_COST_MODEL
   B = int(batch_size or layer_graph.graph["batch_size"])
   costs = layer_costs(layer_graph)
@@ -88,17 +103,31 @@ def exhaustive_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = Non
         if sum(counts) > K:
           continue
         bound = max(M * float(times[d][ix].sum()) for d, ix in zip(counts, idx))
-        if (best is not None and best.predicted["memory_ok"]
-            and bound >= best.predicted["iteration_time"]):
+        if (
+          best is not None
+          and best.predicted["memory_ok"]
+          and bound >= best.predicted["iteration_time"]
+        ):
           continue
-        plan = assemble_plan(layer_graph, cluster, list(zip(blocks, counts)), microbatch=b,
-                             batch_size=B, planner="exhaustive", schedule=schedule,
-                             cost_model=cm, costs=costs)
+        plan = assemble_plan(
+          layer_graph,
+          cluster,
+          list(zip(blocks, counts)),
+          microbatch=b,
+          batch_size=B,
+          planner="exhaustive",
+          schedule=schedule,
+          cost_model=cm,
+          costs=costs,
+        )
         simulated += 1
         best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("exhaustive", layer_graph, cluster, B)
   pred = dict(best.predicted)
-  pred["search"] = {"seconds": time.perf_counter() - t0, "partitions": len(parts),
-                    "simulated": simulated}
+  pred["search"] = {
+    "seconds": time.perf_counter() - t0,
+    "partitions": len(parts),
+    "simulated": simulated,
+  }
   return best.replace(predicted=pred)

@@ -23,6 +23,7 @@ BUILD_NOTES.md):
 Candidates range over micro-batch sizes (powers of two), replication r (a divisor of the
 micro-batch) and two stage counts per r: S = min(devices / r, layers) and half of it.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,10 +34,16 @@ import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel
-from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
-                                                    microbatch_sizes, no_plan_error, planner_inputs)
-from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.plan_assembly import (
+  MAX_MICROBATCHES,
+  assemble_plan,
+  better,
+  microbatch_sizes,
+  no_plan_error,
+  planner_inputs,
+)
+from gpp_jax.passes.partition.range_costs import RangeCosts
 
 ORDERS = ("1f1b", "graph-1f1b", "gpipe")
 
@@ -47,11 +54,12 @@ def _crossing(costs, n: int) -> np.ndarray:
   for u, v, b in costs.edges:
     diff[u + 1] += b
     diff[v + 1] -= b
-  return np.cumsum(diff)[:n + 1]
+  return np.cumsum(diff)[: n + 1]
 
 
-def _mapped_partition(rc: RangeCosts, cross: np.ndarray, cluster: Cluster, r: int, S: int,
-                      M: int, grid: int = 24):
+def _mapped_partition(
+  rc: RangeCosts, cross: np.ndarray, cluster: Cluster, r: int, S: int, M: int, grid: int = 24
+):
   """Best (estimate, ranges) for S stages of r devices mapped in order, or None."""
   n, b = rc.n, rc.b
   # Forward + backward per micro-batch, plus the stage's share of its end-of-iteration
@@ -88,7 +96,7 @@ def _mapped_partition(rc: RangeCosts, cross: np.ndarray, cluster: Cluster, r: in
     arg = np.zeros((S + 1, n + 1), dtype=int)
     for s in range(S):
       c = np.where(costs_s[s] <= T, costs_s[s], inf)
-      cand = F[s][:, None] + c                       # [i, j]
+      cand = F[s][:, None] + c  # [i, j]
       arg[s + 1] = np.argmin(cand, axis=0)
       F[s + 1] = cand[arg[s + 1], np.arange(n + 1)]
     if not math.isfinite(F[S, n]):
@@ -106,10 +114,17 @@ def _mapped_partition(rc: RangeCosts, cross: np.ndarray, cluster: Cluster, r: in
   return best
 
 
-def luo_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
-             batch_size: int | None = None, *, num_microbatches: int | None = None,
-             cost_model: CostModel | None = None, orders: tuple[str, ...] = ORDERS,
-             max_microbatches: int | None = MAX_MICROBATCHES, simulate_top: int = 4) -> Plan:
+def luo_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  orders: tuple[str, ...] = ORDERS,
+  max_microbatches: int | None = MAX_MICROBATCHES,
+  simulate_top: int = 4,
+) -> Plan:
   """Luo et al.: LayerGraph + Cluster -> sequential Plan (see the module docstring).
 
   Args:
@@ -136,13 +151,23 @@ def luo_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
           found.append((got[0], b, r, S, got[1]))
   found.sort(key=lambda c: c[:4])
   best = None
-  for est, b, r, S, ranges in found[:simulate_top]:
+  for est, b, r, _S, ranges in found[:simulate_top]:
     stages = [(costs.layers[i:j], r) for i, j in ranges]
     for mode in orders:
-      plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
-                           planner="luo", schedule=mode, sequential=True,
-                           device_order=list(range(K)), cost_model=cm, costs=costs,
-                           info={"estimate": est, "replicas": r})
+      plan = assemble_plan(
+        layer_graph,
+        cluster,
+        stages,
+        microbatch=b,
+        batch_size=B,
+        planner="luo",
+        schedule=mode,
+        sequential=True,
+        device_order=list(range(K)),
+        cost_model=cm,
+        costs=costs,
+        info={"estimate": est, "replicas": r},
+      )
       best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("luo", layer_graph, cluster, B)

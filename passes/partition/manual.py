@@ -1,8 +1,9 @@
 """Hand-written plans: module-path prefixes -> stage, stage -> device."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
@@ -22,12 +23,19 @@ class ManualPlan:
     devices: ``{stage: device index or indices}``; default stage i -> device i.
     default_stage: stage of layers no rule matches (None: such layers are an error).
   """
+
   rules: Mapping[str, int]
   devices: Mapping[int, int | Sequence[int]] | None = None
   default_stage: int | None = None
 
-  def resolve(self, layer_graph: nx.DiGraph, num_microbatches: int, schedule: str = "1f1b",
-              num_devices: int | None = None, batch_size: int | None = None) -> Plan:
+  def resolve(
+    self,
+    layer_graph: nx.DiGraph,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    num_devices: int | None = None,
+    batch_size: int | None = None,
+  ) -> Plan:
     """Builds and validates the Plan for ``layer_graph``."""
     assign: dict[str, int] = {}
     unmatched = []
@@ -44,13 +52,17 @@ class ManualPlan:
       else:
         assign[layer] = best[1]
     if unmatched:
-      raise PlanError(f"layers {unmatched} match no rule of the manual plan; add rules for them "
-                      f"or set default_stage. Rules: {dict(self.rules)}. All layers: "
-                      f"{topo_layers(layer_graph)}")
+      raise PlanError(
+        f"layers {unmatched} match no rule of the manual plan; add rules for them "
+        f"or set default_stage. Rules: {dict(self.rules)}. All layers: "
+        f"{topo_layers(layer_graph)}"
+      )
     unknown = [p for p in self.rules if not any(_matches(p, l) for l in layer_graph)]
     if unknown:
-      raise PlanError(f"manual plan rules {unknown} match no layer of the model; known layers: "
-                      f"{topo_layers(layer_graph)}")
+      raise PlanError(
+        f"manual plan rules {unknown} match no layer of the model; known layers: "
+        f"{topo_layers(layer_graph)}"
+      )
     n = max(assign.values()) + 1
     used = sorted(set(assign.values()))
     if used != list(range(n)):
@@ -60,8 +72,14 @@ class ManualPlan:
       d = (self.devices or {}).get(s, s)
       devs = (d,) if isinstance(d, int) else tuple(d)
       stages.append(Stage(s, tuple(l for l in topo_layers(layer_graph) if assign[l] == s), devs))
-    plan = Plan(tuple(stages), stage_edges(layer_graph, assign), num_microbatches,
-                schedule=schedule, planner="manual", batch_size=batch_size)
+    plan = Plan(
+      tuple(stages),
+      stage_edges(layer_graph, assign),
+      num_microbatches,
+      schedule=schedule,
+      planner="manual",
+      batch_size=batch_size,
+    )
     validate_plan(plan, layer_graph, num_devices)
     return plan
 
@@ -69,10 +87,13 @@ class ManualPlan:
 def _matches(prefix: str, layer: str) -> bool:
   p = [x for x in prefix.split("/") if x]
   l = layer.split("/")
-  return l[:len(p)] == p
+  return l[: len(p)] == p
 
 
-def manual_plan(rules: Mapping[str, int], devices: Mapping[int, int | Sequence[int]] | None = None,
-                default_stage: int | None = None) -> ManualPlan:
+def manual_plan(
+  rules: Mapping[str, int],
+  devices: Mapping[int, int | Sequence[int]] | None = None,
+  default_stage: int | None = None,
+) -> ManualPlan:
   """A plan written by hand: ``{module-path prefix: stage}`` and optionally stage -> device."""
   return ManualPlan(dict(rules), None if devices is None else dict(devices), default_stage)

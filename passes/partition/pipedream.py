@@ -19,6 +19,7 @@ rule GraphPipe uses over its depth frontier). The stages form a chain: consecuti
 an ordering edge even when no tensor flows between them, as in PipeDream's runtime, where a
 stage talks only to its neighbours.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,41 +30,50 @@ import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts
-from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan,
-                                                    data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error, planner_inputs)
-from gpp_jax.passes.partition.refine import polish
-from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.plan_assembly import (
+  MAX_MICROBATCHES,
+  assemble_plan,
+  data_parallel_degrees,
+  microbatch_sizes,
+  no_plan_error,
+  planner_inputs,
+)
+from gpp_jax.passes.partition.range_costs import RangeCosts
+from gpp_jax.passes.partition.refine import polish
 
 
-def chain_dp(rc: RangeCosts, K: int, M: int, mem_cap: float,
-             replicate: bool = True) -> tuple[np.ndarray, list]:
+def chain_dp(
+  rc: RangeCosts, K: int, M: int, mem_cap: float, replicate: bool = True
+) -> tuple[np.ndarray, list]:
   """The PipeDream DP table A[i, m, s] over ranges of ``rc`` (see the module docstring)."""
   n = rc.n
   S = min(K, n)
   A = np.full((n + 1, K + 1, S + 1), math.inf)
   A[n, :, 0] = 0.0
   dps = rc.dps if replicate else [1]
-  s_in = np.minimum(np.arange(1, S + 1), M)     # in-flight of the stage s-th from the end
+  s_in = np.minimum(np.arange(1, S + 1), M)  # in-flight of the stage s-th from the end
   for i in range(n - 1, -1, -1):
     for d in dps:
       if d > K:
         break
-      T = rc.tps(d)[i, i + 1:]                           # (L,) for j = i+1..n
-      mem = (rc.cm.static_memory(rc.params[i, i + 1:])[:, None]
-             + rc.saved[i, i + 1:][:, None] * rc.b / d * s_in[None, :])   # (L, S)
+      T = rc.tps(d)[i, i + 1 :]  # (L,) for j = i+1..n
+      mem = (
+        rc.cm.static_memory(rc.params[i, i + 1 :])[:, None]
+        + rc.saved[i, i + 1 :][:, None] * rc.b / d * s_in[None, :]
+      )  # (L, S)
       ok = mem <= mem_cap
-      sub = A[i + 1:, :K + 1 - d, :S]                    # (L, K+1-d, S): A[j, m-d, s-1]
+      sub = A[i + 1 :, : K + 1 - d, :S]  # (L, K+1-d, S): A[j, m-d, s-1]
       val = np.maximum(T[:, None, None], sub)
-      val = np.where(ok[:, None, :], val, math.inf).min(axis=0)   # (K+1-d, S)
+      val = np.where(ok[:, None, :], val, math.inf).min(axis=0)  # (K+1-d, S)
       A[i, d:, 1:] = np.minimum(A[i, d:, 1:], val)
     A[i] = np.minimum.accumulate(A[i], axis=0)
   return A, dps
 
 
-def chain_reconstruct(rc: RangeCosts, A: np.ndarray, dps: list, K: int, M: int, mem_cap: float,
-                      s: int) -> list[tuple[int, int, int]]:
+def chain_reconstruct(
+  rc: RangeCosts, A: np.ndarray, dps: list, K: int, M: int, mem_cap: float, s: int
+) -> list[tuple[int, int, int]]:
   """Stages (i, j, d) of the DP optimum that uses ``s`` stages on at most K devices."""
   out = []
   i, m = 0, K
@@ -93,11 +103,18 @@ def chain_reconstruct(rc: RangeCosts, A: np.ndarray, dps: list, K: int, M: int, 
   return out
 
 
-def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
-                   batch_size: int | None = None, *, num_microbatches: int | None = None,
-                   cost_model: CostModel | None = None, schedule: str = "1f1b",
-                   replicate: bool = True, max_microbatches: int | None = MAX_MICROBATCHES,
-                   simulate_top: int = 6) -> Plan:
+def pipedream_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  schedule: str = "1f1b",
+  replicate: bool = True,
+  max_microbatches: int | None = MAX_MICROBATCHES,
+  simulate_top: int = 6,
+) -> Plan:
   """PipeDream: LayerGraph + Cluster -> sequential Plan (see the module docstring).
 
   Args:
@@ -115,22 +132,40 @@ def pipedream_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
   sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
-  evaluated = chain_candidates(layer_graph, cluster, B, sizes, cost_model=cm, costs=costs,
-                               schedule=schedule, replicate=replicate,
-                               simulate_top=simulate_top)
+  evaluated = chain_candidates(
+    layer_graph,
+    cluster,
+    B,
+    sizes,
+    cost_model=cm,
+    costs=costs,
+    schedule=schedule,
+    replicate=replicate,
+    simulate_top=simulate_top,
+  )
   if not evaluated:
     raise no_plan_error("pipedream", layer_graph, cluster, B)
-  best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs,
-                microbatch_sizes=sizes)
+  best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs, microbatch_sizes=sizes)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
   return best.replace(predicted=pred)
 
 
-def chain_candidates(layer_graph: nx.DiGraph, cluster: Cluster, B: int, sizes: list[int], *,
-                     cost_model: CostModel, costs: LayerCosts, schedule: str = "1f1b",
-                     replicate: bool = True, simulate_top: int = 6, sweep: bool = True,
-                     planner: str = "pipedream", sequential: bool = True) -> list[Plan]:
+def chain_candidates(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  B: int,
+  sizes: list[int],
+  *,
+  cost_model: CostModel,
+  costs: LayerCosts,
+  schedule: str = "1f1b",
+  replicate: bool = True,
+  simulate_top: int = 6,
+  sweep: bool = True,
+  planner: str = "pipedream",
+  sequential: bool = True,
+) -> list[Plan]:
   """The simulated PipeDream DP optima within memory (see ``pipedream_plan``), unpolished;
   ``sweep=False`` skips simulating every stage count at the two best micro-batch sizes.
 
@@ -148,10 +183,13 @@ def chain_candidates(layer_graph: nx.DiGraph, cluster: Cluster, B: int, sizes: l
     return tables[(b, rep)]
 
   def candidates(b: int, rep: bool):
-    rc, A, dps = table(b, rep)
+    _rc, A, _dps = table(b, rep)
     M = B // b
-    return [((M + s - 1) * float(A[0, K, s]) * b, b, s, rep) for s in range(1, A.shape[2])
-            if math.isfinite(A[0, K, s])]
+    return [
+      ((M + s - 1) * float(A[0, K, s]) * b, b, s, rep)
+      for s in range(1, A.shape[2])
+      if math.isfinite(A[0, K, s])
+    ]
 
   evaluated: list[Plan] = []
   done = set()
@@ -163,10 +201,19 @@ def chain_candidates(layer_graph: nx.DiGraph, cluster: Cluster, B: int, sizes: l
     rc, A, dps = table(b, rep)
     ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s)
     stages = [(costs.layers[i:j], d) for i, j, d in ranges]
-    plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
-                         planner=planner, schedule=schedule, sequential=sequential,
-                         cost_model=cm, costs=costs,
-                         info={"bottleneck_tps": float(A[0, K, s])})
+    plan = assemble_plan(
+      layer_graph,
+      cluster,
+      stages,
+      microbatch=b,
+      batch_size=B,
+      planner=planner,
+      schedule=schedule,
+      sequential=sequential,
+      cost_model=cm,
+      costs=costs,
+      info={"bottleneck_tps": float(A[0, K, s])},
+    )
     if plan.predicted["memory_ok"]:
       evaluated.append(plan)
 
@@ -181,8 +228,8 @@ def chain_candidates(layer_graph: nx.DiGraph, cluster: Cluster, B: int, sizes: l
     assert mb is not None  # assemble_plan sets every stage's micro-batch size
     if mb not in top_sizes:
       top_sizes.append(mb)
-  for b in top_sizes[:2 if sweep else 0]:
+  for b in top_sizes[: 2 if sweep else 0]:
     for rep in {replicate, False}:
-      for _, _, s, r in sorted(candidates(b, rep))[:max(simulate_top, 8)]:
+      for _, _, s, r in sorted(candidates(b, rep))[: max(simulate_top, 8)]:
         evaluate(b, s, r)
   return evaluated

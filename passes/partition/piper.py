@@ -23,6 +23,7 @@ The number of downsets grows as l^b for b branches of l layers, and the DP visit
 (I', I). ``max_downsets`` and ``max_pairs`` bound the work; beyond them the planner raises
 PlanError (GraphPipe reports Piper finding no strategy for DLRM and CANDLE-Uno for this reason).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,11 +35,17 @@ import numpy as np
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel
 from gpp_jax.errors import PlanError
-from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
-                                                    data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error, planner_inputs)
-from gpp_jax.passes.partition.refine import polish
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.plan_assembly import (
+  MAX_MICROBATCHES,
+  assemble_plan,
+  better,
+  data_parallel_degrees,
+  microbatch_sizes,
+  no_plan_error,
+  planner_inputs,
+)
+from gpp_jax.passes.partition.refine import polish
 
 
 def downsets(layer_graph: nx.DiGraph, order: list[str], limit: int) -> list[int]:
@@ -64,20 +71,29 @@ def downsets(layer_graph: nx.DiGraph, order: list[str], limit: int) -> list[int]
             nxt.append(J)
             if len(seen) > limit:
               raise PlanError(
-                  f"piper: {layer_graph.graph.get('name', 'the graph')} has more than {limit} "
-                  f"downsets (successor-closed layer sets) over {len(order)} layers; Piper's "
-                  "DP is quadratic in their number, which explodes with the number of parallel "
-                  "branches. Use the graphpipe or pipedream planner, coarsen the layers, or "
-                  "raise max_downsets.")
+                f"piper: {layer_graph.graph.get('name', 'the graph')} has more than {limit} "
+                f"downsets (successor-closed layer sets) over {len(order)} layers; Piper's "
+                "DP is quadratic in their number, which explodes with the number of parallel "
+                "branches. Use the graphpipe or pipedream planner, coarsen the layers, or "
+                "raise max_downsets."
+              )
     frontier = nxt
   return sorted(seen, key=lambda m: (bin(m).count("1"), m))
 
 
-def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
-               batch_size: int | None = None, *, num_microbatches: int | None = None,
-               cost_model: CostModel | None = None, schedule: str = "1f1b",
-               max_downsets: int = 4000, max_pairs: int = 150_000,
-               max_microbatches: int | None = MAX_MICROBATCHES, simulate_top: int = 6) -> Plan:
+def piper_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  schedule: str = "1f1b",
+  max_downsets: int = 4000,
+  max_pairs: int = 150_000,
+  max_microbatches: int | None = MAX_MICROBATCHES,
+  simulate_top: int = 6,
+) -> Plan:
   """Piper: LayerGraph + Cluster -> sequential Plan over downset differences.
 
   Args:
@@ -95,7 +111,7 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
   n = len(order)
   sets = downsets(layer_graph, order, max_downsets)
   D = len(sets)
-  member = np.array([[(m >> i) & 1 for i in range(n)] for m in sets], dtype=bool)   # (D, n)
+  member = np.array([[(m >> i) & 1 for i in range(n)] for m in sets], dtype=bool)  # (D, n)
   size = member.sum(axis=1)
   # Proper sub-downsets of each downset.
   subs = []
@@ -107,14 +123,15 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
     pairs += len(idx)
     if pairs > max_pairs:
       raise PlanError(
-          f"piper: more than {max_pairs} downset pairs ({D} downsets over {n} layers); the "
-          "DP visits every pair, which explodes with the number of parallel branches. Use the "
-          "graphpipe or pipedream planner, coarsen the layers, or raise max_pairs.")
+        f"piper: more than {max_pairs} downset pairs ({D} downsets over {n} layers); the "
+        "DP visits every pair, which explodes with the number of parallel branches. Use the "
+        "graphpipe or pipedream planner, coarsen the layers, or raise max_pairs."
+      )
   eu = np.array([u for u, _, _ in costs.edges], dtype=int)
   ev = np.array([v for _, v, _ in costs.edges], dtype=int)
   eb = np.array([b for _, _, b in costs.edges], dtype=float)
   if len(eb):
-    cin = (member[:, ev] & ~member[:, eu]).astype(float) @ eb          # bytes into each downset
+    cin = (member[:, ev] & ~member[:, eu]).astype(float) @ eb  # bytes into each downset
   else:
     cin = np.zeros(D)
   params = member.astype(float) @ costs.param_bytes
@@ -154,8 +171,8 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
         ar = _allreduce(cluster, p_s, d)
         tps = both / b + (ar + cm.update_traffic * p_s / cluster.device.memory_bandwidth) / B
         mem = cm.static_memory(p_s)[:, None] + sv_s[:, None] * b / d * s_in[None, :]
-        ok = mem <= cluster.memory_per_device                           # (nv, S)
-        sub = dp[idx][:, :K + 1 - d, :S]                                  # (nv, K+1-d, S)
+        ok = mem <= cluster.memory_per_device  # (nv, S)
+        sub = dp[idx][:, : K + 1 - d, :S]  # (nv, K+1-d, S)
         val = np.where(ok[:, None, :], np.maximum(tps[:, None, None], sub), math.inf).min(axis=0)
         dp[a, d:, 1:] = np.minimum(dp[a, d:, 1:], val)
       dp[a] = np.minimum.accumulate(dp[a], axis=0)
@@ -165,14 +182,42 @@ def piper_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
         found.append(((M + s - 1) * v * b, b, s, v, dp, dps))
   found.sort(key=lambda c: c[:3])
   best, plans = None, []
-  for est, b, s, v, dp, dps in found[:simulate_top]:
+  for _est, b, s, v, dp, dps in found[:simulate_top]:
     M = B // b
-    stages = _reconstruct(sets, member, subs, dp, dps, costs, cm, cluster, b, B, M, K, s, v,
-                          cin, params, saved, link, order)
-    plan = assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=B,
-                         planner="piper", schedule=schedule, sequential=True,
-                         cost_model=cm, costs=costs,
-                         info={"bottleneck_tps": v, "downsets": D})
+    stages = _reconstruct(
+      sets,
+      member,
+      subs,
+      dp,
+      dps,
+      costs,
+      cm,
+      cluster,
+      b,
+      B,
+      M,
+      K,
+      s,
+      v,
+      cin,
+      params,
+      saved,
+      link,
+      order,
+    )
+    plan = assemble_plan(
+      layer_graph,
+      cluster,
+      stages,
+      microbatch=b,
+      batch_size=B,
+      planner="piper",
+      schedule=schedule,
+      sequential=True,
+      cost_model=cm,
+      costs=costs,
+      info={"bottleneck_tps": v, "downsets": D},
+    )
     best = better(best, plan)
     plans.append(plan)
   if best is None or not best.predicted.get("memory_ok", True):
@@ -192,8 +237,27 @@ def _allreduce(cluster: Cluster, nbytes, d: int):
   return 2 * (d - 1) * link.alpha + 2 * (d - 1) / d * nbytes / link.beta
 
 
-def _reconstruct(sets, member, subs, dp, dps, costs, cm, cluster, b, B, M, K, s, target, cin,
-                 params, saved, link, order):
+def _reconstruct(
+  sets,
+  member,
+  subs,
+  dp,
+  dps,
+  costs,
+  cm,
+  cluster,
+  b,
+  B,
+  M,
+  K,
+  s,
+  target,
+  cin,
+  params,
+  saved,
+  link,
+  order,
+):
   """Stages (front to back) of the optimum dp[full, K, s] = target."""
   eu = np.array([u for u, _, _ in costs.edges], dtype=int)
   ev = np.array([v for _, v, _ in costs.edges], dtype=int)
@@ -211,16 +275,23 @@ def _reconstruct(sets, member, subs, dp, dps, costs, cm, cluster, b, B, M, K, s,
       for i in subs[a]:
         if dp[i, k - d, s - 1] > target:
           continue
-        into = (float(((member[i, ev] & ~member[a, eu]).astype(float) * eb).sum())
-                if len(eb) else 0.0)
+        into = (
+          float(((member[i, ev] & ~member[a, eu]).astype(float) * eb).sum()) if len(eb) else 0.0
+        )
         cut = max(cin[a] + cin[i] - 2 * into, 0.0)
         comm = 2 * link.alpha + cut * b / link.beta if cut > 1e-12 else 0.0
         tf, tb = cm.layer_times(costs, cluster.device, b / d)
         compute = float(((member[a] & ~member[i]).astype(float) * (tf + tb)).sum())
         p = float(params[a] - params[i])
         both = cm.combine(compute, comm)
-        tps = both / b + float(_allreduce(cluster, np.array(p), d)
-                               + cm.update_traffic * p / cluster.device.memory_bandwidth) / B
+        tps = (
+          both / b
+          + float(
+            _allreduce(cluster, np.array(p), d)
+            + cm.update_traffic * p / cluster.device.memory_bandwidth
+          )
+          / B
+        )
         mem = cm.stage_memory(p, float(saved[a] - saved[i]), b, d, min(s, M))
         if tps <= target * (1 + 1e-9) and mem <= cluster.memory_per_device:
           step = (i, d)

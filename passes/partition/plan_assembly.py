@@ -7,32 +7,36 @@ ordering edges the planner asks for), in-flight counts from the stage DAG, and t
 model's prediction (simulated iteration time, throughput, per-stage memory) in
 ``plan.predicted``.
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Iterable, Sequence, overload
+from collections.abc import Iterable, Sequence
+from typing import Any, overload
 
 import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster, as_cluster
-from gpp_jax.cost.cost_model import CostModel, LayerCosts, DEFAULT_COST_MODEL, layer_costs
+from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
+from gpp_jax.cost.simulator import SimResult, simulate
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import validate_layer_graph
-from gpp_jax.passes.inflight import inflight_counts
-from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.ir.plan import Plan, Stage, stage_edges
 from gpp_jax.ir.schedule import Schedule
-from gpp_jax.cost.simulator import SimResult, simulate
-
+from gpp_jax.passes.inflight import inflight_counts
+from gpp_jax.passes.schedules import make_schedule
 
 # Sweeps skip micro-batch sizes that need more micro-batches than this (none of the
 # benchmark optima comes near it; it bounds simulation cost).
 MAX_MICROBATCHES = 256
 
 
-def microbatch_sizes(batch_size: int, num_microbatches: int | None = None,
-                     max_microbatches: int | None = MAX_MICROBATCHES) -> list[int]:
+def microbatch_sizes(
+  batch_size: int,
+  num_microbatches: int | None = None,
+  max_microbatches: int | None = MAX_MICROBATCHES,
+) -> list[int]:
   """Micro-batch sizes to try: ``batch_size / num_microbatches`` when given, else every power
   of two dividing ``batch_size`` (GraphPipe's sweep) with at most ``max_microbatches``
   micro-batches (None: no limit)."""
@@ -40,8 +44,10 @@ def microbatch_sizes(batch_size: int, num_microbatches: int | None = None,
     raise PlanError(f"batch_size must be positive, got {batch_size}")
   if num_microbatches is not None:
     if num_microbatches < 1 or batch_size % num_microbatches:
-      raise PlanError(f"num_microbatches={num_microbatches} does not divide batch_size="
-                      f"{batch_size}; pick a divisor of the batch size")
+      raise PlanError(
+        f"num_microbatches={num_microbatches} does not divide batch_size="
+        f"{batch_size}; pick a divisor of the batch size"
+      )
     return [batch_size // num_microbatches]
   out, b = [], 1
   while b <= batch_size:
@@ -51,8 +57,9 @@ def microbatch_sizes(batch_size: int, num_microbatches: int | None = None,
   return out or [batch_size]
 
 
-def data_parallel_degrees(microbatch: int, max_devices: int,
-                          powers_of_two: bool = False) -> list[int]:
+def data_parallel_degrees(
+  microbatch: int, max_devices: int, powers_of_two: bool = False
+) -> list[int]:
   """Data-parallel degrees a stage may use: divisors of the micro-batch (each device gets a whole
   number of samples), at most ``max_devices``."""
   out = [d for d in range(1, max_devices + 1) if microbatch % d == 0]
@@ -61,24 +68,41 @@ def data_parallel_degrees(microbatch: int, max_devices: int,
   return out
 
 
-def planner_inputs(layer_graph: nx.DiGraph, cluster: "Cluster | int | None",
-                   batch_size: int | None, cost_model: CostModel | None
-                   ) -> tuple[Cluster, CostModel, int, LayerCosts]:
+def planner_inputs(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None,
+  batch_size: int | None,
+  cost_model: CostModel | None,
+) -> tuple[Cluster, CostModel, int, LayerCosts]:
   """What every cost-model planner starts from: the validated LayerGraph's costs, the Cluster
   (a device count becomes a ``cpu_cluster``), the cost model and the mini-batch size (default:
   the LayerGraph's ``batch_size``)."""
   validate_layer_graph(layer_graph)
-  return (as_cluster(cluster), cost_model or DEFAULT_COST_MODEL,
-          int(batch_size or layer_graph.graph["batch_size"]), layer_costs(layer_graph))
+  return (
+    as_cluster(cluster),
+    cost_model or DEFAULT_COST_MODEL,
+    int(batch_size or layer_graph.graph["batch_size"]),
+    layer_costs(layer_graph),
+  )
 
 
-def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
-                  stages: Sequence[tuple[Iterable[str], int]], *, microbatch: int,
-                  batch_size: int, planner: str, schedule: str = "1f1b",
-                  extra_edges: Iterable[tuple[int, int]] = (), keep_order: bool = False,
-                  sequential: bool = False, device_order: Sequence[int] | None = None,
-                  cost_model: CostModel | None = None, costs: LayerCosts | None = None,
-                  info: dict[str, Any] | None = None) -> Plan:
+def assemble_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  stages: Sequence[tuple[Iterable[str], int]],
+  *,
+  microbatch: int,
+  batch_size: int,
+  planner: str,
+  schedule: str = "1f1b",
+  extra_edges: Iterable[tuple[int, int]] = (),
+  keep_order: bool = False,
+  sequential: bool = False,
+  device_order: Sequence[int] | None = None,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+  info: dict[str, Any] | None = None,
+) -> Plan:
   """Stage choice -> Plan with devices, edges, in-flight counts and predictions.
 
   Args:
@@ -105,8 +129,11 @@ def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
     keep_order = True
     extra_edges = list(extra_edges) + [(k, k + 1) for k in range(len(stages) - 1)]
     info = {**(info or {}), "sequential": True}
-  order = list(range(len(raw))) if keep_order else sorted(
-      range(len(raw)), key=lambda i: costs.index[raw[i][0][0]])
+  order = (
+    list(range(len(raw)))
+    if keep_order
+    else sorted(range(len(raw)), key=lambda i: costs.index[raw[i][0][0]])
+  )
   rank = {old: new for new, old in enumerate(order)}
   used = sum(k for _, k in raw)
   if used > cluster.num_devices:
@@ -115,7 +142,7 @@ def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
     devs = list(device_order)
     ranges, nxt = [], 0
     for old in order:
-      ranges.append(tuple(devs[nxt:nxt + raw[old][1]]))
+      ranges.append(tuple(devs[nxt : nxt + raw[old][1]]))
       nxt += raw[old][1]
     idle = devs[nxt:]
   else:
@@ -128,7 +155,7 @@ def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
   where = {}
   stage_list = []
   for new, old in enumerate(order):
-    ls, k = raw[old]
+    ls, _k = raw[old]
     for l in ls:
       where[l] = new
     stage_list.append((tuple(ls), ranges[new]))
@@ -136,10 +163,17 @@ def assemble_plan(layer_graph: nx.DiGraph, cluster: Cluster,
   edge_set |= {(rank[a], rank[b]) for a, b in extra_edges}
   edges = tuple(sorted(edge_set))
   fl = inflight_counts(len(stage_list), edges, num_microbatches=M).microbatches
-  plan = Plan(stages=tuple(Stage(index=i, layers=ls, devices=ds, microbatch_size=microbatch,
-                                 in_flight=fl[i]) for i, (ls, ds) in enumerate(stage_list)),
-              edges=edges, num_microbatches=M, schedule=schedule, planner=planner,
-              batch_size=batch_size)
+  plan = Plan(
+    stages=tuple(
+      Stage(index=i, layers=ls, devices=ds, microbatch_size=microbatch, in_flight=fl[i])
+      for i, (ls, ds) in enumerate(stage_list)
+    ),
+    edges=edges,
+    num_microbatches=M,
+    schedule=schedule,
+    planner=planner,
+    batch_size=batch_size,
+  )
   return predict(plan, layer_graph, cluster, cost_model=cm, costs=costs, info=info, idle=idle)
 
 
@@ -158,7 +192,7 @@ def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...
   out: list[tuple[int, ...] | None] = [None] * len(counts)
 
   def fits(start: int, k: int) -> bool:
-    return start + k <= K and all(free[start:start + k])
+    return start + k <= K and all(free[start : start + k])
 
   for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
     k = counts[i]
@@ -171,8 +205,10 @@ def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...
     if pick is None:
       pick = next((st for st in range(K) if fits(st, k)), None)
     if pick is None:
-      raise PlanError(f"cannot place stages needing {list(counts)} devices contiguously on "
-                      f"{K} devices; use fewer devices per stage")
+      raise PlanError(
+        f"cannot place stages needing {list(counts)} devices contiguously on "
+        f"{K} devices; use fewer devices per stage"
+      )
     for d in range(pick, pick + k):
       free[d] = False
     out[i] = tuple(range(pick, pick + k))
@@ -184,30 +220,45 @@ def _schedule(name: str, num_stages: int, edges: tuple, num_microbatches: int) -
   return make_schedule(name, num_stages, edges, num_microbatches)
 
 
-def predict(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
-            cost_model: CostModel | None = None, costs: LayerCosts | None = None,
-            info: dict[str, Any] | None = None, idle: Sequence[int] = ()) -> Plan:
+def predict(
+  plan: Plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  *,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+  info: dict[str, Any] | None = None,
+  idle: Sequence[int] = (),
+) -> Plan:
   """Plan -> the same Plan with ``predicted`` filled in from a simulation."""
   sched = _schedule(plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches)
   res = simulate(plan, layer_graph, cluster, schedule=sched, cost_model=cost_model, costs=costs)
   return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
 
 
-def prediction(res: SimResult, plan: Plan, cluster: Cluster, *, info: dict[str, Any] | None = None,
-               idle: Sequence[int] = ()) -> dict[str, Any]:
+def prediction(
+  res: SimResult,
+  plan: Plan,
+  cluster: Cluster,
+  *,
+  info: dict[str, Any] | None = None,
+  idle: Sequence[int] = (),
+) -> dict[str, Any]:
   """The ``plan.predicted`` entries for a simulation result (JSON-friendly)."""
   B = plan.batch_size or 0
   mem = {str(s): float(m) for s, m in enumerate(res.stage_memory)}
-  p = {"iteration_time": res.iteration_time,
-       "throughput": B / res.iteration_time if res.iteration_time > 0 and B else None,
-       "stage_memory": mem,
-       "max_memory": max(res.stage_memory),
-       "memory_limit": float(cluster.memory_per_device),
-       "memory_ok": bool(max(res.stage_memory) <= cluster.memory_per_device),
-       "bubble": [round(b, 6) for b in res.bubble],
-       "depth": plan.depth(),
-       "cluster": cluster.name,
-       "idle_devices": list(idle)}
+  p = {
+    "iteration_time": res.iteration_time,
+    "throughput": B / res.iteration_time if res.iteration_time > 0 and B else None,
+    "stage_memory": mem,
+    "max_memory": max(res.stage_memory),
+    "memory_limit": float(cluster.memory_per_device),
+    "memory_ok": bool(max(res.stage_memory) <= cluster.memory_per_device),
+    "bubble": [round(b, 6) for b in res.bubble],
+    "depth": plan.depth(),
+    "cluster": cluster.name,
+    "idle_devices": list(idle),
+  }
   if info:
     p.update(info)
   return p
@@ -217,9 +268,11 @@ def check_memory(plan: Plan, cluster: Cluster) -> None:
   """Raises PlanError when a stage's predicted memory exceeds the device memory."""
   for s, m in plan.predicted.get("stage_memory", {}).items():
     if m > cluster.memory_per_device:
-      raise PlanError(f"stage {s} needs {m / 2**30:.2f} GiB per device but devices have "
-                      f"{cluster.memory_per_device / 2**30:.2f} GiB; use more devices, a smaller "
-                      "micro-batch or a smaller model")
+      raise PlanError(
+        f"stage {s} needs {m / 2**30:.2f} GiB per device but devices have "
+        f"{cluster.memory_per_device / 2**30:.2f} GiB; use more devices, a smaller "
+        "micro-batch or a smaller model"
+      )
 
 
 @overload
@@ -232,9 +285,11 @@ def better(a: Plan | None, b: Plan | None) -> Plan | None: ...
 
 def better(a: Plan | None, b: Plan | None) -> Plan | None:
   """The plan with the lower predicted iteration time among those within memory."""
+
   def key(p: Plan):
     ok = p.predicted.get("memory_ok", True)
     return (not ok, p.predicted.get("iteration_time", math.inf), p.num_stages)
+
   if a is None:
     return b
   if b is None:
@@ -242,13 +297,15 @@ def better(a: Plan | None, b: Plan | None) -> Plan | None:
   return b if key(b) < key(a) else a
 
 
-def no_plan_error(planner: str, layer_graph: nx.DiGraph, cluster: Cluster, batch_size: int,
-                  why: str = "") -> PlanError:
+def no_plan_error(
+  planner: str, layer_graph: nx.DiGraph, cluster: Cluster, batch_size: int, why: str = ""
+) -> PlanError:
   return PlanError(
-      f"{planner}: no plan fits {layer_graph.graph.get('name', 'the model')} (batch "
-      f"{batch_size}) on {cluster.num_devices} devices with "
-      f"{cluster.memory_per_device / 2**30:.2f} GiB each{': ' + why if why else ''}; "
-      "use more devices, a smaller batch, or devices with more memory")
+    f"{planner}: no plan fits {layer_graph.graph.get('name', 'the model')} (batch "
+    f"{batch_size}) on {cluster.num_devices} devices with "
+    f"{cluster.memory_per_device / 2**30:.2f} GiB each{': ' + why if why else ''}; "
+    "use more devices, a smaller batch, or devices with more memory"
+  )
 
 
 def schedule_for(plan: Plan):

@@ -7,6 +7,7 @@ matrices indexed ``[i, j]`` for the range of layers ``i..j-1``: compute time per
 for each data-parallel degree, parameters, saved bytes per sample, bytes per sample crossing
 the range boundary, and the resulting time per sample (TPS).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,7 @@ class RangeCosts:
     params, saved: (n+1, n+1) parameter bytes, saved bytes per sample.
     cut: (n+1, n+1) bytes per sample crossing the range boundary (in + out).
   """
+
   costs: LayerCosts
   cm: CostModel
   cluster: Cluster
@@ -71,7 +73,7 @@ class RangeCosts:
           raise ValueError("RangeCosts order is not topological")
         E[pu, pv] += by
     # internal[i, j] = bytes of edges with i <= u and v < j (both ends inside the range).
-    R = np.cumsum(E[::-1], axis=0)[::-1]          # R[i, v] = sum over u >= i of E[u, v]
+    R = np.cumsum(E[::-1], axis=0)[::-1]  # R[i, v] = sum over u >= i of E[u, v]
     internal = np.zeros((n + 1, n + 1))
     internal[:n, 1:] = np.cumsum(R, axis=1)
     self.cut = np.maximum(diff(pre(inc)) - 2 * internal, 0.0)

@@ -17,30 +17,50 @@ A sequential plan (``predicted["sequential"]``) stays a chain: its stages are cu
 topological order, and moves shift, add or remove a cut. The search stops when no move gains
 more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import networkx as nx
 import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
-from gpp_jax.passes.partition.plan_assembly import assemble_plan, better, data_parallel_degrees
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.plan_assembly import assemble_plan, better, data_parallel_degrees
 
 # ``plan.predicted`` entries that describe the prediction itself (recomputed on every move);
 # the rest (search statistics, the planner's own notes) is carried over.
-_PREDICTION_KEYS = ("iteration_time", "throughput", "stage_memory", "max_memory",
-                    "memory_limit", "memory_ok", "bubble", "depth", "cluster", "idle_devices")
+_PREDICTION_KEYS = (
+  "iteration_time",
+  "throughput",
+  "stage_memory",
+  "max_memory",
+  "memory_limit",
+  "memory_ok",
+  "bubble",
+  "depth",
+  "cluster",
+  "idle_devices",
+)
 
 Stages = tuple[tuple[tuple[str, ...], int], ...]
 
 
-def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
-                cost_model: CostModel | None = None, costs: LayerCosts | None = None,
-                partition: bool = True, max_rounds: int = 16, max_takers: int = 3,
-                max_evals: int = 200, budget: list[int] | None = None) -> Plan:
+def refine_plan(
+  plan: Plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  *,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+  partition: bool = True,
+  max_rounds: int = 16,
+  max_takers: int = 3,
+  max_evals: int = 200,
+  budget: list[int] | None = None,
+) -> Plan:
   """Plan -> a plan at least as fast (see the module docstring).
 
   Args:
@@ -66,14 +86,35 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
   fixed_edges = tuple(plan.edges) if not partition else ()
 
   def build(stages: Stages) -> Plan:
-    if not partition:          # same stages, same order and edges: only device counts change
-      return assemble_plan(layer_graph, cluster, stages, microbatch=mb,
-                           batch_size=B, planner=plan.planner,
-                           schedule=plan.schedule, extra_edges=fixed_edges, keep_order=True,
-                           cost_model=cost_model, costs=costs, info=info)
-    return assemble_plan(layer_graph, cluster, stages, microbatch=mb, batch_size=B,
-                         planner=plan.planner, schedule=plan.schedule, sequential=sequential,
-                         keep_order=sequential, cost_model=cost_model, costs=costs, info=info)
+    if not partition:  # same stages, same order and edges: only device counts change
+      return assemble_plan(
+        layer_graph,
+        cluster,
+        stages,
+        microbatch=mb,
+        batch_size=B,
+        planner=plan.planner,
+        schedule=plan.schedule,
+        extra_edges=fixed_edges,
+        keep_order=True,
+        cost_model=cost_model,
+        costs=costs,
+        info=info,
+      )
+    return assemble_plan(
+      layer_graph,
+      cluster,
+      stages,
+      microbatch=mb,
+      batch_size=B,
+      planner=plan.planner,
+      schedule=plan.schedule,
+      sequential=sequential,
+      keep_order=sequential,
+      cost_model=cost_model,
+      costs=costs,
+      info=info,
+    )
 
   cm = cost_model or DEFAULT_COST_MODEL
   M = B // mb
@@ -123,28 +164,29 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
           continue
         for d in ok:
           if d != counts[i] and total - d in ok_set:
-            yield tuple((ls, d if x == i else total - d if x == j else c)
-                        for x, (ls, c) in enumerate(stages))
+            yield tuple(
+              (ls, d if x == i else total - d if x == j else c) for x, (ls, c) in enumerate(stages)
+            )
 
   def chain_moves(stages: Stages, takers: Sequence[int], idle: int):
     n = len(stages)
     near = {j for i in takers for j in (i - 1, i, i + 1) if 0 <= j < n}
-    for k in range(n - 1):                          # shift the cut between k and k + 1
+    for k in range(n - 1):  # shift the cut between k and k + 1
       if k not in near and k + 1 not in near:
         continue
       (a, da), (b, db) = stages[k], stages[k + 1]
-      head, tail = stages[:k], stages[k + 2:]
+      head, tail = stages[:k], stages[k + 2 :]
       if len(a) > 1:
         yield head + ((a[:-1], da), ((a[-1],) + b, db)) + tail
       if len(b) > 1:
         yield head + ((a + (b[0],), da), (b[1:], db)) + tail
       yield head + ((a + b, merged_count(da + db + idle)),) + tail
-    for i in takers:                                # split a busy stage
+    for i in takers:  # split a busy stage
       ls, d = stages[i]
       for cut in range(1, len(ls)):
         for d1, d2 in splits(d, idle):
-          yield stages[:i] + ((ls[:cut], d1), (ls[cut:], d2)) + stages[i + 1:]
-    for i in takers:                                # relocate a cut into a busy stage
+          yield stages[:i] + ((ls[:cut], d1), (ls[cut:], d2)) + stages[i + 1 :]
+    for i in takers:  # relocate a cut into a busy stage
       ls, d = stages[i]
       for k in range(n - 1):
         if i in (k, k + 1):
@@ -152,9 +194,9 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
         (a, da), (b, db) = stages[k], stages[k + 1]
         for cut in range(1, len(ls)):
           new = list(stages)
-          new[i:i + 1] = [(ls[:cut], d), (ls[cut:], min(da, db))]
+          new[i : i + 1] = [(ls[:cut], d), (ls[cut:], min(da, db))]
           at = k if k < i else k + 1
-          new[at:at + 2] = [(a + b, max(da, db))]
+          new[at : at + 2] = [(a + b, max(da, db))]
           yield tuple(new)
 
   def dag_moves(stages: Stages, takers: Sequence[int], idle: int):
@@ -171,16 +213,21 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
       pairs.add((su, sv))
       for l, src, dst in ((u, su, sv), (v, sv, su)):
         if len(stages[src][0]) > 1:
-          yield tuple((tuple(x for x in ls if x != l), d) if i == src else
-                      (ls + (l,), d) if i == dst else (ls, d)
-                      for i, (ls, d) in enumerate(stages))
+          yield tuple(
+            (tuple(x for x in ls if x != l), d)
+            if i == src
+            else (ls + (l,), d)
+            if i == dst
+            else (ls, d)
+            for i, (ls, d) in enumerate(stages)
+          )
     for a, b in sorted(pairs):
       rest = tuple(s for i, s in enumerate(stages) if i not in (a, b))
       ls = stages[a][0] + stages[b][0]
       yield rest + ((ls, merged_count(stages[a][1] + stages[b][1] + idle)),)
     for i in takers:
       ls, d = stages[i]
-      rest = stages[:i] + stages[i + 1:]
+      rest = stages[:i] + stages[i + 1 :]
       for cut in range(1, len(ls)):
         for d1, d2 in splits(d, idle):
           yield rest + ((ls[:cut], d1), (ls[cut:], d2))
@@ -206,8 +253,10 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
     # stages in another order.
     bubble = plan.predicted.get("bubble") or [0.0] * plan.num_stages
     index_of = {ls: i for i, (ls, _) in enumerate(current)}
-    takers = [index_of[canon(((s.layers, 0),))[0][0]]
-              for s in sorted(plan.stages, key=lambda s: bubble[s.index])[:max_takers]]
+    takers = [
+      index_of[canon(((s.layers, 0),))[0][0]]
+      for s in sorted(plan.stages, key=lambda s: bubble[s.index])[:max_takers]
+    ]
     idle = K - sum(d for _, d in current)
     moves = list(device_moves(current, takers, idle))
     if partition:
@@ -238,24 +287,47 @@ def refine_plan(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
   return plan
 
 
-def spend_idle_devices(plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, *,
-                       cost_model: CostModel | None = None, costs: LayerCosts | None = None,
-                       max_rounds: int = 16, max_takers: int = 3) -> Plan:
+def spend_idle_devices(
+  plan: Plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  *,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+  max_rounds: int = 16,
+  max_takers: int = 3,
+) -> Plan:
   """Plan -> the same stages with their device counts improved by local search.
 
   A DP that only asks "does every stage fit under the target time" leaves devices idle once
   the bottleneck cannot be improved, and it prices a stage's gradient all-reduce as if it
   were spread over the iteration, although it runs when the stage's last backward ends.
   """
-  return refine_plan(plan, layer_graph, cluster, cost_model=cost_model, costs=costs,
-                     partition=False, max_rounds=max_rounds, max_takers=max_takers,
-                     max_evals=10_000)
+  return refine_plan(
+    plan,
+    layer_graph,
+    cluster,
+    cost_model=cost_model,
+    costs=costs,
+    partition=False,
+    max_rounds=max_rounds,
+    max_takers=max_takers,
+    max_evals=10_000,
+  )
 
 
-def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
-           cost_model: CostModel | None = None, costs: LayerCosts | None = None,
-           refine_sizes: int = 4, refine_within: float = 1.1, max_evals: int = 200,
-           microbatch_sizes: Sequence[int] = ()) -> Plan:
+def polish(
+  plans: Sequence[Plan],
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  *,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+  refine_sizes: int = 4,
+  refine_within: float = 1.1,
+  max_evals: int = 200,
+  microbatch_sizes: Sequence[int] = (),
+) -> Plan:
   """The planners' last step: the fastest plan after local search on the simulated time.
 
   The best plan of each of the ``refine_sizes`` best micro-batch sizes whose best plan is
@@ -266,8 +338,10 @@ def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
   refined) at the neighbouring micro-batch sizes (half and double) among ``microbatch_sizes``,
   the sizes the planner may choose from.
   """
-  plans = sorted((p for p in plans if p.predicted.get("memory_ok", True)),
-                 key=lambda p: p.predicted["iteration_time"])
+  plans = sorted(
+    (p for p in plans if p.predicted.get("memory_ok", True)),
+    key=lambda p: p.predicted["iteration_time"],
+  )
   if not plans:
     raise ValueError("polish needs at least one plan within memory")
   best = plans[0]
@@ -280,8 +354,10 @@ def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
     if b in done or len(done) >= refine_sizes or plan.predicted["iteration_time"] > cutoff:
       continue
     done.append(b)
-    best = better(best, refine_plan(plan, layer_graph, cluster, cost_model=cost_model,
-                                     costs=costs, budget=budget))
+    best = better(
+      best,
+      refine_plan(plan, layer_graph, cluster, cost_model=cost_model, costs=costs, budget=budget),
+    )
   # The polished stages may suit a neighbouring micro-batch size better than their own.
   b = best.stages[0].microbatch_size
   assert b is not None
@@ -290,20 +366,40 @@ def polish(plans: Sequence[Plan], layer_graph: nx.DiGraph, cluster: Cluster, *,
       continue
     moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs)
     if moved.predicted["memory_ok"] and moved.predicted["iteration_time"] <= cutoff:
-      best = better(best, refine_plan(moved, layer_graph, cluster, cost_model=cost_model,
-                                       costs=costs, budget=budget))
+      best = better(
+        best,
+        refine_plan(moved, layer_graph, cluster, cost_model=cost_model, costs=costs, budget=budget),
+      )
   return best
 
 
-def _at_microbatch(plan: Plan, b: int, layer_graph: nx.DiGraph, cluster: Cluster,
-                   cost_model: CostModel | None, costs: LayerCosts | None) -> Plan:
+def _at_microbatch(
+  plan: Plan,
+  b: int,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  cost_model: CostModel | None,
+  costs: LayerCosts | None,
+) -> Plan:
   """The same stages at micro-batch size ``b`` (device counts cut to divisors of ``b``)."""
   ok = data_parallel_degrees(b, cluster.num_devices)
   sequential = bool(plan.predicted.get("sequential"))
-  info = {k: v for k, v in plan.predicted.items()
-          if k not in _PREDICTION_KEYS and k != "sequential"}
+  info = {
+    k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS and k != "sequential"
+  }
   stages = [(s.layers, max(d for d in ok if d <= len(s.devices))) for s in plan.stages]
   assert plan.batch_size is not None  # planners' plans carry their batch size
-  return assemble_plan(layer_graph, cluster, stages, microbatch=b, batch_size=plan.batch_size,
-                       planner=plan.planner, schedule=plan.schedule, sequential=sequential,
-                       keep_order=sequential, cost_model=cost_model, costs=costs, info=info)
+  return assemble_plan(
+    layer_graph,
+    cluster,
+    stages,
+    microbatch=b,
+    batch_size=plan.batch_size,
+    planner=plan.planner,
+    schedule=plan.schedule,
+    sequential=sequential,
+    keep_order=sequential,
+    cost_model=cost_model,
+    costs=costs,
+    info=info,
+  )

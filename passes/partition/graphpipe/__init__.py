@@ -69,6 +69,7 @@ Choices the paper leaves open, made here (see BUILD_NOTES.md):
   * stages get contiguous device ranges, kept inside a node where they fit
     (``plan_assembly.place_stages``).
 """
+
 from gpp_jax.passes.partition.graphpipe.search import SearchStats, graphpipe_plan
 
 __all__ = ["SearchStats", "graphpipe_plan"]

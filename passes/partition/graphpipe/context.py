@@ -1,5 +1,6 @@
 """What the GraphPipe DP holds fixed for one micro-batch size: device choices, per-layer times,
 and the (memoised) TPS of every block of SP-tree children as one stage."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,12 +16,13 @@ from gpp_jax.passes.partition.range_costs import RangeCosts
 @dataclasses.dataclass
 class MicrobatchContext:
   """Everything fixed for one micro-batch size: device choices and per-layer times."""
+
   b: int
   B: int
   M: int
   K: int
   dps: list[int]
-  tsum: dict[int, np.ndarray]       # d -> per-layer (t_f + t_b) at b/d samples per device
+  tsum: dict[int, np.ndarray]  # d -> per-layer (t_f + t_b) at b/d samples per device
   mem_cap: float
   p2p_alpha: float
   p2p_beta: float
@@ -28,7 +30,7 @@ class MicrobatchContext:
   cluster: Cluster
   costs: LayerCosts
   block_cache: dict = dataclasses.field(default_factory=dict)
-  n_dps: list = dataclasses.field(default_factory=list)    # k -> how many dps are <= k
+  n_dps: list = dataclasses.field(default_factory=list)  # k -> how many dps are <= k
   node_time: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -97,14 +99,16 @@ class MicrobatchContext:
     saved = float(c.saved[a] + node.saved[hi] - node.saved[lo])
     G = node.to_siblings[ip]
     assert node.cross is not None  # node is a series node
-    internal = float(c.internal[a] + node.internal[hi] - node.internal[lo]
-                     + node.cross[lo, hi] + G[a, lo:hi].sum())
+    internal = float(
+      c.internal[a] + node.internal[hi] - node.internal[lo] + node.cross[lo, hi] + G[a, lo:hi].sum()
+    )
     incident = float(c.incident[a] + node.incident[hi] - node.incident[lo])
     cut = max(incident - 2 * internal, 0.0)
 
     def compute(d):
-      return float(self.child_times(c, d)[a] + self.child_times(node, d)[hi]
-                   - self.child_times(node, d)[lo])
+      return float(
+        self.child_times(c, d)[a] + self.child_times(node, d)[hi] - self.child_times(node, d)[lo]
+      )
 
     hit = self.stage_tps(compute, params, saved, cut)
     self.block_cache[key] = hit
@@ -115,8 +119,9 @@ class MicrobatchContext:
     key = ("linear", node.sig)
     rc = self.block_cache.get(key)
     if rc is None:
-      rc = RangeCosts(self.costs, self.cm, self.cluster, self.b, self.B, self.dps,
-                      order=node.layers)
+      rc = RangeCosts(
+        self.costs, self.cm, self.cluster, self.b, self.B, self.dps, order=node.layers
+      )
       self.block_cache[key] = rc
     return rc
 
@@ -127,8 +132,12 @@ class MicrobatchContext:
     hit = self.block_cache.get(key)
     if hit is None:
       rc = self.linear(node)
-      hit = (np.stack([rc.tps(d) for d in self.dps]), self.cm.static_memory(rc.params),
-             rc.saved, np.array([self.b / d for d in self.dps]))
+      hit = (
+        np.stack([rc.tps(d) for d in self.dps]),
+        self.cm.static_memory(rc.params),
+        rc.saved,
+        np.array([self.b / d for d in self.dps]),
+      )
       self.block_cache[key] = hit
     return hit
 

@@ -4,14 +4,20 @@
 within the target, in the context of downstream depth ``D``; ``S`` and ``P`` walk the children
 of series and parallel nodes; ``stages`` reconstructs the stages of an optimum.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
 from gpp_jax.passes.partition.graphpipe.serialised import SerialisedRuns
-from gpp_jax.passes.partition.graphpipe.tree import (INF, SPTreeNode, attach_value, par_value,
-                                                     seq_value)
+from gpp_jax.passes.partition.graphpipe.tree import (
+  INF,
+  SPTreeNode,
+  attach_value,
+  par_value,
+  seq_value,
+)
 
 
 class DPSearch(SerialisedRuns):
@@ -26,8 +32,7 @@ class DPSearch(SerialisedRuns):
     self.memo_chain: dict = {}
     self.serialise = serialise
 
-  def best_block(self, node: SPTreeNode, i: int, p: int, k: int, rest_fn, parallel: bool,
-                 D: int):
+  def best_block(self, node: SPTreeNode, i: int, p: int, k: int, rest_fn, parallel: bool, D: int):
     """Smallest feasible d for block [i, p): returns (entry, d) or (INF, None)."""
     ctx = self.ctx
     tps, _, params, saved = ctx.block(node, i, p)
@@ -141,7 +146,7 @@ class DPSearch(SerialisedRuns):
         tps, bound, params, saved = ctx.merged(node, p, a, i, p)
         if ctx.n_dps[k] == 0 or bound[ctx.n_dps[k] - 1] > self.t:
           break
-        for k3 in (range(0, k) if p + 1 < node.n else (0,)):
+        for k3 in range(0, k) if p + 1 < node.n else (0,):
           rest = self.S(node, p + 1, k3, D)
           if rest >= INF:
             continue
@@ -177,7 +182,7 @@ class DPSearch(SerialisedRuns):
         tps, bound, params, saved = ctx.merged(node, i, a, i + 1, p)
         if ctx.n_dps[k] == 0 or bound[ctx.n_dps[k] - 1] > self.t:
           break
-        for k3 in (range(0, k) if p < node.n else (0,)):
+        for k3 in range(0, k) if p < node.n else (0,):
           rest = self.S(node, p, k3, D)
           if rest >= INF:
             continue
@@ -238,15 +243,15 @@ class DPSearch(SerialisedRuns):
       c = node.children[p]
       rest = int(self.S(node, p + 1, k3, D))
       stage = node.block_layers(i, p) + [l for ls in c.child_layers[:a] for l in ls]
-      return ([(stage, d)] + self._parallel(c, a, k - k3 - d, rest)
-              + self._series(node, p + 1, k3, D))
+      return (
+        [(stage, d)] + self._parallel(c, a, k - k3 - d, rest) + self._series(node, p + 1, k3, D)
+      )
     if choice[0] == "tail":
       _, p, a, k3, d = choice
       c = node.children[i]
       DT = int(self.S(node, p, k3, D)) + 1
       stage = [l for ls in c.child_layers[:a] for l in ls] + node.block_layers(i + 1, p)
-      return ([(stage, d)] + self._parallel(c, a, k - k3 - d, DT)
-              + self._series(node, p, k3, D))
+      return [(stage, d)] + self._parallel(c, a, k - k3 - d, DT) + self._series(node, p, k3, D)
     k1 = choice[1]
     rest = int(self.S(node, i + 1, k - k1, D))
     return self.stages(node.children[i], k1, rest) + self._series(node, i + 1, k - k1, D)

@@ -1,6 +1,7 @@
 """GraphPipe's search: for every micro-batch size, the smallest feasible TPS by bisection, the
 depth/TPS frontier above it, the no-replication variant, the chain seeds and the polish; the
 planner entry point ``graphpipe_plan``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,15 @@ from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
 from gpp_jax.passes.partition.graphpipe.dp import DPSearch
 from gpp_jax.passes.partition.graphpipe.tree import INF, SPTreeNode
 from gpp_jax.passes.partition.pipedream import chain_candidates
-from gpp_jax.passes.partition.plan_assembly import (MAX_MICROBATCHES, assemble_plan, better,
-                                                    data_parallel_degrees, microbatch_sizes,
-                                                    no_plan_error, planner_inputs)
+from gpp_jax.passes.partition.plan_assembly import (
+  MAX_MICROBATCHES,
+  assemble_plan,
+  better,
+  data_parallel_degrees,
+  microbatch_sizes,
+  no_plan_error,
+  planner_inputs,
+)
 from gpp_jax.passes.partition.refine import polish
 from gpp_jax.passes.series_parallel import sp_decompose
 
@@ -29,6 +36,7 @@ from gpp_jax.passes.series_parallel import sp_decompose
 @dataclasses.dataclass(frozen=True)
 class SearchStats:
   """What the search did (recorded in ``plan.predicted['search']``)."""
+
   seconds: float
   dp_runs: int
   microbatch_sizes: tuple[int, ...]
@@ -97,14 +105,25 @@ class TPSSearch:
     return out
 
 
-def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None,
-                   batch_size: int | None = None, *, num_microbatches: int | None = None,
-                   cost_model: CostModel | None = None, schedule: str = "1f1b",
-                   powers_of_two: bool = False, max_microbatches: int | None = MAX_MICROBATCHES,
-                   eps: float = 5e-3, simulate_top: int = 4, prune: float = 1.25,
-                   replication_variant: bool = True,
-                   refine_sizes: int = 4, refine_within: float = 1.1,
-                   refine_evals: int = 200, chain_seeds: bool = True) -> Plan:
+def graphpipe_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  schedule: str = "1f1b",
+  powers_of_two: bool = False,
+  max_microbatches: int | None = MAX_MICROBATCHES,
+  eps: float = 5e-3,
+  simulate_top: int = 4,
+  prune: float = 1.25,
+  replication_variant: bool = True,
+  refine_sizes: int = 4,
+  refine_within: float = 1.1,
+  refine_evals: int = 200,
+  chain_seeds: bool = True,
+) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 
   Args:
@@ -134,7 +153,7 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
   sp = sp_decompose(layer_graph)
   incident = np.zeros(len(costs))
-  edge_map: dict = {}          # u -> [(v, bytes)]; ("in", v) -> [(u, bytes)]
+  edge_map: dict = {}  # u -> [(v, bytes)]; ("in", v) -> [(u, bytes)]
   for u, v, nbytes in costs.edges:
     incident[u] += nbytes
     incident[v] += nbytes
@@ -164,9 +183,17 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       seen.add(key)
       n_sims += 1
       plan = assemble_plan(
-          layer_graph, cluster, [([costs.layers[l] for l in ls], d) for ls, d in stages],
-          microbatch=b, batch_size=B, planner="graphpipe", schedule=schedule,
-          cost_model=cm, costs=costs, info={"tps_target": float(t), "dp_entry_depth": depth})
+        layer_graph,
+        cluster,
+        [([costs.layers[l] for l in ls], d) for ls, d in stages],
+        microbatch=b,
+        batch_size=B,
+        planner="graphpipe",
+        schedule=schedule,
+        cost_model=cm,
+        costs=costs,
+        info={"tps_target": float(t), "dp_entry_depth": depth},
+      )
       best = better(best, plan)
       if plan.predicted["memory_ok"]:
         evaluated.append(plan)
@@ -176,9 +203,20 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
       for d in dps:
         tf, tb = cm.layer_times(costs, cluster.device, b / d)
         tsum[d] = tf + tb
-      return MicrobatchContext(b=b, B=B, M=B // b, K=cluster.num_devices, dps=dps, tsum=tsum,
-                      mem_cap=cluster.memory_per_device, p2p_alpha=link.alpha,
-                      p2p_beta=link.beta, cm=cm, cluster=cluster, costs=costs)
+      return MicrobatchContext(
+        b=b,
+        B=B,
+        M=B // b,
+        K=cluster.num_devices,
+        dps=dps,
+        tsum=tsum,
+        mem_cap=cluster.memory_per_device,
+        p2p_alpha=link.alpha,
+        p2p_beta=link.beta,
+        cm=cm,
+        cluster=cluster,
+        costs=costs,
+      )
 
     extra_runs = 0
     for b in sorted(sizes, reverse=True):
@@ -238,24 +276,48 @@ def graphpipe_plan(layer_graph: nx.DiGraph, cluster: Cluster | int | None = None
   finally:
     sys.setrecursionlimit(old_limit)
   if best is None or not best.predicted.get("memory_ok", True):
-    raise no_plan_error("graphpipe", layer_graph, cluster, B,
-                        "every micro-batch size exceeds device memory")
+    raise no_plan_error(
+      "graphpipe", layer_graph, cluster, B, "every micro-batch size exceeds device memory"
+    )
   # A chain of stages is a stage DAG too: the chain DP's optima over the topological order
   # join the candidates, so GraphPipe's plan space visibly contains the sequential one.
   if chain_seeds:
-    chains = chain_candidates(layer_graph, cluster, B, sizes, cost_model=cm, costs=costs,
-                              schedule=schedule, simulate_top=3, sweep=False,
-                              planner="graphpipe", sequential=False)
+    chains = chain_candidates(
+      layer_graph,
+      cluster,
+      B,
+      sizes,
+      cost_model=cm,
+      costs=costs,
+      schedule=schedule,
+      simulate_top=3,
+      sweep=False,
+      planner="graphpipe",
+      sequential=False,
+    )
     evaluated += chains
     n_sims += len(chains)
   # Phase 4: the DP's objective is a proxy; polish the best plans by local search on the
   # simulated time (device counts, layer moves, splits and merges, per micro-batch size).
-  best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs,
-                refine_sizes=refine_sizes, refine_within=refine_within, max_evals=refine_evals,
-                microbatch_sizes=sizes)
-  stats = SearchStats(seconds=time.perf_counter() - t0, dp_runs=runs,
-                      microbatch_sizes=tuple(sizes), candidates=n_cands, simulated=n_sims,
-                      best_tps=float(best_tps))
+  best = polish(
+    evaluated,
+    layer_graph,
+    cluster,
+    cost_model=cm,
+    costs=costs,
+    refine_sizes=refine_sizes,
+    refine_within=refine_within,
+    max_evals=refine_evals,
+    microbatch_sizes=sizes,
+  )
+  stats = SearchStats(
+    seconds=time.perf_counter() - t0,
+    dp_runs=runs,
+    microbatch_sizes=tuple(sizes),
+    candidates=n_cands,
+    simulated=n_sims,
+    best_tps=float(best_tps),
+  )
   pred = dict(best.predicted)
   pred["search"] = stats.to_dict()
   pred["sp_ordering_edges"] = len(sp.added_edges)

@@ -1,6 +1,7 @@
 """Serialised runs: children of a series or parallel node solved as one sequential pipeline over
 their layers in SP order (a topological order). The DP thereby applies the SP-ization rule by
 choice; stages may cut across branch boundaries to balance work."""
+
 from __future__ import annotations
 
 import math
@@ -14,6 +15,7 @@ from gpp_jax.passes.partition.graphpipe.tree import INF, SPTreeNode, seq_value
 class SerialisedRuns:
   """The serialised option of ``DPSearch`` (a mixin: it reads the search's ``ctx``, target
   ``t`` and ``memo_chain``)."""
+
   ctx: MicrobatchContext
   t: float
   memo_chain: dict
@@ -35,21 +37,22 @@ class SerialisedRuns:
     f = np.full((L + 1, K + 1), math.inf)
     f[L, :] = D
     for j in range(L - 1, -1, -1):
-      tps = tps_all[:, j, j + 1:]                                   # (nd, L - j)
+      tps = tps_all[:, j, j + 1 :]  # (nd, L - j)
       fast = tps <= self.t
       if not fast.any():
         continue
       F3 = np.full((nd, L - j, K + 1), math.inf)
       for di, d in enumerate(ctx.dps):
         if d <= K:
-          F3[di, :, d:] = f[j + 1:, :K + 1 - d]
+          F3[di, :, d:] = f[j + 1 :, : K + 1 - d]
       fin = np.isfinite(F3) & fast[:, :, None]
       G = np.where(fin, F3, 0.0)
       base = np.floor(G)
       depth = base + 1
       val = depth + np.maximum(G - base, 0.5 * tps[:, :, None] / self.t)
-      mem = (static[j, j + 1:][None, :, None]
-             + saved[j, j + 1:][None, :, None] * per_dev[:, None, None] * np.minimum(depth, M))
+      mem = static[j, j + 1 :][None, :, None] + saved[j, j + 1 :][None, :, None] * per_dev[
+        :, None, None
+      ] * np.minimum(depth, M)
       ok = fin & (mem <= cap)
       f[j] = np.minimum.accumulate(np.where(ok, val, math.inf).min(axis=(0, 1)))
     self.memo_chain[key] = f
@@ -81,9 +84,12 @@ class SerialisedRuns:
             continue
           t2 = rc.tps(d)[j, j2]
           val = seq_value(float(sub), 0.5 * t2 / self.t)
-          if (val <= target * (1 + 1e-12) and t2 <= self.t and
-              ctx.mem(float(rc.params[j, j2]), float(rc.saved[j, j2]), d, int(sub) + 1)
-              <= ctx.cluster.memory_per_device):
+          if (
+            val <= target * (1 + 1e-12)
+            and t2 <= self.t
+            and ctx.mem(float(rc.params[j, j2]), float(rc.saved[j, j2]), d, int(sub) + 1)
+            <= ctx.cluster.memory_per_device
+          ):
             step = (j2, d)
             break
         if step:

@@ -5,6 +5,7 @@
 encode (entry depth, bottleneck) as one float; ``seq_value``, ``par_value`` and
 ``attach_value`` combine them.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,11 +52,32 @@ def nan_to_zero(x: float) -> float:
 
 class SPTreeNode:
   """An SP tree node with the aggregates the DP needs (layer positions, not names)."""
-  __slots__ = ("kind", "children", "layers", "sig", "n", "params", "saved", "incident",
-               "internal", "cross", "child_layers", "to_siblings", "twin")
 
-  def __init__(self, sp: SPNode, costs: LayerCosts, incident: np.ndarray,
-               interner: dict, edge_map: dict, children: list | None = None):
+  __slots__ = (
+    "child_layers",
+    "children",
+    "cross",
+    "incident",
+    "internal",
+    "kind",
+    "layers",
+    "n",
+    "params",
+    "saved",
+    "sig",
+    "to_siblings",
+    "twin",
+  )
+
+  def __init__(
+    self,
+    sp: SPNode,
+    costs: LayerCosts,
+    incident: np.ndarray,
+    interner: dict,
+    edge_map: dict,
+    children: list | None = None,
+  ):
     self.kind = sp.kind
     self.twin = None
     if children is not None:
@@ -71,15 +93,25 @@ class SPTreeNode:
         self.children.sort(key=lambda c: (work(c), c.layers[0]))
         if [id(c) for c in topo] != [id(c) for c in self.children]:
           self.twin = SPTreeNode(sp, costs, incident, interner, edge_map, children=topo)
-    self.layers = [l for c in self.children for l in c.layers] if self.children else \
-        [costs.index[l] for l in sp.layers]
+    self.layers = (
+      [l for c in self.children for l in c.layers]
+      if self.children
+      else [costs.index[l] for l in sp.layers]
+    )
     if self.kind == "leaf":
       i = self.layers[0]
       self.n = 1
       self.child_layers = [self.layers]
-      sig: tuple[Any, ...] = ("L", float(costs.flops_ps[i]), float(costs.act_bytes_ps[i]),
-             float(costs.param_bytes[i]), float(costs.saved_ps[i]),
-             nan_to_zero(costs.time_f_ps[i]), nan_to_zero(costs.time_b_ps[i]), float(incident[i]))
+      sig: tuple[Any, ...] = (
+        "L",
+        float(costs.flops_ps[i]),
+        float(costs.act_bytes_ps[i]),
+        float(costs.param_bytes[i]),
+        float(costs.saved_ps[i]),
+        nan_to_zero(costs.time_f_ps[i]),
+        nan_to_zero(costs.time_b_ps[i]),
+        float(incident[i]),
+      )
       self.params = np.array([0.0, costs.param_bytes[i]])
       self.saved = np.array([0.0, costs.saved_ps[i]])
       self.incident = np.array([0.0, incident[i]])
@@ -109,7 +141,7 @@ class SPTreeNode:
               E[owner[l], owner[v]] += b
         for i in range(n):
           for p in range(i + 2, n + 1):
-            cross[i, p] = cross[i, p - 1] + E[i:p - 1, p - 1].sum()
+            cross[i, p] = cross[i, p - 1] + E[i : p - 1, p - 1].sum()
         cross_sig = tuple(np.round(E[np.nonzero(E)], 6)) + tuple(map(tuple, np.argwhere(E)))
         # For a parallel child i: bytes between each of its branches and each series child
         # (either direction).
