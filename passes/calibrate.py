@@ -3,13 +3,32 @@
 Each layer is cut out of the loss with the staging pass (one stage per layer), jitted on the
 given device like a real stage, and timed (forward, and backward with its vjp) on inputs of the
 right shapes. The times are for the traced micro-batch size, the LayerGraph's ``batch_size``.
+
+Measured times move with the machine's load, and a planner fed different numbers may choose a
+different plan. Three things keep the numbers, and so the plans, stable from run to run:
+
+* robust timing: samples are taken in rounds until a low quantile of all samples moves by
+  less than ``rel_tol`` between rounds (at most ``max_rounds``); the low quantile ignores the
+  slow outliers that other work on the machine causes;
+* identical layers share one measurement: layers whose stage programs are the same (the
+  blocks of a transformer, the towers of CANDLE-Uno) are timed once, so noise cannot break
+  their symmetry and make a planner prefer one of them;
+* times are snapped to a geometric grid of relative step ``resolution``, so small changes
+  of a measurement usually give the same number.
+
+``Calibration`` records the per-layer times and how they were obtained; the training entry
+point writes it to the run folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import statistics
+import json
+import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +38,72 @@ import numpy as np
 from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan, Stage
 from gpp_jax.passes.staging import stage_functions, stage_program
+
+Timer = Callable[[str, str, Callable[[], Any]], float]
+"""``timer(layer, role, fn)``: seconds of one call of ``fn`` (role ``"fwd"`` or ``"bwd"``)."""
+
+
+def time_once(layer: str, role: str, fn: Callable[[], Any]) -> float:
+  """The default timer: wall-clock seconds of one call of ``fn``, waiting for its results."""
+  del layer, role
+  t = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - t
+
+
+def robust_time(
+  sample: Callable[[], float],
+  *,
+  repeats: int = 5,
+  max_rounds: int = 6,
+  quantile: float = 0.2,
+  rel_tol: float = 0.02,
+) -> tuple[float, int]:
+  """A low quantile of ``sample()`` over rounds of ``repeats`` samples, taken until the
+  estimate moves by less than ``rel_tol`` between rounds. Returns (seconds, samples taken)."""
+  samples: list[float] = []
+  est = math.inf
+  for _ in range(max(max_rounds, 1)):
+    samples += [sample() for _ in range(max(repeats, 1))]
+    new = float(np.quantile(samples, quantile))
+    if abs(new - est) <= rel_tol * new:
+      return new, len(samples)
+    est = new
+  return est, len(samples)
+
+
+def snap(seconds: float, resolution: float) -> float:
+  """``seconds`` rounded to the nearest point of the grid ``(1 + resolution) ** k``."""
+  if resolution <= 0 or seconds <= 0:
+    return seconds
+  base = math.log1p(resolution)
+  return math.exp(round(math.log(seconds) / base) * base)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """Measured per-layer times and how they were obtained."""
+
+  time_f: dict[str, float]
+  time_b: dict[str, float]
+  groups: dict[str, str]  # layer -> the layer whose measurement it shares
+  samples: int  # timed calls in all
+  device: str
+  settings: dict[str, float]
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+  @classmethod
+  def from_json(cls, s: str) -> Calibration:
+    return cls(**json.loads(s))
+
+  def apply(self, graph: nx.DiGraph) -> nx.DiGraph:
+    """A copy of ``graph`` with these ``time_f`` / ``time_b``."""
+    out = graph.copy()
+    for n in out:
+      out.nodes[n]["time_f"], out.nodes[n]["time_b"] = self.time_f[n], self.time_b[n]
+    return out
 
 
 def _example(aval, device, rng):
@@ -31,28 +116,49 @@ def _example(aval, device, rng):
   return jax.device_put(x, device)
 
 
-def _median_time(fn, repeats):
-  jax.block_until_ready(fn())
-  ts = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    ts.append(time.perf_counter() - t)
-  return statistics.median(ts)
+def measure_layers(
+  closed,
+  eqn_layer,
+  param_layer,
+  graph: nx.DiGraph,
+  device,
+  *,
+  repeats: int = 5,
+  max_rounds: int = 6,
+  quantile: float = 0.2,
+  rel_tol: float = 0.02,
+  resolution: float = 0.05,
+  share_identical: bool = True,
+  timer: Timer = time_once,
+) -> Calibration:
+  """Times every layer of ``graph`` on ``device`` (see the module docstring).
 
-
-def calibrate_layers(
-  closed, eqn_layer, param_layer, graph: nx.DiGraph, device, repeats: int = 5
-) -> nx.DiGraph:
-  """Returns a copy of ``graph`` with ``time_f`` and ``time_b`` (seconds) for every layer."""
+  ``repeats``, ``max_rounds``, ``quantile`` and ``rel_tol`` set the robust timing
+  (``robust_time``), ``resolution`` the grid times are snapped to (0: none), and
+  ``share_identical`` whether layers with the same stage program share one measurement.
+  ``timer`` times one call (the default measures wall-clock time).
+  """
   layers = topo_layers(graph)
   index = {l: i for i, l in enumerate(layers)}
   stages = tuple(Stage(i, (l,), (0,)) for i, l in enumerate(layers))
   edges = tuple(sorted({(index[u], index[v]) for u, v in graph.edges}))
   staged = stage_program(closed, eqn_layer, param_layer, Plan(stages, edges, 1))
-  out = graph.copy()
   rng = np.random.default_rng(0)
+  time_f: dict[str, float] = {}
+  time_b: dict[str, float] = {}
+  groups: dict[str, str] = {}
+  first_of: dict[str, str] = {}  # stage program text -> first layer with it
+  total = 0
   for st in staged.stages:
+    layer = layers[st.index]
+    key = str(st.jaxpr) + repr([(r.diff, r.kind) for r in st.inputs] if st.inputs else [])
+    if share_identical and key in first_of:
+      src = first_of[key]
+      groups[layer] = src
+      time_f[layer], time_b[layer] = time_f[src], time_b[src]
+      continue
+    first_of.setdefault(key, layer)
+    groups[layer] = layer
     fns = stage_functions(st)
     avals = [v.aval for v in st.jaxpr.jaxpr.invars]
     args = [_example(a, device, rng) for a in avals]
@@ -64,10 +170,34 @@ def calibrate_layers(
       for o, r in zip(outs, st.outputs)
     ]
     zeros = jax.jit(fns.zeros_acc, out_shardings=jax.sharding.SingleDeviceSharding(device))
-    t_f = _median_time(functools.partial(fns.fwd, diff, nondiff), repeats)
-    t_b = _median_time(  # includes a tiny zeros()
-      lambda fns=fns, res=res, cts=cts, zeros=zeros: fns.bwd(res, cts, zeros()), repeats
+    fwd = functools.partial(fns.fwd, diff, nondiff)
+    jax.block_until_ready(fwd())
+
+    def bwd(fns=fns, res=res, cts=cts, zeros=zeros):
+      return fns.bwd(res, cts, zeros())  # includes a tiny zeros()
+
+    jax.block_until_ready(bwd())
+    rt = functools.partial(
+      robust_time, repeats=repeats, max_rounds=max_rounds, quantile=quantile, rel_tol=rel_tol
     )
-    node = out.nodes[layers[st.index]]
-    node["time_f"], node["time_b"] = t_f, t_b
-  return out
+    t_f, n_f = rt(functools.partial(timer, layer, "fwd", fwd))
+    t_b, n_b = rt(functools.partial(timer, layer, "bwd", bwd))
+    total += n_f + n_b
+    time_f[layer], time_b[layer] = snap(t_f, resolution), snap(t_b, resolution)
+  settings = {
+    "repeats": float(repeats),
+    "max_rounds": float(max_rounds),
+    "quantile": quantile,
+    "rel_tol": rel_tol,
+    "resolution": resolution,
+    "share_identical": float(share_identical),
+  }
+  return Calibration(time_f, time_b, groups, total, str(device), settings)
+
+
+def calibrate_layers(
+  closed, eqn_layer, param_layer, graph: nx.DiGraph, device, repeats: int = 5, **options
+) -> nx.DiGraph:
+  """Returns a copy of ``graph`` with ``time_f`` and ``time_b`` (seconds) for every layer."""
+  cal = measure_layers(closed, eqn_layer, param_layer, graph, device, repeats=repeats, **options)
+  return cal.apply(graph)

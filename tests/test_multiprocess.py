@@ -112,3 +112,38 @@ def test_stalled_peer_times_out_with_a_clear_message():
   ]
   assert "peer process has died or stalls" in out
   assert elapsed < 60
+
+
+def _launch_worker(mode):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
+  return subprocess.run(
+    [*cmd, "--", "python", WORKER, mode, "120"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
+
+
+def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference():
+  r = _launch_worker("calibrate")
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out[-3000:]
+  results = [l for l in out.splitlines() if "RESULT" in l]
+  assert len(results) == 2, out[-3000:]
+  plans = {l.split("plan=")[1].split()[0] for l in results}
+  assert len(plans) == 1, results  # one plan on both processes
+  checked = [int(l.split("checked=")[1].split()[0]) for l in results]
+  assert sum(checked) >= 13, results  # the parameters, optimizer state and loss, somewhere
+
+
+def test_processes_with_different_plans_get_a_clear_error():
+  r = _launch_worker("differ")
+  out = r.stdout + r.stderr
+  assert r.returncode != 0, out[-3000:]
+  errors = [l for l in out.splitlines() if "PLANERROR" in l]
+  assert len(errors) == 2, out[-3000:]  # both processes refuse, neither hangs
+  assert all("planned differently from process 0" in l for l in errors), errors
+  assert "Plan.load" in errors[0]

@@ -8,6 +8,7 @@ has several) and a micro-batch size.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -120,6 +121,28 @@ class Plan:
   @classmethod
   def from_json(cls, s: str) -> Plan:
     return cls.from_dict(json.loads(s))
+
+  def save(self, path: str) -> None:
+    """Writes the plan as JSON; ``Plan.load(path)`` reads it back (for ``planner=``)."""
+    with open(path, "w") as f:
+      f.write(self.to_json() + "\n")
+
+  @classmethod
+  def load(cls, path: str) -> Plan:
+    """A plan written by ``save`` (or the ``plan.json`` of a training run folder)."""
+    with open(path) as f:
+      text = f.read()
+    try:
+      return cls.from_json(text)
+    except (ValueError, KeyError, TypeError) as e:
+      raise PlanError(f"{path} is not a gpp_jax plan ({type(e).__name__}: {e})") from e
+
+  def fingerprint(self) -> str:
+    """A hash of what the runtime executes (stages, devices, edges, micro-batches, schedule),
+    not of the planner's predictions: equal for plans that run identically."""
+    d = self.to_dict()
+    del d["predicted"], d["planner"]
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
   def __str__(self) -> str:
     p = self.predicted

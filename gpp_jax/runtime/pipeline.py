@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,11 +14,12 @@ from absl import logging
 from flax import nnx
 from jax.extend import core as xc
 
-from gpp_jax.errors import BatchError, CaptureError
+from gpp_jax.cost.cluster import process_cluster
+from gpp_jax.errors import BatchError, CaptureError, PlanError
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, validate_plan
 from gpp_jax.ir.schedule import Schedule
-from gpp_jax.passes.calibrate import calibrate_layers
+from gpp_jax.passes.calibrate import Calibration, measure_layers
 from gpp_jax.passes.capture import inline_calls
 from gpp_jax.passes.layering import Layering, layer_program
 from gpp_jax.passes.partition import get_planner
@@ -43,6 +45,7 @@ from gpp_jax.runtime.placement import (
   stage_placements,
   transfer,
 )
+from gpp_jax.runtime.processes import check_same_plan
 
 
 class Compiled:
@@ -73,6 +76,7 @@ class Compiled:
   placements: list[StagePlacement]
   pieces: list[tuple[Piece, Callable[..., Any]]]
   nbefore: int
+  calibration: Calibration | None
 
   def __init__(self, **kw: Any):
     self.__dict__.update(kw)
@@ -135,8 +139,18 @@ class GraphPipeline:
     return self._require().schedule
 
   @property
+  def calibration(self) -> Calibration | None:
+    """The measured layer times the plan was made with (``calibrate=True``), else None."""
+    return self._require().calibration
+
+  @property
   def timeline(self):
-    return self._require().runner.last_timeline
+    """The last step's per-action ``Timeline`` (device times when ``measure`` was on)."""
+    c = self._require()
+    tl = c.runner.last_timeline
+    if tl is None:
+      return None
+    return dataclasses.replace(tl, stage_devices=tuple(s.devices for s in c.plan.stages))
 
   def explain(self) -> str:
     """Stages, devices, layers and the bytes cut between stages, as text."""
@@ -305,11 +319,14 @@ class GraphPipeline:
     step, mk, roles, nparam = c.step, c.marker_index, c.roles, c.nparam
     marker = step.jaxpr.eqns[mk]
     graph = layering.graph
+    calibration = None
     if self.calibrate:
-      graph = calibrate_layers(
-        loss, layering.eqn_layer, layering.param_layer, graph, self.devices[0]
-      )
+      calibration = self._calibrate(loss, layering)
+      graph = calibration.apply(graph)
     plan = self._make_plan(graph, B)
+    if jax.process_count() > 1:
+      self._check_processes(plan)
+      check_same_plan(plan)
     placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
     sched = make_schedule(plan.schedule, plan.num_stages, plan.edges, M)
@@ -340,6 +357,45 @@ class GraphPipeline:
       nbefore=len(prog.before),
       placements=placements,
       batch_size=B,
+      calibration=calibration,
+    )
+
+  def _check_processes(self, plan: Plan) -> None:
+    for s in plan.stages:
+      procs = sorted({self.devices[d].process_index for d in s.devices})
+      if len(procs) > 1:
+        raise PlanError(
+          f"stage {s.index} spans processes {procs} (devices {list(s.devices)}); a stage runs "
+          "on the devices of one process: give the planner a cluster with one node per "
+          "process (the default, gpp_jax.cost.cluster.process_cluster(devices)) or place the "
+          "stage on one process's devices"
+        )
+
+  def _planner_cluster(self):
+    if self.cluster is not None:
+      return self.cluster
+    if jax.process_count() > 1:
+      return process_cluster(self.devices)
+    return len(self.devices)
+
+  def _calibrate(self, loss, layering) -> Calibration:
+    """Times the layers on this process's first device of the pipeline; with several
+    processes, every process takes process 0's numbers so that all plan alike."""
+    here = jax.process_index()
+    device = next((d for d in self.devices if d.process_index == here), jax.local_devices()[0])
+    cal = measure_layers(loss, layering.eqn_layer, layering.param_layer, layering.graph, device)
+    if jax.process_count() == 1:
+      return cal
+    from jax.experimental import multihost_utils
+
+    layers = lg.topo_layers(layering.graph)
+    times = np.array([[cal.time_f[l], cal.time_b[l]] for l in layers], np.float32)
+    times = np.asarray(multihost_utils.broadcast_one_to_all(times), np.float64)
+    return dataclasses.replace(
+      cal,
+      time_f={l: float(t) for l, t in zip(layers, times[:, 0])},
+      time_b={l: float(t) for l, t in zip(layers, times[:, 1])},
+      device=f"{cal.device} (process 0's measurement)",
     )
 
   def _make_plan(self, graph, batch_size) -> Plan:
@@ -356,7 +412,7 @@ class GraphPipeline:
       return p.resolve(graph, M, self.schedule_name or "1f1b", nd, batch_size)
     if isinstance(p, str):
       fn = get_planner(p)
-      cluster = self.cluster if self.cluster is not None else nd
+      cluster = self._planner_cluster()
       plan = fn(
         lg.scaled(graph, batch_size),
         cluster,
@@ -365,9 +421,7 @@ class GraphPipeline:
         **self.planner_options,
       )
     elif callable(p):
-      plan = p(
-        graph, self.cluster if self.cluster is not None else nd, batch_size, num_microbatches=M
-      )
+      plan = p(graph, self._planner_cluster(), batch_size, num_microbatches=M)
     else:
       raise TypeError(
         f"planner must be a name, a Plan, a gpp_jax.manual_plan or a callable; "

@@ -15,7 +15,11 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
+
+from gpp_jax.errors import PlanError
+from gpp_jax.ir.plan import Plan
 
 ENV_COORDINATOR = "GPP_COORDINATOR"
 ENV_NUM_PROCESSES = "GPP_NUM_PROCESSES"
@@ -76,3 +80,26 @@ def initialize_from_env() -> bool:
     cpu_devices=int(os.environ[ENV_LOCAL_DEVICES]) if ENV_LOCAL_DEVICES in os.environ else None,
   )
   return True
+
+
+def check_same_plan(plan: Plan) -> None:
+  """Raises ``PlanError`` unless every process has the same plan (by ``Plan.fingerprint``).
+
+  Processes that plan separately from different numbers (their own layer timings, another
+  planner option) would run different schedules and deadlock on each other's transfers;
+  this check runs before the first step instead.
+  """
+  from jax.experimental import multihost_utils
+
+  mine = plan.fingerprint()
+  words = np.array([int(mine[i : i + 6], 16) for i in range(0, 24, 6)], np.int32)
+  every = np.asarray(multihost_utils.process_allgather(words)).reshape(jax.process_count(), -1)
+  differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+  if differ:
+    raise PlanError(
+      f"processes {differ} planned differently from process 0 (this is process "
+      f"{jax.process_index()}, plan {mine[:12]}: {plan.num_stages} stages, "
+      f"{plan.num_microbatches} micro-batches, schedule {plan.schedule}). Every process must "
+      "run the same plan: give them the same planner, options and layer times (calibration "
+      "takes process 0's), or pass one saved plan, planner=gpp_jax.Plan.load(path)."
+    )
