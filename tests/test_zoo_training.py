@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+import gpp_jax
 from gpp_jax.experiments.loss_curves import loss_curves
 
 pytestmark = pytest.mark.slow
@@ -58,6 +59,17 @@ def test_zoo_float64_needs_x64():
     zoo.setup("candle_uno", dtype="float64")
 
 
+def _train(*flags):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  return subprocess.run(
+    [sys.executable, "-m", "gpp_jax.train", *flags],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
+
+
 def test_train_entry_point_writes_a_run_folder(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   flagfile = os.path.join(os.path.dirname(__file__), "..", "configs", "candle_uno_tiny.flags")
@@ -88,12 +100,52 @@ def test_train_entry_point_writes_a_run_folder(tmp_path):
     "timeline_measured.json",
     "timeline_predicted.json",
     "metrics.jsonl",
+    "calibration.json",
+    "summary.json",
   ):
     assert (tmp_path / name).stat().st_size > 0, name
   rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in rows] == [2, 3] and all(np.isfinite(r["loss"]) for r in rows)
+  assert [r["step"] for r in rows] == [2, 4] and all(np.isfinite(r["loss"]) for r in rows)
+  assert "step 4/4" in r.stderr  # steps count from 1 to --steps
   measured = json.loads((tmp_path / "timeline_measured.json").read_text())["traceEvents"]
   assert any(e["name"].startswith("B") for e in measured)
+  tracks = {e["args"]["name"] for e in measured if e.get("name") == "process_name"}
+  assert any(t.startswith("stage 0 (devices ") for t in tracks), tracks
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["measured_ms"] > 0 and summary["predicted_devices_ms"] > 0
+  assert "predicted, devices only" in r.stdout and "step time, measured" in r.stdout
+  cal = json.loads((tmp_path / "calibration.json").read_text())
+  layers = {n["id"] for n in json.loads((tmp_path / "layer_graph.json").read_text())["nodes"]}
+  assert set(cal["time_f"]) == layers and min(cal["time_f"].values()) > 0
   assert "digraph stages" in (tmp_path / "stage_graph.dot").read_text()
   plan = json.loads((tmp_path / "plan.json").read_text())
   assert plan["planner"] == "graphpipe"  # from the flagfile
+
+
+def test_train_reruns_a_saved_plan_exactly(tmp_path):
+  first, again = tmp_path / "first", tmp_path / "again"
+  common = ["--model=candle_uno", "--num_devices=4", "--num_microbatches=4", "--batch_size=16"]
+  r = _train(*common, "--steps=2", f"--run_dir={first}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  r = _train(*common, "--steps=2", f"--run_dir={again}", f"--plan={first / 'plan.json'}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  a = gpp_jax.Plan.load(str(first / "plan.json"))
+  b = gpp_jax.Plan.load(str(again / "plan.json"))
+  assert a == b and a.fingerprint() == b.fingerprint()
+  assert not (again / "calibration.json").exists()  # nothing was measured: the plan was given
+
+
+@pytest.mark.parametrize(
+  "flag, message",
+  [
+    ("--model=resnet", "--model='resnet' is not one of"),
+    ("--planner=nope", "--planner='nope' is not one of"),
+    ("--batch_size=10", "does not split into --num_microbatches=8"),
+    ("--plan=/nonexistent/plan.json", "no such file"),
+  ],
+)
+def test_train_bad_flags_get_a_message_without_a_traceback(flag, message):
+  r = _train(flag, "--steps=1")
+  assert r.returncode != 0
+  assert message in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -1,7 +1,11 @@
-"""Small pieces the entry points share: predicted timelines and
-reading a metric that may live on another process."""
+"""What the entry points share: predicted timelines, the measured-vs-predicted step time
+summary, and reading a metric that may live on another process."""
 
 from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,6 +28,67 @@ def write_predicted_timeline(pipeline, cluster, path: str):
   result = predicted_timeline(pipeline, cluster)
   write_chrome_trace(result, path)
   return result
+
+
+def step_time_summary(pipeline, cluster, measured_ms: list[float], dispatch) -> dict[str, Any]:
+  """The measured step time beside the simulator's two predictions of it.
+
+  ``devices``: every device computes independently and the host costs nothing (what planners
+  optimise). ``host``: the driver's one thread issues the actions in dispatch order at the
+  measured host cost per action, sharing the machine's cores with forced CPU devices, plus the
+  host time the step spends outside the pipeline; ``dispatch`` is ``(host seconds of one step
+  call, that step's Timeline)`` from a step run without ``measure``, or None.
+  """
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import simulate_times
+
+  out: dict[str, Any] = {
+    # The first logged interval holds the warm-up of the first steps after compilation.
+    "measured_ms": statistics.median(measured_ms[1:] or measured_ms) if measured_ms else None,
+    "predicted_devices_ms": predicted_timeline(pipeline, cluster).iteration_time * 1e3,
+    "predicted_host_ms": None,
+    "host_us_per_action": None,
+    "cores": len(os.sched_getaffinity(0)),
+  }
+  if dispatch is not None and dispatch[1] is not None and not dispatch[1].measured:
+    t_host, tl = dispatch
+    per_action = statistics.median(e.end - e.start for e in tl.events) if tl.events else 0.0
+    c = pipeline._require()  # pylint: disable=protected-access
+    pc = plan_costs(pipeline.plan, lg.scaled(pipeline.layer_graph, c.batch_size), cluster)
+    hosted = simulate_times(
+      pipeline.schedule,
+      pc.forward,
+      pc.backward,
+      update=pc.update,
+      activation_transfer=pc.activation_transfer,
+      cotangent_transfer=pc.cotangent_transfer,
+      host_dispatch=per_action,
+      cores=out["cores"],
+    ).iteration_time
+    out["predicted_host_ms"] = (hosted + max(t_host - tl.total, 0.0)) * 1e3
+    out["host_us_per_action"] = per_action * 1e6
+  return out
+
+
+def format_summary(s: dict[str, Any]) -> str:
+  """The summary as the lines the training program prints."""
+
+  def ms(x):
+    return "n/a" if x is None else f"{x:.1f} ms"
+
+  lines = [
+    f"step time, measured:           {ms(s['measured_ms'])} (median over the logged "
+    "intervals after the first)",
+    f"predicted, devices only:       {ms(s['predicted_devices_ms'])} (the planner's view: "
+    "devices compute independently, the host costs nothing)",
+  ]
+  if s["predicted_host_ms"] is not None:
+    lines.append(
+      f"predicted, with host dispatch: {ms(s['predicted_host_ms'])} (one driver thread at "
+      f"{s['host_us_per_action']:.0f} us per action on {s['cores']} cores, plus the host "
+      "time outside the pipeline)"
+    )
+  return "\n".join(lines)
 
 
 def fetch(x):

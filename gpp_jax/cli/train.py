@@ -4,12 +4,15 @@
       --num_microbatches=8 --steps=200
 
 Logs loss, throughput and progress while it runs and writes a run folder (``--run_dir``):
-  plan.json, plan.txt        the plan, and a readable table with explain()
+  plan.json, plan.txt        the plan (rerun it exactly with --plan=plan.json), and a
+                             readable table with explain()
+  calibration.json           the measured layer times the plan was made from (--calibrate)
   layer_graph.json           the LayerGraph the planner saw
   stage_graph.dot (.svg)     the stage DAG (SVG when Graphviz's ``dot`` is installed)
   timeline_measured.json     Chrome/Perfetto trace of the last step, measured per action
   timeline_predicted.json    the simulator's prediction of the same schedule
   metrics.jsonl              one JSON object per logged step
+  summary.json               measured step time beside the predicted ones
 
 Multi-process: started by ``python -m gpp_jax.launch`` (GPP_* variables), or with
 ``--distributed`` on a cluster where ``jax.distributed.initialize()`` finds its environment.
@@ -30,7 +33,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "mmt", "model: mmt, dlrm, candle_uno or gpt")
 flags.DEFINE_string("preset", "tiny", "model size preset: tiny or paper")
 flags.DEFINE_string(
-  "planner", "graphpipe", "planner name (graphpipe, pipedream, piper, bapipe, luo, balanced)"
+  "planner",
+  "graphpipe",
+  "planner name (graphpipe, pipedream, piper, bapipe, luo, balanced, exhaustive)",
+)
+flags.DEFINE_string(
+  "plan", None, "run this saved plan (a run folder's plan.json) instead of planning"
 )
 flags.DEFINE_string(
   "schedule",
@@ -57,6 +65,36 @@ flags.DEFINE_string(
   "transfer_address", None, "host:port for cross-process transfers (with --distributed)"
 )
 flags.DEFINE_float("timeout_s", 300.0, "multi-process: fail a step that stalls this long")
+
+
+def _check_flags() -> None:
+  """Bad flag values stop the program with a one-line message (absl's UsageError)."""
+  from gpp_jax.cost.cluster import CLUSTER_PRESETS
+  from gpp_jax.models.registry import MODELS
+  from gpp_jax.passes.partition import PLANNERS
+  from gpp_jax.passes.schedules import GENERATORS
+
+  def choose(flag: str, value, known) -> None:
+    if value not in known:
+      raise app.UsageError(f"--{flag}={value!r} is not one of {sorted(known)}")
+
+  choose("model", FLAGS.model, MODELS)
+  choose("preset", FLAGS.preset, ("tiny", "paper"))
+  choose("cluster", FLAGS.cluster, CLUSTER_PRESETS)
+  if FLAGS.plan is None:
+    choose("planner", FLAGS.planner, PLANNERS)
+  elif not os.path.isfile(FLAGS.plan):
+    raise app.UsageError(f"--plan={FLAGS.plan!r}: no such file (a run folder's plan.json)")
+  if FLAGS.schedule is not None:
+    choose("schedule", FLAGS.schedule, GENERATORS)
+  for flag in ("num_devices", "num_microbatches", "batch_size", "steps", "log_every"):
+    if getattr(FLAGS, flag) < 1:
+      raise app.UsageError(f"--{flag} must be at least 1, got {getattr(FLAGS, flag)}")
+  if FLAGS.batch_size % FLAGS.num_microbatches:
+    raise app.UsageError(
+      f"--batch_size={FLAGS.batch_size} does not split into --num_microbatches="
+      f"{FLAGS.num_microbatches} equal micro-batches; choose a divisor"
+    )
 
 
 def _setup_devices():
@@ -94,14 +132,16 @@ def write_stage_graph(plan, layer_graph, path_dot):
       subprocess.run(["dot", f"-T{fmt}", path_dot, "-o", path_dot[:-3] + fmt], check=False)
 
 
-def main(argv):
-  del argv
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+  _check_flags()
   _setup_devices()
   import jax
 
   import gpp_jax
   from gpp_jax.cli import reporting
-  from gpp_jax.cost.cluster import make_cluster
+  from gpp_jax.cost.cluster import make_cluster, process_cluster
   from gpp_jax.experiments import zoo
   from gpp_jax.ir import layer_graph as lg
 
@@ -121,21 +161,27 @@ def main(argv):
   )
   model, optimizer, train_step = run.model, run.optimizer, run.train_step
   data = run.batches(FLAGS.batch_size, FLAGS.num_batches)
-  cluster = make_cluster(FLAGS.cluster, len(devices))
+  # The cpu preset follows the devices: one node per process in a multi-process run.
+  if FLAGS.cluster == "cpu":
+    cluster = process_cluster(devices)
+  else:
+    cluster = make_cluster(FLAGS.cluster, len(devices))
   pp = gpp_jax.graph_pipeline(
     train_step,
     num_microbatches=FLAGS.num_microbatches,
     devices=devices,
-    planner=FLAGS.planner,
+    planner=gpp_jax.Plan.load(FLAGS.plan) if FLAGS.plan else FLAGS.planner,
     schedule=FLAGS.schedule,
     remat=FLAGS.remat,
     cluster=cluster,
     timeout_s=FLAGS.timeout_s,
-    calibrate=FLAGS.calibrate and FLAGS.cluster == "cpu",
+    # A given plan is run as it is: measuring the layers could not change it.
+    calibrate=FLAGS.calibrate and FLAGS.cluster == "cpu" and not FLAGS.plan,
     layer_depth=run.spec.layer_depth,
   )
+  label = "plan" if FLAGS.plan else FLAGS.planner
   run_dir = FLAGS.run_dir or os.path.join(
-    "runs", f"{FLAGS.model}-{FLAGS.planner}-{time.strftime('%Y%m%d-%H%M%S')}"
+    "runs", f"{FLAGS.model}-{label}-{time.strftime('%Y%m%d-%H%M%S')}"
   )
   main_process = jax.process_index() == 0
   if main_process:
@@ -152,16 +198,25 @@ def main(argv):
       f.write(pp.explain() + "\n")
     with open(os.path.join(run_dir, "layer_graph.json"), "w") as f:
       f.write(lg.to_json(pp.layer_graph))
+    if pp.calibration is not None:
+      with open(os.path.join(run_dir, "calibration.json"), "w") as f:
+        f.write(pp.calibration.to_json() + "\n")
     write_stage_graph(pp.plan, pp.layer_graph, os.path.join(run_dir, "stage_graph.dot"))
   # Open for the whole run (closed after the last step); lines are flushed as they are written.
   metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w") if main_process else None  # noqa: SIM115
   t_log, samples = time.perf_counter(), 0
-  for step in range(1, FLAGS.steps):
-    if step == FLAGS.steps - 1 and jax.process_count() == 1:
+  step_ms: list[float] = []
+  dispatch: tuple | None = None
+  for step in range(2, FLAGS.steps + 1):  # step 1 (compilation) ran above
+    last = step == FLAGS.steps
+    if last and step > 2 and jax.process_count() == 1:
       pp.measure = True  # the last step records a measured per-action timeline
-    loss = pp(model, optimizer, data[step % len(data)])
+    t_step = time.perf_counter()
+    loss = pp(model, optimizer, data[(step - 1) % len(data)])
+    if step == FLAGS.steps - 1:
+      dispatch = (time.perf_counter() - t_step, pp.timeline)
     samples += FLAGS.batch_size
-    if step % FLAGS.log_every == 0 or step == FLAGS.steps - 1:
+    if step % FLAGS.log_every == 0 or last:
       value = reporting.fetch(loss)
       dt = time.perf_counter() - t_log
       rec = {
@@ -170,10 +225,12 @@ def main(argv):
         "samples_per_s": samples / dt,
         "step_ms": dt / max(samples // FLAGS.batch_size, 1) * 1e3,
       }
+      if not (last and pp.measure):  # the measured step blocks per action: slower
+        step_ms.append(rec["step_ms"])
       logging.info(
         "step %d/%d loss %s  %.1f samples/s  %.1f ms/step",
         step,
-        FLAGS.steps - 1,
+        FLAGS.steps,
         f"{value:.5f}" if value is not None else "(remote)",
         rec["samples_per_s"],
         rec["step_ms"],
@@ -183,6 +240,7 @@ def main(argv):
         metrics.flush()
       t_log, samples = time.perf_counter(), 0
   if main_process:
+    assert metrics is not None
     metrics.close()
     tl = pp.timeline
     with open(os.path.join(run_dir, "timeline_measured.json"), "w") as f:
@@ -190,6 +248,10 @@ def main(argv):
     reporting.write_predicted_timeline(
       pp, cluster, os.path.join(run_dir, "timeline_predicted.json")
     )
+    summary = reporting.step_time_summary(pp, cluster, step_ms, dispatch)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    print(reporting.format_summary(summary))
     logging.info("run folder: %s", os.path.abspath(run_dir))
   sys.stdout.flush()
 

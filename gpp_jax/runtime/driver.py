@@ -57,23 +57,35 @@ class Timeline:
   events: list[TimelineEvent]
   total: float
   measured: bool
+  stage_devices: tuple[tuple[int, ...], ...] = ()  # the plan's device indices per stage
 
   def to_chrome_trace(self) -> dict:
-    return {
-      "traceEvents": [
+    """Chrome / Perfetto trace laid out like the simulator's (``cost.simulator.chrome_trace``):
+    one track per stage, named with its devices; the track says whether its spans are device
+    times (measured) or the host's dispatch of each action."""
+    ev: list[dict] = []
+    stages = sorted({e.stage for e in self.events} | set(range(len(self.stage_devices))))
+    what = "device (measured)" if self.measured else "host dispatch"
+    for s in stages:
+      devs = self.stage_devices[s] if s < len(self.stage_devices) else ()
+      label = f"stage {s}" + (f" (devices {','.join(map(str, devs))})" if devs else "")
+      ev.append({"ph": "M", "name": "process_name", "pid": s, "args": {"name": label}})
+      ev.append({"ph": "M", "name": "process_sort_index", "pid": s, "args": {"sort_index": s}})
+      ev.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 0, "args": {"name": what}})
+    for e in self.events:
+      ev.append(
         {
           "name": f"{e.action}{e.stage}.{e.microbatch}",
           "ph": "X",
-          "pid": 0,
-          "tid": e.stage,
+          "cat": e.action,
+          "pid": e.stage,
+          "tid": 0,
           "ts": e.start * 1e6,
           "dur": max(e.end - e.start, 0) * 1e6,
           "args": {"microbatch": e.microbatch},
         }
-        for e in self.events
-      ],
-      "displayTimeUnit": "ms",
-    }
+      )
+    return {"traceEvents": ev, "displayTimeUnit": "ms"}
 
 
 def _is_key(x) -> bool:
