@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import warnings
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
 import jax
@@ -124,6 +127,8 @@ class GraphPipeline:
     self._compiled: dict[Any, Compiled] = {}
     self._last: Compiled | None = None
     functools.update_wrapper(self, fn)
+    if len(self.devices) == 1 and self.num_microbatches > 1:
+      warnings.warn(_one_device_message(self.devices[0]), UserWarning, stacklevel=_caller_level())
 
   # ------------------------------------------------------------------ public views
   @property
@@ -503,6 +508,36 @@ class GraphPipeline:
     return outs
 
 
+def _one_device_message(device) -> str:
+  """The warning for a pipeline given a single device: every stage shares it."""
+  msg = (
+    f"graph_pipeline runs on one device ({device}): every stage shares it, so the step is "
+    "gradient accumulation over micro-batches, not a pipeline. "
+  )
+  available = jax.device_count()
+  if available > 1:
+    return msg + f"JAX has {available} devices; pass several in devices=."
+  if device.platform == "cpu":
+    return msg + (
+      "JAX has one CPU device unless asked for more before it is first used: call "
+      'jax.config.update("jax_num_cpu_devices", 8) right after `import jax` (or set '
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8), then pass devices=jax.devices()."
+    )
+  return msg + (
+    f"JAX has one device per accelerator and sees a single {device.platform.upper()} here; run "
+    "on a machine with several."
+  )
+
+
+def _caller_level() -> int:
+  """The ``stacklevel`` of the first frame outside this module (the decorator's caller)."""
+  frame: FrameType | None = sys._getframe(1)
+  level = 1
+  while frame is not None and frame.f_code.co_filename == __file__:
+    frame, level = frame.f_back, level + 1
+  return level
+
+
 def _dtype(x):
   return getattr(x, "dtype", None) or np.result_type(x)
 
@@ -522,6 +557,8 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
   Args:
     num_microbatches: micro-batches per step; the batch size must divide by it.
     devices: devices to run on (default: ``jax.devices()``); plan device indices refer to it.
+      A single device with several micro-batches warns (every stage would share it); on CPU,
+      ``jax.config.update("jax_num_cpu_devices", n)`` before JAX is first used gives n devices.
     planner: a planner name (``"balanced"``, and the cost-model planners), a ``Plan``, a
       ``gpp_jax.manual_plan(...)``, or a callable ``(layer_graph, cluster, batch_size,
       num_microbatches=) -> Plan``.
