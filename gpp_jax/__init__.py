@@ -9,6 +9,7 @@ pipeline micro-batches through them::
     ...
 """
 
+from gpp_jax import distributed
 from gpp_jax.errors import BatchError, CaptureError, GppError, PlanError, ScheduleError
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
@@ -28,6 +29,7 @@ __all__ = [
   "Schedule",
   "ScheduleError",
   "Stage",
+  "distributed",
   "graph_pipeline",
   "manual_plan",
   "validate_plan",

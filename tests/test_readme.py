@@ -193,9 +193,6 @@ def test_distributed_snippet_names_real_api():
   assert "transfer_address" in inspect.signature(gpp_jax.distributed.initialize).parameters
 
 
-@pytest.mark.xfail(
-  strict=True, reason="gpp_jax/__init__.py does not import the gpp_jax.distributed submodule"
-)
 def test_distributed_after_plain_import():
   """The README calls gpp_jax.distributed.initialize(...) after a plain `import gpp_jax`."""
   src = "import gpp_jax\ngpp_jax.distributed.initialize, gpp_jax.distributed.initialize_from_env\n"
