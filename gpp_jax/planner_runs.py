@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import networkx as nx
 
 from gpp_jax import model_graphs
-from gpp_jax.cluster import Cluster, cpu_cluster, v100_cluster
+from gpp_jax.cluster import Cluster, cpu_cluster, cuda_cluster, v100_cluster
 from gpp_jax.errors import PlanError
 from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS
 
@@ -38,7 +38,7 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
     "chain": dict(layers=6, hidden=256),
 }
 PRESETS = ("paper", "tiny")
-CLUSTERS = {"v100": v100_cluster, "cpu": cpu_cluster}
+CLUSTERS = {"v100": v100_cluster, "cuda": cuda_cluster, "cpu": cpu_cluster}
 MODEL_LABELS = {"mmt": "MMT", "dlrm": "DLRM", "candle_uno": "CANDLE-Uno", "gpt": "GPT",
                 "chain": "chain"}
 
@@ -59,7 +59,7 @@ def build_graph(model: str, preset: str = "paper", batch_size: int = 128,
 
 
 def make_cluster(name: str, num_devices: int) -> Cluster:
-  """A cluster preset by name (``v100`` or ``cpu``) with ``num_devices`` devices."""
+  """A cluster preset by name (``v100``, ``cuda`` or ``cpu``) with ``num_devices`` devices."""
   try:
     return CLUSTERS[name](num_devices)
   except KeyError:

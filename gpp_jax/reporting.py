@@ -8,14 +8,17 @@ import numpy as np
 from gpp_jax import layer_graph as lg
 
 
-def make_cluster(name: str, num_devices: int):
-  """The planner's cluster description: ``cpu`` (forced CPU devices) or ``v100`` (the paper)."""
-  from gpp_jax.cluster import cpu_cluster, v100_cluster
-  presets = {"cpu": cpu_cluster, "v100": v100_cluster}
+def make_cluster(name: str, num_devices: int, dtype: str = "float32"):
+  """The planner's cluster description: ``cpu`` (forced CPU devices), ``cuda`` (H100 GPUs, at
+  the peak of ``dtype``) or ``v100`` (the paper)."""
+  from gpp_jax.cluster import cpu_cluster, cuda_cluster, v100_cluster
+  presets = {"cpu": cpu_cluster, "v100": v100_cluster,
+             "cuda": lambda n: cuda_cluster(n, dtype=dtype)}
   try:
-    return presets[name](num_devices)
+    make = presets[name]
   except KeyError:
     raise ValueError(f"unknown cluster {name!r}; choose one of {sorted(presets)}") from None
+  return make(num_devices)
 
 
 def predicted_timeline(pipeline, cluster):

@@ -32,7 +32,12 @@ flags.DEFINE_string("planner", "graphpipe", "planner name (graphpipe, pipedream,
                     "luo, balanced)")
 flags.DEFINE_string("schedule", None, "micro-batch schedule: 1f1b, gpipe or graph-1f1b "
                     "(default: the planner's choice)")
-flags.DEFINE_integer("num_devices", 8, "devices to use (the first N of jax.devices())")
+flags.DEFINE_integer("num_devices", None, "devices to use, the first N of the platform's "
+                     "(default: all accelerators, or 8 forced CPU devices on CPU)")
+flags.DEFINE_enum("platform", None, ["cpu", "gpu", "tpu"], "device platform (default: the "
+                  "accelerator when there is one, else CPU)")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter, activation and "
+                  "optimizer-state dtype")
 flags.DEFINE_integer("num_microbatches", 8, "micro-batches per step")
 flags.DEFINE_integer("batch_size", 64, "examples per step")
 flags.DEFINE_integer("steps", 200, "training steps")
@@ -43,8 +48,10 @@ flags.DEFINE_integer("seed", 0, "parameter and data seed")
 flags.DEFINE_integer("log_every", 10, "log every N steps")
 flags.DEFINE_integer("num_batches", 4, "distinct synthetic batches, cycled")
 flags.DEFINE_string("run_dir", None, "output folder (default runs/<model>-<planner>-<time>)")
-flags.DEFINE_string("cluster", "cpu", "cluster preset the planner and simulator use: cpu or v100")
-flags.DEFINE_bool("calibrate", True, "time each layer on the device before planning (cpu cluster)")
+flags.DEFINE_enum("cluster", None, ["cpu", "cuda", "v100"], "cluster preset the planner and "
+                  "simulator use (default: cuda on GPUs, else cpu)")
+flags.DEFINE_bool("calibrate", True, "time each layer on the device before planning (not with "
+                  "the simulated v100 cluster)")
 flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() from the cluster environment")
 flags.DEFINE_string("transfer_address", None, "host:port for cross-process transfers (with --distributed)")
 flags.DEFINE_float("timeout_s", 300.0, "multi-process: fail a step that stalls this long")
@@ -61,7 +68,25 @@ def _setup_devices():
     return
   # Only affects the CPU backend (and only before it starts): accelerators are unaffected.
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    jax.config.update("jax_num_cpu_devices", FLAGS.num_devices)
+    jax.config.update("jax_num_cpu_devices", FLAGS.num_devices or 8)
+
+
+def pick_devices(platform, num_devices):
+  """The first ``num_devices`` devices of ``platform`` (None: JAX's default backend, which is
+  the accelerator when there is one; all of its devices, or 8 on CPU)."""
+  import jax
+  try:
+    devices = jax.devices(platform) if platform else jax.devices()
+  except RuntimeError as e:
+    raise app.UsageError(f"--platform={platform}: no such devices here ({e})") from None
+  if num_devices is None:
+    num_devices = len(devices) if devices[0].platform != "cpu" else min(8, len(devices))
+  if num_devices > len(devices):
+    hint = ("; set XLA_FLAGS=--xla_force_host_platform_device_count=N for CPU"
+            if devices[0].platform == "cpu" else "")
+    raise app.UsageError(f"--num_devices={num_devices} but only {len(devices)} "
+                         f"{devices[0].platform} devices{hint}")
+  return devices[:num_devices]
 
 
 def write_stage_graph(plan, layer_graph, path_dot):
@@ -89,20 +114,20 @@ def main(argv):
   from gpp_jax import layer_graph as lg
   from gpp_jax import reporting, zoo
 
-  devices = jax.devices()
-  if FLAGS.num_devices > len(devices):
-    raise app.UsageError(f"--num_devices={FLAGS.num_devices} but only {len(devices)} devices; "
-                         "set XLA_FLAGS=--xla_force_host_platform_device_count=N for CPU")
-  devices = devices[:FLAGS.num_devices]
+  devices = pick_devices(FLAGS.platform, FLAGS.num_devices)
+  cluster_name = FLAGS.cluster or ("cuda" if devices[0].platform == "gpu" else "cpu")
+  logging.info("%d %s devices (%s), cluster preset %s, %s", len(devices), devices[0].platform,
+               devices[0].device_kind, cluster_name, FLAGS.dtype)
   run = zoo.setup(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, learning_rate=FLAGS.learning_rate,
-                  clip_norm=FLAGS.clip_norm)
+                  clip_norm=FLAGS.clip_norm,
+                  dtype=None if FLAGS.dtype == "float32" else FLAGS.dtype)
   model, optimizer, train_step = run.model, run.optimizer, run.train_step
   data = run.batches(FLAGS.batch_size, FLAGS.num_batches)
-  cluster = reporting.make_cluster(FLAGS.cluster, len(devices))
+  cluster = reporting.make_cluster(cluster_name, len(devices), dtype=FLAGS.dtype)
   pp = gpp_jax.graph_pipeline(train_step, num_microbatches=FLAGS.num_microbatches,
                               devices=devices, planner=FLAGS.planner, schedule=FLAGS.schedule,
                               remat=FLAGS.remat, cluster=cluster, timeout_s=FLAGS.timeout_s,
-                              calibrate=FLAGS.calibrate and FLAGS.cluster == "cpu",
+                              calibrate=FLAGS.calibrate and cluster_name != "v100",
                               layer_depth=run.spec.layer_depth)
   run_dir = FLAGS.run_dir or os.path.join(
       "runs", f"{FLAGS.model}-{FLAGS.planner}-{time.strftime('%Y%m%d-%H%M%S')}")
