@@ -39,7 +39,7 @@ flags.DEFINE_integer("num_layers", 12, "transformer blocks")
 flags.DEFINE_integer("num_heads", 16, "attention heads")
 flags.DEFINE_integer("seq_len", 512, "tokens per sequence")
 flags.DEFINE_integer("vocab_size", 32768, "vocabulary")
-flags.DEFINE_integer("batch_size", 0, "sequences per step; 0: the first power of two from 8 "
+flags.DEFINE_integer("batch_size", 0, "sequences per step; 0: the first power of two from 16 "
                      "whose plain step takes at least --target_ms (at most 256)")
 flags.DEFINE_float("target_ms", 40.0, "plain step time the automatic batch size aims at")
 flags.DEFINE_list("stages", ["1", "4"], "stage counts (all stages on the one device)")
@@ -116,7 +116,7 @@ def main(_):
     return [jax.device_put(x, device) for x in run.batches(b, 2)]
 
   # The plain step, sizing the batch when asked.
-  b = FLAGS.batch_size or 8
+  b = FLAGS.batch_size or 16
   while True:
     run = new_run()
     plain = plain_step(run, device)

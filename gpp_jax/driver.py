@@ -160,7 +160,8 @@ class PipelineRunner:
     self.place = list(placements)
     self.roles = list(data_roles)
     self.M = num_microbatches
-    self.fns = [stage_functions(s, remat=remat) for s in staged.stages]
+    self.fns = [stage_functions(s, remat=remat, pack_residuals=len(p.devices) == 1)
+                for s, p in zip(staged.stages, self.place)]
     self._zeros = [jax.jit(f.zeros_acc, out_shardings=p.replicated)
                    for f, p in zip(self.fns, self.place)]
     # Producer output position of each value id, and expected cotangent counts.
@@ -375,10 +376,11 @@ class PipelineRunner:
     grads = [None] * len(params)
     for s, st in enumerate(self.staged.stages):
       k = 0
+      acc = self.fns[s].acc_leaves(self._acc[s]) if self.local[s] else None
       for j, r in enumerate(st.inputs):
         if r.kind != "param":
           continue
-        g = self._acc[s][k] if self.local[s] else self._remote(self._in_avals[s][j], s)
+        g = acc[k] if self.local[s] else self._remote(self._in_avals[s][j], s)
         k += 1
         owner = self.staged.param_owner[r.index]
         if owner != s:
