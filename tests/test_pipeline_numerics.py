@@ -198,3 +198,18 @@ def test_bfloat16_gpt_trains_pipelined_in_bfloat16():
   assert moved >= 0.9                # AdamW's first step moves nearly every weight by ~lr,
   assert same >= 0.95                # and the pipelined and the one-device step agree to the bit
   assert max_diff(after, ref_after) <= 4e-3  # on nearly all of them, within a bf16 ulp elsewhere
+
+
+def test_residual_packing_round_trips_and_keeps_inputs_apart():
+  from gpp_jax.passes.staging import _pack, _unpack
+  xs = [jnp.arange(6.0).reshape(2, 3), jnp.ones(4, jnp.bfloat16), jnp.array(3, jnp.int32),
+        jax.random.key(1), jnp.zeros((0, 2)), jnp.full((3,), 2.0)]
+  (bufs, apart), layout = _pack(xs, keep={id(xs[1])})
+  assert {k: v.shape for k, v in bufs.items()} == {"float32": (9,), "int32": (1,)}
+  assert len(apart) == 2 and apart[0] is xs[1]  # the kept input and the key stay whole
+  back = _unpack((bufs, apart), layout)
+  for a, b in zip(xs, back):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
+    assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
