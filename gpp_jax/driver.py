@@ -164,6 +164,7 @@ class PipelineRunner:
                 for s, p in zip(staged.stages, self.place)]
     self._zeros = [jax.jit(f.zeros_acc, out_shardings=p.replicated)
                    for f, p in zip(self.fns, self.place)]
+    self._nparam = [sum(1 for r in st.inputs if r.kind == "param") for st in staged.stages]
     # Producer output position of each value id, and expected cotangent counts.
     self.out_pos = {}
     for st in staged.stages:
@@ -252,7 +253,10 @@ class PipelineRunner:
     if a.kind == "F":
       if self.local[s]:
         diff, nondiff = self._stage_args(s, m)
-        outs, res = fn.fwd(diff, nondiff)
+        if fn.pack_params is not None:
+          outs, res = fn.fwd(self._pparams[s], diff[self._nparam[s]:], nondiff)
+        else:
+          outs, res = fn.fwd(diff, nondiff)
         self._res[(s, m)] = res
         for li, (ls, lk) in enumerate(self.staged.loss_outputs):
           if ls == s:
@@ -275,7 +279,10 @@ class PipelineRunner:
         cts.append(tuple(c))
       acts = [(j, r) for j, r in enumerate(st.inputs) if r.diff and r.kind == "act"]
       if self.local[s]:
-        self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), cts, self._acc[s])
+        if fn.pack_params is not None:
+          self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), self._pparams[s], cts, self._acc[s])
+        else:
+          self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), cts, self._acc[s])
       else:
         in_cts = [self._remote(self._in_avals[s][j], s) for j, _ in acts]
       for (_, r), ct in zip(acts, in_cts):
@@ -301,6 +308,10 @@ class PipelineRunner:
     self._seed = transfer(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.place[ls].replicated)
     t0 = time.perf_counter()
     self._prepare(params, data)
+    self._pparams = [fn.pack_params([x for x, r in zip(self._fixed[s], st.inputs)
+                                     if r.kind == "param"])
+                     if fn.pack_params is not None and self.local[s] else None
+                     for s, (fn, st) in enumerate(zip(self.fns, self.staged.stages))]
     self._acc = [z() if loc else None for z, loc in zip(self._zeros, self.local)]
     events: list[TimelineEvent] = []
     if measure:

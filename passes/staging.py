@@ -218,21 +218,33 @@ class StageFunctions:
   bwd: object
   zeros_acc: object
   acc_leaves: object = None  # accumulator -> the parameter gradients, one array each
+  # Set when the stage is packed: parameters -> the packed form that ``fwd(pparams, acts,
+  # nondiff)`` and ``bwd(res, pparams, cts, acc)`` take.
+  pack_params: object = None
 
 
-def _pack(leaves, keep=()):
+def _pack(leaves, keep=(), params=()):
   """Arrays -> (one flat buffer per dtype, the arrays kept apart), and the static layout
   ``_unpack`` needs. Kept apart: arrays of extended dtypes (keys) and those whose ``id`` is in
   ``keep`` (a forward's own inputs among its residuals: returned as they are, jit forwards
   them without a copy, where packing would copy every weight once per micro-batch in flight)."""
-  apart_mask = [id(x) in keep for x in leaves]
+  param_index = {id(x): i for i, x in enumerate(params)}
+  refs = [param_index.get(id(x)) for x in leaves]
+  apart_mask = [id(x) in keep or i is not None for x, i in zip(leaves, refs)]
   leaves = [jnp.asarray(x) for x in leaves]
-  layout = _layout(leaves, apart_mask)
+  layout, napart = [], 0
+  for i, entry, x in zip(refs, _layout(leaves, apart_mask), leaves):
+    if i is not None:
+      entry = ("param", i, None)
+    elif entry[0] is None:
+      entry, napart = (None, napart, None), napart + 1
+    layout.append(entry)
+  layout = tuple(layout)
   flat, apart = {}, []
   for x, (key, _, _) in zip(leaves, layout):
     if key is None:
       apart.append(x)
-    else:
+    elif key != "param":
       flat.setdefault(key, []).append(x.reshape(-1))
   bufs = {k: v[0] if len(v) == 1 else jnp.concatenate(v) for k, v in flat.items()}
   return (bufs, apart), layout
@@ -252,12 +264,14 @@ def _layout(avals, apart=None):
   return tuple(layout)
 
 
-def _unpack(packed, layout):
+def _unpack(packed, layout, params=()):
   bufs, apart = packed
   out = []
   for key, off, shape in layout:
     if key is None:
       out.append(apart[off])
+    elif key == "param":
+      out.append(params[off])
     else:
       size = int(np.prod(shape, dtype=np.int64))
       out.append(jax.lax.slice(bufs[key], (off,), (off + size,)).reshape(shape))
@@ -269,7 +283,7 @@ def stage_functions(stage: StageProgram, remat: bool = False,
   """Builds the jitted forward, backward and accumulator-init functions of a stage.
 
   With ``pack_residuals`` the forward returns its vjp residuals as one flat buffer per dtype
-  instead of hundreds of arrays: every array a call takes or returns costs host time in the
+  instead of hundreds of arrays, and takes the parameters packed the same way: every array a call takes or returns costs host time in the
   runtime (tens of microseconds each on a GPU), which made dispatch, not the device, the limit
   for large stages. Only for stages on one device (a concatenation would gather sharded ones).
   """
@@ -304,14 +318,19 @@ def stage_functions(stage: StageProgram, remat: bool = False,
       g, _ = _pack(grads[:nparam])
       return ({k: bufs[k] + g[0][k] for k in bufs}, []), list(grads[nparam:])
 
-    def fwd(diff, nondiff):
-      outs, vjp = jax.vjp(lambda *d: call(d, nondiff), *diff)
+    # The parameters come packed too (``pack_params``, once per step): the forward unpacks
+    # them, and the backward takes them again instead of residual copies of the weights.
+    def fwd(pparams, acts, nondiff):
+      params = _unpack(pparams, acc_layout)
+      outs, vjp = jax.vjp(lambda *d: call(d, nondiff), *params, *acts)
       leaves, residuals["tree"] = jax.tree.flatten(vjp)
-      packed, residuals["layout"] = _pack(leaves, keep={id(x) for x in (*diff, *nondiff)})
+      packed, residuals["layout"] = _pack(leaves, keep={id(x) for x in (*acts, *nondiff)},
+                                          params=params)
       return outs, packed
 
-    def bwd(packed, cts, acc):
-      vjp = jax.tree.unflatten(residuals["tree"], _unpack(packed, residuals["layout"]))
+    def bwd(packed, pparams, cts, acc):
+      params = _unpack(pparams, acc_layout)
+      vjp = jax.tree.unflatten(residuals["tree"], _unpack(packed, residuals["layout"], params))
       return finish(vjp(cotangents(cts)), acc)
   else:
     def fwd(diff, nondiff):
@@ -326,6 +345,8 @@ def stage_functions(stage: StageProgram, remat: bool = False,
 
   if pack_residuals and not remat:
     acc_leaves = jax.jit(lambda acc: _unpack(acc, acc_layout))
-  else:
-    acc_leaves = lambda acc: acc
-  return StageFunctions(jax.jit(fwd), jax.jit(bwd, donate_argnums=(2,)), zeros_acc, acc_leaves)
+    pack_params = jax.jit(lambda params: _pack(params)[0])
+    return StageFunctions(jax.jit(fwd), jax.jit(bwd, donate_argnums=(3,)), zeros_acc,
+                          acc_leaves, pack_params)
+  return StageFunctions(jax.jit(fwd), jax.jit(bwd, donate_argnums=(2,)), zeros_acc,
+                        lambda acc: acc)
