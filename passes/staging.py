@@ -253,10 +253,79 @@ class StageFunctions:
   fwd: Callable[..., Any]
   bwd: Callable[..., Any]
   zeros_acc: Callable[..., Any]
+  # The accumulator -> the parameter gradients, one array each.
+  acc_leaves: Callable[..., Any] | None = None
+  # Set when the stage is packed: parameters -> the packed form that ``fwd(pparams, acts,
+  # nondiff)`` and ``bwd(res, pparams, cts, acc)`` take.
+  pack_params: Callable[..., Any] | None = None
 
 
-def stage_functions(stage: StageProgram, remat: bool = False) -> StageFunctions:
-  """Builds the jitted forward, backward and accumulator-init functions of a stage."""
+def _pack(leaves, keep=(), params=()):
+  """Arrays -> (one flat buffer per dtype, the arrays kept apart), and the static layout
+  ``_unpack`` needs. Kept apart: arrays of extended dtypes (keys) and those whose ``id`` is in
+  ``keep`` (a forward's own inputs among its residuals: returned as they are, jit forwards
+  them without a copy, where packing would copy every weight once per micro-batch in flight)."""
+  param_index = {id(x): i for i, x in enumerate(params)}
+  refs = [param_index.get(id(x)) for x in leaves]
+  apart_mask = [id(x) in keep or i is not None for x, i in zip(leaves, refs)]
+  leaves = [jnp.asarray(x) for x in leaves]
+  layout, napart = [], 0
+  for i, entry in zip(refs, _layout(leaves, apart_mask)):
+    if i is not None:
+      entry = ("param", i, None)
+    elif entry[0] is None:
+      entry, napart = (None, napart, None), napart + 1
+    layout.append(entry)
+  layout = tuple(layout)
+  flat, apart = {}, []
+  for x, (key, _, _) in zip(leaves, layout):
+    if key is None:
+      apart.append(x)
+    elif key != "param":
+      flat.setdefault(key, []).append(x.reshape(-1))
+  bufs = {k: v[0] if len(v) == 1 else jnp.concatenate(v) for k, v in flat.items()}
+  return (bufs, apart), layout
+
+
+def _layout(avals, apart=None):
+  """(dtype name, offset, shape) per array, or (None, index, None) for one kept apart."""
+  layout, sizes, napart = [], {}, 0
+  for i, a in enumerate(avals):
+    if (apart is not None and apart[i]) or jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):
+      layout.append((None, napart, None))
+      napart += 1
+      continue
+    key = str(a.dtype)
+    layout.append((key, sizes.get(key, 0), tuple(a.shape)))
+    sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
+  return tuple(layout)
+
+
+def _unpack(packed, layout, params=()):
+  bufs, apart = packed
+  out = []
+  for key, off, shape in layout:
+    if key is None:
+      out.append(apart[off])
+    elif key == "param":
+      out.append(params[off])
+    else:
+      size = int(np.prod(shape, dtype=np.int64))
+      out.append(jax.lax.slice(bufs[key], (off,), (off + size,)).reshape(shape))
+  return out
+
+
+def stage_functions(
+  stage: StageProgram, remat: bool = False, pack_residuals: bool = False
+) -> StageFunctions:
+  """Builds the jitted forward, backward and accumulator-init functions of a stage.
+
+  With ``pack_residuals`` the forward returns its vjp residuals as one flat buffer per dtype
+  instead of hundreds of arrays, and takes the parameters packed the same way: every array a
+  call takes or returns costs host time in the runtime (tens of microseconds each on a GPU),
+  which made dispatch, not the device, the limit for large stages. Only for stages on one
+  device (a concatenation would gather sharded ones).
+  """
   f = xc.jaxpr_as_fun(stage.jaxpr)
   out_avals = [v.aval for v in stage.jaxpr.jaxpr.outvars]
   in_avals = [v.aval for v in stage.jaxpr.jaxpr.invars]
@@ -280,6 +349,30 @@ def stage_functions(stage: StageProgram, remat: bool = False) -> StageFunctions:
       diff, nondiff = res
       _, vjp = jax.vjp(lambda *d: call(d, nondiff), *diff)
       return finish(vjp(cotangents(cts)), acc)
+  elif pack_residuals:
+    residuals = {}  # the vjp's tree and layout, recorded when the forward is traced
+    acc_layout = _layout(in_avals[:nparam])
+
+    def finish(grads, acc):  # the accumulator is packed like the residuals
+      bufs, _ = acc
+      g, _ = _pack(grads[:nparam])
+      return ({k: bufs[k] + g[0][k] for k in bufs}, []), list(grads[nparam:])
+
+    # The parameters come packed too (``pack_params``, once per step): the forward unpacks
+    # them, and the backward takes them again instead of residual copies of the weights.
+    def fwd_packed(pparams, acts, nondiff):
+      params = _unpack(pparams, acc_layout)
+      outs, vjp = jax.vjp(lambda *d: call(d, nondiff), *params, *acts)
+      leaves, residuals["tree"] = jax.tree.flatten(vjp)
+      packed, residuals["layout"] = _pack(
+        leaves, keep={id(x) for x in (*acts, *nondiff)}, params=params
+      )
+      return outs, packed
+
+    def bwd_packed(packed, pparams, cts, acc):
+      params = _unpack(pparams, acc_layout)
+      vjp = jax.tree.unflatten(residuals["tree"], _unpack(packed, residuals["layout"], params))
+      return finish(vjp(cotangents(cts)), acc)
   else:
 
     def fwd(diff, nondiff):
@@ -289,6 +382,17 @@ def stage_functions(stage: StageProgram, remat: bool = False) -> StageFunctions:
       return finish(vjp(cotangents(cts)), acc)
 
   def zeros_acc():
-    return [jnp.zeros(a.shape, a.dtype) for a in in_avals[:nparam]]
+    zeros = [jnp.zeros(a.shape, a.dtype) for a in in_avals[:nparam]]
+    return _pack(zeros)[0] if pack_residuals and not remat else zeros
 
-  return StageFunctions(jax.jit(fwd), jax.jit(bwd, donate_argnums=(2,)), zeros_acc)
+  if pack_residuals and not remat:
+    acc_leaves = jax.jit(lambda acc: _unpack(acc, acc_layout))
+    pack_params = jax.jit(lambda params: _pack(params)[0])
+    return StageFunctions(
+      jax.jit(fwd_packed),
+      jax.jit(bwd_packed, donate_argnums=(3,)),
+      zeros_acc,
+      acc_leaves,
+      pack_params,
+    )
+  return StageFunctions(jax.jit(fwd), jax.jit(bwd, donate_argnums=(2,)), zeros_acc, lambda acc: acc)

@@ -7,12 +7,14 @@ import pytest
 
 from gpp_jax.cost.cluster import (
   CPU,
+  H100_PEAK_FLOPS,
   Cluster,
   DeviceSpec,
   GiB,
   Link,
   as_cluster,
   cpu_cluster,
+  cuda_cluster,
   v100_cluster,
 )
 from gpp_jax.cost.cost_model import CostModel, layer_costs, plan_costs, stage_edge_bytes
@@ -36,7 +38,35 @@ def test_v100_preset_is_the_papers_cluster():
   assert c.slowest_link() is c.inter_link
 
 
-@pytest.mark.parametrize("cluster", [v100_cluster(16), cpu_cluster(8)])
+def test_cuda_preset_is_h100s_on_nvlink():
+  c = cuda_cluster(4, dtype="bfloat16")
+  assert c.num_devices == 4 and c.inter_link is None and c.num_nodes == 1
+  assert c.device.peak_flops == pytest.approx(989.4e12)
+  assert c.device.memory_bandwidth == pytest.approx(3.35e12)
+  assert c.intra_link.beta == pytest.approx(450e9) and c.intra_link.name == "nvlink4"
+  assert 50 * GiB < c.memory_per_device < 80e9
+  # float32 matmuls run on TF32 tensor cores at JAX's default precision: half the bf16 peak.
+  assert cuda_cluster(1).device.peak_flops == pytest.approx(H100_PEAK_FLOPS["bfloat16"] / 2)
+  assert cuda_cluster(2, link="pcie").intra_link.beta < c.intra_link.beta / 5
+  big = cuda_cluster(16)
+  assert big.num_nodes == 2 and big.link(7, 8) is big.inter_link
+  assert big.link(0, 7) is big.intra_link
+  with pytest.raises(ValueError, match="no H100 peak for dtype 'int8'"):
+    cuda_cluster(1, dtype="int8")
+  with pytest.raises(ValueError, match="'nvlink' or 'pcie'"):
+    cuda_cluster(1, link="ethernet")
+
+
+def test_cluster_presets_by_name():
+  from gpp_jax.cost.cluster import make_cluster
+
+  assert make_cluster("cuda", 2, dtype="bfloat16").device.peak_flops == H100_PEAK_FLOPS["bfloat16"]
+  assert make_cluster("cpu", 3) == cpu_cluster(3)
+  with pytest.raises(ValueError, match=r"unknown cluster 'h100'; choose one of \['cpu', 'cuda'"):
+    make_cluster("h100", 1)
+
+
+@pytest.mark.parametrize("cluster", [v100_cluster(16), cpu_cluster(8), cuda_cluster(16)])
 def test_cluster_json_round_trip(cluster):
   back = Cluster.from_json(cluster.to_json())
   assert back == cluster

@@ -45,7 +45,7 @@ def define_flags() -> None:
   flags.DEFINE_string("model", "dlrm", "model graph: mmt, dlrm, candle_uno, gpt or chain")
   flags.DEFINE_enum("preset", "paper", ["paper", "tiny"], "model shapes: the paper's or tiny")
   flags.DEFINE_list("shape", [], "shape overrides as key=value (e.g. branches=16,layers=2)")
-  flags.DEFINE_enum("cluster", "v100", ["v100", "cpu"], "cluster preset")
+  flags.DEFINE_enum("cluster", "v100", ["v100", "cuda", "cpu"], "cluster preset")
   flags.DEFINE_integer("num_devices", 8, "devices in the cluster")
   flags.DEFINE_list("planner", list(DEFAULT_PLANNERS), "planners to run, in this order")
   flags.DEFINE_integer(

@@ -45,7 +45,21 @@ flags.DEFINE_string(
   None,
   "micro-batch schedule: 1f1b, gpipe or graph-1f1b (default: the planner's choice)",
 )
-flags.DEFINE_integer("num_devices", 8, "devices to use (the first N of jax.devices())")
+flags.DEFINE_integer(
+  "num_devices",
+  None,
+  "devices to use, the first N of the platform's "
+  "(default: all accelerators, or 8 forced CPU devices on CPU)",
+)
+flags.DEFINE_enum(
+  "platform",
+  None,
+  ["cpu", "gpu", "tpu"],
+  "device platform (default: the accelerator when there is one, else CPU)",
+)
+flags.DEFINE_enum(
+  "dtype", "float32", ["float32", "bfloat16"], "parameter, activation and optimizer-state dtype"
+)
 flags.DEFINE_integer("num_microbatches", 8, "micro-batches per step")
 flags.DEFINE_integer("batch_size", 64, "examples per step")
 flags.DEFINE_integer("steps", 200, "training steps")
@@ -56,8 +70,17 @@ flags.DEFINE_integer("seed", 0, "parameter and data seed")
 flags.DEFINE_integer("log_every", 10, "log every N steps")
 flags.DEFINE_integer("num_batches", 4, "distinct synthetic batches, cycled")
 flags.DEFINE_string("run_dir", None, "output folder (default runs/<model>-<planner>-<time>)")
-flags.DEFINE_string("cluster", "cpu", "cluster preset the planner and simulator use: cpu or v100")
-flags.DEFINE_bool("calibrate", True, "time each layer on the device before planning (cpu cluster)")
+flags.DEFINE_enum(
+  "cluster",
+  None,
+  ["cpu", "cuda", "v100"],
+  "cluster preset the planner and simulator use (default: cuda on GPUs, else cpu)",
+)
+flags.DEFINE_bool(
+  "calibrate",
+  True,
+  "time each layer on the device before planning (not with the simulated v100 cluster)",
+)
 flags.DEFINE_bool(
   "distributed", False, "call jax.distributed.initialize() from the cluster environment"
 )
@@ -69,7 +92,6 @@ flags.DEFINE_float("timeout_s", 300.0, "multi-process: fail a step that stalls t
 
 def _check_flags() -> None:
   """Bad flag values stop the program with a one-line message (absl's UsageError)."""
-  from gpp_jax.cost.cluster import CLUSTER_PRESETS
   from gpp_jax.models.registry import MODELS
   from gpp_jax.passes.partition import PLANNERS
   from gpp_jax.passes.schedules import GENERATORS
@@ -80,7 +102,6 @@ def _check_flags() -> None:
 
   choose("model", FLAGS.model, MODELS)
   choose("preset", FLAGS.preset, ("tiny", "paper"))
-  choose("cluster", FLAGS.cluster, CLUSTER_PRESETS)
   if FLAGS.plan is None:
     choose("planner", FLAGS.planner, PLANNERS)
   elif not os.path.isfile(FLAGS.plan):
@@ -88,7 +109,7 @@ def _check_flags() -> None:
   if FLAGS.schedule is not None:
     choose("schedule", FLAGS.schedule, GENERATORS)
   for flag in ("num_devices", "num_microbatches", "batch_size", "steps", "log_every"):
-    if getattr(FLAGS, flag) < 1:
+    if getattr(FLAGS, flag) is not None and getattr(FLAGS, flag) < 1:
       raise app.UsageError(f"--{flag} must be at least 1, got {getattr(FLAGS, flag)}")
   if FLAGS.batch_size % FLAGS.num_microbatches:
     raise app.UsageError(
@@ -110,7 +131,30 @@ def _setup_devices():
     return
   # Only affects the CPU backend (and only before it starts): accelerators are unaffected.
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    jax.config.update("jax_num_cpu_devices", FLAGS.num_devices)
+    jax.config.update("jax_num_cpu_devices", FLAGS.num_devices or 8)
+
+
+def pick_devices(platform, num_devices):
+  """The first ``num_devices`` devices of ``platform`` (None: JAX's default backend, which is
+  the accelerator when there is one; all of its devices, or 8 on CPU)."""
+  import jax
+
+  try:
+    devices = jax.devices(platform) if platform else jax.devices()
+  except RuntimeError as e:
+    raise app.UsageError(f"--platform={platform}: no such devices here ({e})") from None
+  if num_devices is None:
+    num_devices = len(devices) if devices[0].platform != "cpu" else min(8, len(devices))
+  if num_devices > len(devices):
+    hint = (
+      "; set XLA_FLAGS=--xla_force_host_platform_device_count=N for CPU"
+      if devices[0].platform == "cpu"
+      else ""
+    )
+    raise app.UsageError(
+      f"--num_devices={num_devices} but only {len(devices)} {devices[0].platform} devices{hint}"
+    )
+  return devices[:num_devices]
 
 
 def write_stage_graph(plan, layer_graph, path_dot):
@@ -145,27 +189,31 @@ def main(argv: list[str]) -> None:
   from gpp_jax.experiments import zoo
   from gpp_jax.ir import layer_graph as lg
 
-  devices = jax.devices()
-  if FLAGS.num_devices > len(devices):
-    raise app.UsageError(
-      f"--num_devices={FLAGS.num_devices} but only {len(devices)} devices; "
-      "set XLA_FLAGS=--xla_force_host_platform_device_count=N for CPU"
-    )
-  devices = devices[: FLAGS.num_devices]
+  devices = pick_devices(FLAGS.platform, FLAGS.num_devices)
+  cluster_name = FLAGS.cluster or ("cuda" if devices[0].platform == "gpu" else "cpu")
+  logging.info(
+    "%d %s devices (%s), cluster preset %s, %s",
+    len(devices),
+    devices[0].platform,
+    devices[0].device_kind,
+    cluster_name,
+    FLAGS.dtype,
+  )
   run = zoo.setup(
     FLAGS.model,
     FLAGS.preset,
     seed=FLAGS.seed,
     learning_rate=FLAGS.learning_rate,
     clip_norm=FLAGS.clip_norm,
+    dtype=None if FLAGS.dtype == "float32" else FLAGS.dtype,
   )
   model, optimizer, train_step = run.model, run.optimizer, run.train_step
   data = run.batches(FLAGS.batch_size, FLAGS.num_batches)
   # The cpu preset follows the devices: one node per process in a multi-process run.
-  if FLAGS.cluster == "cpu":
+  if cluster_name == "cpu":
     cluster = process_cluster(devices)
   else:
-    cluster = make_cluster(FLAGS.cluster, len(devices))
+    cluster = make_cluster(cluster_name, len(devices), dtype=FLAGS.dtype)
   pp = gpp_jax.graph_pipeline(
     train_step,
     num_microbatches=FLAGS.num_microbatches,
@@ -176,7 +224,7 @@ def main(argv: list[str]) -> None:
     cluster=cluster,
     timeout_s=FLAGS.timeout_s,
     # A given plan is run as it is: measuring the layers could not change it.
-    calibrate=FLAGS.calibrate and FLAGS.cluster == "cpu" and not FLAGS.plan,
+    calibrate=FLAGS.calibrate and cluster_name != "v100" and not FLAGS.plan,
     layer_depth=run.spec.layer_depth,
   )
   label = "plan" if FLAGS.plan else FLAGS.planner

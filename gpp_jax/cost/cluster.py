@@ -11,6 +11,9 @@ Links are affine: moving ``n`` bytes takes ``alpha + n / beta`` seconds.
 Presets:
   v100_cluster(n): the GraphPipe paper's cluster, 4 V100 16 GB per node, NVLink inside a node,
                    100 Gb/s InfiniBand between nodes.
+  cuda_cluster(n): NVIDIA H100 SXM 80 GB GPUs, 8 per node on NVLink 4 (or PCIe Gen5 with
+                   ``link="pcie"``), 400 Gb/s InfiniBand between nodes; the peak FLOP/s is
+                   the one of the training dtype (``H100_PEAK_FLOPS``).
   cpu_cluster(n):  the forced host-platform CPU devices the tests run on (rough numbers).
 The presets are starting points; ``Cluster.replace`` (or a calibration pass that measures the
 real machine) swaps any number for a measured one.
@@ -237,6 +240,72 @@ CPU = DeviceSpec(
 )
 
 
+# NVIDIA H100 SXM5 80 GB, dense (no sparsity) tensor-core peaks from NVIDIA's datasheet, per
+# training dtype. float32 matrix products run on the TF32 tensor cores at JAX's default
+# precision; "float32-highest" is the non-tensor-core FP32 peak (precision="highest").
+H100_PEAK_FLOPS = {
+  "bfloat16": 989.4e12,
+  "float16": 989.4e12,
+  "float32": 494.7e12,
+  "float32-highest": 66.9e12,
+}
+H100_HBM_BANDWIDTH = 3.35e12  # HBM3, bytes/s
+H100_MEMORY = 80e9  # bytes on the card
+# NVLink 4: 18 links, 900 GB/s both directions together, 450 GB/s each way. PCIe Gen5 x16:
+# 64 GB/s each way (about 55 GB/s reached). InfiniBand NDR, one 400 Gb/s port per GPU.
+H100_LINKS = {
+  "nvlink": Link(alpha=10e-6, beta=450e9, name="nvlink4"),
+  "pcie": Link(alpha=15e-6, beta=55e9, name="pcie-gen5-x16"),
+  "infiniband": Link(alpha=15e-6, beta=400e9 / 8, name="infiniband-ndr"),
+}
+
+
+def h100(dtype: str = "float32") -> DeviceSpec:
+  """One H100 SXM at the peak of ``dtype`` (a key of ``H100_PEAK_FLOPS``)."""
+  key = str(dtype)
+  if key not in H100_PEAK_FLOPS:
+    raise ValueError(f"no H100 peak for dtype {key!r}; choose one of {sorted(H100_PEAK_FLOPS)}")
+  # Small per-device batches reach a small fraction of the tensor-core peak (launch-bound
+  # kernels, weight reads); the roofline's weight-read term adds to this. Rough: calibration
+  # (``calibrate=True``) replaces layer times with measured ones.
+  return DeviceSpec(
+    name=f"H100-SXM5-80GB ({key})",
+    peak_flops=H100_PEAK_FLOPS[key],
+    memory_bandwidth=H100_HBM_BANDWIDTH,
+    efficiency=((1, 0.02), (8, 0.1), (64, 0.35), (512, 0.6)),
+    kernel_overhead=8e-6,
+  )
+
+
+def cuda_cluster(
+  num_devices: int,
+  dtype: str = "float32",
+  link: str = "nvlink",
+  devices_per_node: int = 8,
+  memory_fraction: float = 0.75,
+) -> Cluster:
+  """H100 GPUs, ``devices_per_node`` per node over NVLink (``link="pcie"``: PCIe Gen5),
+  InfiniBand NDR between nodes.
+
+  ``memory_fraction`` of the 80 GB is what a stage may use: JAX preallocates 75% of the GPU's
+  memory by default (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
+  """
+  if link not in ("nvlink", "pcie"):
+    raise ValueError(f"link must be 'nvlink' or 'pcie', got {link!r}")
+  if not 0 < memory_fraction <= 1:
+    raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+  two_level = num_devices > devices_per_node
+  return Cluster(
+    num_devices=num_devices,
+    device=h100(dtype),
+    memory_per_device=H100_MEMORY * memory_fraction,
+    intra_link=H100_LINKS[link],
+    inter_link=H100_LINKS["infiniband"] if two_level else None,
+    devices_per_node=devices_per_node if two_level else None,
+    name=f"h100x{num_devices}",
+  )
+
+
 def v100_cluster(num_devices: int) -> Cluster:
   """The GraphPipe paper's cluster: nodes of 4 V100 16 GB (NVLink), 100 Gb/s between nodes."""
   return Cluster(
@@ -285,16 +354,20 @@ def process_cluster(devices: Sequence[Any], memory_per_device: float = 4 * GiB) 
   )
 
 
-CLUSTER_PRESETS = {"cpu": cpu_cluster, "v100": v100_cluster}
-"""The cluster presets by name, each a function of the device count."""
+CLUSTER_PRESETS = ("cpu", "cuda", "v100")
+"""The cluster presets by name: forced CPU devices, H100 GPUs, the GraphPipe paper's V100s."""
 
 
-def make_cluster(name: str, num_devices: int) -> Cluster:
-  """The cluster preset ``name`` (a key of ``CLUSTER_PRESETS``) with ``num_devices`` devices."""
-  try:
-    return CLUSTER_PRESETS[name](num_devices)
-  except KeyError:
-    raise ValueError(f"unknown cluster {name!r}; choose one of {sorted(CLUSTER_PRESETS)}") from None
+def make_cluster(name: str, num_devices: int, dtype: str = "float32") -> Cluster:
+  """The cluster preset ``name`` with ``num_devices`` devices (``cuda``: at the peak of
+  ``dtype``)."""
+  if name == "cpu":
+    return cpu_cluster(num_devices)
+  if name == "cuda":
+    return cuda_cluster(num_devices, dtype=dtype)
+  if name == "v100":
+    return v100_cluster(num_devices)
+  raise ValueError(f"unknown cluster {name!r}; choose one of {list(CLUSTER_PRESETS)}")
 
 
 def as_cluster(cluster: Cluster | int | None, default_devices: int = 1) -> Cluster:
@@ -307,5 +380,6 @@ def as_cluster(cluster: Cluster | int | None, default_devices: int = 1) -> Clust
     return cpu_cluster(cluster)
   raise TypeError(
     f"expected a Cluster or a device count, got {type(cluster).__name__}; "
-    "build one with gpp_jax.cost.cluster.v100_cluster(n) or cpu_cluster(n)"
+    "build one with gpp_jax.cost.cluster.cuda_cluster(n), v100_cluster(n) or "
+    "cpu_cluster(n)"
   )

@@ -197,10 +197,14 @@ class PipelineRunner:
     self.place = list(placements)
     self.roles = list(data_roles)
     self.M = num_microbatches
-    self.fns = [stage_functions(s, remat=remat) for s in staged.stages]
+    self.fns = [
+      stage_functions(s, remat=remat, pack_residuals=len(p.devices) == 1)
+      for s, p in zip(staged.stages, self.place)
+    ]
     self._zeros = [
       jax.jit(f.zeros_acc, out_shardings=p.replicated) for f, p in zip(self.fns, self.place)
     ]
+    self._nparam = [sum(1 for r in st.inputs if r.kind == "param") for st in staged.stages]
     # Producer output position of each value id, and expected cotangent counts.
     self.out_pos: dict[int, tuple[int, int]] = {}
     for st in staged.stages:
@@ -294,7 +298,10 @@ class PipelineRunner:
     if a.kind == "F":
       if self.local[s]:
         diff, nondiff = self._stage_args(s, m)
-        outs, res = fn.fwd(diff, nondiff)
+        if fn.pack_params is not None:
+          outs, res = fn.fwd(self._pparams[s], diff[self._nparam[s] :], nondiff)
+        else:
+          outs, res = fn.fwd(diff, nondiff)
         self._res[(s, m)] = res
         for li, (ls, lk) in enumerate(self.staged.loss_outputs):
           if ls == s:
@@ -319,7 +326,10 @@ class PipelineRunner:
         cts.append(tuple(contribs))
       acts = [(j, r) for j, r in enumerate(st.inputs) if r.diff and r.kind == "act"]
       if self.local[s]:
-        self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), cts, self._acc[s])
+        if fn.pack_params is not None:
+          self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), self._pparams[s], cts, self._acc[s])
+        else:
+          self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), cts, self._acc[s])
       else:
         in_cts = [self._remote(self._in_avals[s][j], s) for j, _ in acts]
       for (_, r), ct in zip(acts, in_cts):
@@ -352,6 +362,12 @@ class PipelineRunner:
     self._seed = transfer(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.place[ls].replicated)
     t0 = time.perf_counter()
     self._prepare(params, data)
+    self._pparams = [
+      fn.pack_params([x for x, r in zip(self._fixed[s], st.inputs) if r.kind == "param"])
+      if fn.pack_params is not None and self.local[s]
+      else None
+      for s, (fn, st) in enumerate(zip(self.fns, self.staged.stages))
+    ]
     self._acc = [z() if loc else None for z, loc in zip(self._zeros, self.local)]
     events: list[TimelineEvent] = []
     if measure:
@@ -431,10 +447,11 @@ class PipelineRunner:
     grads = [None] * len(params)
     for s, st in enumerate(self.staged.stages):
       k = 0
+      acc = self.fns[s].acc_leaves(self._acc[s]) if self.local[s] else None
       for j, r in enumerate(st.inputs):
         if r.kind != "param":
           continue
-        g = self._acc[s][k] if self.local[s] else self._remote(self._in_avals[s][j], s)
+        g = acc[k] if self.local[s] else self._remote(self._in_avals[s][j], s)
         k += 1
         owner = self.staged.param_owner[r.index]
         if owner != s:

@@ -129,12 +129,43 @@ def transfer(x, sharding: jax.sharding.Sharding):
   remote_only = jax.process_count() > 1 and not _has_local(sharding)
   if remote_only and (_is_remote(x) or not isinstance(x, jax.Array)):
     return _placeholder_for(x, sharding)
+  if jax.process_count() == 1 and _needs_gather(x, sharding):
+    x = _gathered(x)
   out = jax.device_put(x, sharding)
   if _is_remote(x) or (jax.process_count() > 1 and not _has_local(sharding)):
     # A receive or a send: JAX's transfer objects hang off both arrays and must outlive the
     # transfer, so both are kept until two steps later even if the pipeline drops them sooner.
     _IN_FLIGHT[-1].append((x, out))
   return out
+
+
+def _needs_gather(x, sharding) -> bool:
+  """Whether ``device_put(x, sharding)`` would need a piece of ``x`` that no device holds whole.
+
+  Such a put (a batch-sharded activation between stages of different widths, say) goes through
+  host memory in newer JAX (0.12 fetches the value to the host, which ``transfer_guard`` rejects);
+  gathering it on its own devices first keeps the copy device to device in every version.
+  """
+  if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
+    return False
+  if x.sharding.is_fully_replicated or len(x.sharding.device_set) == 1:
+    return False
+  have = {_index_key(i) for i in x.sharding.devices_indices_map(x.shape).values()}
+  return any(_index_key(i) not in have for i in sharding.devices_indices_map(x.shape).values())
+
+
+def _index_key(index) -> tuple:
+  return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
+
+
+@functools.cache
+def _replicate_fn(src: NamedSharding):
+  return jax.jit(lambda a: a, out_shardings=NamedSharding(src.mesh, PartitionSpec()))
+
+
+def _gathered(x):
+  """``x`` whole on one of its own devices (an all-gather inside its mesh, no host copy)."""
+  return _replicate_fn(x.sharding)(x).addressable_shards[0].data
 
 
 _IN_FLIGHT: list[list] = [[], []]
