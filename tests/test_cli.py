@@ -51,15 +51,17 @@ def _git_status() -> str | None:
 
 def test_reproduce_writes_under_runs_and_leaves_docs_alone():
   docs, status = _docs_digest(), _git_status()
-  before = set(glob.glob(os.path.join(REPO, "runs", "reproduce-quick-tiny-*")))
+  runs = os.path.join(REPO, "runs")
+  had_runs = os.path.isdir(runs)
+  before = set(glob.glob(os.path.join(runs, "reproduce-quick-tiny-*")))
   proc = _run(
     "gpp_jax.experiments.reproduce", "--quick", "--preset=tiny", "--noloss_check", "--noplots"
   )
-  made = set(glob.glob(os.path.join(REPO, "runs", "reproduce-quick-tiny-*"))) - before
+  made = set(glob.glob(os.path.join(runs, "reproduce-quick-tiny-*"))) - before
   try:
     assert proc.returncode == 0, proc.stderr
     assert len(made) == 1, (made, proc.stderr)
-    out_dir = made.pop()
+    (out_dir,) = made
     files = sorted(os.listdir(out_dir))
     assert files == [
       "ablation.csv",
@@ -88,6 +90,8 @@ def test_reproduce_writes_under_runs_and_leaves_docs_alone():
   finally:
     for d in made:
       shutil.rmtree(d, ignore_errors=True)
+    if not had_runs and os.path.isdir(runs) and not os.listdir(runs):
+      os.rmdir(runs)
 
 
 @pytest.mark.parametrize(
