@@ -69,6 +69,15 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
   )
   assert proc.returncode == 0, proc.stderr
   assert "RuntimeWarning" not in proc.stderr
+  # Progress on stderr: which planner, how far, how long; the report alone on stdout.
+  progress = [l for l in proc.stderr.splitlines() if l.startswith("[")]
+  assert [l.split()[:2] for l in progress] == [
+    [f"[{i}/3]", name]
+    for i, name in enumerate(("graphpipe", "piper", "pipedream"), 1)
+    for _ in "ab"
+  ]
+  assert "failed: piper: more than" in progress[3] and "elapsed" in progress[3]
+  assert "[1/3]" not in proc.stdout
   rows = _summary(proc.stdout)
   assert list(rows) == ["graphpipe", "piper", "pipedream"]
   # Tiny CANDLE-Uno keeps 7 towers: Piper's downset pairs pass its limit, and it says so.
@@ -114,8 +123,30 @@ def test_plan_cli_rejects_bad_input_before_planning():
   with pytest.raises(ValueError, match="unknown planner"):
     plan_cli.compare("candle_uno", preset="tiny", num_devices=2, planners=("graphpipe", "nope"))
   assert plan_cli.parse_shape(["branches=16", "layers=2"]) == {"branches": 16, "layers": 2}
-  with pytest.raises(ValueError, match="key=value"):
-    plan_cli.parse_shape(["branches"])
+  for items, match in [
+    (["branches"], "key=value"),
+    (["=3"], "key=value"),
+    (["branches=x"], "branches: expected a positive integer, got 'x'"),
+    (["layers=-1"], "layers: expected a positive integer, got '-1'"),
+    (["batch_size=8"], "set the mini-batch with --batch_size"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      plan_cli.parse_shape(items)
+  ok = dict(preset="tiny", num_devices=2, planners=("pipedream",))
+  for kw, match in [
+    (dict(model="resnet"), "unknown model 'resnet'; choose one of"),
+    (dict(planners=()), "no planner given; name one or more of"),
+    (dict(num_devices=0), "--num_devices must be at least 1, got 0"),
+    (dict(batch_size=0), "--batch_size must be at least 1, got 0"),
+    (dict(num_microbatches=0), "--num_microbatches=0 does not divide"),
+    (dict(batch_size=64, num_microbatches=3), "=3 does not divide the mini-batch of 64"),
+    (dict(shape={"towers": 3}), "'candle_uno' has no shape argument 'towers'"),
+    (dict(shape={"branches": 0}), "CANDLE-Uno needs at least one branch"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      plan_cli.prepare(**{"model": "candle_uno", **ok, **kw})
+  graph, cluster, batch = plan_cli.prepare("candle_uno", **ok, batch_size=64, num_microbatches=4)
+  assert batch == 64 and cluster.num_devices == 2 and graph.graph["name"] == "candle_uno7"
 
 
 TINY = Sweep(

@@ -14,26 +14,36 @@ Models are the synthetic LayerGraphs of ``gpp_jax.experiments.model_graphs``
 small widths);
 ``--shape=branches=16`` overrides a shape argument. The mini-batch defaults to
 ``planner_runs.PER_DEVICE_BATCH[model]`` samples per device.
+
+Progress (which planner runs, how far, elapsed seconds) goes to stderr; the report to stdout.
+A bad flag value (unknown model or planner, a malformed ``--shape``, a ``--num_microbatches``
+that does not divide the mini-batch, an unwritable ``--json``) stops before planning with a
+message naming the flag and the fix.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import networkx as nx
 from absl import app, flags
 
-from gpp_jax.cost.cluster import make_cluster
+from gpp_jax.cost.cluster import Cluster, make_cluster
+from gpp_jax.experiments import model_graphs
 from gpp_jax.experiments.planner_runs import (
   MODEL_LABELS,
   build_graph,
   default_batch_size,
-  run_planners,
+  run_planner,
   short_error,
 )
 from gpp_jax.ir.plan import Plan
-from gpp_jax.passes.partition import get_planner
+from gpp_jax.passes.partition import PLANNERS, get_planner
 
 FLAGS = flags.FLAGS
 DEFAULT_PLANNERS = ("graphpipe", "pipedream", "piper", "bapipe", "luo")
@@ -47,7 +57,11 @@ def define_flags() -> None:
   flags.DEFINE_list("shape", [], "shape overrides as key=value (e.g. branches=16,layers=2)")
   flags.DEFINE_enum("cluster", "v100", ["v100", "cuda", "cpu"], "cluster preset")
   flags.DEFINE_integer("num_devices", 8, "devices in the cluster")
-  flags.DEFINE_list("planner", list(DEFAULT_PLANNERS), "planners to run, in this order")
+  flags.DEFINE_list(
+    "planner",
+    list(DEFAULT_PLANNERS),
+    f"planners to run, in this order (any of {', '.join(sorted(PLANNERS))})",
+  )
   flags.DEFINE_integer(
     "batch_size", None, "mini-batch size (default: per-model samples per device x num_devices)"
   )
@@ -64,13 +78,52 @@ def parse_shape(items: Sequence[str]) -> dict[str, int]:
   shape = {}
   for item in items:
     key, sep, value = item.partition("=")
+    key = key.strip()
     if not sep or not key:
-      raise ValueError(f"--shape entries are key=value, got {item!r}")
-    try:
-      shape[key.strip()] = int(value)
-    except ValueError:
-      raise ValueError(f"--shape {key}: expected an integer, got {value!r}") from None
+      raise ValueError(f"--shape entries are key=value (e.g. --shape=branches=16), got {item!r}")
+    if key == "batch_size":
+      raise ValueError("--shape batch_size: set the mini-batch with --batch_size")
+    if not value.strip().isdigit() or int(value) < 1:
+      raise ValueError(f"--shape {key}: expected a positive integer, got {value!r}")
+    shape[key] = int(value)
   return shape
+
+
+def prepare(
+  model: str,
+  *,
+  preset: str = "paper",
+  cluster: str = "v100",
+  num_devices: int = 8,
+  planners: Sequence[str] = DEFAULT_PLANNERS,
+  batch_size: int | None = None,
+  num_microbatches: int | None = None,
+  shape: Mapping[str, Any] | None = None,
+) -> tuple[nx.DiGraph, Cluster, int]:
+  """Checks the arguments before anything is planned and returns the model graph, the cluster
+  and the mini-batch; a bad argument raises ValueError naming it and what to pass instead."""
+  if model not in model_graphs.PRESETS:
+    raise ValueError(f"unknown model {model!r}; choose one of {sorted(model_graphs.PRESETS)}")
+  if not planners:
+    raise ValueError(f"no planner given; name one or more of {sorted(PLANNERS)}")
+  for name in planners:
+    get_planner(name)  # an unknown name fails before anything runs
+  if num_devices < 1:
+    raise ValueError(f"--num_devices must be at least 1, got {num_devices}")
+  if batch_size is not None and batch_size < 1:
+    raise ValueError(
+      f"--batch_size must be at least 1, got {batch_size} (leave it out for the default "
+      f"{default_batch_size(model, num_devices)} samples)"
+    )
+  batch = default_batch_size(model, num_devices) if batch_size is None else batch_size
+  if num_microbatches is not None and (num_microbatches < 1 or batch % num_microbatches):
+    raise ValueError(
+      f"--num_microbatches={num_microbatches} does not divide the mini-batch of {batch} "
+      "samples; pick a divisor, change --batch_size, or leave it out to let the planners "
+      "choose"
+    )
+  graph = build_graph(model, preset, batch, **dict(shape or {}))
+  return graph, make_cluster(cluster, num_devices), batch
 
 
 def compare(
@@ -83,15 +136,38 @@ def compare(
   batch_size: int | None = None,
   num_microbatches: int | None = None,
   shape: Mapping[str, Any] | None = None,
+  progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
   """Runs ``planners`` on one model and cluster; returns the configuration and one row per
-  planner (``planner_runs.run_planner`` rows, each with its ``plan`` when it planned)."""
-  for name in planners:
-    get_planner(name)  # an unknown name fails before anything runs
-  batch = batch_size or default_batch_size(model, num_devices)
-  graph = build_graph(model, preset, batch, **dict(shape or {}))
-  cl = make_cluster(cluster, num_devices)
-  rows = run_planners(planners, graph, cl, batch, num_microbatches=num_microbatches, keep_plan=True)
+  planner (``planner_runs.run_planner`` rows, each with its ``plan`` when it planned). Bad
+  arguments raise ValueError before anything runs (``prepare``). ``progress`` gets a line
+  before and after each planner: ``"[2/5] pipedream ..."`` and its result with the elapsed
+  seconds."""
+  graph, cl, batch = prepare(
+    model,
+    preset=preset,
+    cluster=cluster,
+    num_devices=num_devices,
+    planners=planners,
+    batch_size=batch_size,
+    num_microbatches=num_microbatches,
+    shape=shape,
+  )
+  rows = []
+  t0 = time.perf_counter()
+  for i, name in enumerate(planners, 1):
+    if progress is not None:
+      progress(f"[{i}/{len(planners)}] {name} ... ({time.perf_counter() - t0:.1f} s elapsed)")
+    rows.append(
+      run_planner(name, graph, cl, batch, num_microbatches=num_microbatches, keep_plan=True)
+    )
+    if progress is not None:
+      r = rows[-1]
+      result = f"failed: {short_error(r)}" if "error" in r else f"{r['throughput']:.1f} samples/s"
+      progress(
+        f"[{i}/{len(planners)}] {name} {result} (search {r['seconds']:.2f} s, "
+        f"{time.perf_counter() - t0:.1f} s elapsed)"
+      )
   return {
     "model": model,
     "graph": graph.graph.get("name", model),
@@ -156,22 +232,40 @@ def report_to_json(report: Mapping[str, Any]) -> dict[str, Any]:
   return out
 
 
+def stderr_progress(msg: str) -> None:
+  """Progress lines on stderr (stdout carries the report)."""
+  print(msg, file=sys.stderr, flush=True)
+
+
+def check_json_path(path: str | None) -> None:
+  """ValueError when ``--json`` cannot be written (checked before planning, which may be long)."""
+  if path is None:
+    return
+  folder = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    raise ValueError(f"--json={path} is a folder; give a file name such as {path}/plans.json")
+  if not os.path.isdir(folder):
+    raise ValueError(f"--json={path}: folder {folder} does not exist; create it or pick another")
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; everything is given as --flags")
-  try:
-    report = compare(
-      FLAGS.model,
-      preset=FLAGS.preset,
-      cluster=FLAGS.cluster,
-      num_devices=FLAGS.num_devices,
-      planners=FLAGS.planner,
-      batch_size=FLAGS.batch_size,
-      num_microbatches=FLAGS.num_microbatches,
-      shape=parse_shape(FLAGS.shape),
-    )
-  except ValueError as e:  # unknown model, planner or shape: a usage error, no traceback
+  args = dict(
+    preset=FLAGS.preset,
+    cluster=FLAGS.cluster,
+    num_devices=FLAGS.num_devices,
+    planners=FLAGS.planner,
+    batch_size=FLAGS.batch_size,
+    num_microbatches=FLAGS.num_microbatches,
+  )
+  try:  # bad flag values: the message alone, no traceback
+    check_json_path(FLAGS.json)
+    args["shape"] = parse_shape(FLAGS.shape)
+    prepare(FLAGS.model, **args)
+  except ValueError as e:
     raise app.UsageError(str(e)) from None
+  report = compare(FLAGS.model, **args, progress=stderr_progress)
   print(format_report(report))
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:

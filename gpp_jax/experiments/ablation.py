@@ -18,10 +18,11 @@ from gpp_jax.experiments.sweeps import (
   Row,
   Sweep,
   fmt_num,
+  progress_label,
+  progress_log,
   ratio,
   run_config,
   run_one,
-  stdout_log,
 )
 
 # CSV header order of table (d).
@@ -43,14 +44,17 @@ ABLATION_COLUMNS = (
 
 
 def ablation(
-  sweep: Sweep, device_rows: Sequence[Mapping[str, Any]] = (), log: Log = stdout_log
+  sweep: Sweep, device_rows: Sequence[Mapping[str, Any]] = (), log: Log = progress_log
 ) -> list[Row]:
   """(d): per model at ``ablation_devices``: the best sequential plan, GraphPipe at that plan's
   micro-batch size ("parallel": the stage-graph effect alone) and full GraphPipe (its own
   micro-batch choice). Reuses ``device_rows`` of that device count when given."""
   k = sweep.ablation_devices
   out = []
-  for model in sweep.models:
+  for i, model in enumerate(sweep.models, 1):
+    label = progress_label(
+      "ablation", f"{MODEL_LABELS.get(model, model)} {k} devices", i, len(sweep.models)
+    )
     have: Sequence[Mapping[str, Any]] = [
       r for r in device_rows if r["model"] == model and r["devices"] == k
     ]
@@ -59,7 +63,13 @@ def ablation(
     cluster = make_cluster(sweep.cluster, k)
     if not have:
       have = run_config(
-        sweep.planners, graph, cluster, batch, {"model": model, "devices": k, "batch": batch}
+        sweep.planners,
+        graph,
+        cluster,
+        batch,
+        {"model": model, "devices": k, "batch": batch},
+        label + " every planner",
+        log,
       )
     full = next(r for r in have if r["planner"] == "graphpipe")
     seq = best_row(have, [p for p in sweep.planners if p != "graphpipe"])
@@ -72,6 +82,7 @@ def ablation(
       "full_depth": full.get("depth"),
     }
     if seq is not None:
+      log(f"{label} GraphPipe at micro-batch {seq['microbatch']} ...")
       par = run_one("graphpipe", graph, cluster, batch, num_microbatches=batch // seq["microbatch"])
       row.update(
         sequential=seq["throughput"],
@@ -82,7 +93,7 @@ def ablation(
       )
     out.append(row)
     log(
-      f"  ablation {model} x{k}: sequential {fmt_num(row.get('sequential'))} "
+      f"{label}: sequential {fmt_num(row.get('sequential'))} "
       f"({row.get('sequential_planner')}, mb {row.get('sequential_microbatch')}), parallel "
       f"{fmt_num(row.get('parallel'))}, full {fmt_num(row['full'])} "
       f"(mb {row['full_microbatch']})"

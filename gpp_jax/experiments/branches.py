@@ -19,9 +19,10 @@ from gpp_jax.experiments.sweeps import (
   Sweep,
   by_planner,
   group_rows,
+  progress_label,
+  progress_log,
   ratio,
   run_config,
-  stdout_log,
   vs_best_sequential,
 )
 
@@ -43,13 +44,13 @@ BRANCH_COLUMNS = (
 )
 
 
-def branch_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
+def branch_sweep(sweep: Sweep, log: Log = progress_log) -> list[Row]:
   """(b): CANDLE-Uno with each branch count at ``branch_devices`` devices."""
   rows = []
   k = sweep.branch_devices
   batch = default_batch_size("candle_uno", k)
   cluster = make_cluster(sweep.cluster, k)
-  for b in sweep.branches:
+  for i, b in enumerate(sweep.branches, 1):
     graph = build_graph("candle_uno", sweep.preset, batch, branches=b)
     rows += run_config(
       sweep.planners,
@@ -57,7 +58,7 @@ def branch_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
       cluster,
       batch,
       {"model": f"candle_uno:branches={b}", "branches": b, "devices": k, "batch": batch},
-      f"candle_uno {b} branches x{k}",
+      progress_label("branches", f"CANDLE-Uno {b} branches, {k} devices", i, len(sweep.branches)),
       log,
     )
   return rows

@@ -12,7 +12,7 @@ from typing import Any
 
 from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.experiments import plotting
-from gpp_jax.experiments.planner_runs import build_graph
+from gpp_jax.experiments.planner_runs import MODEL_LABELS, build_graph
 from gpp_jax.experiments.sweeps import (
   ALL_PLANNERS,
   Log,
@@ -21,8 +21,9 @@ from gpp_jax.experiments.sweeps import (
   by_planner,
   group_rows,
   planner_throughputs,
+  progress_label,
+  progress_log,
   run_config,
-  stdout_log,
   vs_best_sequential,
 )
 from gpp_jax.passes.partition.plan_assembly import microbatch_sizes
@@ -40,7 +41,7 @@ MICROBATCH_COLUMNS = (
 )
 
 
-def microbatch_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
+def microbatch_sweep(sweep: Sweep, log: Log = progress_log) -> list[Row]:
   """(c): one model at a fixed device count and mini-batch, one fixed micro-batch size at a
   time (every planner gets ``num_microbatches = batch / microbatch``)."""
   rows = []
@@ -48,14 +49,15 @@ def microbatch_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
   graph = build_graph(sweep.microbatch_model, sweep.preset, B)
   cluster = make_cluster(sweep.cluster, k)
   sizes = list(sweep.microbatch_list) or microbatch_sizes(B)
-  for b in sizes:
+  label = MODEL_LABELS.get(sweep.microbatch_model, sweep.microbatch_model)
+  for i, b in enumerate(sizes, 1):
     rows += run_config(
       sweep.planners,
       graph,
       cluster,
       B,
       {"model": sweep.microbatch_model, "devices": k, "batch": B, "microbatch_size": b},
-      f"{sweep.microbatch_model} micro-batch {b} x{k}",
+      progress_label("micro-batch", f"{label} micro-batch {b}, {k} devices", i, len(sizes)),
       log,
       num_microbatches=B // b,
     )

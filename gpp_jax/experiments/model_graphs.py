@@ -28,6 +28,7 @@ Per-layer cost formulas (per sample; multiply by the batch):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import networkx as nx
@@ -256,12 +257,22 @@ PRESETS: dict[str, Callable[..., nx.DiGraph]] = {
 }
 
 
+def shape_arguments(name: str) -> list[str]:
+  """The shape arguments a preset takes (``batch_size`` first)."""
+  return list(inspect.signature(PRESETS[name]).parameters)
+
+
 def model_graph(name: str, **shape) -> nx.DiGraph:
   """A preset by name, with shape overrides (``model_graph("candle_uno", branches=16)``)."""
-  try:
-    return PRESETS[name](**shape)
-  except KeyError:
-    raise ValueError(f"unknown model graph {name!r}; choose one of {sorted(PRESETS)}") from None
+  if name not in PRESETS:
+    raise ValueError(f"unknown model graph {name!r}; choose one of {sorted(PRESETS)}")
+  unknown = sorted(set(shape) - set(shape_arguments(name)))
+  if unknown:
+    raise ValueError(
+      f"model graph {name!r} has no shape argument {', '.join(map(repr, unknown))}; "
+      f"its shape arguments are {shape_arguments(name)}"
+    )
+  return PRESETS[name](**shape)
 
 
 def random_dag(

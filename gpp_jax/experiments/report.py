@@ -92,8 +92,10 @@ def _span(values: Sequence[float | None]) -> tuple[float, float] | None:
 
 
 def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
-  """One row per figure the paper reports (``shared/notes/planners.md`` §1.7): the claim, the
-  paper's figure, ours and ours/paper; ``paper`` is None where the figure is lost."""
+  """One row per figure the paper reports (GraphPipe, Jeon et al., ASPLOS 2025,
+  arXiv:2406.17145: abstract, conclusion, §7 and App. A.2): the claim, the paper's figure,
+  ours and ours/paper; ``paper`` is None where the figure is lost (an image whose values are
+  not stated in the text)."""
   tp, st = tables.get("throughput") or [], tables.get("search_time") or []
   br, mb = tables.get("branches") or [], tables.get("microbatch") or []
   ab = tables.get("ablation") or []
@@ -385,16 +387,25 @@ def results_markdown(
     + ". Every throughput below is a "
     "**prediction**: the planners plan on the V100 preset (4 V100 16 GB per node, NVLink "
     "inside a node, 100 Gb/s InfiniBand between nodes; `gpp_jax.cost.cluster.v100_cluster`) "
-    "for the synthetic LayerGraphs at the paper's shapes "
-    "(`gpp_jax.experiments.model_graphs`), and the simulator times the plan's schedule with "
+    "for the synthetic LayerGraphs at "
+    + (
+      "the paper's shapes (`gpp_jax.experiments.model_graphs`)"
+      if sweep.preset == "paper"
+      else f"the `{sweep.preset}` preset (the paper's topologies at small widths, "
+      "`gpp_jax.experiments.planner_runs`)"
+    )
+    + ", and the simulator times the plan's schedule with "
     "the cost model. Nothing ran on a GPU. The "
     "paper's numbers were measured on Summit (FlexFlow runtime). Search times are wall-clock "
     "seconds on a shared 2-core machine.",
     "",
-    "Sources for the paper's figures: `shared/notes/planners.md` §1.7. The only full text "
-    "available lost every figure and table that was an image (Fig. 6, 7, 9 values, Table 1 "
-    "seconds, the mini-batch table); where a figure is lost, the row says so and gives no "
-    "ratio.",
+    'The paper: "GraphPipe: Improving Performance and Scalability of DNN Training with '
+    'Graph Pipeline Parallelism", Jeon et al., ASPLOS 2025 (arXiv:2406.17145): the abstract '
+    "and conclusion (headline gain), the evaluation in §7 (Fig. 6, 7 and 9, Table 1) and "
+    "App. A.2 (model shapes). The values of Fig. 6, 7 and 9, Table 1's seconds and the "
+    "mini-batch table of App. A.2 are images in the text compared against here and could not "
+    "be read as numbers: such figures are marked *lost*, and only what the paper states in "
+    "its text is compared, with no ratio where it states no number.",
     "",
     "## Ours vs the paper",
     "",

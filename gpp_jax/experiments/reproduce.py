@@ -1,7 +1,11 @@
 """Reproduces the GraphPipe paper's comparisons in simulation, and checks real pipelined training.
 
-  python -m gpp_jax.experiments.reproduce                    # full sweep, writes docs/
-  python -m gpp_jax.experiments.reproduce --quick --out_dir=/tmp/repro
+  python -m gpp_jax.experiments.reproduce --quick          # runs/reproduce-quick-<time>/
+  python -m gpp_jax.experiments.reproduce                  # runs/reproduce-<time>/
+  python -m gpp_jax.experiments.reproduce --out_dir=docs   # regenerates the committed docs/
+
+The paper: "GraphPipe: Improving Performance and Scalability of DNN Training with Graph
+Pipeline Parallelism", Jeon et al., ASPLOS 2025 (arXiv:2406.17145), §7 and App. A.2.
 
 On the V100 preset (``gpp_jax.cost.cluster.v100_cluster``: 4 V100 16 GB per node, NVLink,
 100 Gb/s InfiniBand) at the paper's shapes (``gpp_jax.experiments.model_graphs``), every planner
@@ -22,8 +26,15 @@ plans and the simulator predicts; nothing runs on a GPU. Tables, one CSV each in
 plus ``results.md`` (the tables, the paper's reported figures beside ours where they survive,
 ours/paper ratios) and PNG plots when matplotlib is importable (the ``plots`` extra).
 
+Where the outputs go: by default a new folder ``runs/reproduce-<time>/`` (with ``--quick``:
+``runs/reproduce-quick-<time>/``) under the working directory; the repository's committed
+results in ``docs/`` are rewritten only when asked, with ``--out_dir=docs`` (and only by the
+full sweep at the paper's shapes: ``--quick`` or ``--preset=tiny`` into ``docs/`` is refused).
+
 ``--quick`` runs a reduced sweep (4 and 8 devices, 2 and 4 branches at 8 devices, two
-micro-batch sizes, the ablation at 8 devices, 20 training steps).
+micro-batch sizes, the ablation at 8 devices, 20 training steps). ``--preset=tiny`` runs the
+same topologies at small widths (seconds; a smoke test, not a reproduction). Progress (which
+sweep, which configuration, how far) goes to stderr.
 
 This module is the runner: ``reproduce`` runs every sweep and writes the outputs. Each figure
 or table has its own module (``throughput``: (a) and (e); ``branches``: (b); ``microbatch``:
@@ -46,7 +57,7 @@ from gpp_jax.experiments.loss_check import LOSS_COLUMNS, loss_check
 from gpp_jax.experiments.microbatch import MICROBATCH_COLUMNS, microbatch_sweep, microbatch_table
 from gpp_jax.experiments.report import results_markdown, write_csv, write_plots
 from gpp_jax.experiments.sweeps import FULL, QUICK, Sweep
-from gpp_jax.experiments.sweeps import stdout_log as _log
+from gpp_jax.experiments.sweeps import progress_log as _log
 from gpp_jax.experiments.throughput import (
   SEARCH_COLUMNS,
   THROUGHPUT_COLUMNS,
@@ -80,11 +91,14 @@ def reproduce(
   _log(f"(d) ablation at {sweep.ablation_devices} devices")
   tables["ablation"] = ablation(sweep, dev)
   if loss:
-    _log(f"real training: {', '.join(sweep.loss_models)}, {sweep.steps} steps on 8 CPU devices")
+    _log(
+      f"[loss check] {', '.join(sweep.loss_models)}, {sweep.steps} steps on 8 CPU devices, "
+      "float32 then float64 (a subprocess; compiling takes most of it) ..."
+    )
     tables["loss_check"] = loss_check(sweep.loss_models, sweep.steps)
     for r in tables["loss_check"]:
       _log(
-        f"  {r['model']} ({r['dtype']}): "
+        f"[loss check] {r['model']} ({r['dtype']}): "
         + (f"max diff {r['max_diff']:.2e}" if "max_diff" in r else r["error"])
       )
   columns = {
@@ -108,13 +122,83 @@ def reproduce(
   return tables
 
 
+# The repository's committed results (``docs/`` beside the package), rewritten only on request.
+REPO_DOCS = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs"
+)
+
+
+def default_out_dir(quick: bool, preset: str = "paper") -> str:
+  """``runs/reproduce[-quick][-tiny]-<time>``, under the working directory."""
+  name = "reproduce" + ("-quick" if quick else "") + ("-tiny" if preset != "paper" else "")
+  return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def is_repo_docs(out_dir: str) -> bool:
+  """Whether ``out_dir`` is the repository's committed ``docs/``."""
+  return os.path.realpath(out_dir) == os.path.realpath(REPO_DOCS)
+
+
+def check_args(
+  out_dir: str | None, *, quick: bool, preset: str, steps: int | None, loss: bool
+) -> str:
+  """The output folder for these flags, or ValueError naming the bad flag and the fix."""
+  if steps is not None and steps < 1:
+    raise ValueError(f"--steps must be at least 1, got {steps}")
+  if steps is not None and not loss:
+    raise ValueError("--steps sets the real-training check's steps; drop it or --noloss_check")
+  if out_dir is None:
+    return default_out_dir(quick, preset)
+  if not out_dir.strip():
+    raise ValueError("--out_dir is empty; give a folder, or drop it for runs/reproduce-<time>/")
+  if is_repo_docs(out_dir) and (quick or preset != "paper"):
+    what = "--quick" if quick else f"--preset={preset}"
+    raise ValueError(
+      f"{what} would replace the full sweep's results in docs/ ({REPO_DOCS}) with a reduced "
+      f"one; drop --out_dir to write under runs/, or drop {what} to regenerate docs/"
+    )
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f"--out_dir={out_dir} is a file, not a folder; choose another path")
+  return out_dir
+
+
+def command_line(
+  out_dir: str | None, *, quick: bool, preset: str, steps: int | None, loss: bool
+) -> str:
+  """The command as ``results.md`` records it (the flags that change the results)."""
+  parts = ["python -m gpp_jax.experiments.reproduce"]
+  if quick:
+    parts.append("--quick")
+  if preset != "paper":
+    parts.append(f"--preset={preset}")
+  if steps is not None:
+    parts.append(f"--steps={steps}")
+  if not loss:
+    parts.append("--noloss_check")
+  if out_dir is not None:
+    parts.append("--out_dir=docs" if is_repo_docs(out_dir) else f"--out_dir={out_dir}")
+  return " ".join(parts)
+
+
 def define_flags() -> None:
   """Defines the flags (only when run as a program: ``gpp_jax.train`` and ``loss_curves``
   define flags of the same names)."""
   from absl import flags
 
-  flags.DEFINE_string("out_dir", "docs/", "folder for results.md, the CSVs and the plots")
+  flags.DEFINE_string(
+    "out_dir",
+    None,
+    "folder for results.md, the CSVs and the plots (default: a new runs/reproduce-<time>/, "
+    "runs/reproduce-quick-<time>/ with --quick; --out_dir=docs regenerates the committed "
+    "results)",
+  )
   flags.DEFINE_bool("quick", False, "reduced sweep (4 and 8 devices, 20 training steps)")
+  flags.DEFINE_enum(
+    "preset",
+    "paper",
+    ["paper", "tiny"],
+    "model shapes: the paper's, or tiny (same topologies, small widths: a smoke test)",
+  )
   flags.DEFINE_integer(
     "steps", None, "training steps of the real-training check (default 200, 20 with --quick)"
   )
@@ -126,13 +210,19 @@ def main(argv: Sequence[str]) -> None:
   from absl import app, flags
 
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; everything is given as --flags")
   FLAGS = flags.FLAGS
-  sweep = QUICK if FLAGS.quick else FULL
+  args = dict(quick=FLAGS.quick, preset=FLAGS.preset, steps=FLAGS.steps, loss=FLAGS.loss_check)
+  try:
+    out_dir = check_args(FLAGS.out_dir, **args)
+    os.makedirs(out_dir, exist_ok=True)
+  except (ValueError, OSError) as e:
+    raise app.UsageError(f"{e}" if isinstance(e, ValueError) else f"--out_dir: {e}") from None
+  sweep = dataclasses.replace(QUICK if FLAGS.quick else FULL, preset=FLAGS.preset)
   if FLAGS.steps is not None:
     sweep = dataclasses.replace(sweep, steps=FLAGS.steps)
-  command = "python -m gpp_jax.experiments.reproduce" + (" --quick" if FLAGS.quick else "")
-  reproduce(sweep, FLAGS.out_dir, loss=FLAGS.loss_check, plots=FLAGS.plots, command=command)
+  command = command_line(FLAGS.out_dir, **args)
+  reproduce(sweep, out_dir, loss=FLAGS.loss_check, plots=FLAGS.plots, command=command)
 
 
 if __name__ == "__main__":

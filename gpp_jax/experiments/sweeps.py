@@ -3,7 +3,7 @@
 ``Sweep`` (the configuration; ``FULL`` and ``QUICK``), the planner lists, and the helpers of
 the figure and table modules (``throughput``, ``branches``, ``microbatch``, ``ablation``):
 running every planner of a sweep on one configuration, pivoting a configuration's rows per
-planner, ratios and the progress log.
+planner, ratios and the progress log (stderr, so it never mixes with the tables).
 
 Each sweep returns long-form rows: one per (configuration, planner), the fields of
 ``planner_runs.run_planner`` plus the configuration. Each figure module's table builder
@@ -13,6 +13,8 @@ pivots them into one row per configuration.
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -78,9 +80,14 @@ QUICK = Sweep(
 )
 
 
-def stdout_log(msg: str) -> None:
-  """The default progress log: one line on stdout, flushed."""
-  print(msg, flush=True)
+def progress_log(msg: str) -> None:
+  """The default progress log: one line on stderr, flushed (the tables go to files)."""
+  print(msg, file=sys.stderr, flush=True)
+
+
+def progress_label(tag: str, what: str, i: int, n: int) -> str:
+  """``"[throughput] MMT 16 devices (3/12)"``: which sweep, which configuration, how far."""
+  return f"[{tag}] {what} ({i}/{n})"
 
 
 # ------------------------------------------------------------------------------ running
@@ -106,10 +113,14 @@ def run_config(
 ) -> list[Row]:
   """Every planner on one configuration: one row per planner, ``fields`` (the configuration)
   first, then ``run_one``'s row (``kw`` go to the planner). With ``log``, one line
-  ``"  {label}: "`` + each planner's result once all have run."""
+  ``"{label} ..."`` before the planners run and one line ``"{label}: "`` + each planner's
+  result and the configuration's seconds after."""
+  t0 = time.perf_counter()
+  if log is not None:
+    log(f"{label} {', '.join(planners)} ...")
   rows = [{**fields, **run_one(name, graph, cluster, batch, **kw)} for name in planners]
   if log is not None:
-    log(f"  {label}: " + ", ".join(brief(r) for r in rows))
+    log(f"{label}: " + ", ".join(brief(r) for r in rows) + f" [{time.perf_counter() - t0:.1f} s]")
   return rows
 
 

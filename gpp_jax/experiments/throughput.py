@@ -22,8 +22,9 @@ from gpp_jax.experiments.sweeps import (
   by_planner,
   group_rows,
   planner_throughputs,
+  progress_label,
+  progress_log,
   run_config,
-  stdout_log,
   vs_best_sequential,
 )
 
@@ -53,23 +54,24 @@ SEARCH_COLUMNS = (
 )
 
 
-def device_sweep(sweep: Sweep, log: Log = stdout_log) -> list[Row]:
+def device_sweep(sweep: Sweep, log: Log = progress_log) -> list[Row]:
   """(a)/(e): every planner on every model and device count."""
   rows = []
-  for model in sweep.models:
-    for k in sweep.devices:
-      batch = default_batch_size(model, k)
-      graph = build_graph(model, sweep.preset, batch)
-      cluster = make_cluster(sweep.cluster, k)
-      rows += run_config(
-        sweep.planners,
-        graph,
-        cluster,
-        batch,
-        {"model": model, "devices": k, "batch": batch},
-        f"{model} x{k}",
-        log,
-      )
+  configs = [(m, k) for m in sweep.models for k in sweep.devices]
+  for i, (model, k) in enumerate(configs, 1):
+    what = f"{MODEL_LABELS.get(model, model)} {k} devices"
+    batch = default_batch_size(model, k)
+    graph = build_graph(model, sweep.preset, batch)
+    cluster = make_cluster(sweep.cluster, k)
+    rows += run_config(
+      sweep.planners,
+      graph,
+      cluster,
+      batch,
+      {"model": model, "devices": k, "batch": batch},
+      progress_label("throughput", what, i, len(configs)),
+      log,
+    )
   return rows
 
 

@@ -9,8 +9,15 @@
   piper       chain of stages that are differences of downsets (Piper)
   bapipe      balanced chain + schedule mode (GPipe / 1F1B) chosen by simulation (BaPipe)
   luo         chain mapped onto a two-level topology + micro-batch order (Luo et al.)
-  exhaustive  every acyclic partition, for small graphs (ground truth)
+  exhaustive  every acyclic partition, device count and micro-batch size, simulated: the
+              optimum of the plan space, to check the others (at most 8 layers and 8 devices
+              by default; the cost grows like the Bell number of the layer count)
   balanced    FLOP-balanced chain, one device per stage (no cost model)
+
+The papers: GraphPipe, Jeon et al., ASPLOS 2025 (arXiv:2406.17145); PipeDream, Narayanan et
+al., SOSP 2019 (arXiv:1806.03377); Piper, Tarnawski et al., NeurIPS 2021; BaPipe, Zhao et al.
+(arXiv:2012.12544); Luo et al., "Efficient Pipeline Planning for Expedited Distributed DNN
+Training", IEEE INFOCOM 2022 (arXiv:2204.10562).
 """
 
 from collections.abc import Callable
