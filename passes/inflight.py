@@ -9,9 +9,9 @@ Uniform micro-batch size (the default): ``L(s) = 1`` for a sink, else
 ``1 + max over successors t of L(t)``: the number of stages on the longest path from s to a
 sink. For a chain of S stages this is the classic ``S - i`` warm-up of stage i.
 
-Per-stage micro-batch sizes ``b(s)`` (GraphPipe's Table 2 is lost; this is the candidate rule
-of the planners notes, which reproduces the paper's Fig. 5 numbers 12/8/4 -> 10/8/4 and the
-FlexFlow prototype's ResNet buffers), counted in samples:
+Per-stage micro-batch sizes ``b(s)`` (the values of Table 2 of GraphPipe, Jeon et al., ASPLOS
+2025, arXiv:2406.17145, were not available; this rule reproduces the paper's Fig. 5 numbers
+12/8/4 -> 10/8/4 and the in-flight buffers of its ResNet example), counted in samples:
 ``N(s) = b(s)`` for a sink, else ``max over successors t of N(t) + max(b(s), b(t))``;
 in the stage's own micro-batches that is ``ceil(N(s) / b(s))``.
 
