@@ -77,7 +77,7 @@ def test_snap_rounds_to_a_geometric_grid():
   assert snap(3e-4, 0.0) == 3e-4
 
 
-def test_identical_layers_are_timed_once_and_share_the_time(layered):
+def test_identical_layers_are_timed_once_and_share_the_time(layered) -> None:
   closed, L = layered
   calls: dict[str, int] = {}
   cal = measure_layers(
