@@ -24,9 +24,9 @@ import jax
 from absl import app, flags
 
 import gpp_jax
+from gpp_jax.cli.reporting import host_aware_time
 from gpp_jax.cost.cluster import cpu_cluster
-from gpp_jax.cost.cost_model import plan_costs
-from gpp_jax.cost.simulator import simulate, simulate_times
+from gpp_jax.cost.simulator import simulate
 from gpp_jax.experiments import zoo
 from gpp_jax.ir import layer_graph as lg
 
@@ -65,19 +65,10 @@ def measure(model_name):
     dispatch.extend(e.end - e.start for e in tl.events)
   graph = lg.scaled(pp.layer_graph, FLAGS.batch_size)
   plain = simulate(pp.plan, graph, cluster, schedule=pp.schedule).iteration_time
-  pc = plan_costs(pp.plan, graph, cluster)
   d = statistics.median(dispatch)
-  hosted = simulate_times(
-    pp.schedule,
-    pc.forward,
-    pc.backward,
-    update=pc.update,
-    activation_transfer=pc.activation_transfer,
-    cotangent_transfer=pc.cotangent_transfer,
-    host_dispatch=d,
-    cores=len(os.sched_getaffinity(0)),
-  ).iteration_time
-  hosted += statistics.median(host_out)
+  hosted = host_aware_time(
+    pp, cluster, d, statistics.median(host_out), len(os.sched_getaffinity(0))
+  )
   return pp.plan, statistics.median(wall), plain, hosted, d
 
 

@@ -11,10 +11,13 @@ the values it holds against a one-device reference it computes itself.
                 process measures; all take process 0's numbers).
   mode "differ": the processes are given different plans; exits 4 with the error message
                 when the first step refuses to run them.
+  mode "absent": process 1 never builds the pipeline (it sleeps, then exits); process 0
+                exits 3 with the error message when its set-up times out.
 """
 
 import os
 import sys
+import time
 
 from gpp_jax.runtime import processes as distributed
 
@@ -79,6 +82,16 @@ def main():
     options = dict(planner=plan)
   pp = gpp_jax.graph_pipeline(step, num_microbatches=4, timeout_s=timeout, **options)
   p, o = params, tx.init(params)
+  if mode == "absent":
+    if jax.process_index() == 1:
+      time.sleep(3 * timeout)
+      os._exit(0)
+    try:
+      pp(p, o, batch)
+    except gpp_jax.GppError as e:
+      print(f"FAILED: {e}", flush=True)
+      os._exit(3)
+    os._exit(0)
   if mode == "differ":
     try:
       pp(p, o, batch)

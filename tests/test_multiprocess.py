@@ -114,12 +114,12 @@ def test_stalled_peer_times_out_with_a_clear_message():
   assert elapsed < 60
 
 
-def _launch_worker(mode):
+def _launch_worker(mode, timeout="120"):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
   return subprocess.run(
-    [*cmd, "--", "python", WORKER, mode, "120"],
+    [*cmd, "--", "python", WORKER, mode, timeout],
     capture_output=True,
     text=True,
     timeout=300,
@@ -147,3 +147,13 @@ def test_processes_with_different_plans_get_a_clear_error():
   assert len(errors) == 2, out[-3000:]  # both processes refuse, neither hangs
   assert all("planned differently from process 0" in l for l in errors), errors
   assert "Plan.load" in errors[0]
+
+
+def test_a_process_that_never_sets_up_fails_the_others_after_the_timeout():
+  r = _launch_worker("absent", timeout="4")
+  out = r.stdout + r.stderr
+  assert r.returncode != 0, out[-3000:]
+  failed = [l for l in out.splitlines() if "FAILED" in l]
+  assert len(failed) == 1 and "process 1 did not report its plan within 4 s" in failed[0], out[
+    -3000:
+  ]

@@ -30,6 +30,29 @@ def write_predicted_timeline(pipeline, cluster, path: str):
   return result
 
 
+def host_aware_time(pipeline, cluster, per_action: float, outside: float, cores: int) -> float:
+  """Seconds of one step as the simulator's host mode predicts it: the driver's one thread
+  issues the schedule's actions in dispatch order, ``per_action`` seconds each, sharing
+  ``cores`` cores with the computing (forced CPU) devices; plus ``outside`` seconds of host
+  time the step spends outside the pipeline."""
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import simulate_times
+
+  c = pipeline._require()  # pylint: disable=protected-access
+  pc = plan_costs(pipeline.plan, lg.scaled(pipeline.layer_graph, c.batch_size), cluster)
+  hosted = simulate_times(
+    pipeline.schedule,
+    pc.forward,
+    pc.backward,
+    update=pc.update,
+    activation_transfer=pc.activation_transfer,
+    cotangent_transfer=pc.cotangent_transfer,
+    host_dispatch=per_action,
+    cores=cores,
+  ).iteration_time
+  return hosted + outside
+
+
 def step_time_summary(pipeline, cluster, measured_ms: list[float], dispatch) -> dict[str, Any]:
   """The measured step time beside the simulator's two predictions of it.
 
@@ -39,9 +62,6 @@ def step_time_summary(pipeline, cluster, measured_ms: list[float], dispatch) -> 
   host time the step spends outside the pipeline; ``dispatch`` is ``(host seconds of one step
   call, that step's Timeline)`` from a step run without ``measure``, or None.
   """
-  from gpp_jax.cost.cost_model import plan_costs
-  from gpp_jax.cost.simulator import simulate_times
-
   out: dict[str, Any] = {
     # The first logged interval holds the warm-up of the first steps after compilation.
     "measured_ms": statistics.median(measured_ms[1:] or measured_ms) if measured_ms else None,
@@ -53,19 +73,9 @@ def step_time_summary(pipeline, cluster, measured_ms: list[float], dispatch) -> 
   if dispatch is not None and dispatch[1] is not None and not dispatch[1].measured:
     t_host, tl = dispatch
     per_action = statistics.median(e.end - e.start for e in tl.events) if tl.events else 0.0
-    c = pipeline._require()  # pylint: disable=protected-access
-    pc = plan_costs(pipeline.plan, lg.scaled(pipeline.layer_graph, c.batch_size), cluster)
-    hosted = simulate_times(
-      pipeline.schedule,
-      pc.forward,
-      pc.backward,
-      update=pc.update,
-      activation_transfer=pc.activation_transfer,
-      cotangent_transfer=pc.cotangent_transfer,
-      host_dispatch=per_action,
-      cores=out["cores"],
-    ).iteration_time
-    out["predicted_host_ms"] = (hosted + max(t_host - tl.total, 0.0)) * 1e3
+    outside = max(t_host - tl.total, 0.0)
+    hosted = host_aware_time(pipeline, cluster, per_action, outside, out["cores"])
+    out["predicted_host_ms"] = hosted * 1e3
     out["host_us_per_action"] = per_action * 1e6
   return out
 

@@ -48,7 +48,7 @@ from gpp_jax.runtime.placement import (
   stage_placements,
   transfer,
 )
-from gpp_jax.runtime.processes import check_same_plan
+from gpp_jax.runtime.processes import check_same_plan, exchange
 
 
 class Compiled:
@@ -331,7 +331,7 @@ class GraphPipeline:
     plan = self._make_plan(graph, B)
     if jax.process_count() > 1:
       self._check_processes(plan)
-      check_same_plan(plan)
+      check_same_plan(plan, self.timeout_s)
     placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
     sched = make_schedule(plan.schedule, plan.num_stages, plan.edges, M)
@@ -391,16 +391,10 @@ class GraphPipeline:
     cal = measure_layers(loss, layering.eqn_layer, layering.param_layer, layering.graph, device)
     if jax.process_count() == 1:
       return cal
-    from jax.experimental import multihost_utils
-
-    layers = lg.topo_layers(layering.graph)
-    times = np.array([[cal.time_f[l], cal.time_b[l]] for l in layers], np.float32)
-    times = np.asarray(multihost_utils.broadcast_one_to_all(times), np.float64)
+    first = Calibration.from_json(exchange("calibration", cal.to_json(), self.timeout_s)[0])
     return dataclasses.replace(
-      cal,
-      time_f={l: float(t) for l, t in zip(layers, times[:, 0])},
-      time_b={l: float(t) for l, t in zip(layers, times[:, 1])},
-      device=f"{cal.device} (process 0's measurement)",
+      first,
+      device=f"{first.device} on process 0",
     )
 
   def _make_plan(self, graph, batch_size) -> Plan:

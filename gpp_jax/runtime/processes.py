@@ -11,14 +11,14 @@ Locally, ``python -m gpp_jax.launch`` starts the processes and passes their coor
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
 
-from gpp_jax.errors import PlanError
+from gpp_jax.errors import GppError, PlanError
 from gpp_jax.ir.plan import Plan
 
 ENV_COORDINATOR = "GPP_COORDINATOR"
@@ -82,19 +82,48 @@ def initialize_from_env() -> bool:
   return True
 
 
-def check_same_plan(plan: Plan) -> None:
+_EXCHANGES: dict[str, itertools.count] = {}
+
+
+def exchange(topic: str, value: str, timeout_s: float) -> list[str]:
+  """Every process's ``value`` for the next exchange on ``topic``, in process order.
+
+  Goes through the key-value store of JAX's coordination service (the ``jax.distributed``
+  client), not through device collectives: nothing is compiled, and a process that never
+  arrives (it failed or stalls before this point) makes the others raise ``GppError`` after
+  ``timeout_s`` instead of waiting forever. Every process must make the same exchanges on a
+  topic in the same order.
+  """
+  from jax._src import distributed as jax_distributed  # the coordination service client
+
+  client = jax_distributed.global_state.client
+  if client is None:
+    raise GppError("several processes but no jax.distributed client: call initialize() first")
+  n = next(_EXCHANGES.setdefault(topic, itertools.count()))
+  client.key_value_set(f"gpp_jax/{topic}/{n}/{jax.process_index()}", value)
+  out = []
+  for p in range(jax.process_count()):
+    try:
+      out.append(client.blocking_key_value_get(f"gpp_jax/{topic}/{n}/{p}", int(timeout_s * 1e3)))
+    except Exception as e:  # the client raises its runtime's error type on a time-out
+      raise GppError(
+        f"process {p} did not report its {topic} within {timeout_s:.0f} s (this is process "
+        f"{jax.process_index()}): it failed or stalls before the pipeline's first step; see its "
+        f"log ({type(e).__name__}: {str(e)[:200]})"
+      ) from e
+  return out
+
+
+def check_same_plan(plan: Plan, timeout_s: float = 300.0) -> None:
   """Raises ``PlanError`` unless every process has the same plan (by ``Plan.fingerprint``).
 
   Processes that plan separately from different numbers (their own layer timings, another
   planner option) would run different schedules and deadlock on each other's transfers;
   this check runs before the first step instead.
   """
-  from jax.experimental import multihost_utils
-
   mine = plan.fingerprint()
-  words = np.array([int(mine[i : i + 6], 16) for i in range(0, 24, 6)], np.int32)
-  every = np.asarray(multihost_utils.process_allgather(words)).reshape(jax.process_count(), -1)
-  differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+  every = exchange("plan", mine, timeout_s)
+  differ = [p for p, f in enumerate(every) if f != every[0]]
   if differ:
     raise PlanError(
       f"processes {differ} planned differently from process 0 (this is process "
