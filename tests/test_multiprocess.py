@@ -143,7 +143,7 @@ def test_processes_with_different_plans_get_a_clear_error():
   r = _launch_worker("differ")
   out = r.stdout + r.stderr
   assert r.returncode != 0, out[-3000:]
-  errors = [l for l in out.splitlines() if "PLANERROR" in l]
+  errors = [l for l in out.splitlines() if "] PLANERROR process=" in l]
   assert len(errors) == 2, out[-3000:]  # both processes refuse, neither hangs
   assert all("planned differently from process 0" in l for l in errors), errors
   assert "Plan.load" in errors[0]
@@ -153,7 +153,6 @@ def test_a_process_that_never_sets_up_fails_the_others_after_the_timeout():
   r = _launch_worker("absent", timeout="4")
   out = r.stdout + r.stderr
   assert r.returncode != 0, out[-3000:]
-  failed = [l for l in out.splitlines() if "FAILED" in l]
-  assert len(failed) == 1 and "process 1 did not report its plan within 4 s" in failed[0], out[
-    -3000:
-  ]
+  failed = [l for l in out.splitlines() if l.startswith("[0] FAILED: ")]
+  assert len(failed) == 1, out[-3000:]
+  assert "process 1 did not report its plan within 4 s" in failed[0], failed

@@ -100,17 +100,32 @@ def exchange(topic: str, value: str, timeout_s: float) -> list[str]:
   if client is None:
     raise GppError("several processes but no jax.distributed client: call initialize() first")
   n = next(_EXCHANGES.setdefault(topic, itertools.count()))
-  client.key_value_set(f"gpp_jax/{topic}/{n}/{jax.process_index()}", value)
+  me, deadline_ms = jax.process_index(), int(timeout_s * 1e3)
+  client.key_value_set(f"gpp_jax/{topic}/{n}/{me}", value)
+
+  def failed(what: str, e: Exception) -> GppError:
+    reason = str(e).split("\n")[0][:200]
+    return GppError(
+      f"{what} within {timeout_s:.0f} s (this is process {me}): a process failed or stalls "
+      f"before the pipeline's first step, or the coordination service on process 0 has gone; "
+      f"see the other processes' logs ({type(e).__name__}: {reason})"
+    )
+
   out = []
   for p in range(jax.process_count()):
+    if p == me:
+      out.append(value)
+      continue
     try:
-      out.append(client.blocking_key_value_get(f"gpp_jax/{topic}/{n}/{p}", int(timeout_s * 1e3)))
-    except Exception as e:  # the client raises its runtime's error type on a time-out
-      raise GppError(
-        f"process {p} did not report its {topic} within {timeout_s:.0f} s (this is process "
-        f"{jax.process_index()}): it failed or stalls before the pipeline's first step; see its "
-        f"log ({type(e).__name__}: {str(e)[:200]})"
-      ) from e
+      out.append(client.blocking_key_value_get(f"gpp_jax/{topic}/{n}/{p}", deadline_ms))
+    except Exception as e:  # the client raises its runtime's error type
+      raise failed(f"process {p} did not report its {topic}", e) from e
+  # Everyone has read everything before anyone acts on it (a process that raises and exits
+  # takes the coordination service with it when it is process 0).
+  try:
+    client.wait_at_barrier(f"gpp_jax/{topic}/{n}", deadline_ms)
+  except Exception as e:
+    raise failed(f"the processes did not all read the {topic}", e) from e
   return out
 
 
