@@ -564,9 +564,12 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
     cluster: the Cluster description planners use (default: the device count).
     measure: run each stage in its own thread, blocking per action, to record a measured
       timeline (slower; single process only).
-    calibrate: time every layer's forward and backward on the first device before planning,
-      so cost-model planners see measured layer times instead of the roofline estimate.
-    timeout_s: in a multi-process run, a step that has not finished after this many seconds
+    calibrate: time every layer's forward and backward on this process's first device of the
+      pipeline before planning (``passes.calibrate``: robust, identical layers timed once), so
+      cost-model planners see measured layer times instead of the roofline estimate; with
+      several processes all take process 0's times. The result is ``.calibration``.
+    timeout_s: in a multi-process run, the set-up (sharing layer times and checking that all
+      processes have one plan) or a step that has not finished after this many seconds
       (a peer process died or stalls) raises ``GppError`` instead of hanging.
   """
   if fn is None:
