@@ -24,11 +24,9 @@ import jax
 from absl import app, flags
 
 import gpp_jax
-from gpp_jax.cli.reporting import host_aware_time
+from gpp_jax.cli.reporting import host_aware_time, predicted_timeline
 from gpp_jax.cost.cluster import cpu_cluster
-from gpp_jax.cost.simulator import simulate
 from gpp_jax.experiments import zoo
-from gpp_jax.ir import layer_graph as lg
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "tiny zoo models")
@@ -63,8 +61,7 @@ def measure(model_name):
     tl = pp.timeline
     host_out.append(t_host - tl.total)
     dispatch.extend(e.end - e.start for e in tl.events)
-  graph = lg.scaled(pp.layer_graph, FLAGS.batch_size)
-  plain = simulate(pp.plan, graph, cluster, schedule=pp.schedule).iteration_time
+  plain = predicted_timeline(pp, cluster).iteration_time
   d = statistics.median(dispatch)
   hosted = host_aware_time(
     pp, cluster, d, statistics.median(host_out), len(os.sched_getaffinity(0))

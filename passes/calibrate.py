@@ -151,7 +151,7 @@ def measure_layers(
   total = 0
   for st in staged.stages:
     layer = layers[st.index]
-    key = str(st.jaxpr) + repr([(r.diff, r.kind) for r in st.inputs] if st.inputs else [])
+    key = str(st.jaxpr) + repr([(r.diff, r.kind) for r in st.inputs])
     if share_identical and key in first_of:
       src = first_of[key]
       groups[layer] = src

@@ -53,19 +53,23 @@ def host_aware_time(pipeline, cluster, per_action: float, outside: float, cores:
   return hosted + outside
 
 
-def step_time_summary(pipeline, cluster, measured_ms: list[float], dispatch) -> dict[str, Any]:
+def step_time_summary(
+  pipeline, cluster, measured_ms: list[float], dispatch, predicted=None
+) -> dict[str, Any]:
   """The measured step time beside the simulator's two predictions of it.
 
   ``devices``: every device computes independently and the host costs nothing (what planners
   optimise). ``host``: the driver's one thread issues the actions in dispatch order at the
   measured host cost per action, sharing the machine's cores with forced CPU devices, plus the
   host time the step spends outside the pipeline; ``dispatch`` is ``(host seconds of one step
-  call, that step's Timeline)`` from a step run without ``measure``, or None.
+  call, that step's Timeline)`` from a step run without ``measure``, or None. ``predicted``:
+  the devices-only SimResult when the caller has it already (``write_predicted_timeline``).
   """
   out: dict[str, Any] = {
     # The first logged interval holds the warm-up of the first steps after compilation.
     "measured_ms": statistics.median(measured_ms[1:] or measured_ms) if measured_ms else None,
-    "predicted_devices_ms": predicted_timeline(pipeline, cluster).iteration_time * 1e3,
+    "predicted_devices_ms": (predicted or predicted_timeline(pipeline, cluster)).iteration_time
+    * 1e3,
     "predicted_host_ms": None,
     "host_us_per_action": None,
     "cores": len(os.sched_getaffinity(0)),

@@ -293,10 +293,10 @@ def main(argv: list[str]) -> None:
     tl = pp.timeline
     with open(os.path.join(run_dir, "timeline_measured.json"), "w") as f:
       json.dump(tl.to_chrome_trace(), f)
-    reporting.write_predicted_timeline(
+    predicted = reporting.write_predicted_timeline(
       pp, cluster, os.path.join(run_dir, "timeline_predicted.json")
     )
-    summary = reporting.step_time_summary(pp, cluster, step_ms, dispatch)
+    summary = reporting.step_time_summary(pp, cluster, step_ms, dispatch, predicted)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
     print(reporting.format_summary(summary))
