@@ -168,7 +168,9 @@ def main():
     old = sys.stdout
     sys.stdout = f
     try:
-      rc = launch([sys.executable, HERE, "--pair"], 2, 1, env=env, pin_cores=True)
+      rc = launch(
+        [sys.executable, HERE, "--pair"], 2, 1, env=env, cpus_per_process=1, platform="cpu"
+      )
     finally:
       sys.stdout = old
   with open(log) as f:

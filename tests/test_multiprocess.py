@@ -41,6 +41,7 @@ def test_two_processes_match_one_device_reference():
       "gpp_jax.launch",
       "--num_processes=2",
       "--devices_per_process=4",
+      "--platform=cpu",
       "--",
       "python",
       WORKER,
@@ -118,6 +119,7 @@ def _launch_worker(mode, timeout="120"):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
+  cmd.append("--platform=cpu")
   return subprocess.run(
     [*cmd, "--", "python", WORKER, mode, timeout],
     capture_output=True,
