@@ -260,17 +260,18 @@ class StageFunctions:
   pack_params: Callable[..., Any] | None = None
 
 
-def _pack(leaves, keep=(), params=()):
+def _pack(leaves, keep=(), params=(), limit=None):
   """Arrays -> (one flat buffer per dtype, the arrays kept apart), and the static layout
-  ``_unpack`` needs. Kept apart: arrays of extended dtypes (keys) and those whose ``id`` is in
-  ``keep`` (a forward's own inputs among its residuals: returned as they are, jit forwards
-  them without a copy, where packing would copy every weight once per micro-batch in flight)."""
+  ``_unpack`` needs. Kept apart: arrays of extended dtypes (keys), arrays larger than ``limit``
+  bytes, and those whose ``id`` is in ``keep`` (a forward's own inputs among its residuals:
+  returned as they are, jit forwards them without a copy, where packing would copy every
+  weight once per micro-batch in flight)."""
   param_index = {id(x): i for i, x in enumerate(params)}
   refs = [param_index.get(id(x)) for x in leaves]
   apart_mask = [id(x) in keep or i is not None for x, i in zip(leaves, refs)]
   leaves = [jnp.asarray(x) for x in leaves]
   layout, napart = [], 0
-  for i, entry in zip(refs, _layout(leaves, apart_mask)):
+  for i, entry in zip(refs, _layout(leaves, apart_mask, limit)):
     if i is not None:
       entry = ("param", i, None)
     elif entry[0] is None:
@@ -287,11 +288,16 @@ def _pack(leaves, keep=(), params=()):
   return (bufs, apart), layout
 
 
-def _layout(avals, apart=None):
-  """(dtype name, offset, shape) per array, or (None, index, None) for one kept apart."""
+def _layout(avals, apart=None, limit=None):
+  """(dtype name, offset, shape) per array, or (None, index, None) for one kept apart (marked
+  in ``apart``, of an extended dtype, or larger than ``limit`` bytes)."""
   layout, sizes, napart = [], {}, 0
   for i, a in enumerate(avals):
-    if (apart is not None and apart[i]) or jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):
+    if (
+      (apart is not None and apart[i])
+      or jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+      or (limit is not None and np.prod(a.shape, dtype=np.int64) * a.dtype.itemsize > limit)
+    ):
       layout.append((None, napart, None))
       napart += 1
       continue
@@ -316,7 +322,10 @@ def _unpack(packed, layout, params=()):
 
 
 def stage_functions(
-  stage: StageProgram, remat: bool = False, pack_residuals: bool = False
+  stage: StageProgram,
+  remat: bool = False,
+  pack_residuals: bool = False,
+  pack_limit: int | None = None,
 ) -> StageFunctions:
   """Builds the jitted forward, backward and accumulator-init functions of a stage.
 
@@ -324,7 +333,9 @@ def stage_functions(
   instead of hundreds of arrays, and takes the parameters packed the same way: every array a
   call takes or returns costs host time in the runtime (tens of microseconds each on a GPU),
   which made dispatch, not the device, the limit for large stages. Only for stages on one
-  device (a concatenation would gather sharded ones).
+  device (a concatenation would gather sharded ones). Packing copies what it packs, so arrays
+  larger than ``pack_limit`` bytes (None: no limit) stay apart: copying them would cost more
+  device time than their dispatch costs host time (see ``placement.pack_limit``).
   """
   f = xc.jaxpr_as_fun(stage.jaxpr)
   out_avals = [v.aval for v in stage.jaxpr.jaxpr.outvars]
@@ -351,12 +362,13 @@ def stage_functions(
       return finish(vjp(cotangents(cts)), acc)
   elif pack_residuals:
     residuals = {}  # the vjp's tree and layout, recorded when the forward is traced
-    acc_layout = _layout(in_avals[:nparam])
+    acc_layout = _layout(in_avals[:nparam], limit=pack_limit)
 
     def finish(grads, acc):  # the accumulator is packed like the residuals
-      bufs, _ = acc
-      g, _ = _pack(grads[:nparam])
-      return ({k: bufs[k] + g[0][k] for k in bufs}, []), list(grads[nparam:])
+      bufs, apart = acc
+      (gbufs, gapart), _ = _pack(grads[:nparam], limit=pack_limit)
+      summed = ({k: bufs[k] + gbufs[k] for k in bufs}, [a + g for a, g in zip(apart, gapart)])
+      return summed, list(grads[nparam:])
 
     # The parameters come packed too (``pack_params``, once per step): the forward unpacks
     # them, and the backward takes them again instead of residual copies of the weights.
@@ -365,7 +377,7 @@ def stage_functions(
       outs, vjp = jax.vjp(lambda *d: call(d, nondiff), *params, *acts)
       leaves, residuals["tree"] = jax.tree.flatten(vjp)
       packed, residuals["layout"] = _pack(
-        leaves, keep={id(x) for x in (*acts, *nondiff)}, params=params
+        leaves, keep={id(x) for x in (*acts, *nondiff)}, params=params, limit=pack_limit
       )
       return outs, packed
 
@@ -383,11 +395,11 @@ def stage_functions(
 
   def zeros_acc():
     zeros = [jnp.zeros(a.shape, a.dtype) for a in in_avals[:nparam]]
-    return _pack(zeros)[0] if pack_residuals and not remat else zeros
+    return _pack(zeros, limit=pack_limit)[0] if pack_residuals and not remat else zeros
 
   if pack_residuals and not remat:
     acc_leaves = jax.jit(lambda acc: _unpack(acc, acc_layout))
-    pack_params = jax.jit(lambda params: _pack(params)[0])
+    pack_params = jax.jit(lambda params: _pack(params, limit=pack_limit)[0])
     return StageFunctions(
       jax.jit(fwd_packed),
       jax.jit(bwd_packed, donate_argnums=(3,)),

@@ -74,7 +74,13 @@ def step_time_summary(
     "host_us_per_action": None,
     "cores": len(os.sched_getaffinity(0)),
   }
-  if dispatch is not None and dispatch[1] is not None and not dispatch[1].measured:
+  fused = (
+    dispatch is not None
+    and dispatch[1] is not None
+    and ([e.action for e in dispatch[1].events] == ["STEP"])
+  )
+  # A fused step (one stage on one device) is one jitted call: no per-action dispatch to model.
+  if dispatch is not None and dispatch[1] is not None and not dispatch[1].measured and not fused:
     t_host, tl = dispatch
     per_action = statistics.median(e.end - e.start for e in tl.events) if tl.events else 0.0
     outside = max(t_host - tl.total, 0.0)

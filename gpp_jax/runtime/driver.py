@@ -32,7 +32,7 @@ import numpy as np
 from gpp_jax.errors import BatchError, GppError, PlanError, ScheduleError
 from gpp_jax.ir.schedule import Action, Schedule, dispatch_order
 from gpp_jax.passes.staging import StagedProgram, stage_functions
-from gpp_jax.runtime.placement import StagePlacement, transfer
+from gpp_jax.runtime.placement import StagePlacement, pack_limit, transfer
 
 BATCH, KEY, BROADCAST = "batch", "key", "broadcast"
 
@@ -198,7 +198,12 @@ class PipelineRunner:
     self.roles = list(data_roles)
     self.M = num_microbatches
     self.fns = [
-      stage_functions(s, remat=remat, pack_residuals=len(p.devices) == 1)
+      stage_functions(
+        s,
+        remat=remat,
+        pack_residuals=len(p.devices) == 1,
+        pack_limit=pack_limit(p.devices[0]),
+      )
       for s, p in zip(staged.stages, self.place)
     ]
     self._zeros = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -36,10 +37,13 @@ from gpp_jax.runtime.driver import (
   BROADCAST,
   KEY,
   PipelineRunner,
+  Timeline,
+  TimelineEvent,
   _is_key,
   placeholder,
   wait_for,
 )
+from gpp_jax.runtime.fused import fused_step
 from gpp_jax.runtime.placement import (
   LocalCopy,
   StagePlacement,
@@ -80,6 +84,9 @@ class Compiled:
   pieces: list[tuple[Piece, Callable[..., Any]]]
   nbefore: int
   calibration: Calibration | None
+  # Set when the plan is one stage on one device: the whole step as one jitted function.
+  fused: Callable[..., Any] | None
+  last_fused: Timeline | None
 
   def __init__(self, **kw: Any):
     self.__dict__.update(kw)
@@ -108,6 +115,7 @@ class GraphPipeline:
     planner_options: dict | None = None,
     timeout_s: float = 300.0,
     calibrate: bool = False,
+    fuse: bool = True,
   ):
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -124,6 +132,7 @@ class GraphPipeline:
     self.planner_options = dict(planner_options or {})
     self.timeout_s = float(timeout_s)
     self.calibrate = calibrate
+    self.fuse = fuse
     self._compiled: dict[Any, Compiled] = {}
     self._last: Compiled | None = None
     functools.update_wrapper(self, fn)
@@ -152,7 +161,7 @@ class GraphPipeline:
   def timeline(self):
     """The last step's per-action ``Timeline`` (device times when ``measure`` was on)."""
     c = self._require()
-    tl = c.runner.last_timeline
+    tl = c.last_fused if c.fused is not None else c.runner.last_timeline
     if tl is None:
       return None
     return dataclasses.replace(tl, stage_devices=tuple(s.devices for s in c.plan.stages))
@@ -162,7 +171,14 @@ class GraphPipeline:
     c = self._require()
     g = c.layer_graph
     where = c.plan.stage_of_layer()
-    lines = [str(c.plan), "", "cut edges (bytes per micro-batch):"]
+    lines = [str(c.plan), ""]
+    if c.fused is not None:
+      lines += [
+        "runs as one jitted step: one stage on one device is gradient accumulation, so the "
+        "micro-batch loop runs inside one XLA program (fuse=False runs it action by action)",
+        "",
+      ]
+    lines.append("cut edges (bytes per micro-batch):")
     cut: dict[tuple[int, int], float] = {}
     for u, v, d in g.edges(data=True):
       if where[u] != where[v]:
@@ -341,6 +357,14 @@ class GraphPipeline:
     prog = split_step(step, mk, in_home, out_home)
     runner = PipelineRunner(staged, sched, placements, roles, M, remat=self.remat)
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
+    fused = None
+    if (
+      self.fuse
+      and plan.num_stages == 1
+      and len(plan.stages[0].devices) == 1
+      and jax.process_count() == 1
+    ):
+      fused = fused_step(prog, loss, roles, M, mb)
     logging.info(
       "graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
       plan.num_stages,
@@ -363,6 +387,8 @@ class GraphPipeline:
       placements=placements,
       batch_size=B,
       calibration=calibration,
+      fused=fused,
+      last_fused=None,
     )
 
   def _check_processes(self, plan: Plan) -> None:
@@ -445,11 +471,21 @@ class GraphPipeline:
     if c is None:
       c = self._compiled[key] = self._build(args, pure, leaves)
     self._last = c
-    outs = self._execute(c, leaves)
+    outs = self._execute_fused(c, leaves) if c.fused is not None else self._execute(c, leaves)
     out, new_state = jax.tree.unflatten(c.out_tree, outs)
     if pure.graph_positions:
       nnx.update(tuple(args[i] for i in pure.graph_positions), new_state)
     return out
+
+  def _execute_fused(self, c: Compiled, leaves):
+    device = c.placements[0].devices[0]
+    t0 = time.perf_counter()
+    outs = c.fused(*[jax.device_put(x, device) for x in leaves])
+    if self.measure:
+      jax.block_until_ready(outs)
+    t = time.perf_counter() - t0
+    c.last_fused = Timeline([TimelineEvent("STEP", 0, 0, 0.0, t)], t, self.measure)
+    return outs
 
   def _execute(self, c: Compiled, leaves):
     J = c.prog.jaxpr.jaxpr
@@ -568,6 +604,9 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
       pipeline before planning (``passes.calibrate``: robust, identical layers timed once), so
       cost-model planners see measured layer times instead of the roofline estimate; with
       several processes all take process 0's times. The result is ``.calibration``.
+    fuse: a plan of one stage on one device (in one process) runs as one jitted step, the
+      micro-batch loop inside it (``runtime.fused``), so it costs what the plain jitted step
+      costs; False runs it action by action like any other plan (to inspect its timeline).
     timeout_s: in a multi-process run, the set-up (sharing layer times and checking that all
       processes have one plan) or a step that has not finished after this many seconds
       (a peer process died or stalls) raises ``GppError`` instead of hanging.

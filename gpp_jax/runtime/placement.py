@@ -13,6 +13,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from gpp_jax.errors import GppError, PlanError
 
+# Packing a stage's parameters, residuals and gradient sums into one buffer per dtype saves the
+# host a dispatch per array but copies the arrays. An array is worth packing while its copy costs
+# the device less than its dispatch costs the host (some microseconds): up to tens of KiB at a
+# CPU core's copy bandwidth, tens of MiB at a GPU's.
+PACK_LIMIT_BYTES = {"cpu": 64 << 10, "gpu": 16 << 20, "tpu": 16 << 20}
+
+
+def pack_limit(device) -> int:
+  """Largest array (bytes) a single-device stage on ``device`` packs; larger ones stay apart."""
+  return PACK_LIMIT_BYTES.get(device.platform, PACK_LIMIT_BYTES["gpu"])
+
 
 @dataclasses.dataclass(frozen=True)
 class StagePlacement:

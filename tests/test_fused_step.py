@@ -1,0 +1,155 @@
+"""One stage on one device runs as one jitted step, with the driver's per-micro-batch semantics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from harness import dense, max_diff
+
+import gpp_jax
+
+M = 4
+
+
+def _params():
+  ks = jax.random.split(jax.random.key(0), 3)
+  return {"a": dense(ks[0], 5, 16), "b": dense(ks[1], 16, 16), "c": dense(ks[2], 16, 3)}
+
+
+def _batch(seed=0, n=16):
+  rng = np.random.default_rng(seed)
+  return {
+    "x": rng.normal(size=(n, 5)).astype(np.float32),
+    "y": rng.normal(size=(n, 3)).astype(np.float32),
+  }
+
+
+tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+
+
+def _loss_and_aux(p, x, y, key):
+  h = jnp.tanh(x @ p["a"]["w"] + p["a"]["b"])
+  keep = jax.random.bernoulli(key, 0.7, h.shape)  # dropout from the key the step passes in
+  h = jnp.where(keep, h / 0.7, 0.0)
+  h = jnp.tanh(h @ p["b"]["w"] + p["b"]["b"])
+  out = h @ p["c"]["w"] + p["c"]["b"]
+  per_example = jnp.mean((out - y) ** 2, axis=1)
+  # Aux: a per-example array (concatenated over micro-batches), a float scalar (averaged), an
+  # integer (the last micro-batch's).
+  count = jnp.sum(out > 0).astype(jnp.int32)
+  aux = {"per_example": per_example, "mean_out": jnp.mean(out), "count": count}
+  return jnp.mean(per_example), aux
+
+
+def step(params, opt_state, key, batch):
+  (loss, aux), grads = gpp_jax.value_and_grad(
+    lambda p: _loss_and_aux(p, batch["x"], batch["y"], key), has_aux=True
+  )(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss, aux
+
+
+@jax.jit
+def reference(params, opt_state, key, batch):
+  """Gradient accumulation over micro-batches with fold_in(key, m), as documented."""
+  xs, ys = batch["x"].reshape(M, -1, 5), batch["y"].reshape(M, -1, 3)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  losses, auxes = [], []
+  for m in range(M):
+    (l, aux), g = jax.value_and_grad(_loss_and_aux, has_aux=True)(
+      params, xs[m], ys[m], jax.random.fold_in(key, m)
+    )
+    grads = jax.tree.map(lambda a, b: a + b / M, grads, g)
+    losses.append(l)
+    auxes.append(aux)
+  aux = {
+    "per_example": jnp.concatenate([a["per_example"] for a in auxes]),
+    "mean_out": sum(a["mean_out"] for a in auxes) / M,
+    "count": auxes[-1]["count"],
+  }
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, sum(losses) / M, aux
+
+
+@pytest.fixture(scope="module")
+def runs():
+  """Three steps of the reference, the fused step and the action-by-action driver."""
+  dev = jax.devices()[0]
+  params = _params()
+  kw = dict(num_microbatches=M, devices=[dev], batch_argnums=3)
+  with pytest.warns(UserWarning, match="one device"):
+    fused = gpp_jax.graph_pipeline(step, **kw)
+    driven = gpp_jax.graph_pipeline(step, fuse=False, **kw)
+  state = {
+    "ref": jax.device_put((params, tx.init(params)), dev),
+    "fused": (params, tx.init(params)),
+    "driven": (params, tx.init(params)),
+  }
+  out = {}
+  keys = [jax.random.key(10 + i) for i in range(3)]
+  with jax.transfer_guard("disallow"):
+    for i in range(3):
+      key, batch = keys[i], _batch(i)
+      for name, fn in (("ref", reference), ("fused", fused), ("driven", driven)):
+        if name == "ref":
+          key_i, batch_i = jax.device_put((key, batch), dev)
+        else:
+          key_i, batch_i = key, batch
+        p, o, loss, aux = fn(*state[name], key_i, batch_i)
+        state[name] = (p, o)
+        out[name] = (p, o, loss, aux)
+  return out, fused, driven
+
+
+def test_fused_step_matches_the_accumulation_reference(runs):
+  out, fused, _ = runs
+  assert fused.plan.num_stages == 1
+  assert "one jitted step" in fused.explain()
+  assert max_diff(out["ref"][:2], out["fused"][:2]) <= 1e-6
+  assert abs(float(out["ref"][2]) - float(out["fused"][2])) <= 1e-6
+  assert out["fused"][3]["per_example"].shape == (16,)
+  assert max_diff(out["ref"][3], out["fused"][3]) <= 1e-6
+  # One action per step: the whole step.
+  assert [e.action for e in fused.timeline.events] == ["STEP"]
+
+
+def test_fused_and_action_by_action_runs_agree(runs):
+  out, _, driven = runs
+  assert "one jitted step" not in driven.explain()
+  assert {e.action for e in driven.timeline.events} >= {"F", "B"}
+  assert max_diff(out["driven"], out["fused"]) <= 1e-6
+
+
+def test_fused_nnx_step_updates_the_module_in_place():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.fc1 = nnx.Linear(5, 8, rngs=rngs)
+      self.fc2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.fc2(jnp.tanh(self.fc1(x)))
+
+  def nnx_step(model, optimizer, batch):
+    def loss_fn(model):
+      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = gpp_jax.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  ref_model = Net(nnx.Rngs(0))
+  ref_opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
+  model = Net(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  pp = gpp_jax.graph_pipeline(nnx_step, num_microbatches=1, devices=jax.devices()[:1])
+  ref = nnx.jit(nnx_step)
+  for i in range(3):
+    batch = _batch(i)
+    rl = ref(ref_model, ref_opt, batch)
+    pl = pp(model, opt, batch)
+  assert pp._last.fused is not None
+  assert abs(float(rl) - float(pl)) <= 1e-6
+  assert max_diff(nnx.state(ref_model, nnx.Param), nnx.state(model, nnx.Param)) <= 1e-6
+  assert int(opt.step[...]) == 3
