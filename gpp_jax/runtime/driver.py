@@ -20,6 +20,7 @@ gives a measured per-action timeline (start/end on the device) at some cost in o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -156,6 +157,19 @@ def _fold(key, m):
   return jax.random.fold_in(key, m)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _split_on_device(x, M):
+  return jnp.split(x, M)
+
+
+def _split_batch(x, M: int) -> list[Any]:
+  """A batch array cut into M contiguous micro-batches: a device array on its device (no round
+  trip through the host; each chunk then moves device to device), host data on the host."""
+  if isinstance(x, jax.Array) and x.is_fully_addressable and len(x.sharding.device_set) == 1:
+    return list(_split_on_device(x, M))
+  return np.split(np.asarray(jax.device_get(x)), M)
+
+
 @jax.jit
 def _mean(xs):
   return sum(xs[1:], xs[0]) / len(xs)
@@ -238,7 +252,7 @@ class PipelineRunner:
     parameters, broadcast data, keys before folding) and the host-side batch chunks."""
     M = self.M
     self._fixed: list[list[Any]] = [[None] * len(st.inputs) for st in self.staged.stages]
-    self._batch_chunks: dict[int, list[np.ndarray]] = {}
+    self._batch_chunks: dict[int, list[Any]] = {}
     for s, st in enumerate(self.staged.stages):
       rep = self.place[s].replicated
       for j, r in enumerate(st.inputs):
@@ -253,12 +267,11 @@ class PipelineRunner:
           if role in (BROADCAST, KEY):  # keys get the micro-batch index folded in per F
             self._fixed[s][j] = transfer(x, rep)
           elif role == BATCH and r.index not in self._batch_chunks:
-            host = np.asarray(jax.device_get(x))
-            if host.shape[0] % M:
+            if np.shape(x)[0] % M:
               raise BatchError(
-                f"batch input of shape {host.shape} does not split into {M} micro-batches"
+                f"batch input of shape {np.shape(x)} does not split into {M} micro-batches"
               )
-            self._batch_chunks[r.index] = np.split(host, M)
+            self._batch_chunks[r.index] = _split_batch(x, M)
 
   def _stage_args(self, s, m):
     st = self.staged.stages[s]
