@@ -11,6 +11,8 @@ the values it holds against a one-device reference it computes itself.
                 process measures; all take process 0's numbers).
   mode "differ": the processes are given different plans; exits 4 with the error message
                 when the first step refuses to run them.
+  mode "span": as "check", but stage l1 runs on devices of both processes (one SPMD program
+                over a sub-mesh spanning them); values of that stage are checked shard by shard.
   mode "absent": process 1 never builds the pipeline (it sleeps, then exits); process 0
                 exits 3 with the error message when its set-up times out.
 """
@@ -73,6 +75,10 @@ def main():
     "y": rng.normal(size=(16, 3)).astype(np.float32),
   }
   plan = gpp_jax.manual_plan({"l0": 0, "l1": 1, "l2": 2, "l3": 3}, devices={0: 0, 1: 4, 2: 1, 3: 5})
+  if mode == "span":  # l1 on the last device of process 0 and the first of process 1
+    plan = gpp_jax.manual_plan(
+      {"l0": 0, "l1": 1, "l2": 2, "l3": 3}, devices={0: 0, 1: (3, 4), 2: 5, 3: 1}
+    )
   if mode == "differ" and jax.process_index() == 1:
     plan = gpp_jax.manual_plan({"l0": 0, "l1": 1, "l2": 1, "l3": 1}, devices={0: 0, 1: 4})
   options = {}
@@ -120,6 +126,11 @@ def main():
   for a, b in zip(jax.tree.leaves((p, o, loss)), jax.tree.leaves((rp, ro, rloss))):
     if a.is_fully_addressable:
       diffs.append(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
+      checked += 1
+    elif a.addressable_shards:  # spans processes: compare this process's shards
+      whole = np.asarray(b)
+      for shard in a.addressable_shards:
+        diffs.append(float(np.max(np.abs(np.asarray(shard.data) - whole[shard.index]))))
       checked += 1
   # A planner may leave a process without stages; the manual plan gives each some.
   ok = max(diffs, default=0.0) <= 1e-5 and (checked > 0 or mode == "calibrate")

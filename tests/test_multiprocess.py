@@ -141,6 +141,19 @@ def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference(
   assert sum(checked) >= 13, results  # the parameters, optimizer state and loss, somewhere
 
 
+def test_a_stage_spanning_two_processes_matches_the_reference():
+  r = _launch_worker("span")
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out[-3000:]  # each process exits 1 if a value it holds differs
+  results = [l for l in out.splitlines() if "] RESULT process=" in l]
+  assert len(results) == 2, out[-3000:]
+  maxdiff = [float(l.split("maxdiff=")[1].split()[0]) for l in results]
+  assert max(maxdiff) <= 1e-5, results
+  # Process 1 holds l1 (its shard of the spanning stage) and l2: both checked there.
+  checked = {l.split("process=")[1][0]: int(l.split("checked=")[1].split()[0]) for l in results}
+  assert checked["1"] >= 12, results
+
+
 def test_processes_with_different_plans_get_a_clear_error():
   r = _launch_worker("differ")
   out = r.stdout + r.stderr

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpp_jax.errors import BatchError, GppError, PlanError, ScheduleError
+from gpp_jax.errors import BatchError, GppError, ScheduleError
 from gpp_jax.ir.schedule import Action, Schedule, dispatch_order
 from gpp_jax.passes.staging import StagedProgram, stage_functions
 from gpp_jax.runtime.placement import StagePlacement, pack_limit, transfer
@@ -104,14 +104,9 @@ def placeholder(aval, sharding):
 
 
 def is_local(placement: StagePlacement) -> bool:
-  """Whether this process runs the stage; a stage may not span processes."""
-  procs = {d.process_index for d in placement.devices}
-  if len(procs) > 1:
-    raise PlanError(
-      f"a stage spans devices of processes {sorted(procs)}; every stage must run on "
-      "the devices of one process"
-    )
-  return procs.pop() == jax.process_index()
+  """Whether this process takes part in the stage: it holds one of the stage's devices (a
+  stage spanning processes runs as one SPMD program that each of its processes calls)."""
+  return any(d.process_index == jax.process_index() for d in placement.devices)
 
 
 def wait_for(values, timeout_s: float) -> None:

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.extend import core as xc
 
 from gpp_jax.cost.cluster import process_cluster
-from gpp_jax.errors import BatchError, CaptureError, PlanError
+from gpp_jax.errors import BatchError, CaptureError
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, validate_plan
 from gpp_jax.ir.schedule import Schedule
@@ -346,7 +346,6 @@ class GraphPipeline:
       graph = calibration.apply(graph)
     plan = self._make_plan(graph, B)
     if jax.process_count() > 1:
-      self._check_processes(plan)
       check_same_plan(plan, self.timeout_s)
     placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
@@ -390,17 +389,6 @@ class GraphPipeline:
       fused=fused,
       last_fused=None,
     )
-
-  def _check_processes(self, plan: Plan) -> None:
-    for s in plan.stages:
-      procs = sorted({self.devices[d].process_index for d in s.devices})
-      if len(procs) > 1:
-        raise PlanError(
-          f"stage {s.index} spans processes {procs} (devices {list(s.devices)}); a stage runs "
-          "on the devices of one process: give the planner a cluster with one node per "
-          "process (the default, gpp_jax.cost.cluster.process_cluster(devices)) or place the "
-          "stage on one process's devices"
-        )
 
   def _planner_cluster(self):
     if self.cluster is not None:

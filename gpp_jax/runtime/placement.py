@@ -107,12 +107,30 @@ def _has_local(sharding) -> bool:
   return any(d.process_index == jax.process_index() for d in sharding.device_set)
 
 
+def spans_processes(sharding) -> bool:
+  """Whether ``sharding``'s devices belong to more than one process."""
+  return len({d.process_index for d in sharding.device_set}) > 1
+
+
+def _from_host(x, sharding):
+  """A value every process holds alike (host data, or an array on its own devices), put on a
+  sharding whose devices may belong to several processes: each process fills its own."""
+  host = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def place_input(x, sharding: jax.sharding.Sharding):
   """Places a step argument on its home (see LocalCopy for the multi-process rule)."""
   if _already_there(x, sharding):
     return x
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)
+  if spans_processes(sharding):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      if x.sharding.device_set == sharding.device_set:
+        return x  # what this stage returned last step: already across its processes
+      return _across_processes(x, sharding)
+    return _from_host(x, sharding)
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     raise GppError(
       "a step argument lives on another process's device but is needed elsewhere; pass the "
@@ -134,6 +152,12 @@ def transfer(x, sharding: jax.sharding.Sharding):
     return place_input(x.value, sharding)
   if jax.process_count() == 1 and _already_there(x, sharding):
     return x  # the common case for state and parameters between steps
+  if jax.process_count() > 1 and (
+    spans_processes(sharding) or (isinstance(x, jax.Array) and spans_processes(x.sharding))
+  ):
+    if not isinstance(x, jax.Array):
+      return _from_host(x, sharding)
+    return _across_processes(x, sharding)
   # With several processes every put is issued, even onto the same devices: skipping those
   # broke JAX's cross-host transfers (measured with jax 0.10.2: "Async transfer object was
   # deleted before transfers completed"), while issuing them works.
@@ -148,6 +172,71 @@ def transfer(x, sharding: jax.sharding.Sharding):
     # transfer, so both are kept until two steps later even if the pipeline drops them sooner.
     _IN_FLIGHT[-1].append((x, out))
   return out
+
+
+def _rows(index, n: int) -> tuple[int, int]:
+  """The leading-axis range ``[start, stop)`` of a shard index (placements shard only axis 0)."""
+  if not index:
+    return 0, n
+  first = index[0]
+  if isinstance(first, slice):
+    start, stop, _ = first.indices(n)
+    return start, stop
+  return int(first), int(first) + 1
+
+
+@functools.cache
+def _slice_rows_fn(start: int, stop: int):
+  return jax.jit(lambda a: a[start:stop])
+
+
+@functools.cache
+def _concat_fn():
+  return jax.jit(lambda *parts: jax.numpy.concatenate(parts, axis=0))
+
+
+def _across_processes(x, sharding):
+  """``x`` resharded onto ``sharding`` when either spans processes (a stage wider than one
+  process). JAX's cross-host ``device_put`` moves an array between equally many devices only, so
+  each destination device gets its rows from source devices one to one, and each process then
+  assembles its own shards; every process walks the devices in the same order and issues the
+  same puts. Shardings split the leading axis or replicate (``StagePlacement``)."""
+  shape, me = tuple(x.shape), jax.process_index()
+  n = shape[0] if shape else 1
+  src_map = x.sharding.devices_indices_map(shape)
+  local = {s.device: s.data for s in x.addressable_shards}
+  dst_map = sharding.devices_indices_map(shape)
+  mine = {}
+  for d in sorted(dst_map, key=lambda d: d.id):
+    lo, hi = _rows(dst_map[d], n)
+    parts = []
+    while lo < hi:
+      # The source shards holding row ``lo``: prefer one on d's process, then the lowest id.
+      holders = [sd for sd, idx in src_map.items() if _rows(idx, n)[0] <= lo < _rows(idx, n)[1]]
+      sd = min(holders, key=lambda h: (h.process_index != d.process_index, h.id))
+      s_lo, s_hi = _rows(src_map[sd], n)
+      take = min(hi, s_hi)
+      if not shape:
+        piece_shape: tuple[int, ...] = ()
+      else:
+        piece_shape = (take - lo, *shape[1:])
+      if sd.process_index == me:
+        piece = local[sd]
+        if shape and (lo, take) != (s_lo, s_hi):
+          piece = _slice_rows_fn(lo - s_lo, take - s_lo)(piece)
+      else:
+        piece = jax.make_array_from_single_device_arrays(
+          piece_shape, SingleDeviceSharding(sd), [], dtype=x.dtype
+        )
+      parts.append(transfer(piece, SingleDeviceSharding(d)))
+      lo = take
+    if d.process_index == me:
+      mine[d] = parts[0] if len(parts) == 1 else _concat_fn()(*parts)
+  if not mine:
+    return _placeholder_for(x, sharding)
+  return jax.make_array_from_single_device_arrays(
+    shape, sharding, [mine[d] for d in sorted(mine, key=lambda d: d.id)]
+  )
 
 
 def _needs_gather(x, sharding) -> bool:
