@@ -93,15 +93,17 @@ def split_step(
     if k == marker_index:
       continue
     outs_known = [home[o] for o in e.outvars if not isinstance(o, xc.DropVar) and o in home]
+    # Largest first; among equals the one with more dimensions (a (1,)-shaped parameter's
+    # update stays with the parameter rather than following a scalar such as a global norm).
     known = [
-      (aval_bytes(v.aval), -home[v], home[v])
+      (aval_bytes(v.aval), len(v.aval.shape), -home[v], home[v])
       for v in e.invars
       if isinstance(v, xc.Var) and v in home and home[v] != PIPE
     ]
     if outs_known:
       eqn_home[k] = outs_known[0]
     elif known:
-      eqn_home[k] = max(known)[2]
+      eqn_home[k] = max(known)[3]
     hk = eqn_home[k]
     if hk is not None:
       for o in e.outvars:

@@ -153,3 +153,30 @@ def test_fused_nnx_step_updates_the_module_in_place():
   assert abs(float(rl) - float(pl)) <= 1e-6
   assert max_diff(nnx.state(ref_model, nnx.Param), nnx.state(model, nnx.Param)) <= 1e-6
   assert int(opt.step[...]) == 3
+
+
+def test_updated_state_comes_back_where_the_next_step_reads_it():
+  """Each state leaf a step returns lives on the stage that reads it in the next step, so no
+  value moves between steps (across processes such a move would be a send and a receive)."""
+  from gpp_jax.experiments import zoo
+  from gpp_jax.runtime.capture_step import functionalize
+
+  run = zoo.setup("dlrm", "tiny")
+  batch = run.batches(8, 1)[0]
+  pp = gpp_jax.graph_pipeline(
+    run.train_step,
+    num_microbatches=2,
+    devices=jax.devices()[:4],
+    planner="balanced",
+    layer_depth=run.spec.layer_depth,
+  )
+  pp(run.model, run.optimizer, batch)
+  c = pp._last
+  assert c.plan.num_stages == 4
+  _, leaves = functionalize(pp.fn, (run.model, run.optimizer, batch))
+  moved = [
+    (i, x.shape, x.devices(), h)
+    for i, (x, h) in enumerate(zip(leaves, c.prog.invar_home))
+    if isinstance(x, jax.Array) and h >= 0 and x.devices() != {c.placements[h].devices[0]}
+  ]
+  assert not moved

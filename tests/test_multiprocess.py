@@ -171,3 +171,29 @@ def test_a_process_that_never_sets_up_fails_the_others_after_the_timeout():
   failed = [l for l in out.splitlines() if l.startswith("[0] FAILED: ")]
   assert len(failed) == 1, out[-3000:]
   assert "process 1 did not report its plan within 4 s" in failed[0], failed
+
+
+def test_train_program_runs_an_nnx_model_over_two_processes_for_several_steps():
+  """The state an update leaves on another process than the stage that reads it next step
+  (a (1,)-shaped bias whose update used to follow the global norm to stage 0) moves there."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run(
+    [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=2"]
+    + ["--platform=cpu", "--grace_s=5", "--", "--model=dlrm", "--num_devices=4"]
+    + ["--planner=balanced", "--nocalibrate", "--batch_size=8", "--num_microbatches=2"]
+    + [
+      "--steps=4",
+      "--log_every=1",
+      "--timeout_s=60",
+      f"--run_dir={os.environ.get('TMPDIR', '/tmp')}/gpp-mp-dlrm",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out[-3000:]
+  logged = [l for l in out.splitlines() if "train.py" in l and " step 4/4 loss" in l]
+  assert len(logged) == 2, out[-3000:]

@@ -118,16 +118,22 @@ def _check_flags() -> None:
     )
 
 
+_MULTIPROCESS = False  # set once jax.distributed is initialised
+
+
 def _setup_devices():
   """Multi-process set-up, or enough forced CPU devices for a single-process CPU run."""
   import jax
 
   from gpp_jax.runtime import processes as distributed
 
+  global _MULTIPROCESS
   if distributed.initialize_from_env():
+    _MULTIPROCESS = True
     return
   if FLAGS.distributed:
     distributed.initialize(transfer_address=FLAGS.transfer_address)
+    _MULTIPROCESS = True
     return
   # Only affects the CPU backend (and only before it starts): accelerators are unaffected.
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -177,6 +183,20 @@ def write_stage_graph(plan, layer_graph, path_dot):
 
 
 def main(argv: list[str]) -> None:
+  try:
+    _main(argv)
+  except Exception:
+    if _MULTIPROCESS:
+      # A process that fails must exit now: JAX's shutdown at interpreter exit waits for the
+      # other processes, which wait (up to --timeout_s) for this one's transfers.
+      logging.exception("this process failed; exiting without waiting for the others")
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(1)
+    raise
+
+
+def _main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
   _check_flags()

@@ -132,11 +132,10 @@ def place_input(x, sharding: jax.sharding.Sharding):
       return _across_processes(x, sharding)
     return _from_host(x, sharding)
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    raise GppError(
-      "a step argument lives on another process's device but is needed elsewhere; pass the "
-      "values a previous step returned back unchanged, and the same initial values on every "
-      "process"
-    )
+    # What a previous step returned, left where the step computed it (its update may run on
+    # another stage than the one that reads it): every process holds it or its placeholder
+    # alike, so moving it is a matched send and receive like any other cross-process edge.
+    return transfer(x, sharding)
   return jax.device_put(x, sharding) if _has_local(sharding) else _placeholder_for(x, sharding)
 
 
