@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from gpp_jax.errors import GppError, PlanError
+from gpp_jax.errors import PlanError
 
 # Packing a stage's parameters, residuals and gradient sums into one buffer per dtype saves the
 # host a dispatch per array but copies the arrays. An array is worth packing while its copy costs
