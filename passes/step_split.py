@@ -96,7 +96,7 @@ def split_step(
     # Largest first; among equals the one with more dimensions (a (1,)-shaped parameter's
     # update stays with the parameter rather than following a scalar such as a global norm).
     known = [
-      (aval_bytes(v.aval), len(v.aval.shape), -home[v], home[v])
+      (aval_bytes(v.aval), len(getattr(v.aval, "shape", ())), -home[v], home[v])
       for v in e.invars
       if isinstance(v, xc.Var) and v in home and home[v] != PIPE
     ]
