@@ -369,3 +369,22 @@ def test_train_program_resumes_from_its_checkpoint(tmp_path):
   assert proc.returncode != 0
   assert "--seed=0 (now 1)" in proc.stderr and "resume with the same flags" in proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+def test_readme_checkpoint_snippet(tmp_path, monkeypatch):
+  import re
+
+  with open(os.path.join(REPO, "README.md")) as f:
+    (snippet,) = [
+      s
+      for s in re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M)
+      if "checkpoint.save(" in s
+    ]
+  monkeypatch.chdir(tmp_path)
+  linen, (model, optimizer) = _linen_state(), _nnx_state()
+  ns = {"state": linen, "model": model, "optimizer": optimizer}
+  exec(snippet, ns)
+  assert _equal(ns["state"], linen) and ns["state"] is not linen
+  assert ns["nnx_state"]["model"] is model
+  assert checkpoint.all_steps("ckpt") == checkpoint.all_steps("nnx_ckpt") == [100]
+  assert checkpoint.extra("nnx_ckpt") == {"data_position": 100}
