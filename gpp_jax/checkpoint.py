@@ -149,6 +149,14 @@ def _nest(flat: dict[str, Any]) -> dict:
 
 
 def _manager(directory: str, *, keep: int | None = None, create: bool = True):
+  if jax.process_count() > 1:
+    # Orbax writes global arrays only (it refuses an array that one process holds whole), and a
+    # pipelined state's leaves each live on one process's devices.
+    raise CheckpointError(
+      "gpp_jax.checkpoint runs in a single process; in a multi-process run it is not "
+      "supported yet (each leaf of a pipelined state lives on one process's devices, which "
+      "orbax does not save)"
+    )
   options = ocp.CheckpointManagerOptions(
     max_to_keep=keep,
     enable_async_checkpointing=False,

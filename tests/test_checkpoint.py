@@ -86,12 +86,15 @@ def plain_linen_step(state, batch):
 
 @pytest.fixture(scope="module")
 def linen_pipelines():
-  """Plan A: three stages on devices 0-2. Plan B: two stages on devices 4-5."""
+  """Plan A: three stages on devices 0-3, the first over two devices (its state replicated on
+  both). Plan B: two stages on devices 4-5."""
   a = gpp_jax.graph_pipeline(
     linen_step,
     num_microbatches=4,
-    devices=jax.devices()[:3],
-    planner=gpp_jax.manual_plan({"Net/fc1": 0, "Net/fc2": 1, "Net/head": 2}),
+    devices=jax.devices()[:4],
+    planner=gpp_jax.manual_plan(
+      {"Net/fc1": 0, "Net/fc2": 1, "Net/head": 2}, devices={0: [0, 1], 1: [2], 2: [3]}
+    ),
   )
   b = gpp_jax.graph_pipeline(
     linen_step,
@@ -112,16 +115,24 @@ def _run(step, state, batches):
 def test_linen_saved_under_one_plan_resumes_under_another(tmp_path, linen_pipelines):
   plan_a, plan_b = linen_pipelines
   state, _ = _run(plan_a, _linen_state(), BATCHES[:3])
-  assert {d for leaf in jax.tree.leaves(state) for d in leaf.devices()} == set(jax.devices()[:3])
+  assert {d for leaf in jax.tree.leaves(state) for d in leaf.devices()} == set(jax.devices()[:4])
+  assert state.params["params"]["fc1"]["kernel"].devices() == set(jax.devices()[:2])
   checkpoint.save(str(tmp_path), state, step=3)
   uninterrupted, loss_u = _run(plan_b, state, BATCHES[3:])
 
   # Resume into a freshly initialised state (other values, on the default device).
   fresh = _linen_state(seed=1)
+  fresh_values = jax.tree.map(np.asarray, fresh)
   restored = checkpoint.restore(str(tmp_path), fresh)
   assert _equal(restored, state) and int(restored.step) == 3
-  assert not _equal(fresh.params, state.params)  # the state passed in is not changed
+  assert _equal(fresh, fresh_values)  # the state passed in is not changed
   resumed, loss_r = _run(plan_b, restored, BATCHES[3:])
+  # Restored into a pipelined run's state, each leaf lands where that state holds it (here
+  # fc1's on both devices of plan A's first stage).
+  again = checkpoint.restore(str(tmp_path), state)
+  assert _equal(again, state)
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(state)):
+    assert a.sharding == b.sharding
   # Saved and restored values are bit-identical, so the resumed run is the uninterrupted one.
   assert _equal(resumed, uninterrupted) and float(loss_r) == float(loss_u)
 
@@ -388,3 +399,14 @@ def test_readme_checkpoint_snippet(tmp_path, monkeypatch):
   assert ns["nnx_state"]["model"] is model
   assert checkpoint.all_steps("ckpt") == checkpoint.all_steps("nnx_ckpt") == [100]
   assert checkpoint.extra("nnx_ckpt") == {"data_position": 100}
+
+
+def test_several_processes_are_refused_with_a_message(tmp_path, monkeypatch):
+  checkpoint.save(str(tmp_path), {"w": jnp.zeros(2)}, step=1)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(gpp_jax.CheckpointError, match="multi-process run it is not supported yet"):
+    checkpoint.save(str(tmp_path), {"w": jnp.ones(2)}, step=2)
+  with pytest.raises(gpp_jax.CheckpointError, match="multi-process run it is not supported yet"):
+    checkpoint.restore(str(tmp_path), {"w": jnp.ones(2)})
+  monkeypatch.undo()
+  assert checkpoint.all_steps(str(tmp_path)) == [1]
