@@ -25,6 +25,7 @@ Multi-process: started by ``python -m gpp_jax.launch`` (GPP_* variables), or wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -211,15 +212,27 @@ def write_stage_graph(plan, layer_graph, path_dot):
       subprocess.run(["dot", f"-T{fmt}", path_dot, "-o", path_dot[:-3] + fmt], check=False)
 
 
+@contextlib.contextmanager
+def _orbax_quiet():
+  """Orbax logs some 50 INFO lines per save through absl; the program logs its own line."""
+  level = logging.get_verbosity()
+  logging.set_verbosity(min(level, logging.WARNING))  # absl: lower is quieter
+  try:
+    yield
+  finally:
+    logging.set_verbosity(level)
+
+
 def resume(directory: str, state: dict) -> int:
   """Restores the latest checkpoint of ``directory`` into ``state`` (in place) and returns its
   step, or 0 when there is none yet."""
   from gpp_jax import checkpoint
 
-  step = checkpoint.latest_step(directory)
+  with _orbax_quiet():
+    step = checkpoint.latest_step(directory)
+    saved = checkpoint.extra(directory, step).get("flags", {}) if step is not None else {}
   if step is None:
     return 0
-  saved = checkpoint.extra(directory, step).get("flags", {})
   differ = [
     f"--{k}={saved[k]!r} (now {getattr(FLAGS, k)!r})"
     for k in RESUME_FLAGS
@@ -231,23 +244,25 @@ def resume(directory: str, state: dict) -> int:
       + ", ".join(differ)
       + "; resume with the same flags, or use a new --checkpoint_dir"
     )
-  checkpoint.restore(directory, state, step=step)
+  with _orbax_quiet():
+    checkpoint.restore(directory, state, step=step)
   return step
 
 
 def save_checkpoint(directory: str, state: dict, step: int, num_batches: int) -> None:
   from gpp_jax import checkpoint
 
-  path = checkpoint.save(
-    directory,
-    state,
-    step=step,
-    keep=3,
-    extra={
-      "flags": {k: getattr(FLAGS, k) for k in RESUME_FLAGS},
-      "data_position": step % num_batches,  # the next step trains on data[step % num_batches]
-    },
-  )
+  with _orbax_quiet():
+    path = checkpoint.save(
+      directory,
+      state,
+      step=step,
+      keep=3,
+      extra={
+        "flags": {k: getattr(FLAGS, k) for k in RESUME_FLAGS},
+        "data_position": step % num_batches,  # the next step trains on data[step % num_batches]
+      },
+    )
   logging.info("saved checkpoint %s", path)
 
 
