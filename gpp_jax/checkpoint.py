@@ -94,14 +94,17 @@ class _Flat:
           self.leaves.append((_join(names + _names(sub)), v))
       else:
         self.leaves.append((_join(names), x))
-    seen: set[str] = set()
-    for name, _ in self.leaves:
-      if name in seen:
-        raise CheckpointError(
-          f"two leaves of the state are both named {name!r}; use dict keys without '/' so "
-          "that every leaf has its own name"
-        )
-      seen.add(name)
+    taken = {name for name, _ in self.leaves}
+    clash = len(taken) < len(self.leaves) or any(
+      "/".join(name.split("/")[:k]) in taken
+      for name in taken
+      for k in range(1, name.count("/") + 1)
+    )
+    if clash:
+      raise CheckpointError(
+        "the state's leaf names clash (a dict key holds '/', so two paths read alike); use "
+        "dict keys without '/'"
+      )
 
   def describe(self) -> dict[str, tuple[tuple[int, ...], str]]:
     out = {}
@@ -257,7 +260,10 @@ def _read_meta(m, directory: str, step: int | None) -> tuple[int, dict]:
     raise CheckpointError(
       f"{directory} has no checkpoint of step {step}; it has steps {sorted(steps)}"
     )
-  meta = m.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+  try:
+    meta = m.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+  except (KeyError, FileNotFoundError, ValueError):
+    meta = None  # another program's orbax checkpoint: it has no such item
   if not isinstance(meta, dict) or meta.get("format") != FORMAT:
     raise CheckpointError(
       f"{directory}/{step} is not a gpp_jax checkpoint (format {FORMAT}); write it with "

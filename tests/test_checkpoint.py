@@ -250,9 +250,19 @@ def test_missing_checkpoint_and_bad_save_arguments(tmp_path):
     checkpoint.save(str(tmp_path), {"w": jnp.ones(2)}, step=1)
   with pytest.raises(gpp_jax.CheckpointError, match="leaf 'name' of the state is a str"):
     checkpoint.save(str(tmp_path), {"w": jnp.ones(2), "name": "x"}, step=2)
+  with pytest.raises(gpp_jax.CheckpointError, match="leaf names clash"):
+    checkpoint.save(str(tmp_path), {"a": jnp.ones(2), "a/b": jnp.ones(2)}, step=2)
   with pytest.raises(gpp_jax.CheckpointError, match="extra must hold JSON values"):
     checkpoint.save(str(tmp_path), {"w": jnp.ones(2)}, step=2, extra={"f": object()})
   assert checkpoint.all_steps(str(tmp_path)) == [1]
+  # Another program's orbax checkpoint.
+  import orbax.checkpoint as ocp
+
+  options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+  with ocp.CheckpointManager(str(tmp_path / "other"), options=options) as m:
+    m.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": jnp.ones(2)})))
+  with pytest.raises(gpp_jax.CheckpointError, match="is not a gpp_jax checkpoint"):
+    checkpoint.restore(str(tmp_path / "other"), {"w": jnp.zeros(2)})
 
 
 def test_a_failed_save_leaves_the_earlier_checkpoints(tmp_path):
@@ -410,3 +420,24 @@ def test_several_processes_are_refused_with_a_message(tmp_path, monkeypatch):
     checkpoint.restore(str(tmp_path), {"w": jnp.ones(2)})
   monkeypatch.undo()
   assert checkpoint.all_steps(str(tmp_path)) == [1]
+
+
+class WithRngs(nnx.Module):
+  def __init__(self, rngs):
+    self.fc = nnx.Linear(2, 2, rngs=rngs)
+    self.rngs = rngs
+
+
+def test_nnx_rngs_counters_and_keys_are_restored_in_place(tmp_path):
+  model = WithRngs(nnx.Rngs(params=0, dropout=1))
+  for _ in range(3):
+    model.rngs.dropout()  # advances the dropout stream's counter
+  checkpoint.save(str(tmp_path), model, step=3)
+  fresh = WithRngs(nnx.Rngs(params=5, dropout=6))
+  assert checkpoint.restore(str(tmp_path), fresh) is fresh
+  assert int(fresh.rngs.dropout.count[...]) == 3
+  # The next draw is the one the saved model makes.
+  assert np.array_equal(
+    jax.random.key_data(fresh.rngs.dropout()), jax.random.key_data(model.rngs.dropout())
+  )
+  assert np.array_equal(fresh.fc.kernel[...], model.fc.kernel[...])
