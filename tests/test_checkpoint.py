@@ -441,3 +441,30 @@ def test_nnx_rngs_counters_and_keys_are_restored_in_place(tmp_path):
     jax.random.key_data(fresh.rngs.dropout()), jax.random.key_data(model.rngs.dropout())
   )
   assert np.array_equal(fresh.fc.kernel[...], model.fc.kernel[...])
+
+
+def test_restores_in_a_process_with_one_device(tmp_path):
+  # Saved here (8 devices): one leaf on device 5, one replicated and one sharded over 4-7.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  mesh = Mesh(np.array(jax.devices()[4:8]), ("data",))
+  state = {
+    "a": jax.device_put(jnp.arange(8.0), jax.devices()[5]),
+    "b": jax.device_put(jnp.arange(8.0) * 2, NamedSharding(mesh, PartitionSpec())),
+    "c": jax.device_put(jnp.arange(8.0) * 3, NamedSharding(mesh, PartitionSpec("data"))),
+  }
+  checkpoint.save(str(tmp_path), state, step=1)
+  script = (
+    "import json, jax, jax.numpy as jnp\n"
+    "from gpp_jax import checkpoint\n"
+    f"out = checkpoint.restore({str(tmp_path)!r}, {{k: jnp.zeros(8) for k in 'abc'}})\n"
+    "print(json.dumps([jax.device_count(), {k: v.tolist() for k, v in out.items()}]))\n"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  count, values = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert count == 1
+  assert values == {k: np.asarray(v).tolist() for k, v in state.items()}
