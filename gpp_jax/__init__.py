@@ -9,8 +9,15 @@ pipeline micro-batches through them::
     ...
 """
 
-from gpp_jax import distributed
-from gpp_jax.errors import BatchError, CaptureError, GppError, PlanError, ScheduleError
+from gpp_jax import checkpoint, distributed
+from gpp_jax.errors import (
+  BatchError,
+  CaptureError,
+  CheckpointError,
+  GppError,
+  PlanError,
+  ScheduleError,
+)
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.partition.manual import ManualPlan, manual_plan
@@ -21,6 +28,7 @@ __all__ = [
   "Action",
   "BatchError",
   "CaptureError",
+  "CheckpointError",
   "GppError",
   "GraphPipeline",
   "ManualPlan",
@@ -29,6 +37,7 @@ __all__ = [
   "Schedule",
   "ScheduleError",
   "Stage",
+  "checkpoint",
   "distributed",
   "graph_pipeline",
   "manual_plan",

@@ -19,3 +19,7 @@ class CaptureError(GppError, ValueError):
 
 class BatchError(GppError, ValueError):
   """A batch that does not split into micro-batches."""
+
+
+class CheckpointError(GppError, ValueError):
+  """A checkpoint that is missing or does not match the state it is restored into."""

@@ -14,12 +14,18 @@ Logs loss, throughput and progress while it runs and writes a run folder (``--ru
   metrics.jsonl              one JSON object per logged step
   summary.json               measured step time beside the predicted ones
 
+With ``--checkpoint_dir`` the model and optimizer state are saved every ``--checkpoint_every``
+steps and at the end (``gpp_jax.checkpoint``), and a run started with a folder that holds
+checkpoints resumes from the latest: the same step count, the same data position, values equal
+to an uninterrupted run's, under any plan and device count.
+
 Multi-process: started by ``python -m gpp_jax.launch`` (GPP_* variables), or with
 ``--distributed`` on a cluster where ``jax.distributed.initialize()`` finds its environment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -88,6 +94,29 @@ flags.DEFINE_string(
   "transfer_address", None, "host:port for cross-process transfers (with --distributed)"
 )
 flags.DEFINE_float("timeout_s", 300.0, "multi-process: fail a step that stalls this long")
+flags.DEFINE_string(
+  "checkpoint_dir",
+  None,
+  "save checkpoints here and resume from the latest one it holds (gpp_jax.checkpoint)",
+)
+flags.DEFINE_integer(
+  "checkpoint_every",
+  100,
+  "with --checkpoint_dir: save every N steps (and after the last); the newest 3 are kept",
+)
+
+# Flags a resumed run must share with the run that saved the checkpoint: they fix the model,
+# the optimizer and the data sequence.
+RESUME_FLAGS = (
+  "model",
+  "preset",
+  "dtype",
+  "seed",
+  "batch_size",
+  "num_batches",
+  "learning_rate",
+  "clip_norm",
+)
 
 
 def _check_flags() -> None:
@@ -108,7 +137,14 @@ def _check_flags() -> None:
     raise app.UsageError(f"--plan={FLAGS.plan!r}: no such file (a run folder's plan.json)")
   if FLAGS.schedule is not None:
     choose("schedule", FLAGS.schedule, GENERATORS)
-  for flag in ("num_devices", "num_microbatches", "batch_size", "steps", "log_every"):
+  for flag in (
+    "num_devices",
+    "num_microbatches",
+    "batch_size",
+    "steps",
+    "log_every",
+    "checkpoint_every",
+  ):
     if getattr(FLAGS, flag) is not None and getattr(FLAGS, flag) < 1:
       raise app.UsageError(f"--{flag} must be at least 1, got {getattr(FLAGS, flag)}")
   if FLAGS.batch_size % FLAGS.num_microbatches:
@@ -180,6 +216,60 @@ def write_stage_graph(plan, layer_graph, path_dot):
   if shutil.which("dot"):
     for fmt in ("svg", "png"):
       subprocess.run(["dot", f"-T{fmt}", path_dot, "-o", path_dot[:-3] + fmt], check=False)
+
+
+@contextlib.contextmanager
+def _orbax_quiet():
+  """Orbax logs some 50 INFO lines per save through absl; the program logs its own line."""
+  level = logging.get_verbosity()
+  logging.set_verbosity(min(level, logging.WARNING))  # absl: lower is quieter
+  try:
+    yield
+  finally:
+    logging.set_verbosity(level)
+
+
+def resume(directory: str, state: dict) -> int:
+  """Restores the latest checkpoint of ``directory`` into ``state`` (in place) and returns its
+  step, or 0 when there is none yet."""
+  from gpp_jax import checkpoint
+
+  with _orbax_quiet():
+    step = checkpoint.latest_step(directory)
+    saved = checkpoint.extra(directory, step).get("flags", {}) if step is not None else {}
+  if step is None:
+    return 0
+  differ = [
+    f"--{k}={saved[k]!r} (now {getattr(FLAGS, k)!r})"
+    for k in RESUME_FLAGS
+    if k in saved and saved[k] != getattr(FLAGS, k)
+  ]
+  if differ:
+    raise app.UsageError(
+      f"--checkpoint_dir={directory} holds step {step} of a run with "
+      + ", ".join(differ)
+      + "; resume with the same flags, or use a new --checkpoint_dir"
+    )
+  with _orbax_quiet():
+    checkpoint.restore(directory, state, step=step)
+  return step
+
+
+def save_checkpoint(directory: str, state: dict, step: int, num_batches: int) -> None:
+  from gpp_jax import checkpoint
+
+  with _orbax_quiet():
+    path = checkpoint.save(
+      directory,
+      state,
+      step=step,
+      keep=3,
+      extra={
+        "flags": {k: getattr(FLAGS, k) for k in RESUME_FLAGS},
+        "data_position": step % num_batches,  # the next step trains on data[step % num_batches]
+      },
+    )
+  logging.info("saved checkpoint %s", path)
 
 
 def main(argv: list[str]) -> None:
@@ -254,8 +344,27 @@ def _main(argv: list[str]) -> None:
   main_process = jax.process_index() == 0
   if main_process:
     os.makedirs(run_dir, exist_ok=True)
+  ckpt_state = {"model": model, "optimizer": optimizer}
+  start = 1  # the first step to run; data[(step - 1) % len(data)] is step's batch
+  if FLAGS.checkpoint_dir:
+    try:
+      start = resume(FLAGS.checkpoint_dir, ckpt_state) + 1
+    except gpp_jax.CheckpointError as e:
+      raise app.UsageError(f"--checkpoint_dir={FLAGS.checkpoint_dir}: {e}") from None
+    if start > 1:
+      logging.info("resumed from %s at step %d", FLAGS.checkpoint_dir, start - 1)
+    if start > FLAGS.steps:
+      logging.info(
+        "the checkpoint is at step %d, --steps=%d: nothing to do", start - 1, FLAGS.steps
+      )
+      return
+
+  def after_step(step: int) -> None:
+    if FLAGS.checkpoint_dir and (step % FLAGS.checkpoint_every == 0 or step == FLAGS.steps):
+      save_checkpoint(FLAGS.checkpoint_dir, ckpt_state, step, len(data))
+
   t_start = time.perf_counter()
-  loss = pp(model, optimizer, data[0])
+  loss = pp(model, optimizer, data[(start - 1) % len(data)])
   jax.block_until_ready(loss)
   logging.info("compiled and ran the first step in %.1f s", time.perf_counter() - t_start)
   if main_process:
@@ -270,14 +379,15 @@ def _main(argv: list[str]) -> None:
       with open(os.path.join(run_dir, "calibration.json"), "w") as f:
         f.write(pp.calibration.to_json() + "\n")
     write_stage_graph(pp.plan, pp.layer_graph, os.path.join(run_dir, "stage_graph.dot"))
+  after_step(start)
   # Open for the whole run (closed after the last step); lines are flushed as they are written.
   metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w") if main_process else None  # noqa: SIM115
   t_log, samples = time.perf_counter(), 0
   step_ms: list[float] = []
   dispatch: tuple | None = None
-  for step in range(2, FLAGS.steps + 1):  # step 1 (compilation) ran above
+  for step in range(start + 1, FLAGS.steps + 1):  # step ``start`` (compilation) ran above
     last = step == FLAGS.steps
-    if last and step > 2 and jax.process_count() == 1:
+    if last and step > start + 1 and jax.process_count() == 1:
       pp.measure = True  # the last step records a measured per-action timeline
     t_step = time.perf_counter()
     loss = pp(model, optimizer, data[(step - 1) % len(data)])
@@ -307,6 +417,7 @@ def _main(argv: list[str]) -> None:
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
       t_log, samples = time.perf_counter(), 0
+    after_step(step)
   if main_process:
     assert metrics is not None
     metrics.close()
