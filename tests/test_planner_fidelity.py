@@ -1,6 +1,7 @@
 """The baselines as published, GraphPipe above every plan it is given, Piper's pruned pair loop,
-and the paper's DLRM shape."""
+the paper's DLRM shape and the shared-NIC simulation."""
 
+import itertools
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ from test_planners import check_plan
 
 from gpp_jax.cost.cluster import Link, cpu_cluster, v100_cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, layer_costs
+from gpp_jax.cost.simulator import nic_channels, simulate
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.experiments.planner_runs import build_graph, resolve_planner, run_planner
 from gpp_jax.passes.partition import PLANNERS
@@ -19,7 +21,11 @@ from gpp_jax.passes.partition.piper import (
   _Pricing,
   piper_plan,
 )
-from gpp_jax.passes.partition.plan_assembly import data_parallel_degrees, microbatch_sizes
+from gpp_jax.passes.partition.plan_assembly import (
+  assemble_plan,
+  data_parallel_degrees,
+  microbatch_sizes,
+)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 
 CLUSTER = cpu_cluster(4).replace(intra_link=Link(20e-6, 2e9))
@@ -126,3 +132,32 @@ def test_paper_dlrm_concatenates_its_bags():
   assert g.nodes["sparse0.emb"]["act_bytes"] == 4 * 6400
   pooled = mg.dlrm(batch_size=1)
   assert pooled.nodes["interaction"]["act_bytes"] == 4 * (14 * 64 + 14 * 13 // 2)
+
+
+def test_shared_nic_queues_the_transfers_into_a_node():
+  g = mg.candle_uno(batch_size=32, branches=2, layers=1, hidden=4096, top_layers=1)
+  cluster = v100_cluster(12)  # three nodes of four
+  rest = ["concat", "top.fc0", "top.out", "loss"]
+  plan = assemble_plan(
+    g,
+    cluster,
+    [(["tower0.fc0"], 4), (["tower1.fc0"], 4), (rest, 4)],
+    microbatch=8,
+    batch_size=32,
+    planner="manual",
+    keep_order=True,
+  )
+  assert {len({cluster.node_of(d) for d in s.devices}) for s in plan.stages} == {1}
+  chans = nic_channels(plan, cluster)
+  assert chans[("activation", 0, 2)] == chans[("activation", 1, 2)] == ("nic-in", 2)
+  assert chans[("cotangent", 2, 0)] == ("nic-in", 0)
+  own = simulate(plan, g, cluster)
+  shared = simulate(plan, g, cluster, shared_nic=True)
+  assert shared.iteration_time > own.iteration_time
+  assert own.iteration_time == pytest.approx(plan.predicted["iteration_time"])
+  into_2 = sorted(
+    (t.start, t.end) for t in shared.transfers if t.kind == "activation" and t.dst == 2
+  )
+  assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(into_2)), "one at a time"
+  overlap = sorted((t.start, t.end) for t in own.transfers if t.kind == "activation" and t.dst == 2)
+  assert any(a[1] > b[0] + 1e-12 for a, b in itertools.pairwise(overlap)), "per-pair links overlap"
