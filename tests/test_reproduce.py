@@ -58,7 +58,6 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
       "--preset=tiny",
       "--cluster=v100",
       "--num_devices=4",
-      "--shape=layers=4",
       "--planner=graphpipe,piper,pipedream",
       f"--json={out}",
     ],
@@ -81,8 +80,8 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
   assert "[1/3]" not in proc.stdout
   rows = _summary(proc.stdout)
   assert list(rows) == ["graphpipe", "piper", "pipedream"]
-  # Tiny CANDLE-Uno keeps 7 towers; at 4 layers each they have more downsets than Piper's
-  # limit (40,000), and it says so.
+  # Tiny CANDLE-Uno keeps 7 towers of 4 layers: more downsets than Piper's limit (40,000), and
+  # it says so.
   assert "FAILED" in rows["piper"] and "downset" in rows["piper"]
   for name in ("graphpipe", "pipedream"):
     cells = rows[name].split()
@@ -93,7 +92,7 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
   by = {r["planner"]: r for r in report["results"]}
   assert "error" in by["piper"] and "plan" not in by["piper"]
   plan = Plan.from_dict(by["graphpipe"]["plan"])
-  graph = build_graph("candle_uno", "tiny", report["batch_size"], layers=4)
+  graph = build_graph("candle_uno", "tiny", report["batch_size"])
   validate_plan(plan, graph, 4)
   assert plan.predicted["throughput"] == pytest.approx(by["graphpipe"]["throughput"])
 
