@@ -1,5 +1,5 @@
 """The baselines as published, GraphPipe above every plan it is given, Piper's pruned pair loop,
-the paper's DLRM shape and the shared-NIC simulation."""
+the paper's DLRM shape, the shared-NIC simulation and the MILP lower bound."""
 
 import itertools
 import math
@@ -14,6 +14,7 @@ from gpp_jax.cost.simulator import nic_channels, simulate
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.experiments.planner_runs import build_graph, resolve_planner, run_planner
 from gpp_jax.passes.partition import PLANNERS
+from gpp_jax.passes.partition.lower_bound import iteration_lower_bound
 from gpp_jax.passes.partition.pipedream import chain_dp
 from gpp_jax.passes.partition.piper import (
   DownsetPairs,
@@ -161,3 +162,20 @@ def test_shared_nic_queues_the_transfers_into_a_node():
   assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(into_2)), "one at a time"
   overlap = sorted((t.start, t.end) for t in own.transfers if t.kind == "activation" and t.dst == 2)
   assert any(a[1] > b[0] + 1e-12 for a, b in itertools.pairwise(overlap)), "per-pair links overlap"
+
+
+def test_milp_lower_bound_is_below_every_plan():
+  cluster = cpu_cluster(4).replace(intra_link=Link(20e-6, 2e9))
+  for g in (mg.random_sp_dag(1, num_layers=6, batch_size=64), mg.random_dag(2, num_layers=5)):
+    B = g.graph["batch_size"]
+    lb = iteration_lower_bound(g, cluster, B)
+    assert lb.optimal and lb.seconds > 0
+    opt = PLANNERS["exhaustive"](g, cluster, B).predicted["iteration_time"]
+    assert lb.seconds <= opt * (1 + 1e-9)
+    assert opt <= 1.2 * lb.seconds  # not vacuous on these graphs
+  # Identical branches: their layers are one class each, and the bound stays below GraphPipe.
+  g = mg.random_branches(0, branches=3, max_branch_layers=3, identical=True, batch_size=64)
+  lb = iteration_lower_bound(g, v100_cluster(8), 64)
+  assert lb.classes < lb.layers
+  gp = PLANNERS["graphpipe"](g, v100_cluster(8), 64, polish_plans=False, chain_plans=False)
+  assert lb.seconds <= gp.predicted["iteration_time"] * (1 + 1e-9)

@@ -131,6 +131,7 @@ def graphpipe_plan(
   serialise: bool = True,
   chain_plans: bool = True,
   seed_plans: Sequence[Plan] = (),
+  polish_plans: bool = True,
 ) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 
@@ -166,6 +167,8 @@ def graphpipe_plan(
     seed_plans: finished plans of other planners for the same graph, cluster and batch (for
       instance the polished sequential baselines); they join the candidates after the polish,
       so the plan returned is at least as fast as each of them.
+    polish_plans: run the polish (False: the fastest simulated candidate as it is, to measure
+      what the search alone finds).
   """
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
@@ -321,17 +324,20 @@ def graphpipe_plan(
   # Phase 4: the DP's objective is a proxy; polish the best plans by local search on the
   # simulated time (device counts, layer moves, splits and merges, per micro-batch size).
   t1 = time.perf_counter()
-  best = polish(
-    evaluated,
-    layer_graph,
-    cluster,
-    cost_model=cm,
-    costs=costs,
-    refine_sizes=refine_sizes,
-    refine_within=refine_within,
-    max_evals=refine_evals,
-    microbatch_sizes=sizes,
-  )
+  if not polish_plans:
+    best = min(evaluated, key=lambda p: p.predicted["iteration_time"])
+  else:
+    best = polish(
+      evaluated,
+      layer_graph,
+      cluster,
+      cost_model=cm,
+      costs=costs,
+      refine_sizes=refine_sizes,
+      refine_within=refine_within,
+      max_evals=refine_evals,
+      microbatch_sizes=sizes,
+    )
   t_polish = time.perf_counter() - t1
   # Phase 5: the polished sequential plans are stage DAGs too; GraphPipe is never below them.
   t1 = time.perf_counter()
