@@ -55,9 +55,26 @@ class SearchStats:
 class TPSSearch:
   """Runs the DP for one micro-batch context and counts the runs."""
 
-  def __init__(self, ctx: MicrobatchContext, root: SPTreeNode, eps: float, serialise: bool):
+  def __init__(
+    self,
+    ctx: MicrobatchContext,
+    root: SPTreeNode,
+    eps: float,
+    serialise: bool,
+    tighten: bool = True,
+  ):
     self.ctx, self.root, self.eps, self.runs = ctx, root, eps, 0
-    self.serialise = serialise
+    self.serialise, self.tighten = serialise, tighten
+
+  def achieved(self, s: DPSearch, t: float) -> float:
+    """The largest stage TPS of the strategy a feasible run at target t found (read off the
+    DP value's fraction, 0.5 * bottleneck / target), or t. The same strategy is feasible at
+    that TPS with the same depth, so a bisection may lower its upper end to it."""
+    if not self.tighten:
+      return t
+    v = s.R(self.root, self.ctx.K, 0)
+    frac = v - int(v)
+    return min(t, 2 * frac * s.t * (1 + 1e-9)) if frac > 0 else t
 
   def run(self, t: float) -> tuple[DPSearch, int]:
     """DP at target t: the search and the entry depth it reaches (INF if infeasible)."""
@@ -68,11 +85,12 @@ class TPSSearch:
 
   def bisect(self, lo_t: float, hi_t: float, s_hi: DPSearch, target: int):
     """Smallest TPS in (lo_t, hi_t] (to ``eps``) whose DP reaches entry depth <= target."""
+    hi_t = max(self.achieved(s_hi, hi_t), lo_t)
     while hi_t - lo_t > self.eps * hi_t:
       mid = (lo_t + hi_t) / 2
       s, v = self.run(mid)
       if v <= target:
-        hi_t, s_hi = mid, s
+        hi_t, s_hi = max(self.achieved(s, mid), lo_t), s
       else:
         lo_t = mid
     return hi_t, s_hi
@@ -132,6 +150,7 @@ def graphpipe_plan(
   chain_plans: bool = True,
   seed_plans: Sequence[Plan] = (),
   polish_plans: bool = True,
+  tighten_bisection: bool = True,
 ) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 
@@ -169,6 +188,8 @@ def graphpipe_plan(
       so the plan returned is at least as fast as each of them.
     polish_plans: run the polish (False: the fastest simulated candidate as it is, to measure
       what the search alone finds).
+    tighten_bisection: after a feasible DP run, lower the bisection's upper end to the
+      bottleneck of the strategy it found (fewer DP runs; False: plain bisection).
   """
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
@@ -247,7 +268,7 @@ def graphpipe_plan(
       lo = sum(min(d * tsum[d][l] for d in dps) for l in range(len(costs))) / (ctx.K * b)
       if best is not None and B * lo > prune * best.predicted["iteration_time"]:
         continue
-      runner = TPSSearch(ctx, root, eps, serialise)
+      runner = TPSSearch(ctx, root, eps, serialise, tighten_bisection)
       got = runner.min_tps(max(lo, 1e-15))
       if got is not None:
         t_star, s_star = got
@@ -282,7 +303,7 @@ def graphpipe_plan(
         if len(sizes_done) > 2:
           break
         ctx = context(b, [1])
-        runner = TPSSearch(ctx, root, eps, serialise)
+        runner = TPSSearch(ctx, root, eps, serialise, tighten_bisection)
         lo = float(ctx.tsum[1].sum()) / (ctx.K * b)
         got = runner.min_tps(max(lo, 1e-15))
         if got is not None:
