@@ -76,11 +76,12 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
     for i, name in enumerate(("graphpipe", "piper", "pipedream"), 1)
     for _ in "ab"
   ]
-  assert "failed: piper: more than" in progress[3] and "elapsed" in progress[3]
+  assert "failed: piper: candle_uno7 has more than" in progress[3] and "elapsed" in progress[3]
   assert "[1/3]" not in proc.stdout
   rows = _summary(proc.stdout)
   assert list(rows) == ["graphpipe", "piper", "pipedream"]
-  # Tiny CANDLE-Uno keeps 7 towers: Piper's downset pairs pass its limit, and it says so.
+  # Tiny CANDLE-Uno keeps 7 towers of 4 layers: more downsets than Piper's limit (40,000), and
+  # it says so.
   assert "FAILED" in rows["piper"] and "downset" in rows["piper"]
   for name in ("graphpipe", "pipedream"):
     cells = rows[name].split()

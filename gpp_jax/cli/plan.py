@@ -1,7 +1,11 @@
 """Planning from the command line: several planners' plans for one model and cluster, side by side.
 
   python -m gpp_jax.plan --model=dlrm --preset=paper --cluster=v100 --num_devices=32 \\
-      --planner=graphpipe,pipedream,piper,bapipe,luo
+      --planner=graphpipe,pipedream-published,pipedream,piper-published,piper,bapipe,luo
+
+``pipedream-published`` and ``piper-published`` are PipeDream and Piper as published (their own
+objective, the smallest bottleneck, with no simulation ranking and no polish); ``pipedream``
+and ``piper`` are the polished baselines (simulation-ranked, then ``refine.polish``).
 
 Prints each planner's Plan table, then one summary row per planner: stages, depth, micro-batch,
 predicted iteration time, throughput, peak memory per device and search time. Nothing is run:
@@ -37,16 +41,26 @@ from gpp_jax.cost.cluster import Cluster, make_cluster
 from gpp_jax.experiments import model_graphs
 from gpp_jax.experiments.planner_runs import (
   MODEL_LABELS,
+  PLANNER_VARIANTS,
   build_graph,
   default_batch_size,
+  resolve_planner,
   run_planner,
   short_error,
 )
 from gpp_jax.ir.plan import Plan
-from gpp_jax.passes.partition import PLANNERS, get_planner
+from gpp_jax.passes.partition import PLANNERS
 
 FLAGS = flags.FLAGS
-DEFAULT_PLANNERS = ("graphpipe", "pipedream", "piper", "bapipe", "luo")
+DEFAULT_PLANNERS = (
+  "graphpipe",
+  "pipedream-published",
+  "pipedream",
+  "piper-published",
+  "piper",
+  "bapipe",
+  "luo",
+)
 
 
 def define_flags() -> None:
@@ -60,7 +74,8 @@ def define_flags() -> None:
   flags.DEFINE_list(
     "planner",
     list(DEFAULT_PLANNERS),
-    f"planners to run, in this order (any of {', '.join(sorted(PLANNERS))})",
+    "planners to run, in this order (any of "
+    f"{', '.join(sorted(PLANNERS) + sorted(PLANNER_VARIANTS))})",
   )
   flags.DEFINE_integer(
     "batch_size", None, "mini-batch size (default: per-model samples per device x num_devices)"
@@ -107,7 +122,7 @@ def prepare(
   if not planners:
     raise ValueError(f"no planner given; name one or more of {sorted(PLANNERS)}")
   for name in planners:
-    get_planner(name)  # an unknown name fails before anything runs
+    resolve_planner(name)  # an unknown name fails before anything runs
   if num_devices < 1:
     raise ValueError(f"--num_devices must be at least 1, got {num_devices}")
   if batch_size is not None and batch_size < 1:
@@ -200,7 +215,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     lines.append("")
   best = max((r["throughput"] for r in rows if r.get("throughput")), default=None)
   header = (
-    f"{'planner':10s} {'stages':>6s} {'depth':>5s} {'mb':>5s} {'M':>4s} "
+    f"{'planner':19s} {'stages':>6s} {'depth':>5s} {'mb':>5s} {'M':>4s} "
     f"{'iter ms':>10s} {'samples/s':>11s} {'peak GiB':>8s} {'fits':>4s} "
     f"{'search s':>8s} {'vs best':>7s}"
   )
@@ -211,10 +226,10 @@ def format_report(report: Mapping[str, Any]) -> str:
   ]
   for r in rows:
     if "error" in r:
-      lines.append(f"{r['planner']:10s} FAILED after {r['seconds']:.2f} s: {short_error(r)}")
+      lines.append(f"{r['planner']:19s} FAILED after {r['seconds']:.2f} s: {short_error(r)}")
       continue
     lines.append(
-      f"{r['planner']:10s} {r['stages']:6d} {r['depth']:5d} {r['microbatch']:5d} "
+      f"{r['planner']:19s} {r['stages']:6d} {r['depth']:5d} {r['microbatch']:5d} "
       f"{r['num_microbatches']:4d} {r['iteration_time'] * 1e3:10.3f} {r['throughput']:11.1f} "
       f"{r['max_memory'] / 2**30:8.2f} {'yes' if r['memory_ok'] else 'NO':>4s} "
       f"{r['seconds']:8.2f} {r['throughput'] / best:7.3f}"

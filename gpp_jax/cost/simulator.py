@@ -180,6 +180,7 @@ def simulate_times(
   stage_devices: Sequence[Sequence[int]] | None = None,
   host_dispatch: float | None = None,
   cores: int | None = None,
+  channels: Mapping[tuple[str, int, int], Any] | None = None,
 ) -> SimResult:
   """Schedule + explicit times -> SimResult.
 
@@ -199,6 +200,9 @@ def simulate_times(
     cores: the host has this many cores, shared by the computing actions (forced CPU
       devices share them) and by the issuing thread while it issues an action; None for
       independent devices.
+    channels: maps a transfer (kind, src, dst) to the channel it queues on; transfers
+      mapped to the same key share it one after another (a node's network interface).
+      Unmapped transfers (the default for all) each have their own channel.
   """
   S, M = schedule.num_stages, schedule.num_microbatches
   g = schedule.stage_graph()
@@ -216,16 +220,19 @@ def simulate_times(
 
   end: dict[tuple[str, int, int], float] = {}
   arrive: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, m) -> arrival time
-  chan_free: dict[tuple[str, int, int], float] = defaultdict(float)
+  chan_free: dict[Any, float] = defaultdict(float)
   lane_free = [0.0] * S
   pos = [0] * S
   actions: list[ActionTime] = []
   transfers: list[TransferTime] = []
   total = sum(len(l) for l in schedule.lanes)
 
+  chan_of = dict(channels or {})
+
   def send(kind: str, src: int, dst: int, m: int, t0: float, dur: float):
-    start = max(t0, chan_free[(kind, src, dst)])
-    chan_free[(kind, src, dst)] = start + dur
+    chan = chan_of.get((kind, src, dst), (kind, src, dst))
+    start = max(t0, chan_free[chan])
+    chan_free[chan] = start + dur
     arrive[(kind, src, dst, m)] = start + dur
     transfers.append(TransferTime(kind, src, dst, m, start, start + dur))
 
@@ -342,10 +349,14 @@ def simulate(
   schedule: Schedule | None = None,
   cost_model: CostModel | None = None,
   costs: LayerCosts | None = None,
+  shared_nic: bool = False,
 ) -> SimResult:
   """Plan + LayerGraph + Cluster -> SimResult, with times and memory from the cost model.
 
-  ``schedule`` defaults to the plan's named schedule generator over its stage graph.
+  ``schedule`` defaults to the plan's named schedule generator over its stage graph. By
+  default every stage pair has a link of its own; ``shared_nic=True`` makes the transfers
+  that cross nodes into one node (by the receiving stage's first device) queue on that node's
+  one inbound interface (``nic_channels``).
   """
   if schedule is None:
     from gpp_jax.passes.schedules import make_schedule
@@ -367,7 +378,22 @@ def simulate(
     static_memory=pc.static_memory,
     activation_memory=pc.activation_memory,
     stage_devices=[s.devices for s in plan.stages],
+    channels=nic_channels(plan, cluster) if shared_nic else None,
   )
+
+
+def nic_channels(plan, cluster: Cluster) -> dict[tuple[str, int, int], Any]:
+  """Transfers between stages on different nodes -> the inbound interface of the receiving
+  stage's node (its first device's), for ``simulate_times(channels=...)``."""
+  out: dict[tuple[str, int, int], Any] = {}
+  node = [cluster.node_of(s.devices[0]) if s.devices else 0 for s in plan.stages]
+  for i, j in plan.edges:
+    devs_i, devs_j = plan.stages[i].devices, plan.stages[j].devices
+    if cluster.link_between(devs_i, devs_j) is cluster.intra_link:
+      continue
+    out[("activation", i, j)] = ("nic-in", node[j])
+    out[("cotangent", j, i)] = ("nic-in", node[i])
+  return out
 
 
 def chrome_trace(result: SimResult) -> dict[str, Any]:

@@ -12,7 +12,10 @@ Paper presets (GraphPipe, App. A.2):
                 embedding size as in DLRM's bottom MLP) + 7 embedding-bag branches
                 (dimension 64, bag 100, 1M rows); the interaction concatenates the 14 vectors
                 and their pairwise dot products; then a top MLP of 4 layers at 4096 and a
-                1-unit output.
+                1-unit output. ``dlrm(concat_bags=True, dense_out=4096)`` is DLRM as the
+                GraphPipe paper describes it: each bag's 100 embeddings are concatenated (6400
+                wide), the dense branches end at 4096, and the interaction concatenates them
+                (73,472 wide); the planners' "paper" preset uses this form.
   candle_uno(): 7 branches x 4 feed-forward layers (4096), concatenation, 4 top layers at 4096
                 and a 1-unit output; ``branches`` is configurable (the paper sweeps 2-16).
   gpt():        a chain: embedding, n Transformer layers, LM head.
@@ -129,21 +132,28 @@ def dlrm(
   bag_size: int = 100,
   rows: int = 1_000_000,
   top_layers: int = 4,
+  concat_bags: bool = False,
+  dense_out: int = 0,
 ) -> nx.DiGraph:
   """DLRM with dense feed-forward branches and embedding-bag branches.
 
   Each dense branch has ``dense_layers`` layers at ``hidden`` whose last one projects to
-  ``embedding_dim`` (DLRM's bottom MLP ends at the embedding size). The interaction
-  concatenates the branch outputs with their pairwise dot products; the top MLP has
-  ``top_layers`` layers at ``hidden`` and a 1-unit output.
+  ``dense_out`` (0: ``embedding_dim``, DLRM's bottom MLP ending at the embedding size). An
+  embedding bag pools its ``bag_size`` vectors to one (``concat_bags=False``) or concatenates
+  them (``bag_size * embedding_dim`` wide). With pooled bags and ``dense_out`` at the embedding
+  size the interaction concatenates the branch outputs with their pairwise dot products;
+  otherwise it concatenates the branch outputs. The top MLP has ``top_layers`` layers at
+  ``hidden`` and a 1-unit output.
   """
   B = batch_size
+  d_dense = dense_out or embedding_dim
+  bag_width = bag_size * embedding_dim if concat_bags else embedding_dim
   g = new_layer_graph(f"dlrm{dense_branches}+{sparse_branches}", B)
   tails = []
   for br in range(dense_branches):
     prev = None
     for l in range(dense_layers):
-      d_out = embedding_dim if l == dense_layers - 1 else hidden
+      d_out = d_dense if l == dense_layers - 1 else hidden
       prev = _dense(g, f"dense{br}.fc{l}", hidden, d_out, B, [prev] if prev else [])
     assert prev is not None  # dense_layers >= 1
     tails.append(prev)
@@ -154,24 +164,36 @@ def dlrm(
       g,
       name,
       flops=float(bag_size * embedding_dim * B),
-      bytes=F32 * (bag_size * embedding_dim + embedding_dim) * B,
+      bytes=F32 * (bag_size * embedding_dim + bag_width) * B,
       param_bytes=params,
       param_read_bytes=0.0,
-      act_bytes=F32 * embedding_dim * B,
+      act_bytes=F32 * bag_width * B,
       saved_bytes=F32 * bag_size * B,
     )
     tails.append(name)
   n = len(tails)
-  width = n * embedding_dim + n * (n - 1) // 2
-  add_layer(
-    g,
-    "interaction",
-    flops=float(n * n * embedding_dim * B),
-    bytes=F32 * (n * embedding_dim + width) * B,
-    param_bytes=0.0,
-    act_bytes=F32 * width * B,
-    saved_bytes=F32 * n * embedding_dim * B,
-  )
+  if not concat_bags and d_dense == embedding_dim:
+    width = n * embedding_dim + n * (n - 1) // 2
+    add_layer(
+      g,
+      "interaction",
+      flops=float(n * n * embedding_dim * B),
+      bytes=F32 * (n * embedding_dim + width) * B,
+      param_bytes=0.0,
+      act_bytes=F32 * width * B,
+      saved_bytes=F32 * n * embedding_dim * B,
+    )
+  else:
+    width = dense_branches * d_dense + sparse_branches * bag_width
+    add_layer(
+      g,
+      "interaction",
+      flops=float(width * B),
+      bytes=F32 * 2 * width * B,
+      param_bytes=0.0,
+      act_bytes=F32 * width * B,
+      saved_bytes=0.0,
+    )
   for src in tails:
     add_edge(g, src, "interaction", g.nodes[src]["act_bytes"])
   prev = "interaction"

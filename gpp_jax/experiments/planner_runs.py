@@ -7,7 +7,8 @@ the cluster presets by name, and ``run_planner``, which runs one planner and tur
 (or its PlanError) into a flat, JSON-friendly row.
 
 Presets:
-  paper  the GraphPipe paper's shapes (``gpp_jax.experiments.model_graphs`` defaults).
+  paper  the GraphPipe paper's shapes (``gpp_jax.experiments.model_graphs`` defaults, and for
+         DLRM the paper's concatenated bags and 4096-wide dense outputs: ``PAPER_SHAPES``).
   tiny   the same topologies at small widths, so every planner answers in well under a second.
 
 Mini-batch: the paper sizes mini-batches "close to the memory limit" (its table is lost), so the
@@ -43,10 +44,15 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
     rows=10_000,
     top_layers=2,
   ),
-  "candle_uno": dict(branches=7, layers=2, hidden=256, top_layers=2),
+  # 4 layers per tower, as the paper's: 5^7 downsets, past Piper's limit as at the paper's shape.
+  "candle_uno": dict(branches=7, layers=4, hidden=256, top_layers=2),
   "gpt": dict(layers=4, seq=64, hidden=128, heads=4, vocab=1000),
   "chain": dict(layers=6, hidden=256),
 }
+# Where the paper's shapes differ from the model_graphs defaults: DLRM as the paper describes
+# it (each bag's embeddings concatenated, dense branches ending at 4096; interaction input
+# 7 x 6400 + 7 x 4096 = 73,472 wide). ``model_graphs.dlrm()`` keeps the pooled form.
+PAPER_SHAPES: dict[str, dict[str, Any]] = {"dlrm": dict(concat_bags=True, dense_out=4096)}
 PRESETS = ("paper", "tiny")
 MODEL_LABELS = {
   "mmt": "MMT",
@@ -55,6 +61,27 @@ MODEL_LABELS = {
   "gpt": "GPT",
   "chain": "chain",
 }
+
+
+# Planner names that stand for a planner with options: the sequential baselines as published
+# (their own objective, no simulation ranking, no polish) beside their polished default.
+PLANNER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+  "pipedream-published": ("pipedream", {"selection": "published"}),
+  "piper-published": ("piper", {"selection": "published"}),
+}
+
+
+def resolve_planner(name: str) -> tuple[str, dict[str, Any]]:
+  """A planner name or variant -> (registered planner, options); ValueError for an unknown
+  name, listing the choices."""
+  if name in PLANNER_VARIANTS:
+    base, options = PLANNER_VARIANTS[name]
+    return base, dict(options)
+  if name in PLANNERS:
+    return name, {}
+  raise ValueError(
+    f"unknown planner {name!r}; choose one of {sorted(PLANNERS) + sorted(PLANNER_VARIANTS)}"
+  )
 
 
 def default_batch_size(model: str, num_devices: int) -> int:
@@ -66,7 +93,7 @@ def build_graph(model: str, preset: str = "paper", batch_size: int = 128, **shap
   """A synthetic LayerGraph of ``model`` at ``preset`` shapes (``shape`` overrides any)."""
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
-  base = dict(TINY_SHAPES.get(model, {})) if preset == "tiny" else {}
+  base = dict(TINY_SHAPES.get(model, {}) if preset == "tiny" else PAPER_SHAPES.get(model, {}))
   base.update(shape)
   return model_graphs.model_graph(model, batch_size=batch_size, **base)
 
@@ -81,7 +108,8 @@ def run_planner(
   keep_plan: bool = False,
   **options,
 ) -> dict[str, Any]:
-  """Runs planner ``name`` and returns one row.
+  """Runs planner ``name`` (a registered planner or a ``PLANNER_VARIANTS`` name, which is the
+  row's ``planner``) and returns one row.
 
   A plan gives ``throughput`` (samples/s), ``iteration_time`` (s), ``stages``, ``depth``,
   ``microbatch``, ``num_microbatches``, ``max_memory`` (bytes per device), ``memory_ok``,
@@ -90,9 +118,12 @@ def run_planner(
   rejects) gives ``error`` (its message) and ``seconds`` instead, so one failing planner does
   not stop a comparison.
   """
+  base, fixed = resolve_planner(name)
   t0 = time.perf_counter()
   try:
-    plan = PLANNERS[name](graph, cluster, batch_size, num_microbatches=num_microbatches, **options)
+    plan = PLANNERS[base](
+      graph, cluster, batch_size, num_microbatches=num_microbatches, **{**fixed, **options}
+    )
   except (PlanError, ValueError) as e:
     return {"planner": name, "error": str(e), "seconds": time.perf_counter() - t0}
   seconds = time.perf_counter() - t0

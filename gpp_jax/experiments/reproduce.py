@@ -112,7 +112,13 @@ def reproduce(
   for name, rows in tables.items():
     write_csv(rows, columns[name], os.path.join(out_dir, f"{name}.csv"))
   files = write_plots(tables, out_dir) if plots else []
-  md = results_markdown(tables, sweep, files, command, time.perf_counter() - t0)
+  # Section (f) comes from benchmarks/planners.py (--markdown=<out_dir>/planner_fidelity.md).
+  extra = ""
+  fidelity = os.path.join(out_dir, "planner_fidelity.md")
+  if os.path.exists(fidelity):
+    with open(fidelity) as f:
+      extra = f.read()
+  md = results_markdown(tables, sweep, files, command, time.perf_counter() - t0, extra=extra)
   with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write(md)
   _log(

@@ -11,13 +11,21 @@ priced (synchronous 1F1B: the stage holds one micro-batch per stage from it to t
   A[i, m, s] = min over j > i, d | b, d <= m with memory(i..j-1, d, min(s, M)) <= capacity of
                max(TPS(i..j-1, d), A[j, m - d, s - 1])
 A[0, K, s] is the best bottleneck with s stages. Devices may stay idle (A is made
-non-increasing in m); idle devices are then handed out by ``refine.polish``. TPS uses the
+non-increasing in m); idle devices are then handed out by ``refine.polish`` (not with the
+published selection). TPS uses the
 shared cost model, so PipeDream and GraphPipe are priced the same way. The micro-batch size is
 swept over powers of two dividing the batch; over all (micro-batch, s) optima the ones with
 the best estimate (M + s - 1) * TPS * b are simulated and the fastest wins (the same selection
 rule GraphPipe uses over its depth frontier). The stages form a chain: consecutive stages get
 an ordering edge even when no tensor flows between them, as in PipeDream's runtime, where a
 stage talks only to its neighbours.
+
+Selection (``selection=``):
+  * ``"published"``: PipeDream's objective alone, no simulation and no polish: at each
+    micro-batch size the DP's smallest bottleneck (ties: fewer stages); across sizes, which
+    PipeDream takes as an input, the one whose synchronous 1F1B time (M + s - 1) * TPS * b is
+    smallest (analytic). This is the PipeDream GraphPipe compares against.
+  * ``"simulated"`` (default): the simulated and polished selection described above.
 """
 
 from __future__ import annotations
@@ -114,6 +122,7 @@ def pipedream_plan(
   replicate: bool = True,
   max_microbatches: int | None = MAX_MICROBATCHES,
   simulate_top: int = 6,
+  selection: str = "simulated",
 ) -> Plan:
   """PipeDream: LayerGraph + Cluster -> sequential Plan (see the module docstring).
 
@@ -128,10 +137,28 @@ def pipedream_plan(
       (M + S - 1) * TPS * b, are simulated; at the two best micro-batch sizes the best
       max(simulate_top, 8) stage counts are simulated too, with and without replication; the
       fastest plan wins after ``refine.polish``.
+    selection: "published" (PipeDream's objective alone) or "simulated" (see the module
+      docstring).
   """
+  if selection not in SELECTIONS:
+    raise ValueError(f"pipedream: selection must be one of {SELECTIONS}, got {selection!r}")
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
   sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
+  if selection == "published":
+    plan = published_chain(
+      layer_graph,
+      cluster,
+      B,
+      sizes,
+      cost_model=cm,
+      costs=costs,
+      schedule=schedule,
+      replicate=replicate,
+    )
+    pred = dict(plan.predicted)
+    pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
+    return plan.replace(predicted=pred)
   evaluated = chain_candidates(
     layer_graph,
     cluster,
@@ -149,6 +176,56 @@ def pipedream_plan(
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
   return best.replace(predicted=pred)
+
+
+SELECTIONS = ("simulated", "published")
+
+
+def published_chain(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  B: int,
+  sizes: list[int],
+  *,
+  cost_model: CostModel,
+  costs: LayerCosts,
+  schedule: str = "1f1b",
+  replicate: bool = True,
+) -> Plan:
+  """PipeDream as published: per micro-batch size the DP's smallest bottleneck (ties: fewer
+  stages), across sizes the smallest (M + s - 1) * TPS * b; no simulation ranking, no polish."""
+  K = cluster.num_devices
+  best = None
+  for b in sizes:
+    rc = RangeCosts(costs, cost_model, cluster, b, B, data_parallel_degrees(b, K))
+    A, dps = chain_dp(rc, K, B // b, cluster.memory_per_device, replicate)
+    vals = [(float(A[0, K, s]), s) for s in range(1, A.shape[2]) if math.isfinite(A[0, K, s])]
+    if not vals:
+      continue
+    v, s = min(vals)
+    est = (B // b + s - 1) * v * b
+    if best is None or est < best[0]:
+      best = (est, b, s, v, rc, A, dps)
+  if best is None:
+    raise no_plan_error("pipedream", layer_graph, cluster, B)
+  _, b, s, v, rc, A, dps = best
+  ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s)
+  plan = assemble_plan(
+    layer_graph,
+    cluster,
+    [(costs.layers[i:j], d) for i, j, d in ranges],
+    microbatch=b,
+    batch_size=B,
+    planner="pipedream",
+    schedule=schedule,
+    sequential=True,
+    cost_model=cost_model,
+    costs=costs,
+    info={"bottleneck_tps": v, "selection": "published"},
+  )
+  if not plan.predicted["memory_ok"]:
+    raise no_plan_error("pipedream", layer_graph, cluster, B)
+  return plan
 
 
 def chain_candidates(

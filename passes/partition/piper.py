@@ -16,12 +16,30 @@ different branches.
 in synchronous 1F1B (Piper's own code uses the PipeDream-2BW count ceil(s/d); this repository
 runs PipeDream-Flush, so it uses the flush count). There is no tensor parallelism here, so
 Piper's TMPC choice is the single "data parallel" configuration. TPS is the shared cost model.
-As for PipeDream, the micro-batch size is swept over powers of two and the optima with the
-best estimates (M + s - 1) * TPS * b are simulated; the fastest plan wins.
 
-The number of downsets grows as l^b for b branches of l layers, and the DP visits every pair
-(I', I). ``max_downsets`` and ``max_pairs`` bound the work; beyond them the planner raises
-PlanError (GraphPipe reports Piper finding no strategy for DLRM and CANDLE-Uno for this reason).
+Selection (``selection=``):
+  * ``"published"``: Piper's own objective, no simulation and no polish. At each micro-batch
+    size (powers of two; Piper takes the micro-batch size as an input) the DP's smallest
+    bottleneck TPS (ties: fewer stages); across sizes, which neither paper searches, the one
+    whose synchronous 1F1B time (M + s - 1) * TPS * b is smallest (analytic, not simulated).
+    This is the Piper GraphPipe compares against.
+  * ``"simulated"`` (default): at every size and stage count the DP optimum; those with the
+    best estimates (M + s - 1) * TPS * b are simulated, the fastest wins and gets
+    ``refine.polish``, as the other planners here.
+
+The pair loop. The number of downsets grows as l^b for b branches of l layers, and the DP
+visits every pair (I', I). Downsets are bitmasks (uint64 for up to 64 layers), so a downset's
+sub-downsets are found with one vectorised subset test; the bytes crossing each pair's stage
+boundary are computed once and shared by all micro-batch sizes. A pair whose stage TPS is
+above an upper bound U of the answer cannot be part of any optimum at or below U, so it is
+dropped before the DP (exact: every DP value <= U is unchanged). U is PipeDream's smallest
+bottleneck at the same micro-batch size (its stages, ranges of a topological order, are
+downset differences priced the same way, so Piper's optimum is at most U); the simulated
+selection keeps pairs up to ``SIMULATED_BOUND`` * U (a heuristic cut: its candidates with a
+bottleneck 1.5x the best are not simulated).
+
+``max_downsets`` defaults to the authors' ``IDEALS_LIMIT = 40000``: beyond it the planner
+raises PlanError, which is how Piper fails on DLRM and CANDLE-Uno in the GraphPipe paper.
 """
 
 from __future__ import annotations
@@ -33,9 +51,10 @@ import networkx as nx
 import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel
+from gpp_jax.cost.cost_model import CostModel, LayerCosts
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.pipedream import chain_dp
 from gpp_jax.passes.partition.plan_assembly import (
   MAX_MICROBATCHES,
   assemble_plan,
@@ -45,7 +64,16 @@ from gpp_jax.passes.partition.plan_assembly import (
   no_plan_error,
   planner_inputs,
 )
+from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.refine import polish
+
+# The Piper authors' limit on the number of downsets (``IDEALS_LIMIT`` in ``algo.cpp``).
+IDEALS_LIMIT = 40_000
+SELECTIONS = ("simulated", "published")
+# The simulated selection keeps pairs whose stage TPS is within this factor of the size's
+# smallest bottleneck (PipeDream's, an upper bound of Piper's): its candidates are simulated,
+# and a plan whose bottleneck is 1.5x the best is not among the fastest.
+SIMULATED_BOUND = 1.5
 
 
 def downsets(layer_graph: nx.DiGraph, order: list[str], limit: int) -> list[int]:
@@ -74,158 +102,86 @@ def downsets(layer_graph: nx.DiGraph, order: list[str], limit: int) -> list[int]
                 f"piper: {layer_graph.graph.get('name', 'the graph')} has more than {limit} "
                 f"downsets (successor-closed layer sets) over {len(order)} layers; Piper's "
                 "DP is quadratic in their number, which explodes with the number of parallel "
-                "branches. Use the graphpipe or pipedream planner, coarsen the layers, or "
-                "raise max_downsets."
+                "branches (the Piper authors' limit is 40000, and the GraphPipe paper reports "
+                "Piper finding no strategy for DLRM and CANDLE-Uno for this reason). Use the "
+                "graphpipe or pipedream planner, coarsen the layers, or raise max_downsets."
               )
     frontier = nxt
   return sorted(seen, key=lambda m: (bin(m).count("1"), m))
 
 
-def piper_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int | None = None,
-  batch_size: int | None = None,
-  *,
-  num_microbatches: int | None = None,
-  cost_model: CostModel | None = None,
-  schedule: str = "1f1b",
-  max_downsets: int = 4000,
-  max_pairs: int = 150_000,
-  max_microbatches: int | None = MAX_MICROBATCHES,
-  simulate_top: int = 6,
-) -> Plan:
-  """Piper: LayerGraph + Cluster -> sequential Plan over downset differences.
+class DownsetPairs:
+  """Every pair (I', I) of downsets with I' ⊊ I, grouped by I, with what pricing the stage
+  ``I \\ I'`` needs that does not depend on the micro-batch size.
 
-  Args:
-    layer_graph, cluster, batch_size, num_microbatches: as for every planner.
-    cost_model: the CostModel.
-    schedule: the schedule generator the plan names.
-    max_downsets, max_pairs: state limits; PlanError beyond them.
-    max_microbatches: skip micro-batch sizes needing more micro-batches than this.
-    simulate_top: how many (micro-batch, stage count) optima are simulated.
+  Attributes:
+    sets: downset bitmasks, smallest first; member: (D, n) bool.
+    start: (D+1,) pairs of downset a are ``sub[start[a]:start[a+1]]``.
+    sub: (P,) the sub-downset of each pair; owner: (P,) its downset.
+    cut: (P,) bytes per sample crossing the stage's boundary.
   """
-  t0 = time.perf_counter()
-  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
-  K = cluster.num_devices
-  order = list(costs.layers)
-  n = len(order)
-  sets = downsets(layer_graph, order, max_downsets)
-  D = len(sets)
-  member = np.array([[(m >> i) & 1 for i in range(n)] for m in sets], dtype=bool)  # (D, n)
-  size = member.sum(axis=1)
-  # Proper sub-downsets of each downset.
-  subs = []
-  pairs = 0
-  for a in range(D):
-    ok = ~(member & ~member[a]).any(axis=1) & (size < size[a])
-    idx = np.nonzero(ok)[0]
-    subs.append(idx)
-    pairs += len(idx)
-    if pairs > max_pairs:
+
+  def __init__(self, layer_graph: nx.DiGraph, costs: LayerCosts, limit: int, max_pairs: int):
+    order = list(costs.layers)
+    n = len(order)
+    self.sets = downsets(layer_graph, order, limit)
+    D = len(self.sets)
+    self.member = np.array([[(m >> i) & 1 for i in range(n)] for m in self.sets], dtype=bool)
+    size = self.member.sum(axis=1)
+    first_of_size = np.searchsorted(size, size, side="left")  # sets are sorted by size
+    subs = []
+    total = 0
+    if n <= 64:
+      masks = np.array(self.sets, dtype=np.uint64)
+      for a in range(D):
+        cand = masks[: first_of_size[a]]
+        idx = np.nonzero((cand & ~masks[a]) == 0)[0]
+        subs.append(idx.astype(np.int32))
+        total += len(idx)
+        self._check(total, max_pairs, D, n, layer_graph)
+    else:
+      for a in range(D):
+        cand = self.member[: first_of_size[a]]
+        idx = np.nonzero(~(cand & ~self.member[a]).any(axis=1))[0]
+        subs.append(idx.astype(np.int32))
+        total += len(idx)
+        self._check(total, max_pairs, D, n, layer_graph)
+    counts = np.array([len(s) for s in subs], dtype=np.int64)
+    self.start = np.concatenate([[0], np.cumsum(counts)])
+    self.sub = np.concatenate(subs) if total else np.zeros(0, np.int32)
+    self.owner = np.repeat(np.arange(D, dtype=np.int32), counts)
+    self.num_pairs = total
+    # Bytes entering each downset (edges only enter a successor-closed set), and per pair the
+    # bytes of edges from outside I into I' (counted in both, not crossing the stage).
+    eu = np.array([u for u, _, _ in costs.edges], dtype=int)
+    ev = np.array([v for _, v, _ in costs.edges], dtype=int)
+    eb = np.array([b for _, _, b in costs.edges], dtype=float)
+    self.cut = np.zeros(total)
+    if len(eb):
+      cin = (self.member[:, ev] & ~self.member[:, eu]).astype(float) @ eb
+      into_v = self.member[:, ev].astype(np.float64)  # (D, E)
+      out_u = (~self.member[:, eu]) * eb[None, :]  # (D, E)
+      for a in range(D):
+        lo, hi = self.start[a], self.start[a + 1]
+        if hi > lo:
+          sub = self.sub[lo:hi]
+          into = into_v[sub] @ out_u[a]
+          self.cut[lo:hi] = np.maximum(cin[a] + cin[sub] - 2 * into, 0.0)
+    self.params = self.member.astype(float) @ costs.param_bytes
+    self.saved = self.member.astype(float) @ costs.saved_ps
+
+  @staticmethod
+  def _check(total: int, max_pairs: int, D: int, n: int, layer_graph: nx.DiGraph) -> None:
+    if total > max_pairs:
       raise PlanError(
-        f"piper: more than {max_pairs} downset pairs ({D} downsets over {n} layers); the "
-        "DP visits every pair, which explodes with the number of parallel branches. Use the "
-        "graphpipe or pipedream planner, coarsen the layers, or raise max_pairs."
+        f"piper: {layer_graph.graph.get('name', 'the graph')} has more than {max_pairs} "
+        f"downset pairs ({D} downsets over {n} layers); the DP visits every pair, which "
+        "explodes with the number of parallel branches. Use the graphpipe or pipedream "
+        "planner, coarsen the layers, or raise max_pairs."
       )
-  eu = np.array([u for u, _, _ in costs.edges], dtype=int)
-  ev = np.array([v for _, v, _ in costs.edges], dtype=int)
-  eb = np.array([b for _, _, b in costs.edges], dtype=float)
-  if len(eb):
-    cin = (member[:, ev] & ~member[:, eu]).astype(float) @ eb  # bytes into each downset
-  else:
-    cin = np.zeros(D)
-  params = member.astype(float) @ costs.param_bytes
-  saved = member.astype(float) @ costs.saved_ps
-  link = cluster.slowest_link()
-  full = D - 1
-  S = min(K, n)
-  found = []
-  sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
-  for b in sizes:
-    M = B // b
-    dps = data_parallel_degrees(b, K)
-    T = {}
-    for d in dps:
-      tf, tb = cm.layer_times(costs, cluster.device, b / d)
-      T[d] = member.astype(float) @ (tf + tb)
-    s_in = np.minimum(np.arange(1, S + 1), M)
-    dp = np.full((D, K + 1, S + 1), math.inf)
-    dp[0, :, 0] = 0.0
-    stats = {}
-    for a in range(1, D):
-      idx = subs[a]
-      if not len(idx):
-        continue
-      if len(eb):
-        into_sub = (member[idx][:, ev] & ~member[a, eu][None, :]).astype(float) @ eb
-      else:
-        into_sub = np.zeros(len(idx))
-      cut = np.maximum(cin[a] + cin[idx] - 2 * into_sub, 0.0)
-      comm = np.where(cut > 1e-12, 2 * link.alpha + cut * b / link.beta, 0.0)
-      p_s = params[a] - params[idx]
-      sv_s = saved[a] - saved[idx]
-      stats[a] = (idx, comm, p_s, sv_s)
-      for d in dps:
-        compute = T[d][a] - T[d][idx]
-        both = compute + comm if cm.tps_formula == "sum" else np.maximum(compute, comm)
-        ar = _allreduce(cluster, p_s, d)
-        tps = both / b + (ar + cm.update_traffic * p_s / cluster.device.memory_bandwidth) / B
-        mem = cm.static_memory(p_s)[:, None] + sv_s[:, None] * b / d * s_in[None, :]
-        ok = mem <= cluster.memory_per_device  # (nv, S)
-        sub = dp[idx][:, : K + 1 - d, :S]  # (nv, K+1-d, S)
-        val = np.where(ok[:, None, :], np.maximum(tps[:, None, None], sub), math.inf).min(axis=0)
-        dp[a, d:, 1:] = np.minimum(dp[a, d:, 1:], val)
-      dp[a] = np.minimum.accumulate(dp[a], axis=0)
-    for s in range(1, S + 1):
-      v = float(dp[full, K, s])
-      if math.isfinite(v):
-        found.append(((M + s - 1) * v * b, b, s, v, dp, dps))
-  found.sort(key=lambda c: c[:3])
-  best, plans = None, []
-  for _est, b, s, v, dp, dps in found[:simulate_top]:
-    M = B // b
-    stages = _reconstruct(
-      sets,
-      member,
-      subs,
-      dp,
-      dps,
-      costs,
-      cm,
-      cluster,
-      b,
-      B,
-      M,
-      K,
-      s,
-      v,
-      cin,
-      params,
-      saved,
-      link,
-      order,
-    )
-    plan = assemble_plan(
-      layer_graph,
-      cluster,
-      stages,
-      microbatch=b,
-      batch_size=B,
-      planner="piper",
-      schedule=schedule,
-      sequential=True,
-      cost_model=cm,
-      costs=costs,
-      info={"bottleneck_tps": v, "downsets": D},
-    )
-    best = better(best, plan)
-    plans.append(plan)
-  if best is None or not best.predicted.get("memory_ok", True):
-    raise no_plan_error("piper", layer_graph, cluster, B)
-  best = polish(plans, layer_graph, cluster, cost_model=cm, costs=costs, microbatch_sizes=sizes)
-  pred = dict(best.predicted)
-  pred["search"] = {"seconds": time.perf_counter() - t0, "downsets": D, "pairs": pairs}
-  return best.replace(predicted=pred)
+
+  def subsets_of(self, a: int) -> np.ndarray:
+    return self.sub[self.start[a] : self.start[a + 1]]
 
 
 def _allreduce(cluster: Cluster, nbytes, d: int):
@@ -237,72 +193,216 @@ def _allreduce(cluster: Cluster, nbytes, d: int):
   return 2 * (d - 1) * link.alpha + 2 * (d - 1) / d * nbytes / link.beta
 
 
-def _reconstruct(
-  sets,
-  member,
-  subs,
-  dp,
-  dps,
-  costs,
-  cm,
-  cluster,
-  b,
-  B,
-  M,
-  K,
-  s,
-  target,
-  cin,
-  params,
-  saved,
-  link,
-  order,
-):
+class _Pricing:
+  """Stage TPS and memory of downset pairs for one micro-batch size (vectorised; the DP and
+  the reconstruction share it, so they agree to the last bit)."""
+
+  def __init__(self, pairs: DownsetPairs, costs, cm, cluster, b: int, B: int, dps: list[int]):
+    self.pairs, self.cm, self.cluster, self.b, self.B = pairs, cm, cluster, b, B
+    link = cluster.slowest_link()
+    self.alpha, self.beta = link.alpha, link.beta
+    self.T = {}
+    for d in dps:
+      tf, tb = cm.layer_times(costs, cluster.device, b / d)
+      self.T[d] = pairs.member.astype(float) @ (tf + tb)
+
+  def tps(self, a: np.ndarray, i: np.ndarray, cut: np.ndarray, d: int) -> np.ndarray:
+    p = self.pairs
+    comm = np.where(cut > 1e-12, 2 * self.alpha + cut * self.b / self.beta, 0.0)
+    compute = self.T[d][a] - self.T[d][i]
+    both = compute + comm if self.cm.tps_formula == "sum" else np.maximum(compute, comm)
+    p_s = p.params[a] - p.params[i]
+    upd = _allreduce(self.cluster, p_s, d) + (
+      self.cm.update_traffic * p_s / self.cluster.device.memory_bandwidth
+    )
+    return both / self.b + upd / self.B
+
+  def memory(self, a: np.ndarray, i: np.ndarray, d: int, in_flight: np.ndarray) -> np.ndarray:
+    """(len(a), len(in_flight)) bytes per device."""
+    p = self.pairs
+    p_s = p.params[a] - p.params[i]
+    sv_s = p.saved[a] - p.saved[i]
+    return self.cm.static_memory(p_s)[:, None] + sv_s[:, None] * self.b / d * in_flight[None, :]
+
+
+def _piper_dp(pairs: DownsetPairs, pr: _Pricing, dps: list[int], K: int, S: int, M: int, U: float):
+  """The DP table dp[a, k, s] over pairs whose stage TPS is <= U (inf where no value <= U)."""
+  D = len(pairs.sets)
+  cap = pr.cluster.memory_per_device
+  s_in = np.minimum(np.arange(1, S + 1), M)
+  # Pairs whose stage fits under U, per d, grouped by their downset; whether any of them can
+  # exceed memory (else the memory test is skipped).
+  kept = {}
+  for d in dps:
+    if d > K:
+      break
+    t = pr.tps(pairs.owner, pairs.sub, pairs.cut, d)
+    sel = np.nonzero(t <= U)[0]
+    worst = pr.memory(pairs.owner[sel], pairs.sub[sel], d, np.array([float(M)]))
+    check = bool(len(sel)) and bool((worst > cap).any())
+    kept[d] = (sel, t[sel], np.searchsorted(pairs.owner[sel], np.arange(D + 1)), check)
+  dp = np.full((D, K + 1, S + 1), math.inf)
+  dp[0, :, 0] = 0.0
+  for a in range(1, D):
+    row = dp[a]
+    touched = False
+    for d, (sel, t, st, check) in kept.items():
+      lo, hi = st[a], st[a + 1]
+      if hi == lo:
+        continue
+      idx = pairs.sub[sel[lo:hi]]
+      alive = np.nonzero(np.isfinite(dp[idx, K - d, :S]).any(axis=1))[0]
+      if not len(alive):
+        continue
+      idx, tt = idx[alive], t[lo:hi][alive]
+      sub = dp[idx, : K + 1 - d, :S]  # (nv, K+1-d, S): dp[I'][k-d][s-1]
+      val = np.maximum(tt[:, None, None], sub)
+      if check:
+        ok = pr.memory(np.full(len(idx), a), idx, d, s_in) <= cap  # (nv, S)
+        val = np.where(ok[:, None, :], val, math.inf)
+      np.minimum(row[d:, 1:], val.min(axis=0), out=row[d:, 1:])
+      touched = True
+    if touched:
+      np.minimum.accumulate(row, axis=0, out=row)
+  return dp
+
+
+def _reconstruct(pairs, pr: _Pricing, dp, dps, costs: LayerCosts, K, M, s, target):
   """Stages (front to back) of the optimum dp[full, K, s] = target."""
-  eu = np.array([u for u, _, _ in costs.edges], dtype=int)
-  ev = np.array([v for _, v, _ in costs.edges], dtype=int)
-  eb = np.array([x for _, _, x in costs.edges], dtype=float)
-  a = len(sets) - 1
+  order = list(costs.layers)
+  cap = pr.cluster.memory_per_device
+  a = len(pairs.sets) - 1
   k = K
   out = []
   while s > 0:
     while k > 0 and dp[a, k - 1, s] <= target:
       k -= 1
     step = None
+    lo = pairs.start[a]
     for d in dps:
       if d > k:
         break
-      for i in subs[a]:
-        if dp[i, k - d, s - 1] > target:
-          continue
-        into = (
-          float(((member[i, ev] & ~member[a, eu]).astype(float) * eb).sum()) if len(eb) else 0.0
-        )
-        cut = max(cin[a] + cin[i] - 2 * into, 0.0)
-        comm = 2 * link.alpha + cut * b / link.beta if cut > 1e-12 else 0.0
-        tf, tb = cm.layer_times(costs, cluster.device, b / d)
-        compute = float(((member[a] & ~member[i]).astype(float) * (tf + tb)).sum())
-        p = float(params[a] - params[i])
-        both = cm.combine(compute, comm)
-        tps = (
-          both / b
-          + float(
-            _allreduce(cluster, np.array(p), d)
-            + cm.update_traffic * p / cluster.device.memory_bandwidth
-          )
-          / B
-        )
-        mem = cm.stage_memory(p, float(saved[a] - saved[i]), b, d, min(s, M))
-        if tps <= target * (1 + 1e-9) and mem <= cluster.memory_per_device:
-          step = (i, d)
-          break
-      if step:
+      idx = pairs.subsets_of(a)
+      cut = pairs.cut[lo : lo + len(idx)]
+      t = pr.tps(np.full(len(idx), a), idx, cut, d)
+      mem = pr.memory(np.full(len(idx), a), idx, d, np.array([min(s, M)]))[:, 0]
+      ok = (dp[idx, k - d, s - 1] <= target) & (t <= target * (1 + 1e-9)) & (mem <= cap)
+      hit = np.nonzero(ok)[0]
+      if len(hit):
+        step = (int(idx[hit[0]]), d)
         break
     if step is None:
       raise AssertionError("Piper reconstruction lost the optimum")
     i, d = step
-    layers = [order[x] for x in range(len(order)) if member[a, x] and not member[i, x]]
+    layers = [order[x] for x in range(len(order)) if pairs.member[a, x] and not pairs.member[i, x]]
     out.append((layers, d))
     a, k, s = i, k - d, s - 1
     target = dp[a, k, s] if s > 0 else 0.0
   return out
+
+
+def piper_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  schedule: str = "1f1b",
+  selection: str = "simulated",
+  max_downsets: int = IDEALS_LIMIT,
+  max_pairs: int = 50_000_000,
+  max_microbatches: int | None = MAX_MICROBATCHES,
+  simulate_top: int = 6,
+) -> Plan:
+  """Piper: LayerGraph + Cluster -> sequential Plan over downset differences.
+
+  Args:
+    layer_graph, cluster, batch_size, num_microbatches: as for every planner.
+    cost_model: the CostModel.
+    schedule: the schedule generator the plan names.
+    selection: "published" (Piper's objective alone: smallest bottleneck TPS per micro-batch
+      size, no simulation ranking, no polish) or "simulated" (the best estimates simulated,
+      then polished); see the module docstring.
+    max_downsets, max_pairs: state limits; PlanError beyond them (``max_downsets`` is the
+      authors' ``IDEALS_LIMIT``).
+    max_microbatches: skip micro-batch sizes needing more micro-batches than this.
+    simulate_top: how many (micro-batch, stage count) optima are simulated.
+  """
+  if selection not in SELECTIONS:
+    raise ValueError(f"piper: selection must be one of {SELECTIONS}, got {selection!r}")
+  t0 = time.perf_counter()
+  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
+  K = cluster.num_devices
+  pairs = DownsetPairs(layer_graph, costs, max_downsets, max_pairs)
+  D = len(pairs.sets)
+  n = len(costs.layers)
+  full = D - 1
+  S = min(K, n)
+  sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
+  published = selection == "published"
+  # Upper bounds from PipeDream's DP over a topological order (a Piper plan too).
+  chains = {}
+  for b in sizes:
+    rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
+    A, _ = chain_dp(rc, K, B // b, cluster.memory_per_device)
+    chains[b] = A[0, K, 1:]
+  t_prep = time.perf_counter() - t0
+
+  keep = 1 if published else simulate_top
+
+  def run(bounded: bool) -> list:
+    out: list = []
+    for b in sizes:
+      M = B // b
+      dps = data_parallel_degrees(b, K)
+      # Piper's optimum at this size is at most PipeDream's (same pricing, a subset of plans).
+      U = float(np.min(chains[b], initial=math.inf)) if bounded else math.inf
+      if not published:
+        U *= SIMULATED_BOUND
+      pr = _Pricing(pairs, costs, cm, cluster, b, B, dps)
+      dp = _piper_dp(pairs, pr, dps, K, S, M, U * (1 + 1e-9))
+      vals = [(float(dp[full, K, s]), s) for s in range(1, S + 1)]
+      vals = [(v, s) for v, s in vals if math.isfinite(v)]
+      if published and vals:
+        vals = [min(vals)]  # the objective: smallest bottleneck (ties: fewer stages)
+      out += [((M + s - 1) * v * b, b, s, v, dp, dps, pr) for v, s in vals]
+      # Keep only the candidates that can still be chosen (each holds its size's DP table).
+      out.sort(key=lambda c: c[:3])
+      del out[keep:]
+    return out
+
+  found = run(True)
+  if not found:
+    found = run(False)  # a bound below every Piper plan (it cannot be, but stay exact)
+  plans = []
+  best = None
+  for _est, b, s, v, dp, dps, pr in found:
+    stages = _reconstruct(pairs, pr, dp, dps, costs, K, B // b, s, v)
+    plan = assemble_plan(
+      layer_graph,
+      cluster,
+      stages,
+      microbatch=b,
+      batch_size=B,
+      planner="piper",
+      schedule=schedule,
+      sequential=True,
+      cost_model=cm,
+      costs=costs,
+      info={"bottleneck_tps": v, "downsets": D, "selection": selection},
+    )
+    best = better(best, plan)
+    plans.append(plan)
+  if best is None or not best.predicted.get("memory_ok", True):
+    raise no_plan_error("piper", layer_graph, cluster, B)
+  if not published:
+    best = polish(plans, layer_graph, cluster, cost_model=cm, costs=costs, microbatch_sizes=sizes)
+  pred = dict(best.predicted)
+  pred["search"] = {
+    "seconds": time.perf_counter() - t0,
+    "pairs_seconds": t_prep,
+    "downsets": D,
+    "pairs": pairs.num_pairs,
+  }
+  return best.replace(predicted=pred)

@@ -55,6 +55,10 @@ Extensions beyond the paper's recurrence (each keeps stages convex and the stage
   * polish: the best plan of each of the best micro-batch sizes is improved by local search
     on the simulated time (``refine.polish``: device counts, layer moves, splits, merges);
     the sequential planners get the same polish, restricted to chains.
+  * polished chain plans and seed plans: PipeDream's polished plan (``chain_plans``) and any
+    finished plans passed as ``seed_plans`` join the candidates after the polish, so the plan
+    returned is never slower than them (``predicted["seed"]`` names the planner when one
+    wins); ``predicted["search"]`` times the DP, the seeds and the polish apart.
 
 Choices the paper leaves open, made here (see BUILD_NOTES.md):
   * TPS of a stage = combine(compute, transfers) / b + (all-reduce + optimizer) / B, with

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import networkx as nx
@@ -19,7 +20,7 @@ from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
 from gpp_jax.passes.partition.graphpipe.dp import DPSearch
 from gpp_jax.passes.partition.graphpipe.tree import INF, SPTreeNode
-from gpp_jax.passes.partition.pipedream import chain_candidates
+from gpp_jax.passes.partition.pipedream import chain_candidates, pipedream_plan
 from gpp_jax.passes.partition.plan_assembly import (
   MAX_MICROBATCHES,
   assemble_plan,
@@ -38,6 +39,9 @@ class SearchStats:
   """What the search did (recorded in ``plan.predicted['search']``)."""
 
   seconds: float
+  dp_seconds: float
+  seeds_seconds: float
+  polish_seconds: float
   dp_runs: int
   microbatch_sizes: tuple[int, ...]
   candidates: int
@@ -51,23 +55,42 @@ class SearchStats:
 class TPSSearch:
   """Runs the DP for one micro-batch context and counts the runs."""
 
-  def __init__(self, ctx: MicrobatchContext, root: SPTreeNode, eps: float):
+  def __init__(
+    self,
+    ctx: MicrobatchContext,
+    root: SPTreeNode,
+    eps: float,
+    serialise: bool,
+    tighten: bool = True,
+  ):
     self.ctx, self.root, self.eps, self.runs = ctx, root, eps, 0
+    self.serialise, self.tighten = serialise, tighten
+
+  def achieved(self, s: DPSearch, t: float) -> float:
+    """The largest stage TPS of the strategy a feasible run at target t found (read off the
+    DP value's fraction, 0.5 * bottleneck / target), or t. The same strategy is feasible at
+    that TPS with the same depth, so a bisection may lower its upper end to it."""
+    if not self.tighten:
+      return t
+    v = s.R(self.root, self.ctx.K, 0)
+    frac = v - int(v)
+    return min(t, 2 * frac * s.t * (1 + 1e-9)) if frac > 0 else t
 
   def run(self, t: float) -> tuple[DPSearch, int]:
     """DP at target t: the search and the entry depth it reaches (INF if infeasible)."""
     self.runs += 1
-    s = DPSearch(self.ctx, t)
+    s = DPSearch(self.ctx, t, self.serialise)
     v = s.R(self.root, self.ctx.K, 0)
     return s, INF if v >= INF else int(v)
 
   def bisect(self, lo_t: float, hi_t: float, s_hi: DPSearch, target: int):
     """Smallest TPS in (lo_t, hi_t] (to ``eps``) whose DP reaches entry depth <= target."""
+    hi_t = max(self.achieved(s_hi, hi_t), lo_t)
     while hi_t - lo_t > self.eps * hi_t:
       mid = (lo_t + hi_t) / 2
       s, v = self.run(mid)
       if v <= target:
-        hi_t, s_hi = mid, s
+        hi_t, s_hi = max(self.achieved(s, mid), lo_t), s
       else:
         lo_t = mid
     return hi_t, s_hi
@@ -123,6 +146,11 @@ def graphpipe_plan(
   refine_within: float = 1.1,
   refine_evals: int = 200,
   chain_seeds: bool = True,
+  serialise: bool = True,
+  chain_plans: bool = True,
+  seed_plans: Sequence[Plan] = (),
+  polish_plans: bool = True,
+  tighten_bisection: bool = True,
 ) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 
@@ -148,6 +176,20 @@ def graphpipe_plan(
     refine_evals: at most this many simulations for the polish, in all.
     chain_seeds: add the chain DP's plans (PipeDream's DP over the topological order, without
       ordering edges) to the candidates before polishing.
+    serialise: let the DP solve children of a series or parallel node as one sequential
+      pipeline (``serialised.py``). It costs most of the DP's time on graphs with many
+      layers; switching it off is faster but loses plans that cut across branch boundaries
+      (7% above the exhaustive optimum on one of the planner tests' graphs).
+    chain_plans: take PipeDream's polished plan (``pipedream_plan``, simulated selection) as
+      a candidate, with and without its ordering edges, so GraphPipe's plan is never slower
+      than the polished PipeDream plan.
+    seed_plans: finished plans of other planners for the same graph, cluster and batch (for
+      instance the polished sequential baselines); they join the candidates after the polish,
+      so the plan returned is at least as fast as each of them.
+    polish_plans: run the polish (False: the fastest simulated candidate as it is, to measure
+      what the search alone finds).
+    tighten_bisection: after a feasible DP run, lower the bisection's upper end to the
+      bottleneck of the strategy it found (fewer DP runs; False: plain bisection).
   """
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
@@ -226,7 +268,7 @@ def graphpipe_plan(
       lo = sum(min(d * tsum[d][l] for d in dps) for l in range(len(costs))) / (ctx.K * b)
       if best is not None and B * lo > prune * best.predicted["iteration_time"]:
         continue
-      runner = TPSSearch(ctx, root, eps)
+      runner = TPSSearch(ctx, root, eps, serialise, tighten_bisection)
       got = runner.min_tps(max(lo, 1e-15))
       if got is not None:
         t_star, s_star = got
@@ -261,7 +303,7 @@ def graphpipe_plan(
         if len(sizes_done) > 2:
           break
         ctx = context(b, [1])
-        runner = TPSSearch(ctx, root, eps)
+        runner = TPSSearch(ctx, root, eps, serialise, tighten_bisection)
         lo = float(ctx.tsum[1].sum()) / (ctx.K * b)
         got = runner.min_tps(max(lo, 1e-15))
         if got is not None:
@@ -279,8 +321,10 @@ def graphpipe_plan(
     raise no_plan_error(
       "graphpipe", layer_graph, cluster, B, "every micro-batch size exceeds device memory"
     )
+  t_dp = time.perf_counter() - t0
   # A chain of stages is a stage DAG too: the chain DP's optima over the topological order
   # join the candidates, so GraphPipe's plan space visibly contains the sequential one.
+  t1 = time.perf_counter()
   if chain_seeds:
     chains = chain_candidates(
       layer_graph,
@@ -297,21 +341,50 @@ def graphpipe_plan(
     )
     evaluated += chains
     n_sims += len(chains)
+  t_seeds = time.perf_counter() - t1
   # Phase 4: the DP's objective is a proxy; polish the best plans by local search on the
   # simulated time (device counts, layer moves, splits and merges, per micro-batch size).
-  best = polish(
-    evaluated,
-    layer_graph,
-    cluster,
-    cost_model=cm,
-    costs=costs,
-    refine_sizes=refine_sizes,
-    refine_within=refine_within,
-    max_evals=refine_evals,
-    microbatch_sizes=sizes,
-  )
+  t1 = time.perf_counter()
+  if not polish_plans:
+    best = min(evaluated, key=lambda p: p.predicted["iteration_time"])
+  else:
+    best = polish(
+      evaluated,
+      layer_graph,
+      cluster,
+      cost_model=cm,
+      costs=costs,
+      refine_sizes=refine_sizes,
+      refine_within=refine_within,
+      max_evals=refine_evals,
+      microbatch_sizes=sizes,
+    )
+  t_polish = time.perf_counter() - t1
+  # Phase 5: the polished sequential plans are stage DAGs too; GraphPipe is never below them.
+  t1 = time.perf_counter()
+  seeds = list(seed_plans)
+  if chain_plans:
+    seeds.append(
+      pipedream_plan(
+        layer_graph,
+        cluster,
+        B,
+        num_microbatches=num_microbatches,
+        cost_model=cm,
+        schedule=schedule,
+        max_microbatches=max_microbatches,
+      )
+    )
+  for seed in seeds:
+    for plan in as_graphpipe(seed, layer_graph, cluster, cm, costs):
+      n_sims += 1
+      best = better(best, plan)
+  t_seeds += time.perf_counter() - t1
   stats = SearchStats(
     seconds=time.perf_counter() - t0,
+    dp_seconds=t_dp,
+    seeds_seconds=t_seeds,
+    polish_seconds=t_polish,
     dp_runs=runs,
     microbatch_sizes=tuple(sizes),
     candidates=n_cands,
@@ -322,3 +395,41 @@ def graphpipe_plan(
   pred["search"] = stats.to_dict()
   pred["sp_ordering_edges"] = len(sp.added_edges)
   return best.replace(predicted=pred)
+
+
+def as_graphpipe(
+  plan: Plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  cm: CostModel,
+  costs,
+) -> list[Plan]:
+  """Another planner's plan as GraphPipe candidates: its stages and devices as they are, and,
+  for a chain, the same stages without the ordering edges no tensor flows along."""
+  b = plan.stages[0].microbatch_size
+  assert b is not None and plan.batch_size is not None
+  stages = [(s.layers, len(s.devices)) for s in plan.stages]
+  order = [d for s in plan.stages for d in s.devices]
+  order += [d for d in range(cluster.num_devices) if d not in set(order)]
+  out = []
+  chain = bool(plan.predicted.get("sequential"))
+  for sequential in (True, False) if chain else (False,):
+    p = assemble_plan(
+      layer_graph,
+      cluster,
+      stages,
+      microbatch=b,
+      batch_size=plan.batch_size,
+      planner="graphpipe",
+      schedule=plan.schedule,
+      sequential=sequential,
+      keep_order=True,
+      device_order=order,
+      extra_edges=() if chain else plan.edges,
+      cost_model=cm,
+      costs=costs,
+      info={"seed": plan.planner},
+    )
+    if p.predicted["memory_ok"]:
+      out.append(p)
+  return out

@@ -1,0 +1,183 @@
+"""A certified lower bound on the simulated iteration time of every plan: LayerGraph + Cluster ->
+seconds, from a mixed-integer program (``scipy.optimize.milp``, HiGHS).
+
+What every plan of the planners' space must pay, by the simulator's own rules: each stage runs
+its M forwards and M backwards one after another on its devices and then its UPDATE (gradient
+all-reduce + optimizer), so for every stage s
+
+    iteration >= M * (F_s + B_s)(b / d_s) + U_s(d_s)
+
+with F_s + B_s the sum of its layers' times at b / d_s samples per device (the cost model's
+``stage_time``) and U_s the all-reduce's bandwidth term plus the optimizer traffic (the
+all-reduce's latency term, never negative, is left out). The program minimises the largest of
+these over a *relaxation* of the plan space: layers are split into at most min(K, n) groups
+with any device count d dividing the micro-batch (sum of d <= K), without the convexity of
+stages, the transfers, the pipeline fill and drain or memory. Its optimum is therefore at most
+the iteration time of every plan at micro-batch b, and the minimum over micro-batch sizes is a
+lower bound for every plan. It is exact for the relaxation, not for the plans: the gap to the
+best plan includes what the relaxation leaves out.
+
+Symmetry breaking. Layers with identical costs (the layers of identical branches) are
+interchangeable in the relaxation, so each class of identical layers is one integer variable
+per group (how many of its layers the group holds) instead of one binary per layer, and the
+groups, which are unlabelled, are ordered by non-increasing device count.
+
+If the solver stops at ``time_limit`` the bound is its proven dual bound (still a lower bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import networkx as nx
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import lil_matrix
+
+from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import CostModel
+from gpp_jax.passes.partition.plan_assembly import (
+  data_parallel_degrees,
+  microbatch_sizes,
+  planner_inputs,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowerBound:
+  """``seconds``: the bound; ``per_size``: micro-batch size -> its bound; ``classes``: how
+  many classes of identical layers the program used (of ``layers``); ``optimal``: every
+  program was solved to optimality (else dual bounds were used)."""
+
+  seconds: float
+  per_size: dict[int, float]
+  layers: int
+  classes: int
+  optimal: bool
+
+
+def _layer_classes(rows: np.ndarray) -> list[list[int]]:
+  """Indices of identical rows (to 12 significant digits), grouped."""
+  keyed: dict[tuple[float, ...], list[int]] = {}
+  for i, r in enumerate(rows):
+    keyed.setdefault(tuple(float(f"{x:.12g}") for x in r), []).append(i)
+  return list(keyed.values())
+
+
+def _min_max_groups(
+  a: np.ndarray, size: list[int], dps: list[int], K: int, J: int, time_limit: float
+) -> tuple[float, bool]:
+  """min over groupings of max group time: class c holds ``size[c]`` interchangeable layers,
+  each costing ``a[c, k]`` in a group on ``dps[k]`` devices; at most J groups, sum of devices
+  <= K. Returns (the optimum or the solver's dual bound, solved to optimality)."""
+  C, D = a.shape
+  # Variables: cnt[c, j] (integer), y[j, k] (binary), v[c, j, k] (continuous), z.
+  n_cnt, n_y, n_v = C * J, J * D, C * J * D
+  nv = n_cnt + n_y + n_v + 1
+  cnt = lambda c, j: c * J + j
+  yv = lambda j, k: n_cnt + j * D + k
+  vv = lambda c, j, k: n_cnt + n_y + (c * J + j) * D + k
+  z = nv - 1
+  rows: list[tuple[dict[int, float], float, float]] = []
+  for c in range(C):  # every layer in some group
+    rows.append(({cnt(c, j): 1.0 for j in range(J)}, size[c], size[c]))
+  for j in range(J):
+    rows.append(({yv(j, k): 1.0 for k in range(D)}, -np.inf, 1.0))  # one d per group
+    for c in range(C):  # a group with layers has devices: cnt <= size * sum_k y
+      r = {cnt(c, j): 1.0}
+      r.update({yv(j, k): -float(size[c]) for k in range(D)})
+      rows.append((r, -np.inf, 0.0))
+      for k in range(D):  # v >= cnt - size (1 - y): the layers' count on d = dps[k]
+        rows.append(
+          ({cnt(c, j): 1.0, yv(j, k): float(size[c]), vv(c, j, k): -1.0}, -np.inf, float(size[c]))
+        )
+    load = {vv(c, j, k): float(a[c, k]) for c in range(C) for k in range(D)}
+    load[z] = -1.0
+    rows.append((load, -np.inf, 0.0))  # z >= the group's time
+    if j + 1 < J:  # unlabelled groups: non-increasing device counts
+      r = {yv(j, k): float(d) for k, d in enumerate(dps)}
+      for k, d in enumerate(dps):
+        r[yv(j + 1, k)] = r.get(yv(j + 1, k), 0.0) - float(d)
+      rows.append((r, 0.0, np.inf))
+  rows.append(({yv(j, k): float(d) for j in range(J) for k, d in enumerate(dps)}, 0.0, K))
+  A = lil_matrix((len(rows), nv))
+  lo, hi = np.empty(len(rows)), np.empty(len(rows))
+  for i, (r, l_, h_) in enumerate(rows):
+    for col, val in r.items():
+      A[i, col] = val
+    lo[i], hi[i] = l_, h_
+  cost = np.zeros(nv)
+  cost[z] = 1.0
+  integrality = np.zeros(nv)
+  integrality[: n_cnt + n_y] = 1
+  ub = np.full(nv, np.inf)
+  for c in range(C):
+    for j in range(J):
+      ub[cnt(c, j)] = size[c]
+      for k in range(D):
+        ub[vv(c, j, k)] = size[c]
+  ub[n_cnt : n_cnt + n_y] = 1.0
+  res = milp(
+    cost,
+    constraints=LinearConstraint(A.tocsr(), lo, hi),
+    integrality=integrality,
+    bounds=Bounds(np.zeros(nv), ub),
+    options={"time_limit": time_limit},
+  )
+  if res.status == 0:
+    return float(res.fun), True
+  bound = getattr(res, "mip_dual_bound", None)
+  return (float(bound) if bound is not None and np.isfinite(bound) else 0.0), False
+
+
+def iteration_lower_bound(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  sizes: Sequence[int] | None = None,
+  time_limit: float = 60.0,
+) -> LowerBound:
+  """The lower bound (see the module docstring) over ``sizes`` (default: the planners' sweep of
+  micro-batch sizes)."""
+  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
+  K = cluster.num_devices
+  n = len(costs)
+  J = min(K, n)
+  sizes = list(sizes) if sizes is not None else microbatch_sizes(B, num_microbatches)
+  per_size: dict[int, float] = {}
+  optimal = True
+  n_classes = n
+  for b in sizes:
+    M = B // b
+    dps = data_parallel_degrees(b, K)
+    # Per layer and d: M * (F + B) at b/d samples per device + its share of the update.
+    work = np.zeros((n, len(dps)))
+    for k, d in enumerate(dps):
+      tf, tb = cm.layer_times(costs, cluster.device, b / d)
+      if d > 1:
+        c = cluster
+        inter = c.devices_per_node is not None and d > c.devices_per_node
+        link = c.inter_link if inter and c.inter_link is not None else c.intra_link
+        ar = 2 * (d - 1) / d / link.beta
+      else:
+        ar = 0.0
+      per_byte = ar + cm.update_traffic / cluster.device.memory_bandwidth
+      work[:, k] = M * (tf + tb) + per_byte * costs.param_bytes
+    classes = _layer_classes(work)
+    n_classes = len(classes)
+    value, solved = _min_max_groups(
+      np.array([work[c[0]] for c in classes]), [len(c) for c in classes], dps, K, J, time_limit
+    )
+    per_size[b] = value
+    optimal = optimal and solved
+  return LowerBound(
+    seconds=min(per_size.values()),
+    per_size=per_size,
+    layers=n,
+    classes=n_classes,
+    optimal=optimal,
+  )
