@@ -248,6 +248,12 @@ class StageFunctions:
   bwd(residuals, cts, acc) -> (acc + parameter grads, activation cotangents)
   where ``cts[k]`` is a tuple of cotangent contributions for output k (summed inside; empty for
   an output nobody differentiates) and ``acc`` the running parameter-gradient sums.
+
+  The backward split in two, for schedules with W actions (zero-bubble), takes the same
+  arguments as ``bwd``: ``bwd_input(residuals, cts) -> activation cotangents`` (B) and
+  ``bwd_weight(residuals, cts, acc) -> acc + parameter grads`` (W). Each is its own executable,
+  so XLA drops the half of the vjp the other computes; the activation-gradient chain inside
+  the stage that both need is computed twice.
   """
 
   fwd: Callable[..., Any]
@@ -258,6 +264,8 @@ class StageFunctions:
   # Set when the stage is packed: parameters -> the packed form that ``fwd(pparams, acts,
   # nondiff)`` and ``bwd(res, pparams, cts, acc)`` take.
   pack_params: Callable[..., Any] | None = None
+  bwd_input: Callable[..., Any] | None = None
+  bwd_weight: Callable[..., Any] | None = None
 
 
 def _pack(leaves, keep=(), params=()):
@@ -345,10 +353,13 @@ def stage_functions(
     def fwd(diff, nondiff):
       return call(diff, nondiff), (diff, nondiff)
 
-    def bwd(res, cts, acc):
+    def grads_of(res, cts):
       diff, nondiff = res
       _, vjp = jax.vjp(lambda *d: call(d, nondiff), *diff)
-      return finish(vjp(cotangents(cts)), acc)
+      return vjp(cotangents(cts))
+
+    def bwd(res, cts, acc):
+      return finish(grads_of(res, cts), acc)
   elif pack_residuals:
     residuals = {}  # the vjp's tree and layout, recorded when the forward is traced
     acc_layout = _layout(in_avals[:nparam])
@@ -369,17 +380,23 @@ def stage_functions(
       )
       return outs, packed
 
-    def bwd_packed(packed, pparams, cts, acc):
+    def grads_packed(packed, pparams, cts):
       params = _unpack(pparams, acc_layout)
       vjp = jax.tree.unflatten(residuals["tree"], _unpack(packed, residuals["layout"], params))
-      return finish(vjp(cotangents(cts)), acc)
+      return vjp(cotangents(cts))
+
+    def bwd_packed(packed, pparams, cts, acc):
+      return finish(grads_packed(packed, pparams, cts), acc)
   else:
 
     def fwd(diff, nondiff):
       return jax.vjp(lambda *d: call(d, nondiff), *diff)
 
+    def grads_of(vjp, cts):
+      return vjp(cotangents(cts))
+
     def bwd(vjp, cts, acc):
-      return finish(vjp(cotangents(cts)), acc)
+      return finish(grads_of(vjp, cts), acc)
 
   def zeros_acc():
     zeros = [jnp.zeros(a.shape, a.dtype) for a in in_avals[:nparam]]
@@ -394,5 +411,19 @@ def stage_functions(
       zeros_acc,
       acc_leaves,
       pack_params,
+      jax.jit(lambda packed, pparams, cts: list(grads_packed(packed, pparams, cts)[nparam:])),
+      jax.jit(
+        lambda packed, pparams, cts, acc: finish(grads_packed(packed, pparams, cts), acc)[0],
+        donate_argnums=(3,),
+      ),
     )
-  return StageFunctions(jax.jit(fwd), jax.jit(bwd, donate_argnums=(2,)), zeros_acc, lambda acc: acc)
+  return StageFunctions(
+    jax.jit(fwd),
+    jax.jit(bwd, donate_argnums=(2,)),
+    zeros_acc,
+    lambda acc: acc,
+    bwd_input=jax.jit(lambda res, cts: list(grads_of(res, cts)[nparam:])),
+    bwd_weight=jax.jit(
+      lambda res, cts, acc: finish(grads_of(res, cts), acc)[0], donate_argnums=(2,)
+    ),
+  )

@@ -218,6 +218,9 @@ class PipelineRunner:
           self.expect[key] = self.expect.get(key, 0) + 1
     self.last_timeline: Timeline | None = None
     self.order = dispatch_order(schedule)
+    # With W actions (zero-bubble) B computes the input cotangents only and W the parameter
+    # gradients later, from the same residuals and output cotangents.
+    self.split_w = any(a.kind == "W" for lane in schedule.lanes for a in lane)
     self.local = [is_local(p) for p in self.place]
     self.multiprocess = jax.process_count() > 1
     self._out_avals = [[v.aval for v in st.jaxpr.jaxpr.outvars] for st in staged.stages]
@@ -289,6 +292,8 @@ class PipelineRunner:
         len(self._ctbox.get((a.stage, k, a.microbatch), ())) == self.expect.get((a.stage, k), 0)
         for k in range(len(st.outputs))
       )
+    if a.kind == "W":
+      return (a.stage, a.microbatch) in self._wbox
     return True
 
   def _run_action(self, a: Action):
@@ -325,7 +330,14 @@ class PipelineRunner:
           contribs.append(self._seed)
         cts.append(tuple(contribs))
       acts = [(j, r) for j, r in enumerate(st.inputs) if r.diff and r.kind == "act"]
-      if self.local[s]:
+      if self.split_w:
+        self._wbox[(s, m)] = cts
+      if self.local[s] and self.split_w:
+        pre = (self._res[(s, m)],) + (() if fn.pack_params is None else (self._pparams[s],))
+        in_cts = fn.bwd_input(*pre, cts)
+        if self._measuring:
+          self._bout[(s, m)] = in_cts
+      elif self.local[s]:
         if fn.pack_params is not None:
           self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), self._pparams[s], cts, self._acc[s])
         else:
@@ -335,6 +347,12 @@ class PipelineRunner:
       for (_, r), ct in zip(acts, in_cts):
         p, k = self.out_pos[r.index]
         self._ctbox.setdefault((p, k, m), []).append(self.place[p].put(ct))
+    elif a.kind == "W":
+      cts = self._wbox.pop((s, m))
+      res = self._res.pop((s, m), None)
+      if self.local[s]:
+        pre = (res,) + (() if fn.pack_params is None else (self._pparams[s],))
+        self._acc[s] = fn.bwd_weight(*pre, cts, self._acc[s])
     elif a.kind == "UPDATE":
       pass
     else:
@@ -355,6 +373,10 @@ class PipelineRunner:
     self._ctbox: dict[tuple[int, int, int], list[Any]] = {}
     # (stage, micro-batch) -> forward residuals.
     self._res: dict[tuple[int, int], Any] = {}
+    # (stage, micro-batch) -> output cotangents a W action still needs.
+    self._wbox: dict[tuple[int, int], Any] = {}
+    self._bout: dict[tuple[int, int], Any] = {}  # B's input cotangents (measure mode waits)
+    self._measuring = measure
     nloss = len(self.staged.loss_outputs)
     self._loss_vals: list[list[Any]] = [[None] * nloss for _ in range(M)]
     ls, lk = self.staged.loss_outputs[0]
@@ -440,6 +462,8 @@ class PipelineRunner:
     if a.kind == "F":
       return self._res.get((a.stage, a.microbatch))
     if a.kind == "B":
+      return self._bout.pop((a.stage, a.microbatch), self._acc[a.stage])
+    if a.kind == "W":
       return self._acc[a.stage]
     return None
 
