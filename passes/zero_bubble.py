@@ -76,7 +76,7 @@ def zero_bubble(
   # its next F ("soft" bound <= the memory bound); the shortest list schedule wins.
   L = inflight_counts(S, edges, num_microbatches=M).microbatches
   softs = {tuple(cap)} | {tuple(min(c, l) for c, l in zip(cap, L))}
-  softs |= {tuple(max(1, c - d) for c in cap) for d in range(1, max(cap))}
+  softs |= {tuple(max(1, c - d) for c in cap) for d in (1, 2)}
   best = None
   for soft in sorted(softs, reverse=True):
     got = _list_schedule(g, M, cap, list(soft), tf, tb, tw)

@@ -103,3 +103,63 @@ def test_zero_bubble_rejects_bad_bound():
     zero_bubble(2, [(0, 1)], 2, memory_bound=[0, 1])
   with pytest.raises(ValueError, match="zero-bubble schedule only"):
     make_schedule("1f1b", 2, [(0, 1)], 2, memory_bound=[1, 1])
+
+
+def test_planners_simulate_the_split_and_choose_zero_bubble():
+  from gpp_jax.cost.cluster import make_cluster
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.experiments.model_graphs import model_graph
+  from gpp_jax.passes.partition import get_planner
+  from gpp_jax.passes.partition.plan_assembly import memory_bound
+  from gpp_jax.passes.schedules import plan_schedule
+
+  g = model_graph("mmt")
+  cluster = make_cluster("v100", 8)
+  B = int(g.graph["batch_size"])
+  plan = get_planner("graphpipe")(
+    g, cluster, B, num_microbatches=8, schedules=("zero-bubble",), refine_evals=20
+  )
+  assert plan.schedule == "zero-bubble"
+  # The plan carries the memory bound its schedule was generated under; the runtime's
+  # schedule (plan_schedule) is the simulated one.
+  bound = memory_bound(plan, g, cluster)
+  assert tuple(s.in_flight for s in plan.stages) == bound
+  sched = plan_schedule(plan)
+  res = simulate(plan, g, cluster)
+  assert res.iteration_time == pytest.approx(plan.predicted["iteration_time"])
+  assert all(p <= b for p, b in zip(res.peak_in_flight, bound))
+  assert plan.predicted["memory_ok"]
+  # B and W split the stage's backward time: W is the weight-gradient share.
+  pc = plan_costs(plan, g, cluster)
+  for s in range(plan.num_stages):
+    b = [a for a in res.actions if a.stage == s and a.kind == "B"][0]
+    w = [a for a in res.actions if a.stage == s and a.kind == "W"][0]
+    assert (b.end - b.start) + (w.end - w.start) == pytest.approx(pc.backward[s])
+    assert w.end - w.start == pytest.approx(pc.backward[s] * pc.weight_fraction[s])
+    assert 0 < pc.weight_fraction[s] <= 0.5
+  assert sum(a.kind == "W" for a in sched.lanes[0]) == 8
+  # The same plan under 1F1B is slower.
+  ofob = simulate(plan.replace(schedule="1f1b"), g, cluster)
+  assert ofob.iteration_time > res.iteration_time
+
+
+@pytest.mark.parametrize("planner,option", [("bapipe", "modes"), ("luo", "orders")])
+def test_sequential_planners_choose_among_schedules(planner, option):
+  from gpp_jax.cost.cluster import make_cluster
+  from gpp_jax.experiments.model_graphs import model_graph
+  from gpp_jax.passes.partition import get_planner
+
+  g = model_graph("mmt")
+  cluster = make_cluster("v100", 8)
+  B = int(g.graph["batch_size"])
+  fn = get_planner(planner)
+  best = fn(g, cluster, B, num_microbatches=8)
+  times = {}
+  for name in ("1f1b", "gpipe", "zero-bubble"):
+    times[name] = fn(g, cluster, B, num_microbatches=8, **{option: (name,)}).predicted[
+      "iteration_time"
+    ]
+  assert best.schedule in times
+  assert best.predicted["iteration_time"] == pytest.approx(min(times.values()))
+  assert times["zero-bubble"] < times["1f1b"]

@@ -345,22 +345,29 @@ def simulate(
 ) -> SimResult:
   """Plan + LayerGraph + Cluster -> SimResult, with times and memory from the cost model.
 
-  ``schedule`` defaults to the plan's named schedule generator over its stage graph.
+  ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
+  schedule has W actions, each stage's backward is split into B and W by the cost model's
+  ``weight_fraction``.
   """
   if schedule is None:
-    from gpp_jax.passes.schedules import make_schedule
+    from gpp_jax.passes.schedules import plan_schedule
 
-    schedule = make_schedule(plan.schedule, plan.num_stages, plan.edges, plan.num_microbatches)
+    schedule = plan_schedule(plan)
   if schedule.num_stages != plan.num_stages:
     raise ValueError(
       f"the schedule has {schedule.num_stages} stages but the plan "
       f"{plan.num_stages}; build the schedule from this plan"
     )
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
+  backward, weight = list(pc.backward), None
+  if any(a.kind == "W" for lane in schedule.lanes for a in lane):
+    weight = [b * f for b, f in zip(pc.backward, pc.weight_fraction)]
+    backward = [b - w for b, w in zip(pc.backward, weight)]
   return simulate_times(
     schedule,
     pc.forward,
-    pc.backward,
+    backward,
+    weight=weight,
     update=pc.update,
     activation_transfer=pc.activation_transfer,
     cotangent_transfer=pc.cotangent_transfer,

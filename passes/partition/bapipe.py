@@ -35,7 +35,7 @@ from gpp_jax.passes.partition.plan_assembly import (
 )
 from gpp_jax.passes.partition.range_costs import RangeCosts
 
-MODES = ("1f1b", "gpipe")
+MODES = ("1f1b", "gpipe", "zero-bubble")
 
 
 def balanced_ranges(

@@ -45,7 +45,7 @@ from gpp_jax.passes.partition.plan_assembly import (
 )
 from gpp_jax.passes.partition.range_costs import RangeCosts
 
-ORDERS = ("1f1b", "graph-1f1b", "gpipe")
+ORDERS = ("1f1b", "graph-1f1b", "gpipe", "zero-bubble")
 
 
 def _crossing(costs, n: int) -> np.ndarray:

@@ -28,6 +28,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   microbatch_sizes,
   no_plan_error,
   planner_inputs,
+  predict,
 )
 from gpp_jax.passes.partition.refine import polish
 from gpp_jax.passes.series_parallel import sp_decompose
@@ -123,6 +124,7 @@ def graphpipe_plan(
   refine_within: float = 1.1,
   refine_evals: int = 200,
   chain_seeds: bool = True,
+  schedules: tuple[str, ...] = (),
 ) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 
@@ -148,6 +150,10 @@ def graphpipe_plan(
     refine_evals: at most this many simulations for the polish, in all.
     chain_seeds: add the chain DP's plans (PipeDream's DP over the topological order, without
       ordering edges) to the candidates before polishing.
+    schedules: other schedule generators (e.g. ``("zero-bubble",)``) the best plan is also
+      simulated with; the plan keeps the fastest within memory. Zero-bubble is simulated with
+      the backward split into B and W (``PlanCosts.weight_fraction``) under the memory bound
+      the device memory allows (``plan_assembly.memory_bound``).
   """
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
@@ -318,6 +324,13 @@ def graphpipe_plan(
     simulated=n_sims,
     best_tps=float(best_tps),
   )
+  for name in schedules:
+    if name != best.schedule:
+      alt = predict(
+        best.replace(schedule=name), layer_graph, cluster, cost_model=cm, costs=costs,
+        idle=best.predicted.get("idle_devices", ()),
+      )
+      best = better(best, alt.replace(predicted={**best.predicted, **alt.predicted}))
   pred = dict(best.predicted)
   pred["search"] = stats.to_dict()
   pred["sp_ordering_edges"] = len(sp.added_edges)
