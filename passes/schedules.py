@@ -11,6 +11,8 @@ Generators:
           possible (see passes/inflight.py); the same as 1f1b on a chain.
   zero-bubble: backward split into B (input cotangents) and W (parameter gradients), W placed
           into the bubbles under a per-stage memory bound (see passes/zero_bubble.py).
+  pipedream-async, pipedream-async-vsync, 2bw: 1F1B lanes with stale-weight training semantics
+          (weight stashing, vertical sync, two weight versions; see passes/weight_versions.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import networkx as nx
 
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.inflight import graph_1f1b
+from gpp_jax.passes.weight_versions import pipedream_async, pipedream_async_vsync, two_bw
 from gpp_jax.passes.zero_bubble import zero_bubble
 
 
@@ -90,6 +93,9 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
   "1f1b": one_f_one_b,
   "graph-1f1b": graph_1f1b,
   "zero-bubble": zero_bubble,
+  "pipedream-async": pipedream_async,
+  "pipedream-async-vsync": pipedream_async_vsync,
+  "2bw": two_bw,
 }
 
 

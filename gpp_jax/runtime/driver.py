@@ -231,9 +231,13 @@ class PipelineRunner:
     return placeholder(aval, self.place[s].for_array(aval))
 
   # ---------------------------------------------------------------- per-step inputs
-  def _prepare(self, params: Sequence[Any], data: Sequence[Any]) -> None:
+  def _prepare(
+    self, params: Sequence[Any], data: Sequence[Any], versions: Sequence[Sequence[Any]] | None
+  ) -> None:
     """Per-step stage inputs that do not change across micro-batches (``_fixed[s][j]``:
-    parameters, broadcast data, keys before folding) and the host-side batch chunks."""
+    parameters, broadcast data, keys before folding) and the host-side batch chunks.
+    ``versions[s]``, when given, is the parameter list stage s reads instead of ``params``
+    (stale weights of the asynchronous schedules; each on its owner's devices)."""
     M = self.M
     self._fixed: list[list[Any]] = [[None] * len(st.inputs) for st in self.staged.stages]
     self._batch_chunks: dict[int, list[np.ndarray]] = {}
@@ -241,7 +245,7 @@ class PipelineRunner:
       rep = self.place[s].replicated
       for j, r in enumerate(st.inputs):
         if r.kind == "param":
-          x = params[r.index]
+          x = (params if versions is None else versions[s])[r.index]
           owner = self.staged.param_owner[r.index]
           # Every process issues the same put: a local copy, a send, a receive or a no-op.
           self._fixed[s][j] = x if owner == s else transfer(x, rep)
@@ -359,8 +363,17 @@ class PipelineRunner:
       raise ScheduleError(f"the runtime cannot execute action kind {a.kind}")
 
   # ---------------------------------------------------------------- one step
-  def run(self, params: Sequence[Any], data: Sequence[Any], measure: bool = False):
-    """Returns (loss outputs averaged over micro-batches, parameter gradients on owners)."""
+  def run(
+    self,
+    params: Sequence[Any],
+    data: Sequence[Any],
+    measure: bool = False,
+    versions: Sequence[Sequence[Any]] | None = None,
+  ):
+    """Returns (loss outputs averaged over micro-batches, parameter gradients on owners).
+
+    ``versions[s]``: the parameters stage s computes with, when not ``params`` (stale weights).
+    """
     if measure and self.multiprocess:
       raise GppError(
         "measure=True records device-side times with one thread per stage and "
@@ -383,7 +396,7 @@ class PipelineRunner:
     loss_aval = self._out_avals[ls][lk]
     self._seed = transfer(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.place[ls].replicated)
     t0 = time.perf_counter()
-    self._prepare(params, data)
+    self._prepare(params, data, versions)
     self._pparams = [
       fn.pack_params([x for x, r in zip(self._fixed[s], st.inputs) if r.kind == "param"])
       if fn.pack_params is not None and self.local[s]

@@ -28,6 +28,7 @@ from gpp_jax.passes.layering import Layering, layer_program
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.schedules import plan_schedule
+from gpp_jax.passes.weight_versions import stale_versions
 from gpp_jax.passes.staging import StagedProgram, stage_program
 from gpp_jax.passes.step_split import Piece, StepProgram, split_step
 from gpp_jax.runtime.capture_step import functionalize, recording, value_and_grad_p
@@ -491,7 +492,9 @@ class GraphPipeline:
       read(a) if r in (None, KEY, BROADCAST) else value(a)
       for a, r in zip(marker.invars, c.runner.roles)
     ]
-    outs, grads = c.runner.run(vals[:nparam], vals, measure=self.measure)
+    outs, grads = c.runner.run(
+      vals[:nparam], vals, measure=self.measure, versions=stale_versions(c, vals[:nparam])
+    )
     for o, val in zip(marker.outvars, list(outs) + list(grads)):
       if not isinstance(o, xc.DropVar):
         env[o] = val
