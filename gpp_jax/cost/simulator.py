@@ -334,6 +334,17 @@ def simulate_times(
   )
 
 
+def split_backward(
+  schedule: Schedule, backward: Sequence[float], weight_fraction: Sequence[float]
+) -> tuple[list[float], list[float] | None]:
+  """Per-stage (B, W) seconds: the whole backward and no W unless the schedule has W actions;
+  then W is ``weight_fraction`` of the backward and B the rest."""
+  if not any(a.kind == "W" for lane in schedule.lanes for a in lane):
+    return list(backward), None
+  weight = [b * f for b, f in zip(backward, weight_fraction)]
+  return [b - w for b, w in zip(backward, weight)], weight
+
+
 def simulate(
   plan,
   layer_graph: nx.DiGraph,
@@ -359,10 +370,7 @@ def simulate(
       f"{plan.num_stages}; build the schedule from this plan"
     )
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
-  backward, weight = list(pc.backward), None
-  if any(a.kind == "W" for lane in schedule.lanes for a in lane):
-    weight = [b * f for b, f in zip(pc.backward, pc.weight_fraction)]
-    backward = [b - w for b, w in zip(pc.backward, weight)]
+  backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
   return simulate_times(
     schedule,
     pc.forward,
