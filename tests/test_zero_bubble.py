@@ -163,3 +163,36 @@ def test_sequential_planners_choose_among_schedules(planner, option):
   assert best.schedule in times
   assert best.predicted["iteration_time"] == pytest.approx(min(times.values()))
   assert times["zero-bubble"] < times["1f1b"]
+
+
+def chain_model(p, x):
+  for i in range(4):
+    x = jnp.tanh(apply_dense(p[f"l{i}"], x)) if i < 3 else apply_dense(p[f"l{i}"], x)
+  return x
+
+
+@pytest.mark.parametrize(
+  "planner,options",
+  [("luo", {"orders": ("graph-1f1b",)}), ("luo", {"orders": ("zero-bubble",)}), ("bapipe", {})],
+)
+def test_planner_chosen_order_is_what_the_runtime_runs(planner, options):
+  from gpp_jax.passes.schedules import plan_schedule
+
+  ks = jax.random.split(jax.random.key(5), 4)
+  params = {f"l{i}": dense(ks[i], 8, 8) for i in range(4)}
+  tx = OPTIMIZERS["adamw"]()
+  r, p, pp = compare_steps(
+    mse_step(chain_model, tx),
+    (params, tx.init(params)),
+    make_batch(5, 16, 8, 8),
+    steps=2,
+    num_microbatches=4,
+    devices=jax.devices()[:4],
+    planner=planner,
+    planner_options=options,
+  )
+  assert pp.plan.planner == planner and pp.plan.num_stages >= 2, pp.plan
+  if options:
+    assert pp.plan.schedule == options["orders"][0]
+  assert pp.schedule == plan_schedule(pp.plan)
+  assert max_diff(r[:2], p[:2]) <= TOL
