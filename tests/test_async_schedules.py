@@ -88,3 +88,24 @@ def test_async_schedule_matches_delayed_update_reference(schedule):
   # The stale weights matter: the synchronous loop ends elsewhere.
   sp, _, _ = reference_loop(params, tx, batches, (0, 0, 0, 0))
   assert max_diff(sp, p) > 1e-3
+
+
+def test_simulator_counts_stashed_weight_versions():
+  from gpp_jax.cost.cluster import make_cluster
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.experiments.model_graphs import model_graph
+  from gpp_jax.passes.partition import get_planner
+
+  g = model_graph("mmt")
+  cluster = make_cluster("v100", 8)
+  plan = get_planner("pipedream")(g, cluster, 32, num_microbatches=8)
+  assert plan.num_stages >= 2
+  pc = plan_costs(plan, g, cluster)
+  sync = simulate(plan, g, cluster)
+  for name, delays in (("2bw", [1] * plan.num_stages), ("pipedream-async", None)):
+    res = simulate(plan.replace(schedule=name), g, cluster)
+    assert res.iteration_time == pytest.approx(sync.iteration_time)  # 1F1B lanes per step
+    d = delays or [plan.num_stages - 1 - s for s in range(plan.num_stages)]  # a chain
+    for s in range(plan.num_stages):
+      assert res.stage_memory[s] == pytest.approx(sync.stage_memory[s] + d[s] * pc.param_bytes[s])

@@ -235,6 +235,7 @@ class PlanCosts:
       W action when a schedule splits the backward): half of the backward of the layers with
       parameters (the weight-gradient product costs what the input-gradient product does),
       weighted by forward FLOPs; 0 for a stage without parameters.
+    param_bytes: parameter bytes per device of each stage (one copy of its weights).
   """
 
   forward: tuple[float, ...]
@@ -246,6 +247,7 @@ class PlanCosts:
   activation_memory: tuple[float, ...]
   microbatch: tuple[float, ...]
   weight_fraction: tuple[float, ...] = ()
+  param_bytes: tuple[float, ...] = ()
 
 
 def plan_microbatch(plan, stage) -> float:
@@ -289,7 +291,7 @@ def plan_costs(
   for s in plan.stages:
     for l in s.layers:
       stage_of[costs.index[l]] = s.index
-  fw, bw, up, stat, act, mbs, wfrac = [], [], [], [], [], [], []
+  fw, bw, up, stat, act, mbs, wfrac, pbytes = [], [], [], [], [], [], [], []
   for s in plan.stages:
     idx = [costs.index[l] for l in s.layers]
     mb = plan_microbatch(plan, s)
@@ -307,6 +309,7 @@ def plan_costs(
     total = float(flops.sum())
     share = float(flops[with_params].sum()) / total if total > 0 else float(with_params.any())
     wfrac.append(0.5 * share)
+    pbytes.append(params)
   edge_bytes = stage_edge_bytes(costs, stage_of)
   xfer = {}
   for i, j in plan.edges:
@@ -323,6 +326,7 @@ def plan_costs(
     activation_memory=tuple(act),
     microbatch=tuple(mbs),
     weight_fraction=tuple(wfrac),
+    param_bytes=tuple(pbytes),
   )
 
 

@@ -358,7 +358,8 @@ def simulate(
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
   schedule has W actions, each stage's backward is split into B and W by the cost model's
-  ``weight_fraction``.
+  ``weight_fraction``. Under a stale-weight schedule (PipeDream async, 2BW) a stage's static
+  memory includes the ``d(s)`` older versions of its weights it keeps.
   """
   if schedule is None:
     from gpp_jax.passes.schedules import plan_schedule
@@ -371,6 +372,12 @@ def simulate(
     )
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
+  from gpp_jax.passes.weight_versions import weight_delays
+
+  static = list(pc.static_memory)
+  delays = weight_delays(schedule)
+  if delays is not None:
+    static = [m + d * p for m, d, p in zip(static, delays, pc.param_bytes)]
   return simulate_times(
     schedule,
     pc.forward,
@@ -379,7 +386,7 @@ def simulate(
     update=pc.update,
     activation_transfer=pc.activation_transfer,
     cotangent_transfer=pc.cotangent_transfer,
-    static_memory=pc.static_memory,
+    static_memory=static,
     activation_memory=pc.activation_memory,
     stage_devices=[s.devices for s in plan.stages],
   )
