@@ -2,18 +2,31 @@
 zero-bubble on the MMT and CANDLE-Uno plans.
 
   python benchmarks/schedules.py [--devices=8] [--microbatches=8] [--cluster=v100]
+  python benchmarks/schedules.py --measure [--measure_devices=4] [--repeats=5]
 
 For each model, GraphPipe plans once (with 1F1B, ``--microbatches`` fixed); the same plan (the
 same stages, devices and micro-batches) is then simulated under each schedule, side by side:
-iteration time, throughput, bubble fraction (idle share of the iteration, averaged over stages
-and on the busiest stage, the one that sets the throughput), and per stage the peak micro-batches held against the schedule's bound
-(1F1B: its in-flight count; zero-bubble: the memory bound from device memory, and again with
-the 1F1B counts as the bound, ZB-H1's budget).
+iteration time, throughput, bubble fraction (idle share, averaged over stages and on the
+busiest stage, the one that sets the throughput; over the whole iteration and up to the last
+F/B/W, i.e. without the gradient all-reduce and optimizer tail every schedule shares), and per
+stage the peak micro-batches held against the schedule's bound (1F1B: its in-flight count;
+zero-bubble: the memory bound from device memory, and again with the 1F1B counts as the bound,
+ZB-H1's budget).
+
+With ``--measure`` it also runs the tiny zoo MMT and CANDLE-Uno on forced CPU devices: one
+GraphPipe plan per model, run under each schedule; the median step time of ``--repeats``
+steps (throughput) and, from one more step with ``measure=True`` (each stage blocks on every
+action), the measured bubble fraction per stage (1 - busy / step span).
 """
 
-from __future__ import annotations
+import os
+
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import dataclasses
+import statistics
 import time
 
 from absl import app, flags
@@ -31,18 +44,72 @@ flags.DEFINE_integer("devices", 8, "devices of the cluster")
 flags.DEFINE_integer("microbatches", 8, "micro-batches per iteration")
 flags.DEFINE_string("cluster", "v100", "cluster preset (gpp_jax.cost.cluster.make_cluster)")
 flags.DEFINE_list("models", ["mmt", "candle_uno"], "model graphs (experiments.model_graphs)")
+flags.DEFINE_bool("measure", False, "also run the tiny zoo models on forced CPU devices")
+flags.DEFINE_integer("measure_devices", 4, "forced CPU devices of the measured runs")
+flags.DEFINE_integer("measure_batch", 32, "batch of the measured runs")
+flags.DEFINE_integer("repeats", 5, "timed steps per schedule (median)")
+MEASURED_SCHEDULES = ("1f1b", "graph-1f1b", "zero-bubble")
+
+
+def measured(name):
+  import jax
+
+  import gpp_jax
+  from gpp_jax.experiments import zoo
+
+  devices = jax.devices()[: FLAGS.measure_devices]
+  plan = None
+  print(f"{name} (tiny zoo model), {len(devices)} forced CPU devices, M={FLAGS.microbatches}:")
+  for sched in MEASURED_SCHEDULES:
+    run = zoo.setup(name)
+    (batch,) = run.batches(FLAGS.measure_batch, 1)
+    pp = gpp_jax.graph_pipeline(
+      run.train_step,
+      num_microbatches=FLAGS.microbatches,
+      devices=devices,
+      planner=plan or "graphpipe",
+      schedule=sched,
+    )
+    jax.block_until_ready(pp(run.model, run.optimizer, batch))
+    plan = plan or pp.plan
+    times = []
+    for _ in range(FLAGS.repeats):
+      t = time.perf_counter()
+      jax.block_until_ready(pp(run.model, run.optimizer, batch))
+      times.append(time.perf_counter() - t)
+    pp.measure = True
+    jax.block_until_ready(pp(run.model, run.optimizer, batch))
+    tl = pp.timeline
+    S = pp.plan.num_stages
+    busy = [0.0] * S
+    for e in tl.events:
+      if e.action in ("F", "B", "W"):
+        busy[e.stage] += e.end - e.start
+    span = max(e.end for e in tl.events) - min(e.start for e in tl.events)
+    bubble = [1 - b / span for b in busy]
+    step = statistics.median(times)
+    print(
+      f"  {sched:12s} step {step * 1e3:8.1f} ms  {FLAGS.measure_batch / step:8.1f} samples/s  "
+      f"measured bubble mean {sum(bubble) / S:6.1%} busiest stage {min(bubble):6.1%} "
+      f"({S} stages, depth {pp.plan.depth()})"
+    )
 
 
 def row(name, res, batch, bound):
-  mean_bubble = sum(res.bubble) / len(res.bubble)
+  """Prints one schedule's line; returns its bubbles: (mean, busiest stage) over the whole
+  iteration, and the same up to the last F/B/W (without the UPDATE tail)."""
+  S = res.num_stages
+  compute_end = max(a.end for a in res.actions if a.kind != "UPDATE")
+  pipe = [1 - b / compute_end for b in res.busy]
   held = " ".join(f"{p}/{b}" for p, b in zip(res.peak_in_flight, bound))
   act = max(res.stage_memory) / 2**30
   print(
-    f"  {name:24s} iter {res.iteration_time * 1e3:9.2f} ms  {res.throughput(batch):9.1f} "
-    f"samples/s  bubble mean {mean_bubble:6.1%} busiest stage {min(res.bubble):6.1%}  "
-    f"peak mem {act:6.2f} GiB  held/bound {held}"
+    f"  {name:26s} iter {res.iteration_time * 1e3:8.2f} ms {res.throughput(batch):8.1f} "
+    f"samples/s  bubble mean {sum(res.bubble) / S:5.1%} busiest {min(res.bubble):5.1%}  "
+    f"without UPDATE mean {sum(pipe) / S:5.1%} busiest {min(pipe):5.1%}  "
+    f"peak mem {act:5.2f} GiB  held/bound {held}"
   )
-  return mean_bubble, min(res.bubble)
+  return sum(res.bubble) / S, min(res.bubble), sum(pipe) / S, min(pipe)
 
 
 def main(argv):
@@ -75,12 +142,19 @@ def main(argv):
         stages=tuple(dataclasses.replace(s, in_flight=b) for s, b in zip(plan.stages, bound)),
       )
       out[sched_name] = row(sched_name, simulate(p, g, cluster, schedule=sched), B, bound)
-    for k, what in enumerate(("mean", "busiest-stage")):
+    whats = ("mean", "busiest-stage", "mean (without UPDATE)", "busiest-stage (without UPDATE)")
+    for k, what in enumerate(whats):
       base = out["1f1b"][k]
-      zb = [out[f"zero-bubble ({b} bound)"][k] / base if base else float("nan") for b in ("memory", "1F1B")]
+      zb = [
+        out[f"zero-bubble ({b} bound)"][k] / base if base else float("nan")
+        for b in ("memory", "1F1B")
+      ]
       print(
         f"  zero-bubble / 1F1B {what} bubble: {zb[0]:.2f} (memory bound), {zb[1]:.2f} (1F1B bound)"
       )
+  if FLAGS.measure:
+    for name in FLAGS.models:
+      measured(name)
 
 
 if __name__ == "__main__":

@@ -44,16 +44,16 @@ def _runnable(sched: Schedule) -> bool:
       return [Action("B", c, a.microbatch) for c in g.successors(a.stage)]
     return []
 
-  done, pos = set(), [0] * len(sched.lanes)
+  done, at = set(), [0] * len(sched.lanes)
   while True:
     moved = False
     for s, lane in enumerate(sched.lanes):
-      while pos[s] < len(lane) and all(d in done for d in deps(lane[pos[s]])):
-        done.add(lane[pos[s]])
-        pos[s] += 1
+      while at[s] < len(lane) and all(d in done for d in deps(lane[at[s]])):
+        done.add(lane[at[s]])
+        at[s] += 1
         moved = True
     if not moved:
-      return all(p == len(l) for p, l in zip(pos, sched.lanes))
+      return all(p == len(l) for p, l in zip(at, sched.lanes))
 
 
 def _with_lanes(sched, lanes):

@@ -61,7 +61,7 @@ def test_zero_bubble_dag_matches_one_device(remat):
   sched = pp.schedule
   assert sched.name == "zero-bubble"
   # Every stage runs a W per micro-batch, and some W is deferred past a later F or B.
-  for s, lane in enumerate(sched.lanes):
+  for lane in sched.lanes:
     assert sum(a.kind == "W" for a in lane) == 4
   deferred = [
     a
@@ -133,8 +133,8 @@ def test_planners_simulate_the_split_and_choose_zero_bubble():
   # B and W split the stage's backward time: W is the weight-gradient share.
   pc = plan_costs(plan, g, cluster)
   for s in range(plan.num_stages):
-    b = [a for a in res.actions if a.stage == s and a.kind == "B"][0]
-    w = [a for a in res.actions if a.stage == s and a.kind == "W"][0]
+    b = next(a for a in res.actions if a.stage == s and a.kind == "B")
+    w = next(a for a in res.actions if a.stage == s and a.kind == "W")
     assert (b.end - b.start) + (w.end - w.start) == pytest.approx(pc.backward[s])
     assert w.end - w.start == pytest.approx(pc.backward[s] * pc.weight_fraction[s])
     assert 0 < pc.weight_fraction[s] <= 0.5

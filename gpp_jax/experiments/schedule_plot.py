@@ -47,13 +47,21 @@ def draw_schedule(timeline: Any, path: str, title: str = "") -> str | None:
   busy = [0.0] * stages
   for kind, s, m, start, end in spans:
     w = (end - start) * scale
-    ax.barh(s, w, left=start * scale, height=0.8, color=COLORS.get(kind, "#cccccc"),
-            edgecolor="white", linewidth=0.5)
+    ax.barh(
+      s,
+      w,
+      left=start * scale,
+      height=0.8,
+      color=COLORS.get(kind, "#cccccc"),
+      edgecolor="white",
+      linewidth=0.5,
+    )
     if kind != "UPDATE":
       busy[s] += end - start
       if w > 0.025 * t_end * scale:
-        ax.text(start * scale + w / 2, s, str(m), ha="center", va="center", fontsize=7,
-                color="white")
+        ax.text(
+          start * scale + w / 2, s, str(m), ha="center", va="center", fontsize=7, color="white"
+        )
   bubble = sum(1 - b / t_end for b in busy) / stages if t_end > 0 else 0.0
   ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
   ax.invert_yaxis()

@@ -338,6 +338,7 @@ class PipelineRunner:
         self._wbox[(s, m)] = cts
       if self.local[s] and self.split_w:
         pre = (self._res[(s, m)],) + (() if fn.pack_params is None else (self._pparams[s],))
+        assert fn.bwd_input is not None  # stage_functions always builds the split backward
         in_cts = fn.bwd_input(*pre, cts)
         if self._measuring:
           self._bout[(s, m)] = in_cts
@@ -356,6 +357,7 @@ class PipelineRunner:
       res = self._res.pop((s, m), None)
       if self.local[s]:
         pre = (res,) + (() if fn.pack_params is None else (self._pparams[s],))
+        assert fn.bwd_weight is not None
         self._acc[s] = fn.bwd_weight(*pre, cts, self._acc[s])
     elif a.kind == "UPDATE":
       pass

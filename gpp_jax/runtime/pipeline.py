@@ -28,9 +28,9 @@ from gpp_jax.passes.layering import Layering, layer_program
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.schedules import plan_schedule
-from gpp_jax.passes.weight_versions import stale_versions
 from gpp_jax.passes.staging import StagedProgram, stage_program
 from gpp_jax.passes.step_split import Piece, StepProgram, split_step
+from gpp_jax.passes.weight_versions import stale_versions
 from gpp_jax.runtime.capture_step import functionalize, recording, value_and_grad_p
 from gpp_jax.runtime.driver import (
   BATCH,

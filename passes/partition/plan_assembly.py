@@ -271,9 +271,7 @@ def predict(
     plan = plan.replace(
       stages=tuple(dataclasses.replace(s, in_flight=n) for s, n in zip(plan.stages, bound))
     )
-  sched = _schedule(
-    plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, bound
-  )
+  sched = _schedule(plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, bound)
   res = simulate(plan, layer_graph, cluster, schedule=sched, cost_model=cost_model, costs=costs)
   return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
 

@@ -327,7 +327,11 @@ def graphpipe_plan(
   for name in schedules:
     if name != best.schedule:
       alt = predict(
-        best.replace(schedule=name), layer_graph, cluster, cost_model=cm, costs=costs,
+        best.replace(schedule=name),
+        layer_graph,
+        cluster,
+        cost_model=cm,
+        costs=costs,
         idle=best.predicted.get("idle_devices", ()),
       )
       best = better(best, alt.replace(predicted={**best.predicted, **alt.predicted}))
