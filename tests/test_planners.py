@@ -206,9 +206,9 @@ def test_bapipe_and_luo_choose_schedules_by_simulation():
   g = mg.chain(batch_size=16, layers=6, hidden=512)
   cluster = cpu_cluster(4, memory_per_device=64 * 2**20)
   ba = PLANNERS["bapipe"](g, cluster, 16)
-  assert ba.schedule in ("1f1b", "gpipe", "zero-bubble")
+  assert ba.schedule in ("1f1b", "gpipe")
   lu = PLANNERS["luo"](g, v100_cluster(8), 16)
-  assert lu.schedule in ("1f1b", "graph-1f1b", "gpipe", "zero-bubble")
+  assert lu.schedule in ("1f1b", "graph-1f1b", "gpipe")
   assert lu.predicted["replicas"] * lu.num_stages <= 8
   # BaPipe with only GPipe cannot beat BaPipe free to pick 1F1B.
   only_gpipe = PLANNERS["bapipe"](g, cluster, 16, modes=("gpipe",))
