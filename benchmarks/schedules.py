@@ -32,6 +32,7 @@ import time
 from absl import app, flags
 
 from gpp_jax.cost.cluster import make_cluster
+from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.simulator import simulate
 from gpp_jax.experiments.model_graphs import model_graph
 from gpp_jax.passes.inflight import inflight_counts
@@ -95,19 +96,21 @@ def measured(name):
     )
 
 
-def row(name, res, batch, bound):
+def row(name, res, batch, bound, act_per_mb):
   """Prints one schedule's line; returns its bubbles: (mean, busiest stage) over the whole
   iteration, and the same up to the last F/B/W (without the UPDATE tail)."""
   S = res.num_stages
   compute_end = max(a.end for a in res.actions if a.kind != "UPDATE")
   pipe = [1 - b / compute_end for b in res.busy]
   held = " ".join(f"{p}/{b}" for p, b in zip(res.peak_in_flight, bound))
-  act = max(res.stage_memory) / 2**30
+  act = max(p * a for p, a in zip(res.peak_in_flight, act_per_mb)) / 2**20
+  act_bound = max(b * a for b, a in zip(bound, act_per_mb)) / 2**20
   print(
     f"  {name:26s} iter {res.iteration_time * 1e3:8.2f} ms {res.throughput(batch):8.1f} "
     f"samples/s  bubble mean {sum(res.bubble) / S:5.1%} busiest {min(res.bubble):5.1%}  "
     f"without UPDATE mean {sum(pipe) / S:5.1%} busiest {min(pipe):5.1%}  "
-    f"peak mem {act:5.2f} GiB  held/bound {held}"
+    f"activations {act:6.1f} MiB (bound {act_bound:6.1f}), all {max(res.stage_memory) / 2**30:4.2f}"
+    f" GiB  held/bound {held}"
   )
   return sum(res.bubble) / S, min(res.bubble), sum(pipe) / S, min(pipe)
 
@@ -128,6 +131,7 @@ def main(argv):
     S, edges = plan.num_stages, tuple(plan.edges)
     L = inflight_counts(S, edges, num_microbatches=M).microbatches
     mem = memory_bound(plan, g, cluster)
+    act_per_mb = plan_costs(plan, g, cluster).activation_memory
     out = {}
     for sched_name, bound in (
       ("1f1b", L),
@@ -141,7 +145,8 @@ def main(argv):
         schedule=gen,
         stages=tuple(dataclasses.replace(s, in_flight=b) for s, b in zip(plan.stages, bound)),
       )
-      out[sched_name] = row(sched_name, simulate(p, g, cluster, schedule=sched), B, bound)
+      res = simulate(p, g, cluster, schedule=sched)
+      out[sched_name] = row(sched_name, res, B, bound, act_per_mb)
     whats = ("mean", "busiest-stage", "mean (without UPDATE)", "busiest-stage (without UPDATE)")
     for k, what in enumerate(whats):
       base = out["1f1b"][k]

@@ -21,6 +21,7 @@ from jax.extend import core as xc
 
 from gpp_jax.errors import CaptureError, PlanError
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.backward_split import SplitBackward
 from gpp_jax.passes.capture import host_constant
 
 _BOUNDARY_UNSUPPORTED = {"token", "ref"}
@@ -249,11 +250,11 @@ class StageFunctions:
   where ``cts[k]`` is a tuple of cotangent contributions for output k (summed inside; empty for
   an output nobody differentiates) and ``acc`` the running parameter-gradient sums.
 
-  The backward split in two, for schedules with W actions (zero-bubble), takes the same
-  arguments as ``bwd``: ``bwd_input(residuals, cts) -> activation cotangents`` (B) and
-  ``bwd_weight(residuals, cts, acc) -> acc + parameter grads`` (W). Each is its own executable,
-  so XLA drops the half of the vjp the other computes; the activation-gradient chain inside
-  the stage that both need is computed twice.
+  The backward split in two, for schedules with W actions (zero-bubble; see
+  ``passes/backward_split.py``): ``bwd_input(residuals, cts) -> (activation cotangents, kept)``
+  (B) and ``bwd_weight(residuals, cts, kept, acc) -> acc + parameter grads`` (W), where
+  ``kept`` are the values of B's part of the backward that W reads (so nothing is computed
+  twice). Packed stages take ``pparams`` after the residuals, as ``bwd`` does.
   """
 
   fwd: Callable[..., Any]
@@ -403,6 +404,7 @@ def stage_functions(
     return _pack(zeros)[0] if pack_residuals and not remat else zeros
 
   if pack_residuals and not remat:
+    split = SplitBackward(grads_packed, nparam, lambda grads, acc: finish(grads, acc)[0])
     acc_leaves = jax.jit(lambda acc: _unpack(acc, acc_layout))
     pack_params = jax.jit(lambda params: _pack(params)[0])
     return StageFunctions(
@@ -411,19 +413,15 @@ def stage_functions(
       zeros_acc,
       acc_leaves,
       pack_params,
-      jax.jit(lambda packed, pparams, cts: list(grads_packed(packed, pparams, cts)[nparam:])),
-      jax.jit(
-        lambda packed, pparams, cts, acc: finish(grads_packed(packed, pparams, cts), acc)[0],
-        donate_argnums=(3,),
-      ),
+      split.bwd_input,
+      split.bwd_weight,
     )
+  split = SplitBackward(grads_of, nparam, lambda grads, acc: finish(grads, acc)[0])
   return StageFunctions(
     jax.jit(fwd),
     jax.jit(bwd, donate_argnums=(2,)),
     zeros_acc,
     lambda acc: acc,
-    bwd_input=jax.jit(lambda res, cts: list(grads_of(res, cts)[nparam:])),
-    bwd_weight=jax.jit(
-      lambda res, cts, acc: finish(grads_of(res, cts), acc)[0], donate_argnums=(2,)
-    ),
+    bwd_input=split.bwd_input,
+    bwd_weight=split.bwd_weight,
   )

@@ -204,3 +204,39 @@ def test_planner_chosen_order_is_what_the_runtime_runs(planner, options):
     assert pp.plan.schedule == options["orders"][0]
   assert pp.schedule == plan_schedule(pp.plan)
   assert max_diff(r[:2], p[:2]) <= TOL
+
+
+def test_backward_split_computes_nothing_twice():
+  import numpy as np
+
+  from gpp_jax.passes.backward_split import SplitBackward
+
+  def stage(w1, w2, x):
+    return jnp.tanh(jnp.tanh(x @ w1) @ w2)
+
+  ks = jax.random.split(jax.random.key(0), 4)
+  w1, w2 = jax.random.normal(ks[0], (6, 5)), jax.random.normal(ks[1], (5, 4))
+  x, ct = jax.random.normal(ks[2], (3, 6)), jax.random.normal(ks[3], (3, 4))
+  _, vjp = jax.vjp(stage, w1, w2, x)
+
+  def grads(vjp, ct):
+    return vjp(ct)
+
+  split = SplitBackward(grads, 2, lambda g, acc: [a + b for a, b in zip(acc, g)])
+  in_cts, kept = split.bwd_input(vjp, ct)
+  acc = split.bwd_weight(vjp, ct, kept, [jnp.zeros_like(w1), jnp.zeros_like(w2)])
+  want = vjp(ct)
+  np.testing.assert_allclose(in_cts[0], want[2], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(acc[0], want[0], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(acc[1], want[1], rtol=1e-5, atol=1e-6)
+
+  def dots(closed):
+    return sum(e.primitive.name == "dot_general" for e in closed.jaxpr.eqns)
+
+  full = jax.make_jaxpr(lambda c: vjp(c))(ct)
+  # Two layers: B runs the two input-gradient products, W the two weight-gradient products,
+  # reading the layers' output gradients B kept; together the backward's four, none twice.
+  assert dots(split.input_jaxpr) == 2 and dots(split.weight_jaxpr) == 2
+  assert dots(full) == 4 and split.kept >= 1
+  n_b, n_w = len(split.input_jaxpr.jaxpr.eqns), len(split.weight_jaxpr.jaxpr.eqns)
+  assert n_b + n_w == len(full.jaxpr.eqns)

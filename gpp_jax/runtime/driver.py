@@ -335,11 +335,12 @@ class PipelineRunner:
         cts.append(tuple(contribs))
       acts = [(j, r) for j, r in enumerate(st.inputs) if r.diff and r.kind == "act"]
       if self.split_w:
-        self._wbox[(s, m)] = cts
+        self._wbox[(s, m)] = (cts, None)
       if self.local[s] and self.split_w:
         pre = (self._res[(s, m)],) + (() if fn.pack_params is None else (self._pparams[s],))
         assert fn.bwd_input is not None  # stage_functions always builds the split backward
-        in_cts = fn.bwd_input(*pre, cts)
+        in_cts, kept = fn.bwd_input(*pre, cts)
+        self._wbox[(s, m)] = (cts, kept)
         if self._measuring:
           self._bout[(s, m)] = in_cts
       elif self.local[s]:
@@ -353,12 +354,12 @@ class PipelineRunner:
         p, k = self.out_pos[r.index]
         self._ctbox.setdefault((p, k, m), []).append(self.place[p].put(ct))
     elif a.kind == "W":
-      cts = self._wbox.pop((s, m))
+      cts, kept = self._wbox.pop((s, m))
       res = self._res.pop((s, m), None)
       if self.local[s]:
         pre = (res,) + (() if fn.pack_params is None else (self._pparams[s],))
         assert fn.bwd_weight is not None
-        self._acc[s] = fn.bwd_weight(*pre, cts, self._acc[s])
+        self._acc[s] = fn.bwd_weight(*pre, cts, kept, self._acc[s])
     elif a.kind == "UPDATE":
       pass
     else:
@@ -388,7 +389,7 @@ class PipelineRunner:
     self._ctbox: dict[tuple[int, int, int], list[Any]] = {}
     # (stage, micro-batch) -> forward residuals.
     self._res: dict[tuple[int, int], Any] = {}
-    # (stage, micro-batch) -> output cotangents a W action still needs.
+    # (stage, micro-batch) -> (output cotangents, B's values) a W action still needs.
     self._wbox: dict[tuple[int, int], Any] = {}
     self._bout: dict[tuple[int, int], Any] = {}  # B's input cotangents (measure mode waits)
     self._measuring = measure
