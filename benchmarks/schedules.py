@@ -14,9 +14,10 @@ zero-bubble: the memory bound from device memory, and again with the 1F1B counts
 ZB-H1's budget).
 
 With ``--measure`` it also runs the tiny zoo MMT and CANDLE-Uno on forced CPU devices: one
-GraphPipe plan per model, run under each schedule; the median step time of ``--repeats``
-steps (throughput) and, from one more step with ``measure=True`` (each stage blocks on every
-action), the measured bubble fraction per stage (1 - busy / step span).
+GraphPipe plan per model, run under each schedule, the schedules interleaved step by step;
+the median step time of ``--repeats`` steps (throughput) and, from as many steps with
+``measure=True`` (each stage blocks on every action), the median measured bubble fraction per
+stage (1 - busy / step span).
 """
 
 import os
@@ -48,11 +49,13 @@ flags.DEFINE_list("models", ["mmt", "candle_uno"], "model graphs (experiments.mo
 flags.DEFINE_bool("measure", False, "also run the tiny zoo models on forced CPU devices")
 flags.DEFINE_integer("measure_devices", 4, "forced CPU devices of the measured runs")
 flags.DEFINE_integer("measure_batch", 32, "batch of the measured runs")
-flags.DEFINE_integer("repeats", 5, "timed steps per schedule (median)")
+flags.DEFINE_integer("repeats", 9, "timed steps per schedule (median)")
 MEASURED_SCHEDULES = ("1f1b", "graph-1f1b", "zero-bubble")
 
 
 def measured(name):
+  """Runs the tiny zoo model under each schedule on one plan, the schedules interleaved step by
+  step (so load from elsewhere on the machine hits all alike); prints medians."""
   import jax
 
   import gpp_jax
@@ -61,6 +64,7 @@ def measured(name):
   devices = jax.devices()[: FLAGS.measure_devices]
   plan = None
   print(f"{name} (tiny zoo model), {len(devices)} forced CPU devices, M={FLAGS.microbatches}:")
+  runs = {}
   for sched in MEASURED_SCHEDULES:
     run = zoo.setup(name)
     (batch,) = run.batches(FLAGS.measure_batch, 1)
@@ -73,26 +77,33 @@ def measured(name):
     )
     jax.block_until_ready(pp(run.model, run.optimizer, batch))
     plan = plan or pp.plan
-    times = []
-    for _ in range(FLAGS.repeats):
+    runs[sched] = (pp, run, batch)
+  times: dict[str, list[float]] = {s: [] for s in runs}
+  bubbles: dict[str, list[list[float]]] = {s: [] for s in runs}
+  for _ in range(FLAGS.repeats):
+    for sched, (pp, run, batch) in runs.items():
+      pp.measure = False
       t = time.perf_counter()
       jax.block_until_ready(pp(run.model, run.optimizer, batch))
-      times.append(time.perf_counter() - t)
-    pp.measure = True
-    jax.block_until_ready(pp(run.model, run.optimizer, batch))
-    tl = pp.timeline
+      times[sched].append(time.perf_counter() - t)
+      pp.measure = True  # one step blocking per action: the measured per-stage bubble
+      jax.block_until_ready(pp(run.model, run.optimizer, batch))
+      tl = pp.timeline
+      busy = [0.0] * pp.plan.num_stages
+      for e in tl.events:
+        if e.action in ("F", "B", "W"):
+          busy[e.stage] += e.end - e.start
+      span = max(e.end for e in tl.events) - min(e.start for e in tl.events)
+      bubbles[sched].append([1 - b / span for b in busy])
+  for sched, (pp, _, _) in runs.items():
+    step = statistics.median(times[sched])
     S = pp.plan.num_stages
-    busy = [0.0] * S
-    for e in tl.events:
-      if e.action in ("F", "B", "W"):
-        busy[e.stage] += e.end - e.start
-    span = max(e.end for e in tl.events) - min(e.start for e in tl.events)
-    bubble = [1 - b / span for b in busy]
-    step = statistics.median(times)
+    mean_b = statistics.median(sum(b) / S for b in bubbles[sched])
+    busiest = statistics.median(min(b) for b in bubbles[sched])
     print(
-      f"  {sched:12s} step {step * 1e3:8.1f} ms  {FLAGS.measure_batch / step:8.1f} samples/s  "
-      f"measured bubble mean {sum(bubble) / S:6.1%} busiest stage {min(bubble):6.1%} "
-      f"({S} stages, depth {pp.plan.depth()})"
+      f"  {sched:12s} step median {step * 1e3:7.1f} ms (min {min(times[sched]) * 1e3:6.1f})  "
+      f"{FLAGS.measure_batch / step:7.1f} samples/s  measured bubble mean {mean_b:6.1%} "
+      f"busiest stage {busiest:6.1%} ({S} stages, depth {pp.plan.depth()})"
     )
 
 

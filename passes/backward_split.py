@@ -7,6 +7,8 @@ gradients depend on, less what B already computed: the values W needs from B's p
 cotangents flowing through the stage, e.g. the output gradient of every layer) are extra
 outputs of B, kept until W runs. So B + W do the backward's work once, as one backward does,
 and B is only the critical-path part (for a dense layer, W is the ``x^T g`` product B skips).
+Reshapes, slices and casts of B's inputs that W needs (residuals unpacked from a buffer) are
+redone in W instead of kept, so they hold no second copy.
 """
 
 from __future__ import annotations
@@ -28,6 +30,29 @@ def _live(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
       live.update(a for a in e.invars if isinstance(a, xc.Var))
   keep.reverse()
   return keep
+
+
+_REDO = {
+  "slice",
+  "dynamic_slice",
+  "reshape",
+  "squeeze",
+  "expand_dims",
+  "broadcast_in_dim",
+  "convert_element_type",
+  "transpose",
+  "copy",
+}
+
+
+def _needed(w_eqns: Sequence[Any], outs: Sequence[Any], producer: dict) -> list[Any]:
+  """Values defined by B's equations that W's equations (or outputs) read, in order."""
+  own = {o for e in w_eqns for o in e.outvars}
+  kept: list[Any] = []
+  for v in [a for e in w_eqns for a in e.invars] + list(outs):
+    if isinstance(v, xc.Var) and v in producer and v not in own and v not in kept:
+      kept.append(v)
+  return kept
 
 
 def _jaxpr(closed, invars, outvars, eqns, name):
@@ -64,11 +89,16 @@ class SplitBackward:
     b_eqns = _live(J.eqns, a_out)
     in_b = {id(e) for e in b_eqns}
     w_eqns = [e for e in _live(J.eqns, p_out) if id(e) not in in_b]
-    b_defined = {o for e in b_eqns for o in e.outvars if not isinstance(o, xc.DropVar)}
-    kept: list[Any] = []
-    for v in [a for e in w_eqns for a in e.invars] + list(p_out):
-      if isinstance(v, xc.Var) and v in b_defined and v not in kept:
-        kept.append(v)
+    producer = {o: e for e in b_eqns for o in e.outvars if not isinstance(o, xc.DropVar)}
+    kept = _needed(w_eqns, p_out, producer)
+    # A value B only reshapes or slices out of its inputs (a residual unpacked from a buffer)
+    # is cheaper to redo in W than to keep: keeping it would hold a second copy.
+    while redo := [producer[v] for v in kept if producer[v].primitive.name in _REDO]:
+      have = {id(e) for e in w_eqns}
+      w_eqns += [e for e in {id(e): e for e in redo}.values() if id(e) not in have]
+      order = {id(e): i for i, e in enumerate(J.eqns)}
+      w_eqns.sort(key=lambda e: order[id(e)])
+      kept = _needed(w_eqns, p_out, producer)
     b = _jaxpr(closed, J.invars, list(a_out) + kept, b_eqns, "stage_backward_input")
     w = _jaxpr(closed, list(J.invars) + kept, list(p_out), w_eqns, "stage_backward_weight")
     self.input_jaxpr, self.weight_jaxpr, self.kept = b, w, len(kept)
