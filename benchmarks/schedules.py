@@ -53,7 +53,7 @@ flags.DEFINE_integer("repeats", 9, "timed steps per schedule (median)")
 MEASURED_SCHEDULES = ("1f1b", "graph-1f1b", "zero-bubble")
 
 
-def measured(name):
+def measured(name: str) -> None:
   """Runs the tiny zoo model under each schedule on one plan, the schedules interleaved step by
   step (so load from elsewhere on the machine hits all alike); prints medians."""
   import jax
