@@ -17,13 +17,13 @@ Generators:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import networkx as nx
 
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.inflight import graph_1f1b
-from gpp_jax.passes.weight_versions import pipedream_async, pipedream_async_vsync, two_bw
 from gpp_jax.passes.zero_bubble import zero_bubble
 
 
@@ -86,6 +86,29 @@ def one_f_one_b(
   sched = Schedule("1f1b", M, tuple(sorted(edges)), tuple(lanes))
   validate_schedule(sched)
   return sched
+
+
+def pipedream_async(
+  num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int
+) -> Schedule:
+  """PipeDream's asynchronous 1F1B with weight stashing (passes/weight_versions.py): 1F1B
+  lanes per step, each stage computing with weights ``L(s) - 1`` updates old."""
+  sched = one_f_one_b(num_stages, edges, num_microbatches)
+  return dataclasses.replace(sched, name="pipedream-async")
+
+
+def pipedream_async_vsync(
+  num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int
+) -> Schedule:
+  """PipeDream's asynchronous 1F1B with weight stashing and vertical sync."""
+  sched = one_f_one_b(num_stages, edges, num_microbatches)
+  return dataclasses.replace(sched, name="pipedream-async-vsync")
+
+
+def two_bw(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int) -> Schedule:
+  """PipeDream-2BW: double-buffered weights, gradients coalesced over a step's micro-batches."""
+  sched = one_f_one_b(num_stages, edges, num_microbatches)
+  return dataclasses.replace(sched, name="2bw")
 
 
 GENERATORS: dict[str, Callable[..., Schedule]] = {

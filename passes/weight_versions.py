@@ -25,7 +25,7 @@ at each reader's version, and its gradient contributions are summed).
       coalesced over the micro-batches of a step and computed on the previous version,
       ``d(s) = 1``: W(t + 1) = W(t) - lr * grad f(W(t - 1)).
 
-The lanes within a step are synchronous 1F1B (they are what each step executes; the runtime
+The generators live in ``passes/schedules.py``. The lanes within a step are synchronous 1F1B (they are what each step executes; the runtime
 runs one step per call, so the overlap of consecutive steps that removes PipeDream's flush is
 not realised here: the throughput is 1F1B's, the semantics PipeDream's). The runtime keeps the
 last ``max d(s)`` parameter versions on the owners' devices (weight stashing's memory: stage s
@@ -34,38 +34,12 @@ holds ``d(s) + 1`` copies of its weights).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from gpp_jax.ir.schedule import Schedule
 from gpp_jax.passes.inflight import inflight_counts
 
 ASYNC_SCHEDULES = ("pipedream-async", "pipedream-async-vsync", "2bw")
-
-
-def _one_f_one_b(num_stages, edges, num_microbatches, name) -> Schedule:
-  from gpp_jax.passes.schedules import one_f_one_b
-
-  return dataclasses.replace(one_f_one_b(num_stages, edges, num_microbatches), name=name)
-
-
-def pipedream_async(
-  num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int
-) -> Schedule:
-  """PipeDream's asynchronous 1F1B with weight stashing (see the module docstring)."""
-  return _one_f_one_b(num_stages, edges, num_microbatches, "pipedream-async")
-
-
-def pipedream_async_vsync(
-  num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int
-) -> Schedule:
-  """PipeDream's asynchronous 1F1B with weight stashing and vertical sync."""
-  return _one_f_one_b(num_stages, edges, num_microbatches, "pipedream-async-vsync")
-
-
-def two_bw(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int) -> Schedule:
-  """PipeDream-2BW: double-buffered weights, gradients coalesced over a step's micro-batches."""
-  return _one_f_one_b(num_stages, edges, num_microbatches, "2bw")
 
 
 def weight_delays(sched: Schedule) -> tuple[int, ...] | None:
