@@ -21,6 +21,7 @@ from jax.extend import core as xc
 
 from gpp_jax.errors import CaptureError, PlanError
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.backward_split import SplitBackward
 from gpp_jax.passes.capture import host_constant
 
 _BOUNDARY_UNSUPPORTED = {"token", "ref"}
@@ -248,6 +249,12 @@ class StageFunctions:
   bwd(residuals, cts, acc) -> (acc + parameter grads, activation cotangents)
   where ``cts[k]`` is a tuple of cotangent contributions for output k (summed inside; empty for
   an output nobody differentiates) and ``acc`` the running parameter-gradient sums.
+
+  The backward split in two, for schedules with W actions (zero-bubble; see
+  ``passes/backward_split.py``): ``bwd_input(residuals, cts) -> (activation cotangents, kept)``
+  (B) and ``bwd_weight(residuals, cts, kept, acc) -> acc + parameter grads`` (W), where
+  ``kept`` are the values of B's part of the backward that W reads (so nothing is computed
+  twice). Packed stages take ``pparams`` after the residuals, as ``bwd`` does.
   """
 
   fwd: Callable[..., Any]
@@ -258,6 +265,8 @@ class StageFunctions:
   # Set when the stage is packed: parameters -> the packed form that ``fwd(pparams, acts,
   # nondiff)`` and ``bwd(res, pparams, cts, acc)`` take.
   pack_params: Callable[..., Any] | None = None
+  bwd_input: Callable[..., Any] | None = None
+  bwd_weight: Callable[..., Any] | None = None
 
 
 def _pack(leaves, keep=(), params=(), limit=None):
@@ -356,10 +365,13 @@ def stage_functions(
     def fwd(diff, nondiff):
       return call(diff, nondiff), (diff, nondiff)
 
-    def bwd(res, cts, acc):
+    def grads_of(res, cts):
       diff, nondiff = res
       _, vjp = jax.vjp(lambda *d: call(d, nondiff), *diff)
-      return finish(vjp(cotangents(cts)), acc)
+      return vjp(cotangents(cts))
+
+    def bwd(res, cts, acc):
+      return finish(grads_of(res, cts), acc)
   elif pack_residuals:
     residuals = {}  # the vjp's tree and layout, recorded when the forward is traced
     acc_layout = _layout(in_avals[:nparam], limit=pack_limit)
@@ -381,23 +393,30 @@ def stage_functions(
       )
       return outs, packed
 
-    def bwd_packed(packed, pparams, cts, acc):
+    def grads_packed(packed, pparams, cts):
       params = _unpack(pparams, acc_layout)
       vjp = jax.tree.unflatten(residuals["tree"], _unpack(packed, residuals["layout"], params))
-      return finish(vjp(cotangents(cts)), acc)
+      return vjp(cotangents(cts))
+
+    def bwd_packed(packed, pparams, cts, acc):
+      return finish(grads_packed(packed, pparams, cts), acc)
   else:
 
     def fwd(diff, nondiff):
       return jax.vjp(lambda *d: call(d, nondiff), *diff)
 
+    def grads_of(vjp, cts):
+      return vjp(cotangents(cts))
+
     def bwd(vjp, cts, acc):
-      return finish(vjp(cotangents(cts)), acc)
+      return finish(grads_of(vjp, cts), acc)
 
   def zeros_acc():
     zeros = [jnp.zeros(a.shape, a.dtype) for a in in_avals[:nparam]]
     return _pack(zeros, limit=pack_limit)[0] if pack_residuals and not remat else zeros
 
   if pack_residuals and not remat:
+    split = SplitBackward(grads_packed, nparam, lambda grads, acc: finish(grads, acc)[0])
     acc_leaves = jax.jit(lambda acc: _unpack(acc, acc_layout))
     pack_params = jax.jit(lambda params: _pack(params, limit=pack_limit)[0])
     return StageFunctions(
@@ -406,5 +425,15 @@ def stage_functions(
       zeros_acc,
       acc_leaves,
       pack_params,
+      split.bwd_input,
+      split.bwd_weight,
     )
-  return StageFunctions(jax.jit(fwd), jax.jit(bwd, donate_argnums=(2,)), zeros_acc, lambda acc: acc)
+  split = SplitBackward(grads_of, nparam, lambda grads, acc: finish(grads, acc)[0])
+  return StageFunctions(
+    jax.jit(fwd),
+    jax.jit(bwd, donate_argnums=(2,)),
+    zeros_acc,
+    lambda acc: acc,
+    bwd_input=split.bwd_input,
+    bwd_weight=split.bwd_weight,
+  )

@@ -180,3 +180,17 @@ def test_updated_state_comes_back_where_the_next_step_reads_it():
     if isinstance(x, jax.Array) and h >= 0 and x.devices() != {c.placements[h].devices[0]}
   ]
   assert not moved
+
+
+def test_stale_weight_schedules_are_not_fused():
+  """2BW reads weights one update old even on one stage: it runs action by action."""
+  params = _params()
+  kw = dict(num_microbatches=M, devices=jax.devices()[:1], batch_argnums=3)
+  keys = jax.random.key(1)
+  with pytest.warns(UserWarning, match="one device"):
+    sync = gpp_jax.graph_pipeline(step, **kw)
+    stale = gpp_jax.graph_pipeline(step, schedule="2bw", **kw)
+  sync(params, tx.init(params), keys, _batch())
+  stale(params, tx.init(params), keys, _batch())
+  assert sync._last.fused is not None
+  assert stale._last.fused is None

@@ -120,6 +120,12 @@ def test_train_entry_point_writes_a_run_folder(tmp_path):
   assert "digraph stages" in (tmp_path / "stage_graph.dot").read_text()
   plan = json.loads((tmp_path / "plan.json").read_text())
   assert plan["planner"] == "graphpipe"  # from the flagfile
+  # The schedule visualiser: the plan under every schedule, and the measured step.
+  from gpp_jax.passes.schedules import GENERATORS
+
+  for name in [*GENERATORS, "measured"]:
+    png = (tmp_path / f"schedule_{name}.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, name
 
 
 def test_train_reruns_a_saved_plan_exactly(tmp_path):

@@ -30,20 +30,41 @@ def write_predicted_timeline(pipeline, cluster, path: str):
   return result
 
 
+def write_schedule_pngs(pipeline, cluster, run_dir: str) -> list[str]:
+  """``schedule_<name>.png`` for the plan under every schedule (simulated) and
+  ``schedule_measured.png`` for the last step's timeline, into ``run_dir``; nothing without
+  matplotlib."""
+  from gpp_jax.experiments.schedule_plot import draw_schedule, schedule_pngs
+
+  c = pipeline._require()  # pylint: disable=protected-access
+  graph = lg.scaled(pipeline.layer_graph, c.batch_size)
+  written = schedule_pngs(pipeline.plan, graph, cluster, run_dir)
+  tl = pipeline.timeline
+  if written and tl is not None and tl.events:
+    what = "measured" if tl.measured else "host dispatch"
+    got = draw_schedule(
+      tl, os.path.join(run_dir, "schedule_measured.png"), f"{pipeline.schedule.name} ({what})"
+    )
+    written += [got] if got else []
+  return written
+
+
 def host_aware_time(pipeline, cluster, per_action: float, outside: float, cores: int) -> float:
   """Seconds of one step as the simulator's host mode predicts it: the driver's one thread
   issues the schedule's actions in dispatch order, ``per_action`` seconds each, sharing
   ``cores`` cores with the computing (forced CPU) devices; plus ``outside`` seconds of host
   time the step spends outside the pipeline."""
   from gpp_jax.cost.cost_model import plan_costs
-  from gpp_jax.cost.simulator import simulate_times
+  from gpp_jax.cost.simulator import simulate_times, split_backward
 
   c = pipeline._require()  # pylint: disable=protected-access
   pc = plan_costs(pipeline.plan, lg.scaled(pipeline.layer_graph, c.batch_size), cluster)
+  backward, weight = split_backward(pipeline.schedule, pc.backward, pc.weight_fraction)
   hosted = simulate_times(
     pipeline.schedule,
     pc.forward,
-    pc.backward,
+    backward,
+    weight=weight,
     update=pc.update,
     activation_transfer=pc.activation_transfer,
     cotangent_transfer=pc.cotangent_transfer,

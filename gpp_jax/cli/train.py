@@ -11,6 +11,8 @@ Logs loss, throughput and progress while it runs and writes a run folder (``--ru
   stage_graph.dot (.svg)     the stage DAG (SVG when Graphviz's ``dot`` is installed)
   timeline_measured.json     Chrome/Perfetto trace of the last step, measured per action
   timeline_predicted.json    the simulator's prediction of the same schedule
+  schedule_<name>.png        the plan simulated under every schedule, one PNG each, and
+  schedule_measured.png      the measured last step (with matplotlib, the ``plots`` extra)
   metrics.jsonl              one JSON object per logged step
   summary.json               measured step time beside the predicted ones
 
@@ -49,7 +51,8 @@ flags.DEFINE_string(
 flags.DEFINE_string(
   "schedule",
   None,
-  "micro-batch schedule: 1f1b, gpipe or graph-1f1b (default: the planner's choice)",
+  "micro-batch schedule: 1f1b, gpipe, graph-1f1b, zero-bubble, pipedream-async, "
+  "pipedream-async-vsync or 2bw (default: the planner's choice)",
 )
 flags.DEFINE_integer(
   "num_devices",
@@ -427,6 +430,7 @@ def _main(argv: list[str]) -> None:
     predicted = reporting.write_predicted_timeline(
       pp, cluster, os.path.join(run_dir, "timeline_predicted.json")
     )
+    reporting.write_schedule_pngs(pp, cluster, run_dir)
     summary = reporting.step_time_summary(pp, cluster, step_ms, dispatch, predicted)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)

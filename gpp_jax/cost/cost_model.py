@@ -231,6 +231,11 @@ class PlanCosts:
     static_memory: bytes per device of weights, gradients and optimizer state, per stage.
     activation_memory: bytes per device stashed for one micro-batch, per stage.
     microbatch: samples per micro-batch, per stage.
+    weight_fraction: the share of each stage's backward that computes parameter gradients (the
+      W action when a schedule splits the backward): half of the backward of the layers with
+      parameters (the weight-gradient product costs what the input-gradient product does),
+      weighted by forward FLOPs; 0 for a stage without parameters.
+    param_bytes: parameter bytes per device of each stage (one copy of its weights).
   """
 
   forward: tuple[float, ...]
@@ -241,6 +246,8 @@ class PlanCosts:
   static_memory: tuple[float, ...]
   activation_memory: tuple[float, ...]
   microbatch: tuple[float, ...]
+  weight_fraction: tuple[float, ...] = ()
+  param_bytes: tuple[float, ...] = ()
 
 
 def plan_microbatch(plan, stage) -> float:
@@ -284,7 +291,7 @@ def plan_costs(
   for s in plan.stages:
     for l in s.layers:
       stage_of[costs.index[l]] = s.index
-  fw, bw, up, stat, act, mbs = [], [], [], [], [], []
+  fw, bw, up, stat, act, mbs, wfrac, pbytes = [], [], [], [], [], [], [], []
   for s in plan.stages:
     idx = [costs.index[l] for l in s.layers]
     mb = plan_microbatch(plan, s)
@@ -297,6 +304,12 @@ def plan_costs(
     stat.append(cm.static_memory(params))
     act.append(cm.activation_memory(float(costs.saved_ps[idx].sum()), mb, dp, 1))
     mbs.append(mb)
+    flops = costs.flops_ps[idx]
+    with_params = costs.param_bytes[idx] > 0
+    total = float(flops.sum())
+    share = float(flops[with_params].sum()) / total if total > 0 else float(with_params.any())
+    wfrac.append(0.5 * share)
+    pbytes.append(params)
   edge_bytes = stage_edge_bytes(costs, stage_of)
   xfer = {}
   for i, j in plan.edges:
@@ -312,6 +325,8 @@ def plan_costs(
     static_memory=tuple(stat),
     activation_memory=tuple(act),
     microbatch=tuple(mbs),
+    weight_fraction=tuple(wfrac),
+    param_bytes=tuple(pbytes),
   )
 
 

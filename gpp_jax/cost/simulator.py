@@ -341,6 +341,17 @@ def simulate_times(
   )
 
 
+def split_backward(
+  schedule: Schedule, backward: Sequence[float], weight_fraction: Sequence[float]
+) -> tuple[list[float], list[float] | None]:
+  """Per-stage (B, W) seconds: the whole backward and no W unless the schedule has W actions;
+  then W is ``weight_fraction`` of the backward and B the rest."""
+  if not any(a.kind == "W" for lane in schedule.lanes for a in lane):
+    return list(backward), None
+  weight = [b * f for b, f in zip(backward, weight_fraction)]
+  return [b - w for b, w in zip(backward, weight)], weight
+
+
 def simulate(
   plan,
   layer_graph: nx.DiGraph,
@@ -353,29 +364,40 @@ def simulate(
 ) -> SimResult:
   """Plan + LayerGraph + Cluster -> SimResult, with times and memory from the cost model.
 
-  ``schedule`` defaults to the plan's named schedule generator over its stage graph. By
-  default every stage pair has a link of its own; ``shared_nic=True`` makes the transfers
-  that cross nodes into one node (by the receiving stage's first device) queue on that node's
-  one inbound interface (``nic_channels``).
+  ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
+  schedule has W actions, each stage's backward is split into B and W by the cost model's
+  ``weight_fraction``. Under a stale-weight schedule (PipeDream async, 2BW) a stage's static
+  memory includes the ``d(s)`` older versions of its weights it keeps. By default every stage
+  pair has a link of its own; ``shared_nic=True`` makes the transfers that cross nodes into one
+  node (by the receiving stage's first device) queue on that node's one inbound interface
+  (``nic_channels``).
   """
   if schedule is None:
-    from gpp_jax.passes.schedules import make_schedule
+    from gpp_jax.passes.schedules import plan_schedule
 
-    schedule = make_schedule(plan.schedule, plan.num_stages, plan.edges, plan.num_microbatches)
+    schedule = plan_schedule(plan)
   if schedule.num_stages != plan.num_stages:
     raise ValueError(
       f"the schedule has {schedule.num_stages} stages but the plan "
       f"{plan.num_stages}; build the schedule from this plan"
     )
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
+  backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
+  from gpp_jax.passes.weight_versions import weight_delays
+
+  static = list(pc.static_memory)
+  delays = weight_delays(schedule)
+  if delays is not None:
+    static = [m + d * p for m, d, p in zip(static, delays, pc.param_bytes)]
   return simulate_times(
     schedule,
     pc.forward,
-    pc.backward,
+    backward,
+    weight=weight,
     update=pc.update,
     activation_transfer=pc.activation_transfer,
     cotangent_transfer=pc.cotangent_transfer,
-    static_memory=pc.static_memory,
+    static_memory=static,
     activation_memory=pc.activation_memory,
     stage_devices=[s.devices for s in plan.stages],
     channels=nic_channels(plan, cluster) if shared_nic else None,

@@ -122,9 +122,10 @@ def validate_schedule(sched: Schedule) -> None:
   """Raises ScheduleError unless ``sched`` is complete, ordered, and runs without deadlock.
 
   Checks: every stage runs F and B exactly once per micro-batch (and W if it uses W anywhere);
-  per-stage order F^k before F^(k+1), B^k before B^(k+1), F^k before B^k; UPDATE, if present,
-  comes last; and executing the lanes in order (each action waits for its dependencies)
-  finishes. The message shows the schedule grid with the offending action marked.
+  per-stage order F^k before F^(k+1), B^k before B^(k+1), F^k before B^k (B^k before W^k);
+  UPDATE, if any stage has one, ends every lane; and executing the lanes in order (each action
+  waits for its dependencies) finishes. The message names the missing or misplaced action and
+  shows the schedule grid with the offending action marked.
   """
   g = sched.stage_graph()
   if not nx.is_directed_acyclic_graph(g):
@@ -133,6 +134,7 @@ def validate_schedule(sched: Schedule) -> None:
     raise ScheduleError(f"edges {sched.edges} name stages outside 0..{sched.num_stages - 1}")
   M = sched.num_microbatches
   split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
+  has_update = any(a.kind == "UPDATE" for lane in sched.lanes for a in lane)
   for s, lane in enumerate(sched.lanes):
     seen = set()
     last = {"F": -1, "B": -1, "W": -1}
@@ -144,21 +146,28 @@ def validate_schedule(sched: Schedule) -> None:
       seen.add(a)
       if a.kind == "UPDATE":
         if i != len(lane) - 1:
-          _fail(sched, a, f"UPDATE of stage {s} must be its last action")
+          _fail(sched, a, f"{a} must be the last action of stage {s}, not before {lane[-1]}")
         continue
       if not 0 <= a.microbatch < M:
         _fail(sched, a, f"micro-batch {a.microbatch} outside 0..{M - 1}")
       if a.microbatch != last[a.kind] + 1:
+        expected = Action(a.kind, s, last[a.kind] + 1)
         _fail(
           sched,
           a,
-          f"stage {s} runs {a.kind} out of order: expected micro-batch {last[a.kind] + 1} next",
+          f"stage {s} runs {a.kind} out of order: {a} comes where {expected} should "
+          f"({expected} is missing or later in the lane)",
         )
       last[a.kind] = a.microbatch
       if a.kind == "B" and Action("F", s, a.microbatch) not in seen:
         _fail(sched, a, f"{a} comes before F{s}.{a.microbatch} on its stage")
       if a.kind == "W" and Action("B", s, a.microbatch) not in seen:
         _fail(sched, a, f"{a} comes before B{s}.{a.microbatch} on its stage")
+    if has_update and (not lane or lane[-1] != Action("UPDATE", s)):
+      raise ScheduleError(
+        f"stage {s} never runs UPDATE{s}: other stages end with an UPDATE, so every lane must "
+        f"(add UPDATE{s} at the end of stage {s}'s lane)\n{sched.grid()}"
+      )
     kinds = ("F", "B", "W") if split_w else ("F", "B")
     for k in kinds:
       if last[k] != M - 1:

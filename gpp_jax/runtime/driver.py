@@ -232,6 +232,9 @@ class PipelineRunner:
           self.expect[key] = self.expect.get(key, 0) + 1
     self.last_timeline: Timeline | None = None
     self.order = dispatch_order(schedule)
+    # With W actions (zero-bubble) B computes the input cotangents only and W the parameter
+    # gradients later, from the same residuals and output cotangents.
+    self.split_w = any(a.kind == "W" for lane in schedule.lanes for a in lane)
     self.local = [is_local(p) for p in self.place]
     self.multiprocess = jax.process_count() > 1
     self._out_avals = [[v.aval for v in st.jaxpr.jaxpr.outvars] for st in staged.stages]
@@ -242,9 +245,13 @@ class PipelineRunner:
     return placeholder(aval, self.place[s].for_array(aval))
 
   # ---------------------------------------------------------------- per-step inputs
-  def _prepare(self, params: Sequence[Any], data: Sequence[Any]) -> None:
+  def _prepare(
+    self, params: Sequence[Any], data: Sequence[Any], versions: Sequence[Sequence[Any]] | None
+  ) -> None:
     """Per-step stage inputs that do not change across micro-batches (``_fixed[s][j]``:
-    parameters, broadcast data, keys before folding) and the host-side batch chunks."""
+    parameters, broadcast data, keys before folding) and the host-side batch chunks.
+    ``versions[s]``, when given, is the parameter list stage s reads instead of ``params``
+    (stale weights of the asynchronous schedules; each on its owner's devices)."""
     M = self.M
     self._fixed: list[list[Any]] = [[None] * len(st.inputs) for st in self.staged.stages]
     self._batch_chunks: dict[int, list[Any]] = {}
@@ -252,7 +259,7 @@ class PipelineRunner:
       rep = self.place[s].replicated
       for j, r in enumerate(st.inputs):
         if r.kind == "param":
-          x = params[r.index]
+          x = (params if versions is None else versions[s])[r.index]
           owner = self.staged.param_owner[r.index]
           # Every process issues the same put: a local copy, a send, a receive or a no-op.
           self._fixed[s][j] = x if owner == s else transfer(x, rep)
@@ -302,6 +309,8 @@ class PipelineRunner:
         len(self._ctbox.get((a.stage, k, a.microbatch), ())) == self.expect.get((a.stage, k), 0)
         for k in range(len(st.outputs))
       )
+    if a.kind == "W":
+      return (a.stage, a.microbatch) in self._wbox
     return True
 
   def _run_action(self, a: Action):
@@ -338,7 +347,16 @@ class PipelineRunner:
           contribs.append(self._seed)
         cts.append(tuple(contribs))
       acts = [(j, r) for j, r in enumerate(st.inputs) if r.diff and r.kind == "act"]
-      if self.local[s]:
+      if self.split_w:
+        self._wbox[(s, m)] = (cts, None)
+      if self.local[s] and self.split_w:
+        pre = (self._res[(s, m)],) + (() if fn.pack_params is None else (self._pparams[s],))
+        assert fn.bwd_input is not None  # stage_functions always builds the split backward
+        in_cts, kept = fn.bwd_input(*pre, cts)
+        self._wbox[(s, m)] = (cts, kept)
+        if self._measuring:
+          self._bout[(s, m)] = in_cts
+      elif self.local[s]:
         if fn.pack_params is not None:
           self._acc[s], in_cts = fn.bwd(self._res.pop((s, m)), self._pparams[s], cts, self._acc[s])
         else:
@@ -348,14 +366,30 @@ class PipelineRunner:
       for (_, r), ct in zip(acts, in_cts):
         p, k = self.out_pos[r.index]
         self._ctbox.setdefault((p, k, m), []).append(self.place[p].put(ct))
+    elif a.kind == "W":
+      cts, kept = self._wbox.pop((s, m))
+      res = self._res.pop((s, m), None)
+      if self.local[s]:
+        pre = (res,) + (() if fn.pack_params is None else (self._pparams[s],))
+        assert fn.bwd_weight is not None
+        self._acc[s] = fn.bwd_weight(*pre, cts, kept, self._acc[s])
     elif a.kind == "UPDATE":
       pass
     else:
       raise ScheduleError(f"the runtime cannot execute action kind {a.kind}")
 
   # ---------------------------------------------------------------- one step
-  def run(self, params: Sequence[Any], data: Sequence[Any], measure: bool = False):
-    """Returns (loss outputs averaged over micro-batches, parameter gradients on owners)."""
+  def run(
+    self,
+    params: Sequence[Any],
+    data: Sequence[Any],
+    measure: bool = False,
+    versions: Sequence[Sequence[Any]] | None = None,
+  ):
+    """Returns (loss outputs averaged over micro-batches, parameter gradients on owners).
+
+    ``versions[s]``: the parameters stage s computes with, when not ``params`` (stale weights).
+    """
     if measure and self.multiprocess:
       raise GppError(
         "measure=True records device-side times with one thread per stage and "
@@ -368,13 +402,17 @@ class PipelineRunner:
     self._ctbox: dict[tuple[int, int, int], list[Any]] = {}
     # (stage, micro-batch) -> forward residuals.
     self._res: dict[tuple[int, int], Any] = {}
+    # (stage, micro-batch) -> (output cotangents, B's values) a W action still needs.
+    self._wbox: dict[tuple[int, int], Any] = {}
+    self._bout: dict[tuple[int, int], Any] = {}  # B's input cotangents (measure mode waits)
+    self._measuring = measure
     nloss = len(self.staged.loss_outputs)
     self._loss_vals: list[list[Any]] = [[None] * nloss for _ in range(M)]
     ls, lk = self.staged.loss_outputs[0]
     loss_aval = self._out_avals[ls][lk]
     self._seed = transfer(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.place[ls].replicated)
     t0 = time.perf_counter()
-    self._prepare(params, data)
+    self._prepare(params, data, versions)
     self._pparams = [
       fn.pack_params([x for x, r in zip(self._fixed[s], st.inputs) if r.kind == "param"])
       if fn.pack_params is not None and self.local[s]
@@ -453,6 +491,8 @@ class PipelineRunner:
     if a.kind == "F":
       return self._res.get((a.stage, a.microbatch))
     if a.kind == "B":
+      return self._bout.pop((a.stage, a.microbatch), self._acc[a.stage])
+    if a.kind == "W":
       return self._acc[a.stage]
     return None
 

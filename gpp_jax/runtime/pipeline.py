@@ -28,9 +28,10 @@ from gpp_jax.passes.capture import inline_calls
 from gpp_jax.passes.layering import Layering, layer_program
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
-from gpp_jax.passes.schedules import make_schedule
+from gpp_jax.passes.schedules import plan_schedule
 from gpp_jax.passes.staging import StagedProgram, stage_program
 from gpp_jax.passes.step_split import Piece, StepProgram, split_step
+from gpp_jax.passes.weight_versions import stale_versions, weight_delays
 from gpp_jax.runtime.capture_step import functionalize, recording, value_and_grad_p
 from gpp_jax.runtime.driver import (
   BATCH,
@@ -349,7 +350,7 @@ class GraphPipeline:
       check_same_plan(plan, self.timeout_s)
     placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
-    sched = make_schedule(plan.schedule, plan.num_stages, plan.edges, M)
+    sched = plan_schedule(plan)
     nloss = len(loss.jaxpr.outvars)
     in_home = [staged.param_owner[j] if j < nparam else -1 for j in range(len(marker.invars))]
     out_home = [staged.loss_outputs[k][0] for k in range(nloss)] + list(staged.param_owner[:nparam])
@@ -362,6 +363,7 @@ class GraphPipeline:
       and plan.num_stages == 1
       and len(plan.stages[0].devices) == 1
       and jax.process_count() == 1
+      and weight_delays(sched) is None  # stale-weight schedules keep older versions
     ):
       fused = fused_step(prog, loss, roles, M, mb)
     logging.info(
@@ -516,7 +518,9 @@ class GraphPipeline:
       read(a) if r in (None, KEY, BROADCAST) else value(a)
       for a, r in zip(marker.invars, c.runner.roles)
     ]
-    outs, grads = c.runner.run(vals[:nparam], vals, measure=self.measure)
+    outs, grads = c.runner.run(
+      vals[:nparam], vals, measure=self.measure, versions=stale_versions(c, vals[:nparam])
+    )
     for o, val in zip(marker.outvars, list(outs) + list(grads)):
       if not isinstance(o, xc.DropVar):
         env[o] = val
@@ -581,8 +585,9 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
     planner: a planner name (``"balanced"``, and the cost-model planners), a ``Plan``, a
       ``gpp_jax.manual_plan(...)``, or a callable ``(layer_graph, cluster, batch_size,
       num_microbatches=) -> Plan``.
-    schedule: ``"1f1b"``, ``"gpipe"`` or ``"graph-1f1b"``; None (default) keeps the plan's
-      (planners choose; a manual plan uses 1F1B).
+    schedule: ``"1f1b"``, ``"gpipe"``, ``"graph-1f1b"`` or ``"zero-bubble"`` (backward split
+      into input and weight gradients, the latter deferred into bubbles); None (default) keeps
+      the plan's (planners choose; a manual plan uses 1F1B).
     batch_argnums: positions of the batch arguments (default: the last argument).
     remat: recompute each stage's forward in its backward instead of keeping residuals.
     layer_depth: truncate layer paths to this many components (coarser layers).

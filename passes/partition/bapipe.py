@@ -36,6 +36,8 @@ from gpp_jax.passes.partition.plan_assembly import (
 from gpp_jax.passes.partition.range_costs import RangeCosts
 
 MODES = ("1f1b", "gpipe")
+# Every schedule mode BaPipe can explore (``modes=``); the default keeps the paper's two.
+ALL_MODES = ("1f1b", "gpipe", "zero-bubble")
 
 
 def balanced_ranges(
@@ -83,7 +85,7 @@ def bapipe_plan(
   Args:
     layer_graph, cluster, batch_size, num_microbatches: as for every planner.
     cost_model: the CostModel.
-    modes: schedule modes to explore ("1f1b", "gpipe").
+    modes: schedule modes to explore (default "1f1b" and "gpipe"; ALL_MODES adds "zero-bubble").
     max_microbatches: skip micro-batch sizes needing more micro-batches than this.
     simulate_top: how many ranked candidates are simulated.
   """

@@ -46,6 +46,9 @@ from gpp_jax.passes.partition.plan_assembly import (
 from gpp_jax.passes.partition.range_costs import RangeCosts
 
 ORDERS = ("1f1b", "graph-1f1b", "gpipe")
+# Every order Luo et al.'s planner can choose among (``orders=``); the default keeps the synchronous
+# orders of the reconstruction.
+ALL_ORDERS = ("1f1b", "graph-1f1b", "gpipe", "zero-bubble")
 
 
 def _crossing(costs, n: int) -> np.ndarray:
@@ -130,7 +133,8 @@ def luo_plan(
   Args:
     layer_graph, cluster, batch_size, num_microbatches: as for every planner.
     cost_model: the CostModel.
-    orders: micro-batch processing orders (schedule generators) to choose from.
+    orders: micro-batch processing orders (schedule generators) to choose from (ALL_ORDERS adds
+      "zero-bubble" to the default three).
     max_microbatches: skip micro-batch sizes needing more micro-batches than this.
     simulate_top: how many partitions (best estimates first) are simulated in every order.
   """

@@ -10,6 +10,7 @@ model's prediction (simulated iteration time, throughput, per-stage memory) in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Sequence
@@ -18,14 +19,20 @@ from typing import Any, overload
 import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster, as_cluster
-from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
+from gpp_jax.cost.cost_model import (
+  DEFAULT_COST_MODEL,
+  CostModel,
+  LayerCosts,
+  layer_costs,
+  plan_costs,
+)
 from gpp_jax.cost.simulator import SimResult, simulate
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import validate_layer_graph
 from gpp_jax.ir.plan import Plan, Stage, stage_edges
 from gpp_jax.ir.schedule import Schedule
 from gpp_jax.passes.inflight import inflight_counts
-from gpp_jax.passes.schedules import make_schedule
+from gpp_jax.passes.schedules import make_schedule, plan_schedule
 
 # Sweeps skip micro-batch sizes that need more micro-batches than this (none of the
 # benchmark optima comes near it; it bounds simulation cost).
@@ -216,8 +223,31 @@ def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...
 
 
 @functools.lru_cache(maxsize=512)
-def _schedule(name: str, num_stages: int, edges: tuple, num_microbatches: int) -> Schedule:
-  return make_schedule(name, num_stages, edges, num_microbatches)
+def _schedule(
+  name: str, num_stages: int, edges: tuple, num_microbatches: int, bound: tuple | None = None
+) -> Schedule:
+  return make_schedule(name, num_stages, edges, num_microbatches, memory_bound=bound)
+
+
+def memory_bound(
+  plan: Plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  *,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+) -> tuple[int, ...]:
+  """Per stage, the most micro-batches whose activations fit in a device's memory next to
+  the stage's weights and optimizer state (at least 1, at most M): the bound a zero-bubble
+  schedule is generated under."""
+  pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
+  M = plan.num_microbatches
+  out = []
+  for static, act in zip(pc.static_memory, pc.activation_memory):
+    room = cluster.memory_per_device - static
+    n = M if act <= 0 else int(room // act)
+    out.append(max(1, min(M, n)))
+  return tuple(out)
 
 
 def predict(
@@ -230,8 +260,18 @@ def predict(
   info: dict[str, Any] | None = None,
   idle: Sequence[int] = (),
 ) -> Plan:
-  """Plan -> the same Plan with ``predicted`` filled in from a simulation."""
-  sched = _schedule(plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches)
+  """Plan -> the same Plan with ``predicted`` filled in from a simulation.
+
+  A zero-bubble plan gets its memory bound (``memory_bound``) as the stages' ``in_flight``,
+  which is what its schedule is generated under (``passes.schedules.plan_schedule``).
+  """
+  bound = None
+  if plan.schedule == "zero-bubble":
+    bound = memory_bound(plan, layer_graph, cluster, cost_model=cost_model, costs=costs)
+    plan = plan.replace(
+      stages=tuple(dataclasses.replace(s, in_flight=n) for s, n in zip(plan.stages, bound))
+    )
+  sched = _schedule(plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, bound)
   res = simulate(plan, layer_graph, cluster, schedule=sched, cost_model=cost_model, costs=costs)
   return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
 
@@ -310,4 +350,4 @@ def no_plan_error(
 
 def schedule_for(plan: Plan):
   """The Schedule the runtime will execute for ``plan``."""
-  return make_schedule(plan.schedule, plan.num_stages, plan.edges, plan.num_microbatches)
+  return plan_schedule(plan)

@@ -29,6 +29,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   microbatch_sizes,
   no_plan_error,
   planner_inputs,
+  predict,
 )
 from gpp_jax.passes.partition.refine import polish
 from gpp_jax.passes.series_parallel import sp_decompose
@@ -151,6 +152,7 @@ def graphpipe_plan(
   seed_plans: Sequence[Plan] = (),
   polish_plans: bool = True,
   tighten_bisection: bool = True,
+  schedules: tuple[str, ...] = (),
 ) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
 
@@ -190,6 +192,10 @@ def graphpipe_plan(
       what the search alone finds).
     tighten_bisection: after a feasible DP run, lower the bisection's upper end to the
       bottleneck of the strategy it found (fewer DP runs; False: plain bisection).
+    schedules: other schedule generators (e.g. ``("zero-bubble",)``) the best plan is also
+      simulated with; the plan keeps the fastest within memory. Zero-bubble is simulated with
+      the backward split into B and W (``PlanCosts.weight_fraction``) under the memory bound
+      the device memory allows (``plan_assembly.memory_bound``).
   """
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
@@ -391,6 +397,17 @@ def graphpipe_plan(
     simulated=n_sims,
     best_tps=float(best_tps),
   )
+  for name in schedules:
+    if name != best.schedule:
+      alt = predict(
+        best.replace(schedule=name),
+        layer_graph,
+        cluster,
+        cost_model=cm,
+        costs=costs,
+        idle=best.predicted.get("idle_devices", ()),
+      )
+      best = better(best, alt.replace(predicted={**best.predicted, **alt.predicted}))
   pred = dict(best.predicted)
   pred["search"] = stats.to_dict()
   pred["sp_ordering_edges"] = len(sp.added_edges)
