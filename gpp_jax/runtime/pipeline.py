@@ -35,11 +35,13 @@ from gpp_jax.runtime.driver import (
   BATCH,
   BROADCAST,
   KEY,
+  STATE,
   PipelineRunner,
   _is_key,
   placeholder,
   wait_for,
 )
+from gpp_jax.runtime.loss_state import StatePair, check_state_returned
 from gpp_jax.runtime.placement import (
   LocalCopy,
   StagePlacement,
@@ -66,6 +68,7 @@ class Compiled:
   loss: xc.ClosedJaxpr
   layering: Layering
   roles: list[str | None]
+  state: list[StatePair]
   nparam: int
   batch_size: int
   microbatch_size: int
@@ -275,10 +278,13 @@ class GraphPipeline:
     if any(isinstance(a, xc.Var) and a in batch_vars for a in marker.invars[:nparam]):
       raise CaptureError("a batch array is passed as the differentiated argument")
     roles: list[str | None] = [None] * nparam
-    for a in marker.invars[nparam:]:
+    carried = {p.input for p in rec.state if p.input is not None}
+    for i, a in enumerate(marker.invars[nparam:], nparam):
       if isinstance(a, xc.Var) and a in batch_vars:
         roles.append(BATCH)
-      elif _is_key(a.aval):
+      elif i in carried:
+        roles.append(STATE)
+      elif _is_key(a.aval) and i not in rec.module_state:
         roles.append(KEY)
       else:
         roles.append(BROADCAST)
@@ -287,6 +293,7 @@ class GraphPipeline:
         "the loss function does not read the batch; the pipeline splits the "
         "batch read inside the loss into micro-batches"
       )
+    check_state_returned(J, marker, rec.state)
     loss = inline_calls(marker.params["loss_jaxpr"])
     layering = layer_program(
       loss,
@@ -302,6 +309,7 @@ class GraphPipeline:
       loss=loss,
       layering=layering,
       roles=roles,
+      state=rec.state,
       nparam=nparam,
       batch_size=B,
       microbatch_size=mb,
@@ -339,7 +347,7 @@ class GraphPipeline:
     in_home = [staged.param_owner[j] if j < nparam else -1 for j in range(len(marker.invars))]
     out_home = [staged.loss_outputs[k][0] for k in range(nloss)] + list(staged.param_owner[:nparam])
     prog = split_step(step, mk, in_home, out_home)
-    runner = PipelineRunner(staged, sched, placements, roles, M, remat=self.remat)
+    runner = PipelineRunner(staged, sched, placements, roles, M, remat=self.remat, state=c.state)
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
     logging.info(
       "graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
@@ -488,7 +496,7 @@ class GraphPipeline:
     marker = c.prog.marker
     nparam = sum(r is None for r in c.runner.roles)
     vals = [
-      read(a) if r in (None, KEY, BROADCAST) else value(a)
+      read(a) if r in (None, KEY, BROADCAST, STATE) else value(a)
       for a, r in zip(marker.invars, c.runner.roles)
     ]
     outs, grads = c.runner.run(vals[:nparam], vals, measure=self.measure)
