@@ -27,6 +27,7 @@ from gpp_jax.passes.capture import inline_calls
 from gpp_jax.passes.layering import Layering, layer_program
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
+from gpp_jax.passes.scan_split import ScanSplit, split_scans
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.staging import StagedProgram, stage_program
 from gpp_jax.passes.step_split import Piece, StepProgram, split_step
@@ -51,6 +52,7 @@ from gpp_jax.runtime.placement import (
   transfer,
 )
 from gpp_jax.runtime.processes import check_same_plan, exchange
+from gpp_jax.runtime.stacked_params import param_homes, slice_params, stack_grads
 
 
 class Compiled:
@@ -69,6 +71,7 @@ class Compiled:
   layering: Layering
   roles: list[str | None]
   state: list[StatePair]
+  scan_split: ScanSplit
   nparam: int
   batch_size: int
   microbatch_size: int
@@ -295,9 +298,10 @@ class GraphPipeline:
       )
     check_state_returned(J, marker, rec.state)
     loss = inline_calls(marker.params["loss_jaxpr"])
+    loss, split_paths, scan_split = split_scans(loss, nparam, rec.param_paths)
     layering = layer_program(
       loss,
-      rec.param_paths + [None] * (len(roles) - nparam),
+      split_paths + [None] * (len(roles) - nparam),
       batch_size=mb,
       layer_depth=self.layer_depth,
       name=getattr(self.fn, "__name__", "step"),
@@ -310,6 +314,7 @@ class GraphPipeline:
       layering=layering,
       roles=roles,
       state=rec.state,
+      scan_split=scan_split,
       nparam=nparam,
       batch_size=B,
       microbatch_size=mb,
@@ -344,10 +349,17 @@ class GraphPipeline:
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
     sched = make_schedule(plan.schedule, plan.num_stages, plan.edges, M)
     nloss = len(loss.jaxpr.outvars)
-    in_home = [staged.param_owner[j] if j < nparam else -1 for j in range(len(marker.invars))]
-    out_home = [staged.loss_outputs[k][0] for k in range(nloss)] + list(staged.param_owner[:nparam])
+    homes = param_homes(c.scan_split, staged.param_owner)
+    in_home = [homes[j] if j < nparam else -1 for j in range(len(marker.invars))]
+    out_home = [staged.loss_outputs[k][0] for k in range(nloss)] + homes
     prog = split_step(step, mk, in_home, out_home)
-    runner = PipelineRunner(staged, sched, placements, roles, M, remat=self.remat, state=c.state)
+    # The loss's inputs after the scan split: more parameters, the other inputs shifted.
+    shift = c.scan_split.num_split_params - nparam
+    loss_roles = [None] * (nparam + shift) + roles[nparam:]
+    state = [
+      dataclasses.replace(p, input=None if p.input is None else p.input + shift) for p in c.state
+    ]
+    runner = PipelineRunner(staged, sched, placements, loss_roles, M, remat=self.remat, state=state)
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
     logging.info(
       "graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
@@ -371,6 +383,9 @@ class GraphPipeline:
       placements=placements,
       batch_size=B,
       calibration=calibration,
+      roles=roles,
+      nparam=nparam,
+      scan_split=c.scan_split,
     )
 
   def _check_processes(self, plan: Plan) -> None:
@@ -494,12 +509,18 @@ class GraphPipeline:
 
     run_pieces(c.pieces[: c.nbefore])
     marker = c.prog.marker
-    nparam = sum(r is None for r in c.runner.roles)
+    nparam = c.nparam
     vals = [
       read(a) if r in (None, KEY, BROADCAST, STATE) else value(a)
-      for a, r in zip(marker.invars, c.runner.roles)
+      for a, r in zip(marker.invars, c.roles)
     ]
-    outs, grads = c.runner.run(vals[:nparam], vals, measure=self.measure)
+    split, owner = c.scan_split, c.staged.param_owner
+    params = vals[:nparam]
+    if split.stacked:
+      params = slice_params(split, params, owner, c.placements, local)
+    outs, grads = c.runner.run(params, params + vals[nparam:], measure=self.measure)
+    if split.stacked:
+      grads = stack_grads(split, grads, owner, c.placements, local)
     for o, val in zip(marker.outvars, list(outs) + list(grads)):
       if not isinstance(o, xc.DropVar):
         env[o] = val
