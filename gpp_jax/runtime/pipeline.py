@@ -461,7 +461,7 @@ class GraphPipeline:
     pure, leaves = functionalize(self.fn, args)
     key = (
       pure.in_tree,
-      tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves),
+      tuple((tuple(np.shape(x)), str(_canonical(_dtype(x)))) for x in leaves),
       pure.graph_positions,
     )
     c = self._compiled.get(key)
