@@ -4,6 +4,8 @@ The documented reference is the gradient-accumulation loop over the micro-batche
 device, with the state carried from one micro-batch to the next.
 """
 
+import pathlib
+import re
 from typing import Any
 
 import jax
@@ -78,13 +80,16 @@ def _linen_loss(state, params, batch_stats, batch):
   return jnp.mean((out - batch["y"]) ** 2), updates
 
 
-def linen_step(state, batch):
-  def loss_fn(params):
-    return _linen_loss(state, params, state.batch_stats, batch)
+def _readme_step():
+  """The README's Linen batch-statistics step, run as written (with an MSE loss)."""
+  text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  (src,) = [s for s in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M) if "mutable=" in s]
+  namespace = {"gpp_jax": gpp_jax, "loss": lambda out, y: jnp.mean((out - y) ** 2)}
+  exec(compile(src, "README.md", "exec"), namespace)
+  return namespace["train_step"]
 
-  (loss, updates), grads = gpp_jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
-  return state, {"loss": loss}
+
+linen_step = _readme_step()
 
 
 @jax.jit
@@ -272,3 +277,30 @@ def test_state_read_and_updated_in_different_stages_is_an_error():
   assert state_carries(staged, [StatePair(None, 1, "bn/mean")]) == {}
   with pytest.raises(PlanError, match=r"bn/mean is updated in stage 1 but also read by stage"):
     state_carries(staged, [StatePair(3, 1, "bn/mean")])
+
+
+def test_rngs_outside_the_module_is_an_error():
+  class Plain(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(5, 3, rngs=rngs)
+      self.drop = nnx.Dropout(0.2)
+
+    def __call__(self, x, rngs):
+      return self.drop(self.a(x), rngs=rngs)
+
+  def step(model, optimizer, rngs, batch):
+    loss, grads = gpp_jax.value_and_grad(
+      lambda m: jnp.mean((m(batch["x"], rngs) - batch["y"]) ** 2)
+    )(model)
+    optimizer.update(model, grads)
+    return loss
+
+  model = Plain(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+  rngs = nnx.Rngs(dropout=3)
+  before = jax.tree.map(np.array, _no_keys(model))
+  pp = gpp_jax.graph_pipeline(step, num_microbatches=M, devices=jax.devices()[:2])
+  with pytest.raises(CaptureError, match=r"not part of the differentiated module"):
+    pp(model, opt, rngs, _batch(3))
+  assert max_diff(before, _no_keys(model)) == 0.0
+  assert int(rngs.dropout.count[...]) == 0

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from flax.errors import TraceContextError
 from jax.extend import core as xc
 
 from gpp_jax.errors import CaptureError
@@ -149,7 +150,15 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
 
     def flat(*ls):
       model = rebuild(ls[:npar], ls[npar:])
-      out = fun(model, *args, **kwargs)
+      try:
+        out = fun(model, *args, **kwargs)
+      except TraceContextError as err:
+        raise CaptureError(
+          "the loss function changes an NNX variable that is not part of the differentiated "
+          "module (an nnx.Rngs or a module passed to the loss or closed over); keep the state "
+          "the loss updates in the module given to gpp_jax.value_and_grad, e.g. "
+          f"nnx.Dropout(rate, rngs=rngs) inside the model. Flax said: {err}"
+        ) from None
       if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
           raise CaptureError("with has_aux=True the loss function must return (loss, aux)")
