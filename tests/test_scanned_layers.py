@@ -217,3 +217,38 @@ def test_lax_scan_over_stacked_pytree_with_a_manual_cut():
   assert abs(float(r[-1]) - float(p[-1])) <= TOL
   assert max_diff(r[0], p[0]) <= TOL
   assert max_diff(r[1], p[1]) <= TOL
+
+
+def test_split_scans_pass_keeps_values_and_slices_parameters():
+  """The pass alone: a reversed scan with a stacked parameter and a scanned-over data input."""
+  from jax.extend import core as xc
+
+  from gpp_jax.passes.capture import scope_path
+  from gpp_jax.passes.scan_split import split_scans
+
+  def loss(w, b, x, seq):
+    def layer(h, inp):
+      wi, si = inp
+      return jnp.tanh(h @ wi + si) + b, h.sum()
+
+    h, ys = jax.lax.scan(layer, x, (w, seq), reverse=True)
+    return jnp.mean(h) + jnp.mean(ys) + jnp.sum(w) * 1e-3  # w is also read whole
+
+  args = (
+    jax.random.normal(jax.random.key(1), (3, D, D)),
+    jnp.ones((D,)),
+    jax.random.normal(jax.random.key(2), (2, D)),
+    jax.random.normal(jax.random.key(3), (3, 2, D)),
+  )
+  closed = jax.make_jaxpr(loss)(*args)
+  split, paths, info = split_scans(closed, 2, ["blocks", "b"])
+  assert info.parts == ((0, 1, 2), (3,))
+  assert info.stacked == {0: (0, 1, 2)}
+  assert paths == ["blocks/0", "blocks/1", "blocks/2", "b"]
+  assert [tuple(v.aval.shape) for v in split.jaxpr.invars[:4]] == [(D, D)] * 3 + [(D,)]
+  assert not any(e.primitive.name == "scan" for e in split.jaxpr.eqns)
+  scopes = {scope_path(e) for e in split.jaxpr.eqns}
+  assert {"blocks/0", "blocks/1", "blocks/2"} <= scopes
+  w, b, x, seq = args
+  got = xc.jaxpr_as_fun(split)(*list(w), b, x, seq)[0]
+  assert abs(float(got) - float(loss(*args))) <= 1e-6
