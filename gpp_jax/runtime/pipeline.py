@@ -281,6 +281,10 @@ class GraphPipeline:
     if any(isinstance(a, xc.Var) and a in batch_vars for a in marker.invars[:nparam]):
       raise CaptureError("a batch array is passed as the differentiated argument")
     roles: list[str | None] = [None] * nparam
+    # Batch arrays are split, never carried (an aux leaf named like a batch entry is no state).
+    rec.state = [
+      p for p in rec.state if p.input is None or marker.invars[p.input] not in batch_vars
+    ]
     carried = {p.input for p in rec.state if p.input is not None}
     for i, a in enumerate(marker.invars[nparam:], nparam):
       if isinstance(a, xc.Var) and a in batch_vars:
