@@ -305,3 +305,52 @@ def test_rngs_outside_the_module_is_an_error():
     pp(model, opt, rngs, _batch(3))
   assert max_diff(before, _no_keys(model)) == 0.0
   assert int(rngs.dropout.count[...]) == 0
+
+
+class ScannedBNBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    h = nn.BatchNorm(use_running_average=False)(nn.Dense(8, use_bias=False)(x))
+    return x + nn.relu(h), None
+
+
+class ScannedBN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8, name="inp")(x)
+    Layers = nn.scan(
+      ScannedBNBlock,
+      variable_axes={"params": 0, "batch_stats": 0},
+      split_rngs={"params": True},
+      length=4,
+    )
+    x, _ = Layers(name="layers")(x, None)
+    return nn.Dense(3, name="head")(x)
+
+
+def test_cut_through_stacked_state_is_refused_by_name():
+  model = ScannedBN()
+  variables = model.init(jax.random.key(0), jnp.ones((2, 5)))
+  state = BNState.create(
+    apply_fn=model.apply,
+    params=variables["params"],
+    batch_stats=variables["batch_stats"],
+    tx=optax.sgd(1e-1),
+  )
+  before = jax.tree.map(np.array, (state.params, state.batch_stats))
+  plan = gpp_jax.manual_plan(
+    {
+      "ScannedBN/inp": 0,
+      "ScannedBN/layers/0": 0,
+      "ScannedBN/layers/1": 0,
+      "ScannedBN/layers/2": 1,
+      "ScannedBN/layers/3": 1,
+      "ScannedBN/head": 1,
+    }
+  )
+  pp = gpp_jax.graph_pipeline(
+    linen_step, num_microbatches=2, devices=jax.devices()[:2], planner=plan, layer_depth=3
+  )
+  with pytest.raises(PlanError, match=r"batch_stats/layers/BatchNorm_0/mean is updated in stage"):
+    pp(state, _batch(4))
+  assert max_diff(before, (state.params, state.batch_stats)) == 0.0
