@@ -31,32 +31,34 @@ from gpp_jax.passes.capture import INLINED
 
 @dataclasses.dataclass(frozen=True)
 class ScanSplit:
-  """How the inputs of the split loss relate to the captured loss's inputs.
+  """How the inputs and outputs of the split loss relate to the captured loss's.
 
   Attributes:
     num_params: parameters of the captured loss (its first inputs).
-    parts: for each captured parameter, the split loss's inputs holding it: one (not
-      stacked) or one per slice along its leading axis.
+    parts: for each captured input, the split loss's inputs holding it: one (not stacked) or
+      one per slice along its leading axis (stacked parameters, and state the loss carries from
+      micro-batch to micro-batch that is stacked along the same scan).
+    out_parts: for each captured output, the split loss's outputs holding it (one per slice
+      for the new value of a split state).
   """
 
   num_params: int
   parts: tuple[tuple[int, ...], ...]
+  out_parts: tuple[tuple[int, ...], ...] = ()
 
   @property
   def stacked(self) -> dict[int, tuple[int, ...]]:
-    """Captured parameter -> its slices' inputs, for the parameters that were split."""
+    """Captured input -> its slices' inputs, for the inputs that were split."""
     return {i: p for i, p in enumerate(self.parts) if len(p) > 1}
 
   @property
   def num_split_params(self) -> int:
-    return sum(len(p) for p in self.parts)
+    return sum(len(p) for p in self.parts[: self.num_params])
 
-  def origin(self) -> list[tuple[int, int | None]]:
-    """For each parameter of the split loss: (captured parameter, slice index or None)."""
-    out: list[tuple[int, int | None]] = []
-    for i, p in enumerate(self.parts):
-      out.extend((i, k if len(p) > 1 else None) for k in range(len(p)))
-    return out
+  @property
+  def param_split(self) -> ScanSplit:
+    """The same split restricted to the parameters."""
+    return ScanSplit(self.num_params, self.parts[: self.num_params])
 
 
 def _scopes(ns) -> list[str]:
@@ -84,7 +86,8 @@ def _common_prefix(paths: Sequence[str]) -> str:
 
 
 def _scan_params(e, is_param: dict[xc.Var, int]) -> list[int]:
-  """Positions (among the scan's operands) of parameters scanned over, stacked along axis 0."""
+  """Positions (among the scan's operands) of splittable inputs (parameters, carried state)
+  scanned over, stacked along axis 0."""
   start = e.params["num_consts"] + e.params["num_carry"]
   length = e.params["length"]
   return [
@@ -98,7 +101,10 @@ def _scan_params(e, is_param: dict[xc.Var, int]) -> list[int]:
 
 
 def split_scans(
-  closed: xc.ClosedJaxpr, num_params: int, param_paths: Sequence[str]
+  closed: xc.ClosedJaxpr,
+  num_params: int,
+  param_paths: Sequence[str],
+  state: Sequence[tuple[int, int]] = (),
 ) -> tuple[xc.ClosedJaxpr, list[str], ScanSplit]:
   """Unrolls the scans over stacked parameters.
 
@@ -106,55 +112,62 @@ def split_scans(
     closed: the inlined loss; its first ``num_params`` inputs are the parameters.
     num_params: how many inputs are parameters.
     param_paths: the parameters' layer paths from their pytree paths.
+    state: (input, output) pairs of state the loss carries between micro-batches. A state
+      input scanned over by an unrolled scan is split like a parameter, and its output, when
+      it is the scan's stacked per-iteration values, into one output per slice.
 
   Returns:
-    the split loss (parameters first, one input per slice of a split parameter, then the
-    other inputs as before), the split parameters' paths, and the ``ScanSplit``.
+    the split loss (parameters first, one input per slice of a split input, then the other
+    inputs in order), the split parameters' paths, and the ``ScanSplit``.
   """
   J = closed.jaxpr
+  nin = len(J.invars)
   is_param = {v: i for i, v in enumerate(J.invars[:num_params])}
+  splittable = dict(is_param)
+  splittable.update({J.invars[j]: j for j, _ in state})
   lengths: dict[int, int] = {}
   for e in J.eqns:
-    if e.primitive is P.scan_p:
-      for k in _scan_params(e, is_param):
-        i = is_param[e.invars[k]]
+    if e.primitive is P.scan_p and _scan_params(e, is_param):
+      for k in _scan_params(e, splittable):
+        i = splittable[e.invars[k]]
         if lengths.setdefault(i, e.params["length"]) != e.params["length"]:
           lengths[i] = 0  # scanned by scans of different lengths: not split
   lengths = {i: n for i, n in lengths.items() if n > 1}
-  if not lengths:
-    return closed, list(param_paths), ScanSplit(num_params, tuple((i,) for i in range(num_params)))
+  if not any(i < num_params for i in lengths):
+    nout = len(J.outvars)
+    return (
+      closed,
+      list(param_paths),
+      ScanSplit(num_params, tuple((i,) for i in range(nin)), tuple((k,) for k in range(nout))),
+    )
 
   parts: list[tuple[int, ...]] = []
   new_avals: list = []
   new_paths: list[str] = []
-  for i, v in enumerate(J.invars[:num_params]):
+  for i, v in enumerate(J.invars):
     n = lengths.get(i, 1)
     base = len(new_avals)
     parts.append(tuple(range(base, base + n)))
     if n == 1:
       new_avals.append(v.aval)
-      new_paths.append(param_paths[i])
     else:
       new_avals.extend([v.aval.update(shape=v.aval.shape[1:])] * n)
-      new_paths.extend(f"{param_paths[i]}/{k}" for k in range(n))
-  split = ScanSplit(num_params, tuple(parts))
-  nnew = len(new_avals)
-  data_avals = [v.aval for v in J.invars[num_params:]]
+    if i < num_params:
+      new_paths.extend([param_paths[i]] if n == 1 else [f"{param_paths[i]}/{k}" for k in range(n)])
 
   def run(*args):
     env: dict[xc.Var, object] = dict(zip(J.constvars, closed.consts))
     slices: dict[xc.Var, list] = {}
-    for i, v in enumerate(J.invars[:num_params]):
+    for i, v in enumerate(J.invars):
       if len(parts[i]) == 1:
         env[v] = args[parts[i][0]]
       else:
         slices[v] = [args[k] for k in parts[i]]
-    env.update(zip(J.invars[num_params:], args[nnew:]))
 
     def read(a):
       if isinstance(a, xc.Literal):
         return a.val
-      if a not in env:  # a split parameter read whole: stack its slices again
+      if a not in env:  # a split input read whole: stack its slices again
         env[a] = jnp.stack(slices[a])
       return env[a]
 
@@ -170,9 +183,43 @@ def split_scans(
           env[o] = val
     return [read(a) for a in J.outvars]
 
-  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in new_avals + data_avals]
+  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in new_avals]
   out = jax.make_jaxpr(run)(*specs)
-  return out, new_paths, split
+  out, out_parts = _split_state_outputs(out, [(j, k) for j, k in state if j in lengths], lengths)
+  return out, new_paths, ScanSplit(num_params, tuple(parts), out_parts)
+
+
+def _split_state_outputs(closed, state, lengths):
+  """Outputs that stack one value per scan iteration (the new value of split state) -> one
+  output per iteration."""
+  J = closed.jaxpr
+  producer = {o: e for e in J.eqns for o in e.outvars if not isinstance(o, xc.DropVar)}
+  split_out = {}
+  for j, k in state:
+    e = producer.get(J.outvars[k]) if isinstance(J.outvars[k], xc.Var) else None
+    if (
+      e is not None
+      and e.primitive.name == "stack"
+      and len(e.invars) == lengths[j]
+      and e.params.get("axis", 0) == 0
+      and all(isinstance(a, xc.Var) for a in e.invars)
+    ):
+      split_out[k] = list(e.invars)
+  outvars, out_parts = [], []
+  for k, v in enumerate(J.outvars):
+    vs = split_out.get(k, [v])
+    out_parts.append(tuple(range(len(outvars), len(outvars) + len(vs))))
+    outvars.extend(vs)
+  if not split_out:
+    return closed, tuple(out_parts)
+  dbg = xc.DebugInfo(
+    "graph_pipeline",
+    "loss",
+    tuple(f"in{i}" for i in range(len(J.invars))),
+    tuple(f"out{i}" for i in range(len(outvars))),
+  )
+  new = xc.Jaxpr(J.constvars, J.invars, outvars, J.eqns, J.effects, debug_info=dbg)
+  return xc.ClosedJaxpr(new, closed.consts), tuple(out_parts)
 
 
 def _eval_eqn(e, ins, rename: Callable):
@@ -212,7 +259,7 @@ def _unroll(e, read, slices, param_paths, is_param):
   outer = _scopes(e.source_info.name_stack)
   # The scan's own name: Linen names the body's equations after the scanned module; NNX and
   # plain functions name nothing, so the stacked parameters' common path names the scan.
-  stacked_paths = [param_paths[is_param[a]] for a in xs if a in slices]
+  stacked_paths = [param_paths[is_param[a]] for a in xs if a in slices and a in is_param]
   fallback = _common_prefix(stacked_paths) or "scan"
 
   def renamer(i):

@@ -169,3 +169,20 @@ def state_carries(staged, state: Sequence[StatePair]) -> dict[int, list[tuple[in
     if s in readers.get(p.input, set()):
       carries.setdefault(s, []).append((p.input, k))
   return carries
+
+
+def split_state(state: Sequence[StatePair], split) -> list[StatePair]:
+  """State pairs of the captured loss -> those of the scan-split loss (``passes.scan_split``):
+  indices remapped, and a state stacked along a split scan becomes one pair per slice."""
+  out: list[StatePair] = []
+  for p in state:
+    outs = split.out_parts[p.output]
+    ins = (None,) * len(outs) if p.input is None else split.parts[p.input]
+    if len(ins) == len(outs):
+      out.extend(
+        StatePair(i, o, f"{p.name}[{n}]" if len(outs) > 1 else p.name)
+        for n, (i, o) in enumerate(zip(ins, outs))
+      )
+    else:  # sliced input, one stacked output: every slice's reader must be its updater
+      out.extend(StatePair(i, outs[0], p.name) for i in ins)
+  return out

@@ -42,7 +42,7 @@ from gpp_jax.runtime.driver import (
   placeholder,
   wait_for,
 )
-from gpp_jax.runtime.loss_state import StatePair, check_state_returned
+from gpp_jax.runtime.loss_state import StatePair, check_state_returned, split_state
 from gpp_jax.runtime.placement import (
   LocalCopy,
   StagePlacement,
@@ -52,7 +52,13 @@ from gpp_jax.runtime.placement import (
   transfer,
 )
 from gpp_jax.runtime.processes import check_same_plan, exchange
-from gpp_jax.runtime.stacked_params import param_homes, slice_params, stack_grads
+from gpp_jax.runtime.stacked_params import (
+  param_homes,
+  slice_data,
+  slice_params,
+  stack_grads,
+  stack_outputs,
+)
 
 
 class Compiled:
@@ -302,10 +308,12 @@ class GraphPipeline:
       )
     check_state_returned(J, marker, rec.state)
     loss = inline_calls(marker.params["loss_jaxpr"])
-    loss, split_paths, scan_split = split_scans(loss, nparam, rec.param_paths)
+    loss, split_paths, scan_split = split_scans(
+      loss, nparam, rec.param_paths, [(p.input, p.output) for p in rec.state if p.input is not None]
+    )
     layering = layer_program(
       loss,
-      split_paths + [None] * (len(roles) - nparam),
+      split_paths + [None] * (len(loss.jaxpr.invars) - len(split_paths)),
       batch_size=mb,
       layer_depth=self.layer_depth,
       name=getattr(self.fn, "__name__", "step"),
@@ -352,17 +360,15 @@ class GraphPipeline:
     placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
     sched = make_schedule(plan.schedule, plan.num_stages, plan.edges, M)
-    nloss = len(loss.jaxpr.outvars)
-    homes = param_homes(c.scan_split, staged.param_owner)
+    split = c.scan_split
+    homes = param_homes(split.param_split, staged.param_owner)
     in_home = [homes[j] if j < nparam else -1 for j in range(len(marker.invars))]
-    out_home = [staged.loss_outputs[k][0] for k in range(nloss)] + homes
+    nloss = len(split.out_parts)
+    out_home = [staged.loss_outputs[split.out_parts[k][0]][0] for k in range(nloss)] + homes
     prog = split_step(step, mk, in_home, out_home)
-    # The loss's inputs after the scan split: more parameters, the other inputs shifted.
-    shift = c.scan_split.num_split_params - nparam
-    loss_roles = [None] * (nparam + shift) + roles[nparam:]
-    state = [
-      dataclasses.replace(p, input=None if p.input is None else p.input + shift) for p in c.state
-    ]
+    # The loss's inputs and outputs after the scan split: one per slice of a split input.
+    loss_roles = [r for r, ks in zip(roles, split.parts) for _ in ks]
+    state = split_state(c.state, split)
     runner = PipelineRunner(staged, sched, placements, loss_roles, M, remat=self.remat, state=state)
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
     logging.info(
@@ -519,12 +525,15 @@ class GraphPipeline:
       for a, r in zip(marker.invars, c.roles)
     ]
     split, owner = c.scan_split, c.staged.param_owner
-    params = vals[:nparam]
+    params, data = vals[:nparam], vals[nparam:]
     if split.stacked:
-      params = slice_params(split, params, owner, c.placements, local)
-    outs, grads = c.runner.run(params, params + vals[nparam:], measure=self.measure)
+      params = slice_params(split.param_split, params, owner, c.placements, local)
+      data = slice_data(split, data)
+    outs, grads = c.runner.run(params, params + data, measure=self.measure)
     if split.stacked:
-      grads = stack_grads(split, grads, owner, c.placements, local)
+      grads = stack_grads(split.param_split, grads, owner, c.placements, local)
+      out_stage = [s for s, _ in c.staged.loss_outputs]
+      outs = stack_outputs(split, outs, out_stage, c.placements, local)
     for o, val in zip(marker.outvars, list(outs) + list(grads)):
       if not isinstance(o, xc.DropVar):
         env[o] = val

@@ -81,3 +81,37 @@ def stack_grads(
       aval = jax.core.ShapedArray((len(ks),) + tuple(g0.shape), g0.dtype)
       out.append(placeholder(aval, placements[home].replicated))
   return out
+
+
+def slice_data(split: ScanSplit, data: Sequence[Any]) -> list[Any]:
+  """The captured loss's other inputs -> the split loss's: state stacked along a split scan
+  is sliced where it is (the runner puts every slice on the stage that reads it)."""
+  out: list[Any] = []
+  for x, ks in zip(data, split.parts[split.num_params :]):
+    out.extend([x] if len(ks) == 1 else _unstack(x))
+  return out
+
+
+def stack_outputs(
+  split: ScanSplit,
+  outs: Sequence[Any],
+  output_stage: Sequence[int],
+  placements: Sequence[StagePlacement],
+  local: Sequence[bool],
+) -> list[Any]:
+  """The split loss's outputs -> the captured loss's: the slices of a split state's new value
+  are stacked on the stage that computes the first slice."""
+  result: list[Any] = []
+  for ks in split.out_parts:
+    if len(ks) == 1:
+      result.append(outs[ks[0]])
+      continue
+    home = output_stage[ks[0]]
+    parts = [transfer(outs[k], placements[home].replicated) for k in ks]
+    if local[home]:
+      result.append(_stack(parts))
+    else:
+      o0 = outs[ks[0]]
+      aval = jax.core.ShapedArray((len(ks),) + tuple(o0.shape), o0.dtype)
+      result.append(placeholder(aval, placements[home].replicated))
+  return result
