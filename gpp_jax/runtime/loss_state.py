@@ -160,11 +160,9 @@ def state_carries(staged, state: Sequence[StatePair]) -> dict[int, list[tuple[in
       raise PlanError(
         f"the state {p.name} is updated in stage {s} but also read by stage(s) {other}; "
         "micro-batch m must see the value micro-batch m - 1 left, so one stage must both read "
-        "and update it. Keep the layers that use it in one stage: state stacked along a "
-        "scan (batch statistics or Rngs streams of scanned layers) is not sliced per layer, so "
-        "keep that scan in one stage; for nnx.Rngs, give each layer its own stream, as "
-        "nnx.Dropout(rate, rngs=rngs) does, instead of passing one Rngs to layers of "
-        "different stages."
+        "and update it. Keep the layers that use it in one stage (for nnx.Rngs: give each "
+        "layer its own stream, as nnx.Dropout(rate, rngs=rngs) does, instead of passing one "
+        "Rngs to layers of different stages)."
       )
     if s in readers.get(p.input, set()):
       carries.setdefault(s, []).append((p.input, k))
