@@ -242,8 +242,9 @@ def test_split_scans_pass_keeps_values_and_slices_parameters():
   )
   closed = jax.make_jaxpr(loss)(*args)
   split, paths, info = split_scans(closed, 2, ["blocks", "b"])
-  assert info.parts == ((0, 1, 2), (3,))
+  assert info.parts == ((0, 1, 2), (3,), (4,), (5,))  # parameters, then the data inputs
   assert info.stacked == {0: (0, 1, 2)}
+  assert info.out_parts == ((0,),)
   assert paths == ["blocks/0", "blocks/1", "blocks/2", "b"]
   assert [tuple(v.aval.shape) for v in split.jaxpr.invars[:4]] == [(D, D)] * 3 + [(D,)]
   assert not any(e.primitive.name == "scan" for e in split.jaxpr.eqns)
