@@ -17,9 +17,19 @@ from typing import Any
 
 import jax
 from flax import nnx
+from flax.errors import TraceContextError
 from jax.extend import core as xc
 
 from gpp_jax.errors import CaptureError
+from gpp_jax.runtime.loss_state import (
+  StatePair,
+  clear_step_inputs,
+  key_name,
+  pair_by_path,
+  path_names,
+  record_step_inputs,
+  step_input_path,
+)
 
 value_and_grad_p = xc.Primitive("gpp_value_and_grad")
 value_and_grad_p.multiple_results = True
@@ -50,6 +60,12 @@ class LossRecord:
   param_paths: list[str]
   num_params: int
   has_aux: bool
+  # State the loss updates (carried from micro-batch to micro-batch), indices into the loss
+  # jaxpr's inputs and outputs.
+  state: list[StatePair] = dataclasses.field(default_factory=list)
+  # Loss inputs that are NNX variables of the module: keys among them are not folded with the
+  # micro-batch index (an ``nnx.Rngs`` stream advances its own counter instead).
+  module_state: frozenset[int] = frozenset()
 
 
 class _State(threading.local):
@@ -70,20 +86,13 @@ def recording():
     _STATE.recording = prev
 
 
-def _key_name(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def layer_path(path) -> str:
   """Layer path of a parameter from its pytree path.
 
   ``['params']['block0']['fc']['kernel']`` (Linen) and ``['block0']['fc']['kernel'].value``
   (NNX) both give ``block0/fc``; a top-level leaf keeps its own name.
   """
-  parts = [_key_name(k) for k in path]
+  parts = [key_name(k) for k in path]
   if parts and parts[-1] == "value":
     parts = parts[:-1]
   if len(parts) > 1 and parts[0] == "params":
@@ -117,21 +126,39 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
     if _is_graph_node(params):
       graphdef, pstate, rest = nnx.split(params, nnx.Param, ...)
       with_path, ptree = jax.tree_util.tree_flatten_with_path(pstate)
+      rest_with_path, rest_tree = jax.tree_util.tree_flatten_with_path(rest)
 
-      def rebuild(leaves):
-        return nnx.merge(graphdef, jax.tree.unflatten(ptree, leaves), rest)
+      def rebuild(leaves, rest_leaves):
+        return nnx.merge(
+          graphdef, jax.tree.unflatten(ptree, leaves), jax.tree.unflatten(rest_tree, rest_leaves)
+        )
     else:
       with_path, ptree = jax.tree_util.tree_flatten_with_path(params)
+      rest_with_path, rest_tree = [], None
 
-      def rebuild(leaves):
+      def rebuild(leaves, rest_leaves):
+        del rest_leaves
         return jax.tree.unflatten(ptree, leaves)
 
     leaves = [x for _, x in with_path]
+    rest_leaves = [x for _, x in rest_with_path]
+    npar, nrest = len(leaves), len(rest_leaves)
     paths = [layer_path(p) for p, _ in with_path]
     out_tree = []
+    changed: list[int] = []  # module variables the loss gives a new value
+    aux_paths: list[tuple[str, ...]] = []
 
     def flat(*ls):
-      out = fun(rebuild(ls), *args, **kwargs)
+      model = rebuild(ls[:npar], ls[npar:])
+      try:
+        out = fun(model, *args, **kwargs)
+      except TraceContextError as err:
+        raise CaptureError(
+          "the loss function changes an NNX variable that is not part of the differentiated "
+          "module (an nnx.Rngs or a module passed to the loss or closed over); keep the state "
+          "the loss updates in the module given to gpp_jax.value_and_grad, e.g. "
+          f"nnx.Dropout(rate, rngs=rngs) inside the model. Flax said: {err}"
+        ) from None
       if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
           raise CaptureError("with has_aux=True the loss function must return (loss, aux)")
@@ -143,11 +170,17 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
           f"the loss function must return a scalar loss (a mean over the "
           f"batch); got shape {getattr(loss, 'shape', type(loss))}"
         )
-      flat_out, tree = jax.tree.flatten((loss, aux))
+      with_p, tree = jax.tree_util.tree_flatten_with_path((loss, aux))
       out_tree.append(tree)
+      aux_paths.extend(path_names(p[1:]) for p, _ in with_p)
+      flat_out = [x for _, x in with_p]
+      if nrest:
+        new_rest = jax.tree.leaves(nnx.split(model, nnx.Param, ...)[2])
+        changed.extend(i for i, (a, b) in enumerate(zip(new_rest, ls[npar:])) if a is not b)
+        flat_out += [new_rest[i] for i in changed]
       return flat_out
 
-    closed = jax.make_jaxpr(flat)(*leaves)
+    closed = jax.make_jaxpr(flat)(*leaves, *rest_leaves)
     J = closed.jaxpr
     is_tr = [isinstance(c, jax.core.Tracer) for c in closed.consts]
     tracer_vars = [v for v, t in zip(J.constvars, is_tr) if t]
@@ -166,11 +199,33 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
       ),
       consts,
     )
-    outs = value_and_grad_p.bind(*leaves, *tracers, loss_jaxpr=loss_jaxpr, num_params=len(leaves))
-    _STATE.recording.append(LossRecord(paths, len(leaves), has_aux))
-    nout = len(J.outvars)
+    nout = len(J.outvars) - len(changed)
+    state = [
+      StatePair(npar + i, nout + n, "/".join(path_names(rest_with_path[i][0])))
+      for n, i in enumerate(changed)
+    ]
+    # Linen: aux leaves that are new values of step inputs the loss reads (mutable collections).
+    linen_inputs = [
+      (k, step_input_path(t), v.aval)
+      for k, (t, v) in enumerate(zip(tracers, tracer_vars))
+      if step_input_path(t) is not None
+    ]
+    aux_out = [(aux_paths[k], J.outvars[k].aval) for k in range(1, nout)]
+    for j, k, name in pair_by_path(aux_out, [(p, a) for _, p, a in linen_inputs]):
+      state.append(StatePair(npar + nrest + linen_inputs[j][0], 1 + k, name))
+    outs = value_and_grad_p.bind(
+      *leaves, *rest_leaves, *tracers, loss_jaxpr=loss_jaxpr, num_params=npar
+    )
+    _STATE.recording.append(
+      LossRecord(paths, npar, has_aux, state, frozenset(range(npar, npar + nrest)))
+    )
     loss_aux = jax.tree.unflatten(out_tree[0], outs[:nout])
-    grads = jax.tree.unflatten(ptree, outs[nout:])
+    if changed:
+      new_rest = list(rest_leaves)
+      for n, i in enumerate(changed):
+        new_rest[i] = outs[nout + n]
+      nnx.update(params, jax.tree.unflatten(rest_tree, new_rest))
+    grads = jax.tree.unflatten(ptree, outs[len(J.outvars) :])
     return (loss_aux if has_aux else loss_aux[0]), grads
 
   return wrapped
@@ -207,7 +262,11 @@ def functionalize(step: Callable, args: tuple) -> tuple[PureStep, list]:
   leaves, in_tree = jax.tree.flatten((state, others))
   out_tree = []
 
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((state, others))[0]]
+
   def pure(*flat):
+    if _STATE.recording is not None:
+      record_step_inputs(list(zip(paths, flat)))
     st, oth = jax.tree.unflatten(in_tree, flat)
     it = iter(oth)
     objs = nnx.merge(graphdef, st) if graph_objs else ()
@@ -218,7 +277,10 @@ def functionalize(step: Callable, args: tuple) -> tuple[PureStep, list]:
         k += 1
       else:
         full.append(next(it))
-    out = step(*full)
+    try:
+      out = step(*full)
+    finally:
+      clear_step_inputs()
     new_state = nnx.state(objs) if graph_objs else None
     out_flat, tree = jax.tree.flatten((out, new_state))
     out_tree.append(tree)

@@ -33,9 +33,11 @@ import numpy as np
 from gpp_jax.errors import BatchError, GppError, ScheduleError
 from gpp_jax.ir.schedule import Action, Schedule, dispatch_order
 from gpp_jax.passes.staging import StagedProgram, stage_functions
+from gpp_jax.runtime.loss_state import StatePair, state_carries
 from gpp_jax.runtime.placement import StagePlacement, pack_limit, transfer
 
 BATCH, KEY, BROADCAST = "batch", "key", "broadcast"
+STATE = "state"  # state the loss updates: carried from one micro-batch to the next
 
 
 @dataclasses.dataclass
@@ -191,6 +193,7 @@ class PipelineRunner:
     data_roles: Sequence[str | None],
     num_microbatches: int,
     remat: bool = False,
+    state: Sequence[StatePair] = (),
   ):
     """
     Args:
@@ -198,8 +201,11 @@ class PipelineRunner:
       schedule: per-stage action lists (validated).
       placements: ``placements[s]`` says where stage s runs (a device or a sub-mesh).
       data_roles: for each loss invar: None for a parameter, else BATCH (split into
-        micro-batches), KEY (micro-batch index folded in) or BROADCAST (same for all).
+        micro-batches), KEY (micro-batch index folded in), BROADCAST (same for all) or
+        STATE (the value the previous micro-batch left, see ``state``).
       num_microbatches: M.
+      state: state the loss updates; the stage computing a new value carries it to its own
+        next micro-batch, and the step returns the last micro-batch's value.
     """
     self.staged = staged
     self.schedule = schedule
@@ -239,6 +245,8 @@ class PipelineRunner:
     self.multiprocess = jax.process_count() > 1
     self._out_avals = [[v.aval for v in st.jaxpr.jaxpr.outvars] for st in staged.stages]
     self._in_avals = [[v.aval for v in st.jaxpr.jaxpr.invars] for st in staged.stages]
+    self.carries = state_carries(staged, state)
+    self.state_outputs = {p.output for p in state}
 
   def _remote(self, aval, s):
     """Placeholder for a value of stage ``s`` computed on another process."""
@@ -266,7 +274,7 @@ class PipelineRunner:
         elif r.kind == "data":
           role = self.roles[r.index]
           x = data[r.index]
-          if role in (BROADCAST, KEY):  # keys get the micro-batch index folded in per F
+          if role in (BROADCAST, KEY, STATE):  # keys get the micro-batch index folded in per F
             self._fixed[s][j] = transfer(x, rep)
           elif role == BATCH and r.index not in self._batch_chunks:
             if np.shape(x)[0] % M:
@@ -290,6 +298,8 @@ class PipelineRunner:
           v = place.put(self._batch_chunks[r.index][m])
         elif role == KEY:
           v = _fold(self._fixed[s][j], transfer(np.uint32(m), place.replicated))
+        elif role == STATE:
+          v = self._carry.get((s, r.index), self._fixed[s][j])
         else:
           v = self._fixed[s][j]
       (diff if r.diff else nondiff).append(v)
@@ -325,6 +335,8 @@ class PipelineRunner:
         else:
           outs, res = fn.fwd(diff, nondiff)
         self._res[(s, m)] = res
+        for j, k in self.carries.get(s, ()):
+          self._carry[(s, j)] = outs[k]
         for li, (ls, lk) in enumerate(self.staged.loss_outputs):
           if ls == s:
             self._loss_vals[m][li] = outs[lk]
@@ -406,6 +418,8 @@ class PipelineRunner:
     self._wbox: dict[tuple[int, int], Any] = {}
     self._bout: dict[tuple[int, int], Any] = {}  # B's input cotangents (measure mode waits)
     self._measuring = measure
+    # (stage, loss input) -> the state the stage's last forward left.
+    self._carry: dict[tuple[int, int], Any] = {}
     nloss = len(self.staged.loss_outputs)
     self._loss_vals: list[list[Any]] = [[None] * nloss for _ in range(M)]
     ls, lk = self.staged.loss_outputs[0]
@@ -437,16 +451,23 @@ class PipelineRunner:
     for li, (ls, lk) in enumerate(self.staged.loss_outputs):
       if not self.local[ls]:
         aval = self._out_avals[ls][lk]
-        if li > 0 and aval.ndim >= 1 and aval.shape[0] == mb:
+        if li > 0 and li not in self.state_outputs and aval.ndim >= 1 and aval.shape[0] == mb:
           aval = aval.update(shape=(mb * M,) + aval.shape[1:])
         outs.append(self._remote(aval, ls))
         continue
       vals = [self._loss_vals[m][li] for m in range(M)]
       v0 = vals[0]
-      if li > 0 and getattr(v0, "ndim", 0) >= 1 and mb is not None and v0.shape[0] == mb:
+      if (
+        li > 0
+        and li not in self.state_outputs
+        and getattr(v0, "ndim", 0) >= 1
+        and mb is not None
+        and v0.shape[0] == mb
+      ):
         outs.append(_concat(vals))
       else:
-        outs.append(_mean(vals) if jnp.issubdtype(v0.dtype, jnp.inexact) else vals[-1])
+        inexact = jnp.issubdtype(v0.dtype, jnp.inexact)
+        outs.append(_mean(vals) if inexact and li not in self.state_outputs else vals[-1])
     self.last_timeline = Timeline(events, time.perf_counter() - t0, measure)
     return outs, grads
 

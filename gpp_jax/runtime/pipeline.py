@@ -28,6 +28,7 @@ from gpp_jax.passes.capture import inline_calls
 from gpp_jax.passes.layering import Layering, layer_program
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
+from gpp_jax.passes.scan_split import ScanSplit, split_scans
 from gpp_jax.passes.schedules import plan_schedule
 from gpp_jax.passes.staging import StagedProgram, stage_program
 from gpp_jax.passes.step_split import Piece, StepProgram, split_step
@@ -37,6 +38,7 @@ from gpp_jax.runtime.driver import (
   BATCH,
   BROADCAST,
   KEY,
+  STATE,
   PipelineRunner,
   Timeline,
   TimelineEvent,
@@ -45,6 +47,7 @@ from gpp_jax.runtime.driver import (
   wait_for,
 )
 from gpp_jax.runtime.fused import fused_step
+from gpp_jax.runtime.loss_state import StatePair, check_state_returned, split_state
 from gpp_jax.runtime.placement import (
   LocalCopy,
   StagePlacement,
@@ -54,6 +57,13 @@ from gpp_jax.runtime.placement import (
   transfer,
 )
 from gpp_jax.runtime.processes import check_same_plan, exchange
+from gpp_jax.runtime.stacked_params import (
+  param_homes,
+  slice_data,
+  slice_params,
+  stack_grads,
+  stack_outputs,
+)
 
 
 class Compiled:
@@ -71,6 +81,8 @@ class Compiled:
   loss: xc.ClosedJaxpr
   layering: Layering
   roles: list[str | None]
+  state: list[StatePair]
+  scan_split: ScanSplit
   nparam: int
   batch_size: int
   microbatch_size: int
@@ -292,10 +304,17 @@ class GraphPipeline:
     if any(isinstance(a, xc.Var) and a in batch_vars for a in marker.invars[:nparam]):
       raise CaptureError("a batch array is passed as the differentiated argument")
     roles: list[str | None] = [None] * nparam
-    for a in marker.invars[nparam:]:
+    # Batch arrays are split, never carried (an aux leaf named like a batch entry is no state).
+    rec.state = [
+      p for p in rec.state if p.input is None or marker.invars[p.input] not in batch_vars
+    ]
+    carried = {p.input for p in rec.state if p.input is not None}
+    for i, a in enumerate(marker.invars[nparam:], nparam):
       if isinstance(a, xc.Var) and a in batch_vars:
         roles.append(BATCH)
-      elif _is_key(a.aval):
+      elif i in carried:
+        roles.append(STATE)
+      elif _is_key(a.aval) and i not in rec.module_state:
         roles.append(KEY)
       else:
         roles.append(BROADCAST)
@@ -304,10 +323,14 @@ class GraphPipeline:
         "the loss function does not read the batch; the pipeline splits the "
         "batch read inside the loss into micro-batches"
       )
+    check_state_returned(J, marker, rec.state)
     loss = inline_calls(marker.params["loss_jaxpr"])
+    loss, split_paths, scan_split = split_scans(
+      loss, nparam, rec.param_paths, [(p.input, p.output) for p in rec.state if p.input is not None]
+    )
     layering = layer_program(
       loss,
-      rec.param_paths + [None] * (len(roles) - nparam),
+      split_paths + [None] * (len(loss.jaxpr.invars) - len(split_paths)),
       batch_size=mb,
       layer_depth=self.layer_depth,
       name=getattr(self.fn, "__name__", "step"),
@@ -319,6 +342,8 @@ class GraphPipeline:
       loss=loss,
       layering=layering,
       roles=roles,
+      state=rec.state,
+      scan_split=scan_split,
       nparam=nparam,
       batch_size=B,
       microbatch_size=mb,
@@ -351,11 +376,16 @@ class GraphPipeline:
     placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
     sched = plan_schedule(plan)
-    nloss = len(loss.jaxpr.outvars)
-    in_home = [staged.param_owner[j] if j < nparam else -1 for j in range(len(marker.invars))]
-    out_home = [staged.loss_outputs[k][0] for k in range(nloss)] + list(staged.param_owner[:nparam])
+    split = c.scan_split
+    homes = param_homes(split.param_split, staged.param_owner)
+    in_home = [homes[j] if j < nparam else -1 for j in range(len(marker.invars))]
+    nloss = len(split.out_parts)
+    out_home = [staged.loss_outputs[split.out_parts[k][0]][0] for k in range(nloss)] + homes
     prog = split_step(step, mk, in_home, out_home)
-    runner = PipelineRunner(staged, sched, placements, roles, M, remat=self.remat)
+    # The loss's inputs and outputs after the scan split: one per slice of a split input.
+    loss_roles = [r for r, ks in zip(roles, split.parts) for _ in ks]
+    state = split_state(c.state, split)
+    runner = PipelineRunner(staged, sched, placements, loss_roles, M, remat=self.remat, state=state)
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
     fused = None
     if (
@@ -364,8 +394,10 @@ class GraphPipeline:
       and len(plan.stages[0].devices) == 1
       and jax.process_count() == 1
       and weight_delays(sched) is None  # stale-weight schedules keep older versions
+      and not c.state  # state carried between micro-batches runs in the driver
     ):
-      fused = fused_step(prog, loss, roles, M, mb)
+      # The loss as captured (one stage needs no scan split): inputs are the marker's.
+      fused = fused_step(prog, inline_calls(marker.params["loss_jaxpr"]), roles, M, mb)
     logging.info(
       "graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
       plan.num_stages,
@@ -390,6 +422,9 @@ class GraphPipeline:
       calibration=calibration,
       fused=fused,
       last_fused=None,
+      roles=roles,
+      nparam=nparam,
+      scan_split=c.scan_split,
     )
 
   def _planner_cluster(self):
@@ -454,7 +489,7 @@ class GraphPipeline:
     pure, leaves = functionalize(self.fn, args)
     key = (
       pure.in_tree,
-      tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves),
+      tuple((tuple(np.shape(x)), str(_canonical(_dtype(x)))) for x in leaves),
       pure.graph_positions,
     )
     c = self._compiled.get(key)
@@ -513,14 +548,23 @@ class GraphPipeline:
 
     run_pieces(c.pieces[: c.nbefore])
     marker = c.prog.marker
-    nparam = sum(r is None for r in c.runner.roles)
+    nparam = c.nparam
     vals = [
-      read(a) if r in (None, KEY, BROADCAST) else value(a)
-      for a, r in zip(marker.invars, c.runner.roles)
+      read(a) if r in (None, KEY, BROADCAST, STATE) else value(a)
+      for a, r in zip(marker.invars, c.roles)
     ]
+    split, owner = c.scan_split, c.staged.param_owner
+    params, data = vals[:nparam], vals[nparam:]
+    if split.stacked:
+      params = slice_params(split.param_split, params, owner, c.placements, local)
+      data = slice_data(split, data)
     outs, grads = c.runner.run(
-      vals[:nparam], vals, measure=self.measure, versions=stale_versions(c, vals[:nparam])
+      params, params + data, measure=self.measure, versions=stale_versions(c, params)
     )
+    if split.stacked:
+      grads = stack_grads(split.param_split, grads, owner, c.placements, local)
+      out_stage = [s for s, _ in c.staged.loss_outputs]
+      outs = stack_outputs(split, outs, out_stage, c.placements, local)
     for o, val in zip(marker.outvars, list(outs) + list(grads)):
       if not isinstance(o, xc.DropVar):
         env[o] = val
