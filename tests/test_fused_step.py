@@ -194,3 +194,32 @@ def test_stale_weight_schedules_are_not_fused():
   stale(params, tx.init(params), keys, _batch())
   assert sync._last.fused is not None
   assert stale._last.fused is None
+
+
+def test_fused_step_runs_a_scan_over_stacked_layers_whole():
+  """One stage needs no scan split: the fused step runs the captured loss, scan and all."""
+  ks = jax.random.split(jax.random.key(3), 4)
+  stacked = {"w": jax.random.normal(ks[0], (4, 5, 5)) / np.sqrt(5.0), "b": jnp.zeros((4, 5))}
+  params = {"blocks": stacked, "head": dense(ks[1], 5, 3)}
+
+  def loss_fn(p, batch):
+    def block(h, w):
+      return jnp.tanh(h @ w["w"] + w["b"]), None
+
+    h, _ = jax.lax.scan(block, batch["x"], p["blocks"])
+    return jnp.mean((h @ p["head"]["w"] + p["head"]["b"] - batch["y"]) ** 2)
+
+  def scan_step(params, opt_state, batch):
+    loss, grads = gpp_jax.value_and_grad(lambda p: loss_fn(p, batch))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  pp = gpp_jax.graph_pipeline(scan_step, num_microbatches=1, devices=jax.devices()[:1])
+  ref = jax.jit(scan_step)
+  p, o, rp, ro = params, tx.init(params), params, tx.init(params)
+  for i in range(3):
+    p, o, loss = pp(p, o, _batch(i))
+    rp, ro, rloss = ref(rp, ro, _batch(i))
+  assert pp._last.fused is not None
+  assert abs(float(loss) - float(rloss)) <= 1e-6
+  assert max_diff((p, o), (rp, ro)) <= 1e-6
