@@ -262,10 +262,9 @@ def functionalize(step: Callable, args: tuple) -> tuple[PureStep, list]:
   leaves, in_tree = jax.tree.flatten((state, others))
   out_tree = []
 
-  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((state, others))[0]]
-
   def pure(*flat):
-    if _STATE.recording is not None:
+    if _STATE.recording is not None:  # capturing: the paths name the step's inputs (slow)
+      paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((state, others))[0]]
       record_step_inputs(list(zip(paths, flat)))
     st, oth = jax.tree.unflatten(in_tree, flat)
     it = iter(oth)
