@@ -503,7 +503,7 @@ class GraphPipeline:
     return out
 
   def _execute_fused(self, c: Compiled, leaves):
-    device, fused = c.placements[0].devices[0], c.fused
+    fused = c.fused
     assert fused is not None
     t0 = time.perf_counter()
     here = c.placements[0].replicated
