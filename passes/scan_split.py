@@ -85,10 +85,22 @@ def _common_prefix(paths: Sequence[str]) -> str:
   return "/".join(out)
 
 
+def scan_counts(e) -> tuple[int, int]:
+  """(constants, carries) among a scan equation's operands, the rest being scanned over.
+
+  JAX up to 0.11 records them as ``num_consts`` / ``num_carry``; 0.12 records the operand
+  groups as the flat tree ``ft_in`` (constants, carries, scanned inputs).
+  """
+  if "num_consts" in e.params:
+    return e.params["num_consts"], e.params["num_carry"]
+  consts, carry, _ = e.params["ft_in"].unpack()  # a flat tree: len() counts operands
+  return len(consts), len(carry)
+
+
 def _scan_params(e, is_param: dict[xc.Var, int]) -> list[int]:
   """Positions (among the scan's operands) of splittable inputs (parameters, carried state)
   scanned over, stacked along axis 0."""
-  start = e.params["num_consts"] + e.params["num_carry"]
+  start = sum(scan_counts(e))
   length = e.params["length"]
   return [
     k
@@ -252,7 +264,7 @@ def _eval_jaxpr(jaxpr, consts, args, rename: Callable):
 def _unroll(e, read, slices, param_paths, is_param):
   """The scan ``e`` as its iterations, iteration i named ``<scan>/<i>``."""
   body = e.params["jaxpr"]
-  nc, ncarry, length = e.params["num_consts"], e.params["num_carry"], e.params["length"]
+  (nc, ncarry), length = scan_counts(e), e.params["length"]
   consts = [read(a) for a in e.invars[:nc]]
   carry = [read(a) for a in e.invars[nc : nc + ncarry]]
   xs = e.invars[nc + ncarry :]
