@@ -58,6 +58,31 @@ def slice_params(
   return out
 
 
+def _restack(
+  groups: Sequence[Sequence[int]],
+  values: Sequence[Any],
+  home_of: Sequence[int],
+  placements: Sequence[StagePlacement],
+  local: Sequence[bool],
+) -> list[Any]:
+  """Each group of ``values`` (slices of one stacked array) stacked again on the stage
+  ``home_of[first slice]``; a group of one is passed through."""
+  out: list[Any] = []
+  for ks in groups:
+    if len(ks) == 1:
+      out.append(values[ks[0]])
+      continue
+    home = home_of[ks[0]]
+    parts = [transfer(values[k], placements[home].replicated) for k in ks]
+    if local[home]:
+      out.append(_stack(parts))
+    else:
+      v0 = values[ks[0]]
+      aval = jax.core.ShapedArray((len(ks),) + tuple(v0.shape), v0.dtype)
+      out.append(placeholder(aval, placements[home].replicated))
+  return out
+
+
 def stack_grads(
   split: ScanSplit,
   grads: Sequence[Any],
@@ -67,20 +92,7 @@ def stack_grads(
 ) -> list[Any]:
   """The split loss's parameter gradients -> one gradient per captured parameter, on its
   home (stacked slices for a stacked parameter)."""
-  out: list[Any] = []
-  for ks in split.parts:
-    if len(ks) == 1:
-      out.append(grads[ks[0]])
-      continue
-    home = param_owner[ks[0]]
-    parts = [transfer(grads[k], placements[home].replicated) for k in ks]
-    if local[home]:
-      out.append(_stack(parts))
-    else:
-      g0 = grads[ks[0]]
-      aval = jax.core.ShapedArray((len(ks),) + tuple(g0.shape), g0.dtype)
-      out.append(placeholder(aval, placements[home].replicated))
-  return out
+  return _restack(split.parts, grads, param_owner, placements, local)
 
 
 def slice_data(split: ScanSplit, data: Sequence[Any]) -> list[Any]:
@@ -101,17 +113,4 @@ def stack_outputs(
 ) -> list[Any]:
   """The split loss's outputs -> the captured loss's: the slices of a split state's new value
   are stacked on the stage that computes the first slice."""
-  result: list[Any] = []
-  for ks in split.out_parts:
-    if len(ks) == 1:
-      result.append(outs[ks[0]])
-      continue
-    home = output_stage[ks[0]]
-    parts = [transfer(outs[k], placements[home].replicated) for k in ks]
-    if local[home]:
-      result.append(_stack(parts))
-    else:
-      o0 = outs[ks[0]]
-      aval = jax.core.ShapedArray((len(ks),) + tuple(o0.shape), o0.dtype)
-      result.append(placeholder(aval, placements[home].replicated))
-  return result
+  return _restack(split.out_parts, outs, output_stage, placements, local)
