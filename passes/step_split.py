@@ -142,22 +142,42 @@ def split_step(
     invar_home.append(h)
     if h >= 0:
       home[v] = h
-  # Levels: one more whenever a value crosses between homes.
-  eqn_level = [0] * len(eqns)
-  for k, e in enumerate(eqns):
-    eqn_level[k] = max(
-      (
-        eqn_level[producer[v]] + (homes[producer[v]] != homes[k])
-        for v in e.invars
-        if isinstance(v, xc.Var) and v in producer
-      ),
-      default=0,
-    )
+  # What the pipeline reads: the marker's ancestors. Everything else waits until after it, so
+  # work that does not feed the loss fuses with what consumes it (Adam's ``b1 * mu`` with the
+  # rest of the moment update) instead of being written out before the pipeline and read
+  # back after it, which costs a full pass over the optimizer state.
+  feeds_marker = [False] * len(eqns)
+  todo = [marker_index]
+  while todo:
+    k = todo.pop()
+    for v in eqns[k].invars:
+      if isinstance(v, xc.Var) and v in producer and not feeds_marker[producer[v]]:
+        feeds_marker[producer[v]] = True
+        todo.append(producer[v])
+
+  # Levels: one more whenever a value crosses between homes; the marker's level depends on its
+  # ancestors only, and what does not feed it goes above it.
+  def levels(floor: int) -> list[int]:
+    level = [0] * len(eqns)
+    for k, e in enumerate(eqns):
+      level[k] = max(
+        (
+          level[producer[v]] + (homes[producer[v]] != homes[k])
+          for v in e.invars
+          if isinstance(v, xc.Var) and v in producer
+        ),
+        default=0,
+      )
+      if k != marker_index and not feeds_marker[k] and not e.effects:
+        level[k] = max(level[k], floor)
+    return level
+
+  mlevel = levels(0)[marker_index]
+  eqn_level = levels(mlevel + 1)
   groups: dict[tuple[int, int], list[int]] = {}
   for k in range(len(eqns)):
     if k != marker_index:
       groups.setdefault((eqn_level[k], homes[k]), []).append(k)
-  mlevel = eqn_level[marker_index]
   pieces_before: list[Piece] = []
   pieces_after: list[Piece] = []
   out_set = {v for v in J.outvars if isinstance(v, xc.Var)}

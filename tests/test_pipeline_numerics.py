@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from harness import OPTIMIZERS, apply_dense, compare_steps, dense, make_batch, max_diff, mse_step
 
@@ -278,3 +279,37 @@ def test_residual_packing_round_trips_and_keeps_inputs_apart():
     if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
       a, b = jax.random.key_data(a), jax.random.key_data(b)
     assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_optimizer_work_that_does_not_feed_the_loss_runs_after_the_pipeline():
+  # Adam's ``b1 * mu`` and ``b2 * nu`` read only the optimizer state, not the gradients. Run
+  # before the pipeline they would be written out and read back after it (a pass over the
+  # optimizer state per step); after it they fuse with the rest of the update. What the loss
+  # reads (here the parameters scaled outside the loss) still runs before.
+  tx = OPTIMIZERS["adamw"]()
+
+  def step(params, opt_state, batch):
+    def loss_fn(p):
+      return jnp.mean((chain_model(p, batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = gpp_jax.value_and_grad(loss_fn)(jax.tree.map(lambda w: 0.5 * w, params))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+  params = chain_params()
+  r, p, pp = compare_steps(
+    step,
+    (params, tx.init(params)),
+    make_batch(3, 16, 6, 3),
+    num_microbatches=2,
+    devices=jax.devices()[:4],
+    planner=CHAIN_PLAN,
+  )
+  assert max_diff(r[0], p[0]) <= TOL and max_diff(r[1], p[1]) <= TOL
+  c = pp._last  # pylint: disable=protected-access
+  before = [e for piece, _ in c.pieces[: c.nbefore] for e in piece.jaxpr.jaxpr.eqns]
+  after = [e for piece, _ in c.pieces[c.nbefore :] for e in piece.jaxpr.jaxpr.eqns]
+  opt_leaves = {id(v) for v in c.prog.jaxpr.jaxpr.invars[8:]}  # params are the first 8 leaves
+  assert not any(id(v) in opt_leaves for e in before for v in e.invars), "optimizer work before"
+  assert any(e.primitive.name == "mul" for e in before)
+  assert any(id(v) in opt_leaves for e in after for v in e.invars)
