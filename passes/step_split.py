@@ -174,10 +174,24 @@ def split_step(
 
   mlevel = levels(0)[marker_index]
   eqn_level = levels(mlevel + 1)
-  groups: dict[tuple[int, int], list[int]] = {}
+  # Within a (level, home) group, what another home or the pipeline reads comes first, as a
+  # piece of its own: a cross-stage scalar such as clip_by_global_norm's norm then leaves as
+  # soon as it is computed, instead of when the whole optimizer update of its home is done
+  # (which would serialise the updates of all stages behind one).
+  exported = [
+    any(homes[c] != homes[k] or c == marker_index for c in consumers[k]) for k in range(len(eqns))
+  ]
+  first = [False] * len(eqns)
+  for k in reversed(range(len(eqns))):
+    if k == marker_index:
+      continue
+    first[k] = exported[k] or any(
+      first[c] and homes[c] == homes[k] and eqn_level[c] == eqn_level[k] for c in consumers[k]
+    )
+  groups: dict[tuple[int, int, int], list[int]] = {}
   for k in range(len(eqns)):
     if k != marker_index:
-      groups.setdefault((eqn_level[k], homes[k]), []).append(k)
+      groups.setdefault((eqn_level[k], 0 if first[k] else 1, homes[k]), []).append(k)
   pieces_before: list[Piece] = []
   pieces_after: list[Piece] = []
   out_set = {v for v in J.outvars if isinstance(v, xc.Var)}
@@ -201,7 +215,7 @@ def split_step(
     ]
     dbg = xc.DebugInfo(
       "graph_pipeline",
-      f"step_piece_{key[1]}_{key[0]}",
+      f"step_piece_{key[2]}_{key[0]}_{key[1]}",
       tuple(f"in{i}" for i in range(len(ins))),
       tuple(f"out{i}" for i in range(len(outs))),
     )
@@ -214,7 +228,7 @@ def split_step(
       debug_info=dbg,
     )
     piece = Piece(
-      key[1],
+      key[2],
       key[0],
       xc.ClosedJaxpr(sub, [host_constant(const_val[c]) for c in consts]),
       tuple(ins),

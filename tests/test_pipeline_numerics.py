@@ -211,7 +211,7 @@ def test_global_norm_clipping_active_is_exact():
 
   tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
   params = chain_params()
-  r, p, _pp = compare_steps(
+  r, p, pp = compare_steps(
     mse_step(chain_model, tx),
     (params, tx.init(params)),
     make_batch(9, 16, 6, 3),
@@ -222,6 +222,18 @@ def test_global_norm_clipping_active_is_exact():
   moved = max_diff(params, r[0])
   assert 1e-4 < moved < 1e-2  # clipped: each step moves by at most 1e-3
   assert max_diff(r[0], p[0]) <= 1e-7
+  # The norm pieces exchange scalars only: a piece another stage reads from computes just what
+  # it sends, so no stage's update waits for another stage's update.
+  c = pp._last  # pylint: disable=protected-access
+  after = [piece for piece, _ in c.pieces[c.nbefore :]]
+  sent = [
+    piece
+    for piece in after
+    if any(v in q.inputs for q in after if q.home != piece.home for v in piece.outputs)
+  ]
+  assert len({piece.home for piece in sent}) >= 3  # every stage sends its partial norm
+  for piece in sent:
+    assert all(v.aval.ndim == 0 for v in piece.outputs), [v.aval for v in piece.outputs]
 
 
 def test_bfloat16_gpt_trains_pipelined_in_bfloat16():
