@@ -175,6 +175,22 @@ def test_nnx_snippet():
   assert ns["train_step"].plan.num_stages > 1
 
 
+def test_nnx_cached_partial_snippet():
+  ns = _run(_snippet("def train_step(model, optimizer, batch)"), _imports())
+  model, optimizer = _nnx_fresh(NNXNet)
+  ref_model, ref_opt = _nnx_fresh(NNXNet)
+  batches = [_batch(seed=i) for i in range(3)]
+  ns = _run(
+    _snippet("cached_partial(model, optimizer)"),
+    {**ns, "model": model, "optimizer": optimizer, "batches": batches},
+  )
+  for batch in batches:
+    ref_loss = float(_nnx_reference(ref_model, ref_opt, batch))
+  assert abs(float(ns["loss"]) - ref_loss) <= TOL
+  assert max_diff(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param)) <= TOL
+  assert int(optimizer.step[...]) == 3
+
+
 def test_manual_plan_snippet():
   ns = _run(
     _snippet("gpp_jax.manual_plan("), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)}
