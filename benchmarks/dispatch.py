@@ -43,6 +43,7 @@ def main():
     devices=[jax.devices()[0]] * S,
     planner=plan,
     layer_depth=run.spec.layer_depth,
+    fuse=False,  # one stage would otherwise run as one jitted step, with no actions to time
   )
   data = run.batches(16, 2)
   for i in range(4):
