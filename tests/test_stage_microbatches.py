@@ -10,7 +10,7 @@ import pytest
 from harness import OPTIMIZERS, apply_dense, compare_steps, dense, make_batch, max_diff, mse_step
 
 import gpp_jax
-from gpp_jax.cost.cluster import cpu_cluster
+from gpp_jax.cost.cluster import cpu_cluster, make_cluster
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.simulator import simulate
 from gpp_jax.errors import GppError, PlanError, ScheduleError
@@ -18,7 +18,15 @@ from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, Stage, stage_microbatch_counts, validate_plan
 from gpp_jax.ir.schedule import Action, Schedule, dependencies, validate_schedule
 from gpp_jax.passes.inflight import graph_1f1b
-from gpp_jax.passes.schedules import gpipe, make_schedule, one_f_one_b, plan_schedule
+from gpp_jax.passes.partition import get_planner
+from gpp_jax.passes.partition.plan_assembly import predict
+from gpp_jax.passes.schedules import (
+  gpipe,
+  make_schedule,
+  one_f_one_b,
+  plan_schedule,
+  warmup_chunks,
+)
 
 TOL = 1e-5
 DAG = [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3)]  # two branches, a join and a skip edge
@@ -79,7 +87,8 @@ def test_per_stage_sizes_match_one_device(schedule, sizes, devices):
   assert max_diff(r[:2], p[:2]) <= TOL
 
 
-def test_graph_1f1b_with_per_stage_sizes_matches_one_device():
+def test_graph_1f1b_remat_and_measure_with_per_stage_sizes_match_one_device():
+  # measure=True runs one thread per stage, waiting until the re-chunked inputs are complete.
   params = skip_params()
   tx = OPTIMIZERS["adamw"]()
   plan = gpp_jax.manual_plan(RULES, microbatch_sizes={0: 2, 1: 4, 2: 4, 3: 8})
@@ -92,6 +101,8 @@ def test_graph_1f1b_with_per_stage_sizes_matches_one_device():
     devices=jax.devices()[:4],
     planner=plan,
     schedule="graph-1f1b",
+    remat=True,
+    measure=True,
   )
   assert pp.schedule.stage_counts == (8, 4, 4, 2)
   assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
@@ -371,3 +382,23 @@ def test_simulator_runs_each_stage_at_its_own_size():
     t.end for t in res.transfers if t.kind == "activation" and t.src == 0 and t.microbatch < 4
   )
   assert res.time_of(Action("F", 1, 0))[0] >= last_in
+
+
+# -- planner -----------------------------------------------------------------------------------
+
+
+def test_stage_microbatch_pass_is_valid_and_never_slower():
+  g = mg.model_graph("dlrm")
+  cl = make_cluster("v100", 8)
+  uniform = get_planner("graphpipe")(g, cl, 256, num_microbatches=8)
+  plan = get_planner("graphpipe-stage-mb")(g, cl, 256, num_microbatches=8)
+  validate_plan(plan, g, 8)
+  assert plan.planner == "graphpipe+stage-mb"
+  sizes = [s.microbatch_size for s in plan.stages]
+  assert len(set(sizes)) > 1  # DLRM gains from bigger micro-batches on some stages
+  start = predict(uniform, g, cl).predicted["iteration_time"]
+  assert plan.predicted["iteration_time"] < start
+  sim = simulate(plan, g, cl)
+  assert sim.iteration_time == pytest.approx(plan.predicted["iteration_time"])
+  counts = stage_microbatch_counts(plan, 256)
+  assert [s.in_flight for s in plan.stages] == list(warmup_chunks(8, plan.edges, counts))

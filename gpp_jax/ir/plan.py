@@ -57,7 +57,9 @@ class Plan:
   Attributes:
     stages: the stages, ``stages[i].index == i``.
     edges: stage-graph edges ``(i, j)``: stage i's forward feeds stage j.
-    num_microbatches: micro-batches per mini-batch (for uniform micro-batch sizes).
+    num_microbatches: micro-batches per mini-batch (for uniform micro-batch sizes; stages with
+      different ``microbatch_size``s run ``batch_size / microbatch_size`` each, see
+      ``stage_microbatch_sizes``).
     schedule: name of the schedule generator ("1f1b", "gpipe").
     planner: name of the planner that produced the plan.
     batch_size: mini-batch size the plan was made for (None if not known).

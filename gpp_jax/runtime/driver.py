@@ -531,7 +531,8 @@ class PipelineRunner:
       mb = None if B is None else B // M
       if not self.local[ls]:
         aval = self._out_avals[ls][lk]
-        if li > 0 and li not in self.state_outputs and aval.ndim >= 1 and aval.shape[0] == mb:
+        per_example = li > 0 and li not in self.state_outputs and aval.ndim >= 1
+        if per_example and mb is not None and aval.shape[0] == mb:
           aval = aval.update(shape=(mb * M,) + aval.shape[1:])
         outs.append(self._remote(aval, ls))
         continue
