@@ -32,7 +32,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch", 64, "samples per step")
 flags.DEFINE_integer("hidden", 256, "width of the layers")
 flags.DEFINE_integer("uniform", 8, "micro-batches of the one-size plan")
-flags.DEFINE_list("sizes", ["16", "4", "8", "16"], "per-stage micro-batch sizes")
+flags.DEFINE_list("sizes", ["16", "8", "8", "16"], "per-stage micro-batch sizes")
 flags.DEFINE_integer("repeats", 15, "timed steps per plan (median)")
 
 RULES = {"inp": 0, "left": 1, "right": 2, "head": 3}

@@ -197,9 +197,9 @@ def stage_edges(
 
 
 def has_mixed_microbatches(plan: Plan) -> bool:
-  """Whether the stages of ``plan`` name different micro-batch sizes (None counts as the
-  uniform size ``batch / num_microbatches``, so it differs from any explicit size only when
-  the batch is known; here a None next to an explicit size counts as mixed)."""
+  """Whether the stages of ``plan`` name different micro-batch sizes (a None next to an
+  explicit size counts as different; ``stage_microbatch_sizes`` resolves None to
+  batch / num_microbatches)."""
   return len({s.microbatch_size for s in plan.stages}) > 1
 
 

@@ -729,7 +729,8 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
       ``jax.config.update("jax_num_cpu_devices", n)`` before JAX is first used gives n devices.
     planner: a planner name (``"balanced"``, and the cost-model planners), a ``Plan``, a
       ``gpp_jax.manual_plan(...)``, or a callable ``(layer_graph, cluster, batch_size,
-      num_microbatches=) -> Plan``.
+      num_microbatches=) -> Plan``. Stages with different ``microbatch_size``s each run at
+      their own size (``manual_plan(..., microbatch_sizes=)``, ``"graphpipe-stage-mb"``).
     schedule: ``"1f1b"``, ``"gpipe"``, ``"graph-1f1b"`` or ``"zero-bubble"`` (backward split
       into input and weight gradients, the latter deferred into bubbles); None (default) keeps
       the plan's (planners choose; a manual plan uses 1F1B).
