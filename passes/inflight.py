@@ -95,6 +95,17 @@ def inflight_counts(
   return InFlight(tuple(N), tuple(mbs), tuple(b))
 
 
+def inflight_chunks(
+  num_stages: int, edges: Sequence[tuple[int, int]], counts: Sequence[int]
+) -> tuple[int, ...]:
+  """In-flight micro-batches per stage when stage s cuts the batch into ``counts[s]`` chunks:
+  the rule above in samples (sizes proportional to ``1 / counts[s]``), converted to each
+  stage's own chunks and capped at its count. The 1F1B warm-up with per-stage sizes."""
+  unit = math.lcm(*counts)
+  fl = inflight_counts(num_stages, edges, microbatch_sizes=[unit // c for c in counts])
+  return tuple(min(f, c) for f, c in zip(fl.microbatches, counts))
+
+
 def longest_path_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> list[int]:
   """L(s): stages on the longest path from s to a sink (sinks have L = 1)."""
   return list(inflight_counts(num_stages, edges).microbatches)
@@ -131,8 +142,7 @@ def graph_1f1b(
   elif cs is None:
     cap = longest_path_to_sink(S, edges)
   else:
-    unit = math.lcm(*cs)
-    cap = list(inflight_counts(S, edges, microbatch_sizes=[unit // c for c in cs]).microbatches)
+    cap = list(inflight_chunks(S, edges, cs))
   cap = [max(1, min(int(c), Ms[s])) for s, c in enumerate(cap)]
   tf = list(forward) if forward is not None else [1.0] * S
   tb = list(backward) if backward is not None else [2.0] * S

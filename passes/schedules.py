@@ -15,15 +15,15 @@ Generators:
           (weight stashing, vertical sync, two weight versions; see passes/weight_versions.py).
 
 Per-stage micro-batch counts (``counts``; stage s cuts the batch into counts[s] chunks, GraphPipe's
-per-stage micro-batch sizes): gpipe, 1f1b and graph-1f1b build lanes with counts[s] forwards and
-backwards on stage s; 1F1B's warm-up is counted in samples (``passes/inflight.py``) and converted
-to each stage's own chunks. The other generators refuse counts that differ.
+per-stage micro-batch sizes): gpipe, 1f1b, graph-1f1b and zero-bubble build lanes with counts[s]
+forwards and backwards on stage s; 1F1B's warm-up (and zero-bubble's default memory bound) is
+counted in samples (``passes/inflight.py``) and converted to each stage's own chunks. The
+stale-weight generators refuse counts that differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import networkx as nx
@@ -31,7 +31,7 @@ import networkx as nx
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.plan import has_mixed_microbatches, stage_microbatch_counts
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
-from gpp_jax.passes.inflight import graph_1f1b, inflight_counts
+from gpp_jax.passes.inflight import graph_1f1b, inflight_chunks
 from gpp_jax.passes.zero_bubble import zero_bubble
 
 
@@ -90,18 +90,6 @@ def gpipe(
   return sched
 
 
-def warmup_chunks(
-  num_stages: int, edges: Sequence[tuple[int, int]], counts: Sequence[int]
-) -> tuple[int, ...]:
-  """1F1B warm-up per stage with per-stage micro-batch counts: the in-flight rule of
-  ``inflight_counts`` in samples (sizes proportional to ``1 / counts[s]``), converted to each
-  stage's own chunks and capped at its count."""
-  unit = math.lcm(*counts)
-  sizes = [unit // c for c in counts]
-  fl = inflight_counts(num_stages, edges, microbatch_sizes=sizes).microbatches
-  return tuple(min(f, c) for f, c in zip(fl, counts))
-
-
 def one_f_one_b(
   num_stages: int,
   edges: Sequence[tuple[int, int]],
@@ -113,7 +101,7 @@ def one_f_one_b(
   """Synchronous 1F1B on a stage DAG; ``warmup[s]`` overrides the forwards before the first B.
 
   With ``counts`` (stage s runs counts[s] micro-batches) the default warm-up is
-  ``warmup_chunks``: the same samples in flight whatever a stage's chunk size.
+  ``inflight_chunks``: the same samples in flight whatever a stage's chunk size.
   """
   M = num_microbatches
   cs = stage_counts(num_stages, M, counts)
@@ -122,7 +110,7 @@ def one_f_one_b(
   elif cs is None:
     L = longest_path_to_sink(num_stages, edges)
   else:
-    L = list(warmup_chunks(num_stages, edges, cs))
+    L = list(inflight_chunks(num_stages, edges, cs))
   lanes = []
   for s in range(num_stages):
     M = num_microbatches if cs is None else cs[s]
@@ -167,7 +155,7 @@ def two_bw(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: 
 
 
 # Generators that build lanes with per-stage micro-batch counts.
-PER_STAGE_COUNTS = ("gpipe", "1f1b", "graph-1f1b")
+PER_STAGE_COUNTS = ("gpipe", "1f1b", "graph-1f1b", "zero-bubble")
 
 GENERATORS: dict[str, Callable[..., Schedule]] = {
   "gpipe": gpipe,
@@ -192,12 +180,17 @@ def make_schedule(
 
   ``memory_bound`` (zero-bubble only): per stage, the most micro-batches held at once.
   ``counts``: micro-batches per stage when stages use different micro-batch sizes (gpipe,
-  1f1b and graph-1f1b; the others raise ScheduleError).
+  1f1b, graph-1f1b and zero-bubble; the others raise ScheduleError).
   """
   try:
     gen = GENERATORS[name]
   except KeyError:
     raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(GENERATORS)}") from None
+  kw: dict = {}
+  if memory_bound is not None:
+    if name != "zero-bubble":
+      raise ValueError(f"memory_bound applies to the zero-bubble schedule only, not {name!r}")
+    kw["memory_bound"] = memory_bound
   cs = stage_counts(num_stages, num_microbatches, counts)
   if cs is not None:
     if name not in PER_STAGE_COUNTS:
@@ -206,12 +199,8 @@ def make_schedule(
         f"{list(cs)} micro-batches; use one of {list(PER_STAGE_COUNTS)} or give every stage "
         "the same micro-batch size"
       )
-    return gen(num_stages, edges, num_microbatches, counts=cs)
-  if memory_bound is not None:
-    if name != "zero-bubble":
-      raise ValueError(f"memory_bound applies to the zero-bubble schedule only, not {name!r}")
-    return gen(num_stages, edges, num_microbatches, memory_bound=memory_bound)
-  return gen(num_stages, edges, num_microbatches)
+    kw["counts"] = cs
+  return gen(num_stages, edges, num_microbatches, **kw)
 
 
 def plan_schedule(plan, batch_size: int | None = None) -> Schedule:
@@ -234,10 +223,11 @@ def plan_schedule(plan, batch_size: int | None = None) -> Schedule:
         "caller gives the batch size; set Plan.batch_size or pass batch_size"
       )
     counts = stage_microbatch_counts(plan, batch)
-  if counts is not None and stage_counts(plan.num_stages, plan.num_microbatches, counts):
-    return make_schedule(
-      plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, counts=counts
-    )
   return make_schedule(
-    plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, memory_bound=bound
+    plan.schedule,
+    plan.num_stages,
+    tuple(plan.edges),
+    plan.num_microbatches,
+    memory_bound=bound,
+    counts=counts,
   )

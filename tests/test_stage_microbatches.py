@@ -17,7 +17,7 @@ from gpp_jax.errors import GppError, PlanError, ScheduleError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, Stage, stage_microbatch_counts, validate_plan
 from gpp_jax.ir.schedule import Action, Schedule, dependencies, validate_schedule
-from gpp_jax.passes.inflight import graph_1f1b
+from gpp_jax.passes.inflight import graph_1f1b, inflight_chunks
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.plan_assembly import predict
 from gpp_jax.passes.schedules import (
@@ -25,8 +25,8 @@ from gpp_jax.passes.schedules import (
   make_schedule,
   one_f_one_b,
   plan_schedule,
-  warmup_chunks,
 )
+from gpp_jax.passes.zero_bubble import zero_bubble
 
 TOL = 1e-5
 DAG = [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3)]  # two branches, a join and a skip edge
@@ -83,6 +83,26 @@ def test_per_stage_sizes_match_one_device(schedule, sizes, devices):
   assert pp.schedule.stage_counts == counts
   forwards = [sum(e.action == "F" and e.stage == s for e in pp.timeline.events) for s in range(4)]
   assert tuple(forwards) == counts
+  assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
+  assert max_diff(r[:2], p[:2]) <= TOL
+
+
+def test_zero_bubble_with_per_stage_sizes_matches_one_device():
+  params = skip_params()
+  tx = OPTIMIZERS["adamw"]()
+  plan = gpp_jax.manual_plan(RULES, microbatch_sizes={0: 8, 1: 2, 2: 4, 3: 4})
+  r, p, pp = compare_steps(
+    mse_step(skip_model, tx),
+    (params, tx.init(params)),
+    make_batch(6, 16, 5, 2),
+    steps=2,
+    num_microbatches=4,
+    devices=jax.devices()[:4],
+    planner=plan,
+    schedule="zero-bubble",
+  )
+  assert pp.schedule.stage_counts == (2, 8, 4, 4)
+  assert sum(e.action == "W" for e in pp.timeline.events) == 2 + 8 + 4 + 4
   assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
   assert max_diff(r[:2], p[:2]) <= TOL
 
@@ -147,8 +167,8 @@ def test_data_parallel_stage_size_must_split_over_its_devices():
 
 def test_schedules_that_need_one_size_refuse():
   plan = gpp_jax.manual_plan(RULES, microbatch_sizes={1: 2})
-  with pytest.raises(ScheduleError, match=r"'zero-bubble' needs one micro-batch size"):
-    _run(plan, schedule="zero-bubble")
+  with pytest.raises(ScheduleError, match=r"'pipedream-async' needs one micro-batch size"):
+    _run(plan, schedule="pipedream-async")
   with pytest.raises(ScheduleError, match=r"'2bw' needs one micro-batch size"):
     make_schedule("2bw", 2, [(0, 1)], 4, counts=(4, 2))
 
@@ -236,14 +256,14 @@ def test_dependencies_rechunk():
 COUNTS = [(4, 8, 2, 2), (2, 8, 4, 8), (8, 4, 4, 1), (1, 2, 4, 8)]
 
 
-@pytest.mark.parametrize("gen", [gpipe, one_f_one_b, graph_1f1b])
+@pytest.mark.parametrize("gen", [gpipe, one_f_one_b, graph_1f1b, zero_bubble])
 @pytest.mark.parametrize("counts", COUNTS)
 def test_generators_build_valid_per_stage_schedules(gen, counts):
   sched = gen(4, DAG, max(counts), counts=counts)
   validate_schedule(sched)
   assert sched.stage_counts == counts
   for s, lane in enumerate(sched.lanes):
-    for kind in "FB":
+    for kind in "FBW" if gen is zero_bubble else "FB":
       assert [a.microbatch for a in lane if a.kind == kind] == list(range(counts[s]))
   assert Schedule.from_json(sched.to_json()) == sched
 
@@ -401,4 +421,4 @@ def test_stage_microbatch_pass_is_valid_and_never_slower():
   sim = simulate(plan, g, cl)
   assert sim.iteration_time == pytest.approx(plan.predicted["iteration_time"])
   counts = stage_microbatch_counts(plan, 256)
-  assert [s.in_flight for s in plan.stages] == list(warmup_chunks(8, plan.edges, counts))
+  assert [s.in_flight for s in plan.stages] == list(inflight_chunks(8, plan.edges, counts))

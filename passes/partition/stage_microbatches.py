@@ -6,7 +6,7 @@ descent on the simulated iteration time: a move halves or doubles one stage's si
 the plan stays valid (the size divides the batch and the stage's devices, and along every stage
 edge the larger size is a multiple of the smaller), within device memory, and faster
 (``plan_assembly.better``). The stages, devices and schedule stay as they are; the schedule must
-take per-stage counts (gpipe, 1f1b, graph-1f1b).
+take per-stage counts (gpipe, 1f1b, graph-1f1b, zero-bubble).
 
 The ``graphpipe-stage-mb`` planner is GraphPipe followed by this pass. Its plans run only on
 steps whose loss carries no state between micro-batches and reads no random key (see
@@ -23,9 +23,10 @@ from gpp_jax.cost.cluster import Cluster, as_cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts, layer_costs
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan, stage_microbatch_counts, validate_plan
+from gpp_jax.passes.inflight import inflight_chunks
 from gpp_jax.passes.partition.graphpipe import graphpipe_plan
 from gpp_jax.passes.partition.plan_assembly import better, predict
-from gpp_jax.passes.schedules import PER_STAGE_COUNTS, warmup_chunks
+from gpp_jax.passes.schedules import PER_STAGE_COUNTS
 
 
 def with_sizes(plan: Plan, sizes: tuple[int, ...]) -> Plan:
@@ -33,7 +34,7 @@ def with_sizes(plan: Plan, sizes: tuple[int, ...]) -> Plan:
   stages = tuple(dataclasses.replace(s, microbatch_size=b) for s, b in zip(plan.stages, sizes))
   out = plan.replace(stages=stages)
   assert plan.batch_size is not None  # checked by the caller
-  fl = warmup_chunks(plan.num_stages, plan.edges, stage_microbatch_counts(out, plan.batch_size))
+  fl = inflight_chunks(plan.num_stages, plan.edges, stage_microbatch_counts(out, plan.batch_size))
   return out.replace(stages=tuple(dataclasses.replace(s, in_flight=f) for s, f in zip(stages, fl)))
 
 
