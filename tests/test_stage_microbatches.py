@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from harness import OPTIMIZERS, apply_dense, compare_steps, dense, make_batch, max_diff, mse_step
 
@@ -13,7 +14,7 @@ import gpp_jax
 from gpp_jax.cost.cluster import cpu_cluster, make_cluster
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.simulator import simulate
-from gpp_jax.errors import GppError, PlanError, ScheduleError
+from gpp_jax.errors import CaptureError, GppError, PlanError, ScheduleError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, Stage, stage_microbatch_counts, validate_plan
 from gpp_jax.ir.schedule import Action, Schedule, dependencies, validate_schedule
@@ -129,6 +130,32 @@ def test_graph_1f1b_remat_and_measure_with_per_stage_sizes_match_one_device():
   assert max_diff(r[:2], p[:2]) <= TOL
 
 
+def test_aux_outputs_with_per_stage_sizes():
+  """Per-example aux outputs are concatenated from the loss stage's chunks, scalars averaged."""
+  tx = OPTIMIZERS["adamw"]()
+
+  def step(params, opt_state, batch):
+    def loss_fn(p):
+      out = skip_model(p, batch["x"])
+      err = jnp.mean(jnp.abs(out - batch["y"]))
+      return jnp.mean((out - batch["y"]) ** 2), {"pred": out, "err": err}
+
+    (loss, aux), grads = gpp_jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, aux
+
+  params = skip_params()
+  batch = make_batch(1, 16, 5, 2)
+  plan = gpp_jax.manual_plan(RULES, microbatch_sizes={0: 4, 1: 2, 2: 8, 3: 8})
+  pp = gpp_jax.graph_pipeline(step, num_microbatches=4, devices=jax.devices()[:4], planner=plan)
+  opt_state = tx.init(params)
+  with jax.transfer_guard("disallow"):
+    out = pp(params, opt_state, batch)
+  ref = jax.jit(step)(params, opt_state, batch)
+  assert out[3]["pred"].shape == (16, 2)
+  assert max_diff(ref[2:], out[2:]) <= TOL
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
@@ -163,6 +190,30 @@ def test_data_parallel_stage_size_must_split_over_its_devices():
   )
   with pytest.raises(PlanError, match="stage 2 spans 3 devices but a micro-batch has 8"):
     _run(plan, devices=jax.devices()[:6])
+
+
+def test_a_value_without_the_batch_axis_cannot_cross_between_sizes():
+  def model(p, x):
+    h = jnp.tanh(apply_dense(p["inp"], x))
+    h = h - jnp.mean(apply_dense(p["stat"], h))  # a scalar per micro-batch, sent to stage 1
+    return apply_dense(p["head"], jnp.tanh(apply_dense(p["left"], h)))
+
+  ks = jax.random.split(jax.random.key(0), 4)
+  params = {
+    "inp": dense(ks[0], 5, 12),
+    "stat": dense(ks[1], 12, 1),
+    "left": dense(ks[2], 12, 8),
+    "head": dense(ks[3], 8, 2),
+  }
+  tx = OPTIMIZERS["adamw"]()
+  plan = gpp_jax.manual_plan(
+    {"inp": 0, "stat": 0, "left": 1, "head": 2}, microbatch_sizes={0: 4, 1: 8, 2: 8}
+  )
+  pp = gpp_jax.graph_pipeline(
+    mse_step(model, tx), num_microbatches=4, devices=jax.devices()[:3], planner=plan
+  )
+  with pytest.raises(CaptureError, match=r"shape \(\) at stage 0 .* give stages 0 and 1 the same"):
+    pp(params, tx.init(params), make_batch(0, 16, 5, 2))
 
 
 def test_schedules_that_need_one_size_refuse():
