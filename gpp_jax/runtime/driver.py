@@ -199,20 +199,18 @@ class PipelineRunner:
     schedule: Schedule,
     placements: Sequence[StagePlacement],
     data_roles: Sequence[str | None],
-    num_microbatches: int,
     remat: bool = False,
     state: Sequence[StatePair] = (),
   ):
     """
     Args:
       staged: the staged loss.
-      schedule: per-stage action lists (validated).
+      schedule: per-stage action lists (validated); stage s runs ``schedule.stage_counts[s]``
+        micro-batches.
       placements: ``placements[s]`` says where stage s runs (a device or a sub-mesh).
       data_roles: for each loss invar: None for a parameter, else BATCH (split into
         micro-batches), KEY (micro-batch index folded in), BROADCAST (same for all) or
         STATE (the value the previous micro-batch left, see ``state``).
-      num_microbatches: M (the micro-batches of every stage unless ``schedule.counts`` gives
-        each stage its own count).
       state: state the loss updates; the stage computing a new value carries it to its own
         next micro-batch, and the step returns the last micro-batch's value.
     """
@@ -220,7 +218,6 @@ class PipelineRunner:
     self.schedule = schedule
     self.place = list(placements)
     self.roles = list(data_roles)
-    self.M = num_microbatches
     self.counts = schedule.stage_counts
     self.fns = [
       stage_functions(

@@ -396,7 +396,7 @@ class GraphPipeline:
     # The loss's inputs and outputs after the scan split: one per slice of a split input.
     loss_roles = [r for r, ks in zip(roles, split.parts) for _ in ks]
     state = split_state(c.state, split)
-    runner = PipelineRunner(staged, sched, placements, loss_roles, M, remat=self.remat, state=state)
+    runner = PipelineRunner(staged, sched, placements, loss_roles, remat=self.remat, state=state)
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
     fused = None
     if (
