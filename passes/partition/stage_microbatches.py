@@ -48,8 +48,9 @@ def assign_stage_microbatches(
   max_evals: int = 64,
 ) -> Plan:
   """Plan (one micro-batch size) -> the plan with per-stage sizes found by coordinate descent
-  (see the module docstring); the plan itself when no move helps. At most ``max_evals``
-  simulations."""
+  (see the module docstring); the plan re-simulated when no move helps. At most ``max_evals``
+  simulations. Moves that make every size equal again are skipped: a uniform plan is the
+  planner's own choice (its sweep over sizes), and its count is ``num_microbatches``."""
   if plan.batch_size is None:
     raise PlanError("per-stage micro-batch sizes need the plan's batch_size; set Plan.batch_size")
   if plan.schedule not in PER_STAGE_COUNTS:
@@ -72,6 +73,8 @@ def assign_stage_microbatches(
         if b < 1 or evals >= max_evals:
           continue
         trial = sizes[:s] + (b,) + sizes[s + 1 :]
+        if len(set(trial)) == 1:
+          continue
         cand = with_sizes(plan, trial)
         try:
           validate_plan(cand, batch_size=B)
