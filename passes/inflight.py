@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections.abc import Sequence
 
 import networkx as nx
 
 from gpp_jax.errors import ScheduleError
-from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
+from gpp_jax.ir.schedule import Action, Schedule, overlapping, validate_schedule
 
 
 def _stage_graph(num_stages: int, edges: Sequence[tuple[int, int]]) -> nx.DiGraph:
@@ -94,6 +95,17 @@ def inflight_counts(
   return InFlight(tuple(N), tuple(mbs), tuple(b))
 
 
+def inflight_chunks(
+  num_stages: int, edges: Sequence[tuple[int, int]], counts: Sequence[int]
+) -> tuple[int, ...]:
+  """In-flight micro-batches per stage when stage s cuts the batch into ``counts[s]`` chunks:
+  the rule above in samples (sizes proportional to ``1 / counts[s]``), converted to each
+  stage's own chunks and capped at its count. The 1F1B warm-up with per-stage sizes."""
+  unit = math.lcm(*counts)
+  fl = inflight_counts(num_stages, edges, microbatch_sizes=[unit // c for c in counts])
+  return tuple(min(f, c) for f, c in zip(fl.microbatches, counts))
+
+
 def longest_path_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> list[int]:
   """L(s): stages on the longest path from s to a sink (sinks have L = 1)."""
   return list(inflight_counts(num_stages, edges).microbatches)
@@ -107,20 +119,31 @@ def graph_1f1b(
   forward: Sequence[float] | None = None,
   backward: Sequence[float] | None = None,
   update: bool = True,
+  counts: Sequence[int] | None = None,
 ) -> Schedule:
   """Stage DAG -> synchronous graph-1F1B Schedule, backward as early as possible.
 
   Args:
     num_stages, edges: the stage DAG.
     num_microbatches: M.
-    in_flight: cap on stashed micro-batches per stage (default: ``L(s)``, capped at M).
+    in_flight: cap on stashed micro-batches per stage (default: ``L(s)``, capped at M; with
+      ``counts``, the in-flight samples of ``inflight_counts`` in the stage's own chunks).
     forward, backward: per-stage durations used to order the lanes (default 1 and 2).
     update: end every lane with an UPDATE action.
+    counts: micro-batches per stage when they differ (None: M everywhere); an action waits
+      for every chunk of a neighbouring stage that overlaps its samples.
   """
-  S, M = num_stages, num_microbatches
+  S = num_stages
   g = _stage_graph(S, edges)
-  cap = list(in_flight) if in_flight is not None else longest_path_to_sink(S, edges)
-  cap = [max(1, min(int(c), M)) for c in cap]
+  cs = None if counts is None or all(c == num_microbatches for c in counts) else tuple(counts)
+  Ms = [num_microbatches] * S if cs is None else list(cs)
+  if in_flight is not None:
+    cap = list(in_flight)
+  elif cs is None:
+    cap = longest_path_to_sink(S, edges)
+  else:
+    cap = list(inflight_chunks(S, edges, cs))
+  cap = [max(1, min(int(c), Ms[s])) for s, c in enumerate(cap)]
   tf = list(forward) if forward is not None else [1.0] * S
   tb = list(backward) if backward is not None else [2.0] * S
   preds = [list(g.predecessors(s)) for s in range(S)]
@@ -132,27 +155,28 @@ def graph_1f1b(
   lanes: list[list[Action]] = [[] for _ in range(S)]
   events = [0.0]
   now = 0.0
-  remaining = 2 * S * M
+  remaining = 2 * sum(Ms)
+
+  def ready(kind: str, s: int, m: int, others: list[int]) -> bool:
+    """Whether every ``kind`` action of the stages ``others`` overlapping chunk m of s ended."""
+    return all(
+      done.get((kind, t, k), float("inf")) <= now
+      for t in others
+      for k in overlapping(m, Ms[s], Ms[t])
+    )
+
   while remaining:
     started = False
     for s in range(S):
       if busy_until[s] > now:
         continue
       m = b_next[s]
-      if (
-        m < f_next[s]
-        and all(done.get(("B", c, m), float("inf")) <= now for c in succs[s])
-        and done[("F", s, m)] <= now
-      ):
+      if m < f_next[s] and ready("B", s, m, succs[s]) and done[("F", s, m)] <= now:
         kind, dur = "B", tb[s]
         b_next[s] += 1
       else:
         m = f_next[s]
-        if (
-          m < M
-          and m - b_next[s] < cap[s]
-          and all(done.get(("F", p, m), float("inf")) <= now for p in preds[s])
-        ):
+        if m < Ms[s] and m - b_next[s] < cap[s] and ready("F", s, m, preds[s]):
           kind, dur = "F", tf[s]
           f_next[s] += 1
         else:
@@ -180,7 +204,11 @@ def graph_1f1b(
     for s in range(S):
       lanes[s].append(Action("UPDATE", s))
   sched = Schedule(
-    "graph-1f1b", M, tuple(sorted((u, v) for u, v in edges)), tuple(tuple(l) for l in lanes)
+    "graph-1f1b",
+    num_microbatches,
+    tuple(sorted((u, v) for u, v in edges)),
+    tuple(tuple(l) for l in lanes),
+    cs,
   )
   validate_schedule(sched)
   return sched

@@ -13,6 +13,12 @@ Generators:
           into the bubbles under a per-stage memory bound (see passes/zero_bubble.py).
   pipedream-async, pipedream-async-vsync, 2bw: 1F1B lanes with stale-weight training semantics
           (weight stashing, vertical sync, two weight versions; see passes/weight_versions.py).
+
+Per-stage micro-batch counts (``counts``; stage s cuts the batch into counts[s] chunks, GraphPipe's
+per-stage micro-batch sizes): gpipe, 1f1b, graph-1f1b and zero-bubble build lanes with counts[s]
+forwards and backwards on stage s; 1F1B's warm-up (and zero-bubble's default memory bound) is
+counted in samples (``passes/inflight.py``) and converted to each stage's own chunks. The
+stale-weight generators refuse counts that differ.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from collections.abc import Callable, Sequence
 
 import networkx as nx
 
+from gpp_jax.errors import ScheduleError
+from gpp_jax.ir.plan import has_mixed_microbatches, stage_microbatch_counts
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
-from gpp_jax.passes.inflight import graph_1f1b
+from gpp_jax.passes.inflight import graph_1f1b, inflight_chunks
 from gpp_jax.passes.zero_bubble import zero_bubble
 
 
@@ -43,18 +51,41 @@ def longest_path_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> l
   return L
 
 
+def stage_counts(
+  num_stages: int, num_microbatches: int, counts: Sequence[int] | None
+) -> tuple[int, ...] | None:
+  """``counts`` checked (one positive count per stage), or None when every stage runs
+  ``num_microbatches`` (then the schedule is the uniform one, exactly)."""
+  if counts is None:
+    return None
+  c = tuple(int(x) for x in counts)
+  if len(c) != num_stages or any(x < 1 for x in c):
+    raise ScheduleError(
+      f"counts {list(counts)} must give a positive micro-batch count for each of the "
+      f"{num_stages} stages"
+    )
+  return None if all(x == num_microbatches for x in c) else c
+
+
 def gpipe(
-  num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: int, update: bool = True
+  num_stages: int,
+  edges: Sequence[tuple[int, int]],
+  num_microbatches: int,
+  update: bool = True,
+  counts: Sequence[int] | None = None,
 ) -> Schedule:
-  """GPipe: F for every micro-batch, then B for every micro-batch, per stage."""
+  """GPipe: F for every micro-batch, then B for every micro-batch, per stage (stage s runs
+  ``counts[s]`` micro-batches when given)."""
   M = num_microbatches
+  cs = stage_counts(num_stages, M, counts)
   lanes = []
   for s in range(num_stages):
-    lane = [Action("F", s, m) for m in range(M)] + [Action("B", s, m) for m in range(M)]
+    Ms = M if cs is None else cs[s]
+    lane = [Action("F", s, m) for m in range(Ms)] + [Action("B", s, m) for m in range(Ms)]
     if update:
       lane.append(Action("UPDATE", s))
     lanes.append(tuple(lane))
-  sched = Schedule("gpipe", M, tuple(sorted(edges)), tuple(lanes))
+  sched = Schedule("gpipe", M, tuple(sorted(edges)), tuple(lanes), cs)
   validate_schedule(sched)
   return sched
 
@@ -65,12 +96,24 @@ def one_f_one_b(
   num_microbatches: int,
   warmup: Sequence[int] | None = None,
   update: bool = True,
+  counts: Sequence[int] | None = None,
 ) -> Schedule:
-  """Synchronous 1F1B on a stage DAG; ``warmup[s]`` overrides the forwards before the first B."""
+  """Synchronous 1F1B on a stage DAG; ``warmup[s]`` overrides the forwards before the first B.
+
+  With ``counts`` (stage s runs counts[s] micro-batches) the default warm-up is
+  ``inflight_chunks``: the same samples in flight whatever a stage's chunk size.
+  """
   M = num_microbatches
-  L = longest_path_to_sink(num_stages, edges) if warmup is None else list(warmup)
+  cs = stage_counts(num_stages, M, counts)
+  if warmup is not None:
+    L = list(warmup)
+  elif cs is None:
+    L = longest_path_to_sink(num_stages, edges)
+  else:
+    L = list(inflight_chunks(num_stages, edges, cs))
   lanes = []
   for s in range(num_stages):
+    M = num_microbatches if cs is None else cs[s]
     w = max(1, min(L[s], M))
     lane = [Action("F", s, m) for m in range(w)]
     f, b = w, 0
@@ -83,7 +126,7 @@ def one_f_one_b(
     if update:
       lane.append(Action("UPDATE", s))
     lanes.append(tuple(lane))
-  sched = Schedule("1f1b", M, tuple(sorted(edges)), tuple(lanes))
+  sched = Schedule("1f1b", num_microbatches, tuple(sorted(edges)), tuple(lanes), cs)
   validate_schedule(sched)
   return sched
 
@@ -111,6 +154,9 @@ def two_bw(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: 
   return dataclasses.replace(sched, name="2bw")
 
 
+# Generators that build lanes with per-stage micro-batch counts.
+PER_STAGE_COUNTS = ("gpipe", "1f1b", "graph-1f1b", "zero-bubble")
+
 GENERATORS: dict[str, Callable[..., Schedule]] = {
   "gpipe": gpipe,
   "1f1b": one_f_one_b,
@@ -128,31 +174,60 @@ def make_schedule(
   edges: Sequence[tuple[int, int]],
   num_microbatches: int,
   memory_bound: Sequence[int] | None = None,
+  counts: Sequence[int] | None = None,
 ) -> Schedule:
   """Builds the named schedule; raises ValueError naming the known generators.
 
   ``memory_bound`` (zero-bubble only): per stage, the most micro-batches held at once.
+  ``counts``: micro-batches per stage when stages use different micro-batch sizes (gpipe,
+  1f1b, graph-1f1b and zero-bubble; the others raise ScheduleError).
   """
   try:
     gen = GENERATORS[name]
   except KeyError:
     raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(GENERATORS)}") from None
+  kw: dict = {}
   if memory_bound is not None:
     if name != "zero-bubble":
       raise ValueError(f"memory_bound applies to the zero-bubble schedule only, not {name!r}")
-    return gen(num_stages, edges, num_microbatches, memory_bound=memory_bound)
-  return gen(num_stages, edges, num_microbatches)
+    kw["memory_bound"] = memory_bound
+  cs = stage_counts(num_stages, num_microbatches, counts)
+  if cs is not None:
+    if name not in PER_STAGE_COUNTS:
+      raise ScheduleError(
+        f"schedule {name!r} needs one micro-batch size for every stage, but the stages run "
+        f"{list(cs)} micro-batches; use one of {list(PER_STAGE_COUNTS)} or give every stage "
+        "the same micro-batch size"
+      )
+    kw["counts"] = cs
+  return gen(num_stages, edges, num_microbatches, **kw)
 
 
-def plan_schedule(plan) -> Schedule:
+def plan_schedule(plan, batch_size: int | None = None) -> Schedule:
   """Plan -> the Schedule the simulator and the runtime execute for it.
 
   A zero-bubble plan whose stages all carry ``in_flight`` uses those counts as its memory
-  bound (planners set them from device memory); otherwise the generator's default.
+  bound (planners set them from device memory); otherwise the generator's default. A plan whose
+  stages have different micro-batch sizes gets per-stage counts ``batch / size``
+  (``batch_size``, default the plan's).
   """
   bound = None
   if plan.schedule == "zero-bubble" and all(s.in_flight for s in plan.stages):
     bound = tuple(int(s.in_flight) for s in plan.stages)
+  counts = None
+  if has_mixed_microbatches(plan):
+    batch = batch_size if batch_size is not None else plan.batch_size
+    if batch is None:
+      raise ScheduleError(
+        "the plan's stages have different micro-batch sizes but neither the plan nor the "
+        "caller gives the batch size; set Plan.batch_size or pass batch_size"
+      )
+    counts = stage_microbatch_counts(plan, batch)
   return make_schedule(
-    plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, memory_bound=bound
+    plan.schedule,
+    plan.num_stages,
+    tuple(plan.edges),
+    plan.num_microbatches,
+    memory_bound=bound,
+    counts=counts,
   )

@@ -32,8 +32,8 @@ import heapq
 from collections.abc import Sequence
 
 from gpp_jax.errors import ScheduleError
-from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
-from gpp_jax.passes.inflight import _stage_graph, inflight_counts
+from gpp_jax.ir.schedule import Action, Schedule, overlapping, validate_schedule
+from gpp_jax.passes.inflight import _stage_graph, inflight_chunks, inflight_counts
 
 
 def zero_bubble(
@@ -45,6 +45,7 @@ def zero_bubble(
   backward: Sequence[float] | None = None,
   weight: Sequence[float] | None = None,
   update: bool = True,
+  counts: Sequence[int] | None = None,
 ) -> Schedule:
   """Stage DAG -> zero-bubble Schedule (F, B, W per micro-batch; see the module docstring).
 
@@ -56,11 +57,19 @@ def zero_bubble(
     forward, backward, weight: per-stage durations of F, B (input cotangents only) and W used
       to order the lanes (default 1 each).
     update: end every lane with an UPDATE action.
+    counts: micro-batches per stage when they differ (None: M everywhere); an action waits
+      for every chunk of a neighbouring stage that overlaps its samples, and the default bound
+      is 1F1B's in-flight samples in the stage's own chunks (``inflight_chunks``).
   """
   S, M = num_stages, num_microbatches
   g = _stage_graph(S, edges)
+  cs = None if counts is None or all(c == M for c in counts) else tuple(int(c) for c in counts)
+  Ms = [M] * S if cs is None else list(cs)
+  L = inflight_counts(S, edges, num_microbatches=M).microbatches
+  if cs is not None:
+    L = inflight_chunks(S, edges, cs)
   if memory_bound is None:
-    cap = list(inflight_counts(S, edges, num_microbatches=M).microbatches)
+    cap = list(L)
   else:
     cap = [int(c) for c in memory_bound]
     if len(cap) != S or any(c < 1 for c in cap):
@@ -68,18 +77,17 @@ def zero_bubble(
         f"memory_bound needs one count >= 1 per stage ({S} stages), got {list(memory_bound)}; "
         "a stage must hold at least the micro-batch it is working on"
       )
-  cap = [min(c, M) for c in cap]
+  cap = [min(c, m) for c, m in zip(cap, Ms)]
   tf = [1.0] * S if forward is None else [float(x) for x in forward]
   tb = [1.0] * S if backward is None else [float(x) for x in backward]
   tw = [1.0] * S if weight is None else [float(x) for x in weight]
   # Candidates differ in how many micro-batches a stage holds before a pending W goes ahead of
   # its next F ("soft" bound <= the memory bound); the shortest list schedule wins.
-  L = inflight_counts(S, edges, num_microbatches=M).microbatches
   softs = {tuple(cap)} | {tuple(min(c, l) for c, l in zip(cap, L))}
   softs |= {tuple(max(1, c - d) for c in cap) for d in (1, 2)}
   best = None
   for soft in sorted(softs, reverse=True):
-    got = _list_schedule(g, M, cap, list(soft), tf, tb, tw)
+    got = _list_schedule(g, Ms, cap, list(soft), tf, tb, tw)
     if best is None or got[0] < best[0] - 1e-12:
       best = got
   assert best is not None
@@ -88,14 +96,19 @@ def zero_bubble(
     for s in range(S):
       lanes[s].append(Action("UPDATE", s))
   sched = Schedule(
-    "zero-bubble", M, tuple(sorted((u, v) for u, v in edges)), tuple(tuple(l) for l in lanes)
+    "zero-bubble",
+    M,
+    tuple(sorted((u, v) for u, v in edges)),
+    tuple(tuple(l) for l in lanes),
+    cs,
   )
   validate_schedule(sched)
   return sched
 
 
-def _list_schedule(g, M, cap, soft, tf, tb, tw) -> tuple[float, list[list[Action]]]:
-  """One list schedule: (makespan under the given durations, lanes)."""
+def _list_schedule(g, Ms, cap, soft, tf, tb, tw) -> tuple[float, list[list[Action]]]:
+  """One list schedule: (makespan under the given durations, lanes); ``Ms[s]``: stage s's
+  micro-batches."""
   S = len(cap)
   preds = [list(g.predecessors(s)) for s in range(S)]
   succs = [list(g.successors(s)) for s in range(S)]
@@ -105,8 +118,15 @@ def _list_schedule(g, M, cap, soft, tf, tb, tw) -> tuple[float, list[list[Action
   lanes: list[list[Action]] = [[] for _ in range(S)]
   events: list[float] = []
   now = 0.0
-  remaining = 3 * S * M
+  remaining = 3 * sum(Ms)
   inf = float("inf")
+
+  def ended(kind: str, s: int, m: int, others: list[int]) -> bool:
+    """Whether every ``kind`` action of the stages ``others`` overlapping chunk m of s ended."""
+    return all(
+      done.get((kind, t, k), inf) <= now for t in others for k in overlapping(m, Ms[s], Ms[t])
+    )
+
   while remaining:
     for s in range(S):
       if busy_until[s] > now:
@@ -114,15 +134,9 @@ def _list_schedule(g, M, cap, soft, tf, tb, tw) -> tuple[float, list[list[Action
       f, b, w = nxt["F"][s], nxt["B"][s], nxt["W"][s]
       w_ready = w < b and done[("B", s, w)] <= now
       f_ready = (
-        f < M
-        and f - w < (soft[s] if w_ready else cap[s])
-        and all(done.get(("F", p, f), inf) <= now for p in preds[s])
+        f < Ms[s] and f - w < (soft[s] if w_ready else cap[s]) and ended("F", s, f, preds[s])
       )
-      if (
-        b < f
-        and done[("F", s, b)] <= now
-        and all(done.get(("B", c, b), inf) <= now for c in succs[s])
-      ):
+      if b < f and done[("F", s, b)] <= now and ended("B", s, b, succs[s]):
         kind, m, dur = "B", b, tb[s]
       elif f_ready:
         kind, m, dur = "F", f, tf[s]

@@ -261,7 +261,7 @@ def test_idle_devices_are_handed_out_when_they_help():
 
 
 def test_registry_and_microbatch_sweep():
-  assert set(COST_PLANNERS) | {"balanced"} == set(PLANNERS)
+  assert set(COST_PLANNERS) | {"balanced", "graphpipe-stage-mb"} == set(PLANNERS)
   assert get_planner("graphpipe") is PLANNERS["graphpipe"]
   with pytest.raises(ValueError, match="unknown planner"):
     get_planner("alpa")

@@ -193,12 +193,20 @@ def test_nnx_cached_partial_snippet():
 
 def test_manual_plan_snippet():
   ns = _run(
-    _snippet("gpp_jax.manual_plan("), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)}
+    _snippet("devices={0: [0, 1]"), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)}
   )
   model = _check_nnx_step(ns["train_step"], EncoderDecoder)
   plan = ns["train_step"].plan
   assert [s.devices for s in plan.stages] == [(0, 1), (2, 3, 4, 5)]
   assert model.decoder.kernel[...].devices() == set(jax.devices()[2:6])
+
+
+def test_per_stage_microbatch_snippet():
+  ns = _run(
+    _snippet("microbatch_sizes="), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)}
+  )
+  _check_nnx_step(ns["train_step"], EncoderDecoder)
+  assert ns["train_step"].schedule.stage_counts == (4, 2)
 
 
 def test_distributed_snippet_names_real_api():

@@ -226,8 +226,10 @@ class PlanCosts:
   Attributes:
     forward, backward: seconds per micro-batch, per stage.
     update: seconds of the UPDATE action (gradient all-reduce + optimizer), per stage.
-    activation_transfer: seconds to move one micro-batch's activations along stage edge (i, j).
-    cotangent_transfer: seconds to move the cotangents back along (i, j) (same bytes).
+    activation_transfer: seconds to move one micro-batch (of stage i) of activations along
+      stage edge (i, j).
+    cotangent_transfer: seconds to move one micro-batch (of stage j) of cotangents back along
+      (i, j) (the same as activation_transfer when i and j share a micro-batch size).
     static_memory: bytes per device of weights, gradients and optimizer state, per stage.
     activation_memory: bytes per device stashed for one micro-batch, per stage.
     microbatch: samples per micro-batch, per stage.
@@ -311,17 +313,18 @@ def plan_costs(
     wfrac.append(0.5 * share)
     pbytes.append(params)
   edge_bytes = stage_edge_bytes(costs, stage_of)
-  xfer = {}
+  xfer, back = {}, {}
   for i, j in plan.edges:
-    nbytes = edge_bytes.get((i, j), 0.0) * mbs[i]
     link = cluster.link_between(plan.stages[i].devices, plan.stages[j].devices)
-    xfer[(i, j)] = cm.transfer_time(nbytes, link)
+    # An activation moves per micro-batch of its producer, a cotangent per one of its consumer.
+    xfer[(i, j)] = cm.transfer_time(edge_bytes.get((i, j), 0.0) * mbs[i], link)
+    back[(i, j)] = cm.transfer_time(edge_bytes.get((i, j), 0.0) * mbs[j], link)
   return PlanCosts(
     forward=tuple(fw),
     backward=tuple(bw),
     update=tuple(up),
     activation_transfer=xfer,
-    cotangent_transfer=dict(xfer),
+    cotangent_transfer=back,
     static_memory=tuple(stat),
     activation_memory=tuple(act),
     microbatch=tuple(mbs),

@@ -10,8 +10,11 @@ have arrived:
   UPDATE   runs after the lane's last backward (gradient all-reduce + optimizer).
 
 An activation leaves stage p for stage s when F(p, m) ends, a cotangent leaves s for p when
-B(s, m) ends. Every directed stage pair and direction is its own channel: transfers on one
-channel go one at a time in the order the sender produced them and overlap with compute.
+B(s, m) ends. With per-stage micro-batch counts (``Schedule.counts``) each chunk is sent as it
+is produced and an action waits for every chunk of the neighbouring stage overlapping its
+samples (``ir.schedule.dependencies``); each stage's action times are those at its own size.
+Every directed stage pair and direction is its own channel: transfers on one channel go one at
+a time in the order the sender produced them and overlap with compute.
 Stashed activations of micro-batch m are held on stage s from the start of F(s, m) to the end
 of B(s, m) (of W(s, m) when the schedule splits it).
 
@@ -35,7 +38,7 @@ import networkx as nx
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts, plan_costs
 from gpp_jax.errors import ScheduleError
-from gpp_jax.ir.schedule import Action, Schedule, dispatch_order
+from gpp_jax.ir.schedule import Action, Schedule, dispatch_order, overlapping
 
 Times = float | Sequence[float] | Mapping[int, float]
 
@@ -190,7 +193,8 @@ def simulate_times(
       sequence (or mapping) indexed by micro-batch for per-action (e.g. measured) times.
     update: per stage, seconds of the UPDATE action (0 if None).
     activation_transfer: seconds to move one micro-batch's activations along edge (i, j)
-      (missing edges: 0); cotangent_transfer likewise for the way back (default: the same).
+      (missing edges: 0; a micro-batch of the producer i); cotangent_transfer likewise for the
+      way back (a micro-batch of the consumer j; default: the same as activation_transfer).
     static_memory, activation_memory: bytes per device for weights/optimizer state, and for
       one stashed micro-batch, per stage (0 if None).
     stage_devices: devices of each stage, to report peak memory per device.
@@ -205,6 +209,7 @@ def simulate_times(
       Unmapped transfers (the default for all) each have their own channel.
   """
   S, M = schedule.num_stages, schedule.num_microbatches
+  counts = schedule.stage_counts
   g = schedule.stage_graph()
   preds = [sorted(g.predecessors(s)) for s in range(S)]
   succs = [sorted(g.successors(s)) for s in range(S)]
@@ -238,14 +243,22 @@ def simulate_times(
 
   def needs(a: Action):
     """(dependency end times, None where not yet known; duration) of an action."""
-    m = a.microbatch
+    m, s = a.microbatch, a.stage
     if a.kind == "F":
-      return [arrive.get(("activation", p, a.stage, m)) for p in preds[a.stage]], tf(a.stage, m)
+      return [
+        arrive.get(("activation", p, s, k))
+        for p in preds[s]
+        for k in overlapping(m, counts[s], counts[p])
+      ], tf(s, m)
     if a.kind == "B":
       return (
-        [end.get(("F", a.stage, m))]
-        + [arrive.get(("cotangent", c, a.stage, m)) for c in succs[a.stage]],
-        tb(a.stage, m),
+        [end.get(("F", s, m))]
+        + [
+          arrive.get(("cotangent", c, s, k))
+          for c in succs[s]
+          for k in overlapping(m, counts[s], counts[c])
+        ],
+        tb(s, m),
       )
     if a.kind == "W":
       return [end.get(("B", a.stage, m))], tw(a.stage, m)
@@ -366,7 +379,9 @@ def simulate(
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
   schedule has W actions, each stage's backward is split into B and W by the cost model's
-  ``weight_fraction``. Under a stale-weight schedule (PipeDream async, 2BW) a stage's static
+  ``weight_fraction``. Stages with their own micro-batch sizes take their action times and
+  transfers at those sizes (``plan_costs``; the schedule's ``counts``). Under a stale-weight
+  schedule (PipeDream async, 2BW) a stage's static
   memory includes the ``d(s)`` older versions of its weights it keeps. By default every stage
   pair has a link of its own; ``shared_nic=True`` makes the transfers that cross nodes into one
   node (by the receiving stage's first device) queue on that node's one inbound interface

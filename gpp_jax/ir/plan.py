@@ -57,7 +57,9 @@ class Plan:
   Attributes:
     stages: the stages, ``stages[i].index == i``.
     edges: stage-graph edges ``(i, j)``: stage i's forward feeds stage j.
-    num_microbatches: micro-batches per mini-batch (for uniform micro-batch sizes).
+    num_microbatches: micro-batches per mini-batch (for uniform micro-batch sizes; stages with
+      different ``microbatch_size``s run ``batch_size / microbatch_size`` each, see
+      ``stage_microbatch_sizes``).
     schedule: name of the schedule generator ("1f1b", "gpipe").
     planner: name of the planner that produced the plan.
     batch_size: mini-batch size the plan was made for (None if not known).
@@ -194,14 +196,82 @@ def stage_edges(
   )
 
 
+def has_mixed_microbatches(plan: Plan) -> bool:
+  """Whether the stages of ``plan`` name different micro-batch sizes (a None next to an
+  explicit size counts as different; ``stage_microbatch_sizes`` resolves None to
+  batch / num_microbatches)."""
+  return len({s.microbatch_size for s in plan.stages}) > 1
+
+
+def stage_microbatch_sizes(plan: Plan, batch_size: int) -> tuple[int, ...]:
+  """b_s per stage for a mini-batch of ``batch_size`` samples.
+
+  A plan whose stages all give the same size (or none) is uniform: every stage runs
+  ``batch_size / num_microbatches`` samples per micro-batch, whatever size the stages name
+  (``num_microbatches`` decides, as for plans without sizes). Otherwise each stage runs its own
+  ``microbatch_size`` (None: ``batch_size / num_microbatches``). Raises PlanError when a size
+  does not divide the batch.
+  """
+  if batch_size % plan.num_microbatches:
+    raise PlanError(
+      f"the batch of {batch_size} samples does not split into {plan.num_microbatches} "
+      f"micro-batches; use a num_microbatches that divides {batch_size}"
+    )
+  uniform = batch_size // plan.num_microbatches
+  if not has_mixed_microbatches(plan):
+    return (uniform,) * plan.num_stages
+  sizes = tuple(s.microbatch_size or uniform for s in plan.stages)
+  for s, b in enumerate(sizes):
+    if b < 1 or batch_size % b:
+      raise PlanError(
+        f"stage {s} has micro-batch size {b}, which does not divide the batch of "
+        f"{batch_size} samples; give stage {s} a size that divides {batch_size}"
+      )
+  return sizes
+
+
+def stage_microbatch_counts(plan: Plan, batch_size: int) -> tuple[int, ...]:
+  """M_s = batch / b_s per stage: the micro-batches stage s runs per step."""
+  return tuple(batch_size // b for b in stage_microbatch_sizes(plan, batch_size))
+
+
+def _check_microbatch_sizes(plan: Plan, batch_size: int) -> None:
+  """Per-stage sizes divide the batch, align along every stage edge (the larger a multiple of
+  the smaller, so a chunk of one stage is a union of whole chunks of the other), and split
+  over each data-parallel stage's devices."""
+  sizes = stage_microbatch_sizes(plan, batch_size)
+  for i, j in plan.edges:
+    small, big = sorted((sizes[i], sizes[j]))
+    if big % small:
+      raise PlanError(
+        f"stages {i} and {j} are connected but their micro-batch sizes {sizes[i]} and "
+        f"{sizes[j]} do not align (the larger must be a multiple of the smaller, so chunks "
+        f"line up); change stage {i} or {j} to a size that divides or is a multiple of the "
+        "other's"
+      )
+  for s, b in zip(plan.stages, sizes):
+    k = len(s.devices)
+    if k > 1 and b % k:
+      raise PlanError(
+        f"stage {s.index} spans {k} devices but a micro-batch has {b} samples, which do "
+        f"not split {k} ways; give stage {s.index} a micro-batch size divisible by {k} or "
+        "fewer devices"
+      )
+
+
 def validate_plan(
-  plan: Plan, layer_graph: nx.DiGraph | None = None, num_devices: int | None = None
+  plan: Plan,
+  layer_graph: nx.DiGraph | None = None,
+  num_devices: int | None = None,
+  batch_size: int | None = None,
 ) -> None:
   """Raises PlanError naming the first problem with ``plan`` and how to fix it.
 
   Checks: stage indices; every layer in exactly one stage; each stage convex (no path leaves
   it and re-enters); the stage graph acyclic and equal to the one the layer graph induces;
-  devices disjoint, non-empty, and within ``num_devices``.
+  devices disjoint, non-empty, and within ``num_devices``. With ``batch_size`` (default: the
+  plan's), per-stage micro-batch sizes divide it, align along every stage edge, and split
+  over each stage's devices (``stage_microbatch_sizes``).
   """
   for i, s in enumerate(plan.stages):
     if s.index != i:
@@ -234,6 +304,15 @@ def validate_plan(
   sg = plan.stage_graph()
   if not nx.is_directed_acyclic_graph(sg):
     raise PlanError(f"the stage graph has a cycle {nx.find_cycle(sg)}; stages must form a DAG")
+  batch = batch_size if batch_size is not None else plan.batch_size
+  if has_mixed_microbatches(plan):
+    if batch is None:
+      raise PlanError(
+        f"the stages have different micro-batch sizes "
+        f"{[s.microbatch_size for s in plan.stages]} but the plan has no batch_size; set "
+        "Plan.batch_size so the sizes can be checked against the batch"
+      )
+    _check_microbatch_sizes(plan, batch)
 
 
 def _check_layers(plan: Plan, layer_graph: nx.DiGraph) -> None:

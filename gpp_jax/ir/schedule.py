@@ -9,6 +9,12 @@ Each stage owns disjoint devices, so a stage's action list is the program of its
   UPDATE(s) optimizer update of the parameters stage s owns, after all its backwards.
 Transfers are implied by the stage graph: an activation moves when its producer's F ends, a
 cotangent when its consumer's B ends. The simulator and the driver read the same Schedule.
+
+Stages may cut the mini-batch into different numbers of micro-batches (``Schedule.counts``,
+GraphPipe's per-stage micro-batch sizes): micro-batch m of a stage with M_s micro-batches covers
+samples [m * B / M_s, (m + 1) * B / M_s). Along an edge the counts align (one divides the
+other), and an action depends on every chunk of the neighbouring stage that overlaps its
+samples: several smaller ones, or the one bigger one containing it (``dependencies``).
 """
 
 from __future__ import annotations
@@ -49,19 +55,28 @@ class Schedule:
 
   Attributes:
     name: generator name ("gpipe", "1f1b", ...).
-    num_microbatches: M; every stage runs F and B for each micro-batch 0..M-1.
+    num_microbatches: M; without ``counts`` every stage runs F and B for each micro-batch
+      0..M-1.
     edges: stage-graph edges (i, j): stage i's outputs feed stage j.
     lanes: ``lanes[s]`` is the ordered action list of stage s.
+    counts: micro-batches per stage when they differ (stage s runs 0..counts[s]-1); None for
+      M everywhere.
   """
 
   name: str
   num_microbatches: int
   edges: tuple[tuple[int, int], ...]
   lanes: tuple[tuple[Action, ...], ...]
+  counts: tuple[int, ...] | None = None
 
   @property
   def num_stages(self) -> int:
     return len(self.lanes)
+
+  @property
+  def stage_counts(self) -> tuple[int, ...]:
+    """Micro-batches per stage (``counts``, or M for every stage)."""
+    return self.counts if self.counts is not None else (self.num_microbatches,) * self.num_stages
 
   def stage_graph(self) -> nx.DiGraph:
     g = nx.DiGraph()
@@ -76,6 +91,7 @@ class Schedule:
         "num_microbatches": self.num_microbatches,
         "edges": [list(e) for e in self.edges],
         "lanes": [[[a.kind, a.stage, a.microbatch] for a in lane] for lane in self.lanes],
+        "counts": None if self.counts is None else list(self.counts),
       }
     )
 
@@ -87,6 +103,7 @@ class Schedule:
       d["num_microbatches"],
       tuple(tuple(e) for e in d["edges"]),
       tuple(tuple(Action(*a) for a in lane) for lane in d["lanes"]),
+      None if d.get("counts") is None else tuple(int(c) for c in d["counts"]),
     )
 
   def grid(self, mark: Action | None = None) -> str:
@@ -98,30 +115,52 @@ class Schedule:
     return "\n".join(rows)
 
   def __str__(self) -> str:
-    return (
-      f"Schedule {self.name}: {self.num_stages} stages x {self.num_microbatches} micro-batches\n"
-      + self.grid()
+    shape = (
+      f"{self.num_microbatches} micro-batches"
+      if self.counts is None
+      else f"micro-batches per stage {list(self.counts)}"
     )
+    return f"Schedule {self.name}: {self.num_stages} stages x {shape}\n" + self.grid()
 
 
-def dependencies(a: Action, g: nx.DiGraph, split_w: bool = False) -> Iterable[Action]:
-  """Actions that must finish before ``a`` can start (cross-stage and same-stage)."""
-  m = a.microbatch
+def overlapping(m: int, count: int, other: int) -> range:
+  """Micro-batches of a stage cutting the batch into ``other`` chunks that overlap chunk ``m``
+  of a stage cutting it into ``count``: samples [m/count, (m+1)/count) of the batch."""
+  return range(m * other // count, -(-(m + 1) * other // count))
+
+
+def dependencies(
+  a: Action, g: nx.DiGraph, split_w: bool = False, counts: Sequence[int] | None = None
+) -> Iterable[Action]:
+  """Actions that must finish before ``a`` can start (cross-stage and same-stage).
+
+  ``counts[s]``: micro-batches of stage s (None: all equal). With per-stage counts, F(s, m)
+  needs the forward of every producer chunk overlapping its samples, B(s, m) the backward of
+  every consumer chunk overlapping them.
+  """
+  m, s = a.microbatch, a.stage
+
+  def chunks(t: int) -> Iterable[int]:
+    return (m,) if counts is None else overlapping(m, counts[s], counts[t])
+
   if a.kind == "F":
-    for p in g.predecessors(a.stage):
-      yield Action("F", p, m)
+    for p in g.predecessors(s):
+      for k in chunks(p):
+        yield Action("F", p, k)
   elif a.kind == "B":
-    yield Action("F", a.stage, m)
-    for c in g.successors(a.stage):
-      yield Action("B", c, m)
+    yield Action("F", s, m)
+    for c in g.successors(s):
+      for k in chunks(c):
+        yield Action("B", c, k)
   elif a.kind == "W":
-    yield Action("B", a.stage, m)
+    yield Action("B", s, m)
 
 
 def validate_schedule(sched: Schedule) -> None:
   """Raises ScheduleError unless ``sched`` is complete, ordered, and runs without deadlock.
 
-  Checks: every stage runs F and B exactly once per micro-batch (and W if it uses W anywhere);
+  Checks: every stage runs F and B exactly once per micro-batch of its own (``stage_counts``;
+  and W if it uses W anywhere); per-stage counts align along every edge;
   per-stage order F^k before F^(k+1), B^k before B^(k+1), F^k before B^k (B^k before W^k);
   UPDATE, if any stage has one, ends every lane; and executing the lanes in order (each action
   waits for its dependencies) finishes. The message names the missing or misplaced action and
@@ -132,10 +171,23 @@ def validate_schedule(sched: Schedule) -> None:
     raise ScheduleError(f"stage graph has a cycle {nx.find_cycle(g)}")
   if set(g.nodes) != set(range(sched.num_stages)):
     raise ScheduleError(f"edges {sched.edges} name stages outside 0..{sched.num_stages - 1}")
-  M = sched.num_microbatches
+  counts = sched.stage_counts
+  if len(counts) != sched.num_stages or any(c < 1 for c in counts):
+    raise ScheduleError(
+      f"counts {list(counts)} must give a positive micro-batch count for each of the "
+      f"{sched.num_stages} stages"
+    )
+  for i, j in sched.edges:
+    lo, hi = sorted((counts[i], counts[j]))
+    if hi % lo:
+      raise ScheduleError(
+        f"stages {i} and {j} are connected but run {counts[i]} and {counts[j]} micro-batches; "
+        "along an edge one count must divide the other so that chunks line up"
+      )
   split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
   has_update = any(a.kind == "UPDATE" for lane in sched.lanes for a in lane)
   for s, lane in enumerate(sched.lanes):
+    M = counts[s]
     seen = set()
     last = {"F": -1, "B": -1, "W": -1}
     for i, a in enumerate(lane):
@@ -149,7 +201,7 @@ def validate_schedule(sched: Schedule) -> None:
           _fail(sched, a, f"{a} must be the last action of stage {s}, not before {lane[-1]}")
         continue
       if not 0 <= a.microbatch < M:
-        _fail(sched, a, f"micro-batch {a.microbatch} outside 0..{M - 1}")
+        _fail(sched, a, f"micro-batch {a.microbatch} outside 0..{M - 1} of stage {s}")
       if a.microbatch != last[a.kind] + 1:
         expected = Action(a.kind, s, last[a.kind] + 1)
         _fail(
@@ -191,6 +243,7 @@ def dispatch_order(sched: Schedule) -> list[Action]:
 def _dispatch_order(sched: Schedule) -> tuple[Action, ...]:
   # Cached: the validator, the simulator and the driver all ask for the same schedule's order.
   g = sched.stage_graph()
+  counts = sched.counts
   done: set[Action] = set()
   order: list[Action] = []
   pos = [0] * sched.num_stages
@@ -200,7 +253,7 @@ def _dispatch_order(sched: Schedule) -> tuple[Action, ...]:
     for s, lane in enumerate(sched.lanes):
       while pos[s] < len(lane):
         a = lane[pos[s]]
-        deps = list(dependencies(a, g)) if a.kind != "UPDATE" else []
+        deps = list(dependencies(a, g, counts=counts)) if a.kind != "UPDATE" else []
         if all(d in done for d in deps):
           done.add(a)
           order.append(a)
@@ -213,7 +266,8 @@ def _dispatch_order(sched: Schedule) -> tuple[Action, ...]:
         sched.lanes[s][pos[s]] for s in range(sched.num_stages) if pos[s] < len(sched.lanes[s])
       ]
       waits = "; ".join(
-        f"{a} waits for {[str(d) for d in dependencies(a, g) if d not in done]}" for a in blocked
+        f"{a} waits for {[str(d) for d in dependencies(a, g, counts=counts) if d not in done]}"
+        for a in blocked
       )
       raise ScheduleError(f"schedule deadlocks: {waits}\n{sched.grid(mark=blocked[0])}")
   return tuple(order)

@@ -13,6 +13,14 @@ issues the same ``jax.device_put`` calls in the same order, so each cross-proces
 matched send (on the producer's process) and receive (on the consumer's), JAX's own cross-host
 transfer.
 
+Stages with their own micro-batch sizes (``Schedule.counts``): stage s cuts the batch into
+M_s chunks. Along an edge between stages of different sizes the driver re-chunks on device: a
+producer's chunk is split (``jnp.split`` where it was computed) into the consumer's smaller
+chunks, or the consumer's bigger chunk is concatenated where it runs from the producer chunks
+it covers; cotangents go back the same way. The loss stage seeds each backward with
+``1 / M_s`` (= b_s / B), so the parameter gradients, summed over every stage's own chunks, are
+the gradient of the mean loss over the batch.
+
 With ``measure=True`` each stage runs in its own thread that blocks on every action, which
 gives a measured per-action timeline (start/end on the device) at some cost in overhead.
 """
@@ -191,19 +199,18 @@ class PipelineRunner:
     schedule: Schedule,
     placements: Sequence[StagePlacement],
     data_roles: Sequence[str | None],
-    num_microbatches: int,
     remat: bool = False,
     state: Sequence[StatePair] = (),
   ):
     """
     Args:
       staged: the staged loss.
-      schedule: per-stage action lists (validated).
+      schedule: per-stage action lists (validated); stage s runs ``schedule.stage_counts[s]``
+        micro-batches.
       placements: ``placements[s]`` says where stage s runs (a device or a sub-mesh).
       data_roles: for each loss invar: None for a parameter, else BATCH (split into
         micro-batches), KEY (micro-batch index folded in), BROADCAST (same for all) or
         STATE (the value the previous micro-batch left, see ``state``).
-      num_microbatches: M.
       state: state the loss updates; the stage computing a new value carries it to its own
         next micro-batch, and the step returns the last micro-batch's value.
     """
@@ -211,7 +218,7 @@ class PipelineRunner:
     self.schedule = schedule
     self.place = list(placements)
     self.roles = list(data_roles)
-    self.M = num_microbatches
+    self.counts = schedule.stage_counts
     self.fns = [
       stage_functions(
         s,
@@ -247,6 +254,27 @@ class PipelineRunner:
     self._in_avals = [[v.aval for v in st.jaxpr.jaxpr.invars] for st in staged.stages]
     self.carries = state_carries(staged, state)
     self.state_outputs = {p.output for p in state}
+    self._batch_size: int | None = None  # of the step being run
+    if len(set(self.counts)) > 1:
+      self._check_mixed(state)
+
+  def _check_mixed(self, state: Sequence[StatePair]) -> None:
+    """Raises GppError for what cannot run with per-stage micro-batch sizes."""
+    what = f"the stages run {list(self.counts)} micro-batches (per-stage micro-batch sizes)"
+    fix = "give every stage the same micro-batch size (Stage.microbatch_size)"
+    if state:
+      raise GppError(
+        f"{what}, but the loss carries state from one micro-batch to the next (e.g. "
+        f"BatchNorm statistics), whose order depends on the micro-batch size; {fix}"
+      )
+    if KEY in self.roles:
+      raise GppError(
+        f"{what}, but the loss reads a random key, into which each stage folds its own "
+        f"micro-batch index, so stages would draw from different chunks; {fix}, or pass "
+        "no key to the loss"
+      )
+    if self.multiprocess:
+      raise GppError(f"{what}, which runs in a single process only; {fix}")
 
   def _remote(self, aval, s):
     """Placeholder for a value of stage ``s`` computed on another process."""
@@ -260,9 +288,9 @@ class PipelineRunner:
     parameters, broadcast data, keys before folding) and the host-side batch chunks.
     ``versions[s]``, when given, is the parameter list stage s reads instead of ``params``
     (stale weights of the asynchronous schedules; each on its owner's devices)."""
-    M = self.M
     self._fixed: list[list[Any]] = [[None] * len(st.inputs) for st in self.staged.stages]
-    self._batch_chunks: dict[int, list[Any]] = {}
+    # (loss input, micro-batches) -> the batch cut into that many chunks.
+    self._batch_chunks: dict[tuple[int, int], list[Any]] = {}
     for s, st in enumerate(self.staged.stages):
       rep = self.place[s].replicated
       for j, r in enumerate(st.inputs):
@@ -276,12 +304,15 @@ class PipelineRunner:
           x = data[r.index]
           if role in (BROADCAST, KEY, STATE):  # keys get the micro-batch index folded in per F
             self._fixed[s][j] = transfer(x, rep)
-          elif role == BATCH and r.index not in self._batch_chunks:
+          elif role == BATCH and (r.index, self.counts[s]) not in self._batch_chunks:
+            M = self.counts[s]
             if np.shape(x)[0] % M:
               raise BatchError(
-                f"batch input of shape {np.shape(x)} does not split into {M} micro-batches"
+                f"batch input of shape {np.shape(x)} does not split into {M} micro-batches "
+                f"(stage {s})"
               )
-            self._batch_chunks[r.index] = _split_batch(x, M)
+            self._batch_size = np.shape(x)[0]
+            self._batch_chunks[(r.index, M)] = _split_batch(x, M)
 
   def _stage_args(self, s, m):
     st = self.staged.stages[s]
@@ -295,7 +326,7 @@ class PipelineRunner:
       else:
         role = self.roles[r.index]
         if role == BATCH:
-          v = place.put(self._batch_chunks[r.index][m])
+          v = place.put(self._batch_chunks[(r.index, self.counts[s])][m])
         elif role == KEY:
           v = _fold(self._fixed[s][j], transfer(np.uint32(m), place.replicated))
         elif role == STATE:
@@ -350,7 +381,7 @@ class PipelineRunner:
         ]
       for k, o in enumerate(st.outputs):
         for c in o.consumers:
-          self._inbox[(c, o.vid, m)] = self.place[c].put(outs[k])
+          self._send_activation(outs[k], s, c, o.vid, m)
     elif a.kind == "B":
       cts: list[tuple[Any, ...]] = []
       for k, o in enumerate(st.outputs):
@@ -377,7 +408,7 @@ class PipelineRunner:
         in_cts = [self._remote(self._in_avals[s][j], s) for j, _ in acts]
       for (_, r), ct in zip(acts, in_cts):
         p, k = self.out_pos[r.index]
-        self._ctbox.setdefault((p, k, m), []).append(self.place[p].put(ct))
+        self._send_cotangent(ct, s, p, k, m)
     elif a.kind == "W":
       cts, kept = self._wbox.pop((s, m))
       res = self._res.pop((s, m), None)
@@ -389,6 +420,46 @@ class PipelineRunner:
       pass
     else:
       raise ScheduleError(f"the runtime cannot execute action kind {a.kind}")
+
+  # ---------------------------------------------------------------- re-chunking edges
+  def _send_activation(self, x, s: int, c: int, vid: int, m: int) -> None:
+    """Chunk m of stage s's output ``vid`` -> the inbox of consumer c, in c's chunks."""
+    Ms, Mc = self.counts[s], self.counts[c]
+    if Ms == Mc:
+      self._inbox[(c, vid, m)] = self.place[c].put(x)
+    elif Mc > Ms:  # c's chunks are smaller: split where x was computed, send each piece
+      r = Mc // Ms
+      for i, piece in enumerate(_split_on_device(x, r)):
+        self._inbox[(c, vid, m * r + i)] = self.place[c].put(piece)
+    else:  # c's chunk covers r of ours: gather them on c, concatenate when all are there
+      r = Ms // Mc
+      whole = self._gathered((c, vid, m // r), m % r, r, self.place[c].put(x))
+      if whole is not None:
+        self._inbox[(c, vid, m // r)] = self.place[c].put(_concat(whole))
+
+  def _send_cotangent(self, ct, s: int, p: int, k: int, m: int) -> None:
+    """Cotangent of chunk m of consumer s for output k of producer p -> p's chunks."""
+    Ms, Mp = self.counts[s], self.counts[p]
+    if Ms == Mp:
+      self._ctbox.setdefault((p, k, m), []).append(self.place[p].put(ct))
+    elif Mp > Ms:  # p's chunks are smaller: split here, one contribution per p chunk
+      r = Mp // Ms
+      for i, piece in enumerate(_split_on_device(ct, r)):
+        self._ctbox.setdefault((p, k, m * r + i), []).append(self.place[p].put(piece))
+    else:  # p's chunk covers r of ours: one contribution once all r are there
+      r = Ms // Mp
+      whole = self._gathered(("ct", p, k, m // r, s), m % r, r, self.place[p].put(ct))
+      if whole is not None:
+        self._ctbox.setdefault((p, k, m // r), []).append(self.place[p].put(_concat(whole)))
+
+  def _gathered(self, key, i: int, r: int, piece) -> list[Any] | None:
+    """Files ``piece`` as part i of r under ``key``; returns the r parts once all arrived."""
+    parts = self._pieces.setdefault(key, [None] * r)
+    parts[i] = piece
+    if any(x is None for x in parts):
+      return None
+    del self._pieces[key]
+    return parts
 
   # ---------------------------------------------------------------- one step
   def run(
@@ -407,7 +478,6 @@ class PipelineRunner:
         "measure=True records device-side times with one thread per stage and "
         "runs in a single process only; leave it off for multi-process runs"
       )
-    M = self.M
     # (consumer stage, value id, micro-batch) -> the value, put on the consumer.
     self._inbox: dict[tuple[int, int, int], Any] = {}
     # (producer stage, output position, micro-batch) -> cotangent contributions.
@@ -417,14 +487,20 @@ class PipelineRunner:
     # (stage, micro-batch) -> (output cotangents, B's values) a W action still needs.
     self._wbox: dict[tuple[int, int], Any] = {}
     self._bout: dict[tuple[int, int], Any] = {}  # B's input cotangents (measure mode waits)
+    # Chunks of a bigger chunk on the other side of an edge, until all have arrived.
+    self._pieces: dict[Any, list[Any]] = {}
+    self._batch_size = None
     self._measuring = measure
     # (stage, loss input) -> the state the stage's last forward left.
     self._carry: dict[tuple[int, int], Any] = {}
     nloss = len(self.staged.loss_outputs)
-    self._loss_vals: list[list[Any]] = [[None] * nloss for _ in range(M)]
+    self._loss_vals: list[list[Any]] = [[None] * nloss for _ in range(max(self.counts))]
     ls, lk = self.staged.loss_outputs[0]
     loss_aval = self._out_avals[ls][lk]
-    self._seed = transfer(np.asarray(1.0 / M, dtype=loss_aval.dtype), self.place[ls].replicated)
+    # d(mean loss) / d(chunk loss) = b_s / B = 1 / M_s for the stage computing the loss.
+    self._seed = transfer(
+      np.asarray(1.0 / self.counts[ls], dtype=loss_aval.dtype), self.place[ls].replicated
+    )
     t0 = time.perf_counter()
     self._prepare(params, data, versions)
     self._pparams = [
@@ -446,12 +522,14 @@ class PipelineRunner:
         )
     grads = self._gather_grads(params)
     outs = []
-    chunks = next(iter(self._batch_chunks.values()), None)
-    mb = None if chunks is None else chunks[0].shape[0]
+    B = self._batch_size
     for li, (ls, lk) in enumerate(self.staged.loss_outputs):
+      M = self.counts[ls]
+      mb = None if B is None else B // M
       if not self.local[ls]:
         aval = self._out_avals[ls][lk]
-        if li > 0 and li not in self.state_outputs and aval.ndim >= 1 and aval.shape[0] == mb:
+        per_example = li > 0 and li not in self.state_outputs and aval.ndim >= 1
+        if per_example and mb is not None and aval.shape[0] == mb:
           aval = aval.update(shape=(mb * M,) + aval.shape[1:])
         outs.append(self._remote(aval, ls))
         continue

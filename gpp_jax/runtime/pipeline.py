@@ -19,9 +19,14 @@ from flax import nnx
 from jax.extend import core as xc
 
 from gpp_jax.cost.cluster import process_cluster
-from gpp_jax.errors import BatchError, CaptureError
+from gpp_jax.errors import BatchError, CaptureError, PlanError
 from gpp_jax.ir import layer_graph as lg
-from gpp_jax.ir.plan import Plan, validate_plan
+from gpp_jax.ir.plan import (
+  Plan,
+  has_mixed_microbatches,
+  stage_microbatch_sizes,
+  validate_plan,
+)
 from gpp_jax.ir.schedule import Schedule
 from gpp_jax.passes.calibrate import Calibration, measure_layers
 from gpp_jax.passes.capture import inline_calls
@@ -228,8 +233,9 @@ class GraphPipeline:
         )
     return tuple(a % len(args) for a in self.batch_argnums)
 
-  def _capture(self, args, pure, leaves) -> Compiled:
-    """Traces the step and layers its loss (no planning, no compilation)."""
+  def _capture(self, args, pure, leaves, microbatch_size: int | None = None) -> Compiled:
+    """Traces the step and layers its loss (no planning, no compilation), at micro-batches of
+    ``microbatch_size`` samples (default: batch / num_microbatches)."""
     M = self.num_microbatches
     bpos = self._batch_positions(args)
     # Flat indices of batch leaves: graph state first, then the other arguments in order.
@@ -266,7 +272,7 @@ class GraphPipeline:
         f"the batch of {B} examples does not split into {M} micro-batches; use a "
         f"batch size divisible by {M} or a num_microbatches that divides {B}"
       )
-    mb = B // M
+    mb = B // M if microbatch_size is None else microbatch_size
     abstract = []
     for i, x in enumerate(leaves):
       shape = tuple(np.shape(x))
@@ -374,9 +380,14 @@ class GraphPipeline:
     plan = self._make_plan(graph, B)
     if jax.process_count() > 1:
       check_same_plan(plan, self.timeout_s)
-    placements = stage_placements([[self.devices[d] for d in s.devices] for s in plan.stages], mb)
+    sizes = stage_microbatch_sizes(plan, B)
+    placements = stage_placements(
+      [[self.devices[d] for d in s.devices] for s in plan.stages], sizes
+    )
     staged = stage_program(loss, layering.eqn_layer, layering.param_layer, plan)
-    sched = plan_schedule(plan)
+    if len(set(sizes)) > 1:
+      staged = self._restage(args, pure, leaves, c, plan, staged, sizes)
+    sched = plan_schedule(plan, B)
     split = c.scan_split
     homes = param_homes(split.param_split, staged.param_owner)
     in_home = [homes[j] if j < nparam else -1 for j in range(len(marker.invars))]
@@ -386,7 +397,7 @@ class GraphPipeline:
     # The loss's inputs and outputs after the scan split: one per slice of a split input.
     loss_roles = [r for r, ks in zip(roles, split.parts) for _ in ks]
     state = split_state(c.state, split)
-    runner = PipelineRunner(staged, sched, placements, loss_roles, M, remat=self.remat, state=state)
+    runner = PipelineRunner(staged, sched, placements, loss_roles, remat=self.remat, state=state)
     pieces = [(p, jax.jit(xc.jaxpr_as_fun(p.jaxpr))) for p in prog.before + prog.after]
     fused = None
     if (
@@ -400,11 +411,11 @@ class GraphPipeline:
       # The loss as captured (one stage needs no scan split): inputs are the marker's.
       fused = fused_step(prog, inline_calls(marker.params["loss_jaxpr"]), roles, M, mb)
     logging.info(
-      "graph_pipeline: %d stages (depth %d), %d micro-batches of %d, %d step pieces",
+      "graph_pipeline: %d stages (depth %d), micro-batches per stage %s of %s, %d step pieces",
       plan.num_stages,
       plan.depth(),
-      M,
-      mb,
+      list(sched.stage_counts),
+      list(sizes),
       len(pieces),
     )
     return Compiled(
@@ -427,6 +438,58 @@ class GraphPipeline:
       nparam=nparam,
       scan_split=c.scan_split,
     )
+
+  def _restage(
+    self,
+    args,
+    pure,
+    leaves,
+    c: Compiled,
+    plan: Plan,
+    staged: StagedProgram,
+    sizes: Sequence[int],
+  ) -> StagedProgram:
+    """The staged loss with each stage traced at its own micro-batch size.
+
+    The step is captured once more per distinct size; stage s takes its program from the
+    capture at ``sizes[s]``. Every capture must split into the same stages with the same
+    inputs and outputs (a model whose program changes with the batch size cannot), and a value
+    crossing between stages of different sizes must carry the batch as its leading axis, so
+    that the driver can cut or join it along that axis.
+    """
+    by_size = {c.microbatch_size: staged}
+    for b in sorted(set(sizes) - {c.microbatch_size}):
+      cb = self._capture(args, pure, leaves, microbatch_size=b)
+      if cb.scan_split != c.scan_split:
+        raise CaptureError(
+          f"the loss traced at micro-batch size {b} splits its scanned layers differently "
+          f"than at {c.microbatch_size}; give every stage the same micro-batch size"
+        )
+      try:
+        by_size[b] = stage_program(cb.loss, cb.layering.eqn_layer, cb.layering.param_layer, plan)
+      except PlanError as e:
+        raise CaptureError(
+          f"the loss traced at micro-batch size {b} has other layers than at "
+          f"{c.microbatch_size} ({e}); the model's program must not depend on the batch size "
+          "to use per-stage micro-batch sizes"
+        ) from e
+    for b, other in by_size.items():
+      same = (other.param_owner, other.loss_outputs, other.edges) == (
+        staged.param_owner,
+        staged.loss_outputs,
+        staged.edges,
+      ) and all(
+        (x.inputs, x.outputs) == (y.inputs, y.outputs) for x, y in zip(other.stages, staged.stages)
+      )
+      if not same:
+        raise CaptureError(
+          f"the loss traced at micro-batch size {b} cuts into stages differently than at "
+          f"{c.microbatch_size} (the program depends on the batch size); give every stage "
+          "the same micro-batch size"
+        )
+    stages = tuple(by_size[b].stages[s] for s, b in enumerate(sizes))
+    _check_rechunkable(stages, sizes)
+    return dataclasses.replace(staged, stages=stages)
 
   def _planner_cluster(self):
     if self.cluster is not None:
@@ -455,9 +518,11 @@ class GraphPipeline:
     nd = len(self.devices)
     if isinstance(p, Plan):
       plan = p if p.num_microbatches == M else p.replace(num_microbatches=M)
+      if has_mixed_microbatches(plan) and plan.batch_size != batch_size:
+        plan = plan.replace(batch_size=batch_size)  # per-stage sizes are checked against it
       if self.schedule_name is not None:
         plan = plan.replace(schedule=self.schedule_name)
-      validate_plan(plan, graph, nd)
+      validate_plan(plan, graph, nd, batch_size)
       return plan
     if isinstance(p, ManualPlan):
       return p.resolve(graph, M, self.schedule_name or "1f1b", nd, batch_size)
@@ -482,7 +547,7 @@ class GraphPipeline:
       plan = plan.replace(num_microbatches=M)
     if self.schedule_name is not None:
       plan = plan.replace(schedule=self.schedule_name)
-    validate_plan(plan, graph, nd)
+    validate_plan(plan, graph, nd, batch_size)
     return plan
 
   # ------------------------------------------------------------------ running
@@ -605,6 +670,35 @@ class GraphPipeline:
     return outs
 
 
+def _check_rechunkable(stages: Sequence[Any], sizes: Sequence[int]) -> None:
+  """Raises CaptureError for a value crossing between stages of different micro-batch sizes
+  that does not have the batch as its leading axis (a per-chunk scalar, say): it cannot be
+  cut or joined into the other stage's chunks."""
+  out_aval = {
+    o.vid: (st.index, v.aval) for st in stages for o, v in zip(st.outputs, st.jaxpr.jaxpr.outvars)
+  }
+  for st in stages:
+    for r, v in zip(st.inputs, st.jaxpr.jaxpr.invars):
+      if r.kind != "act" or sizes[r.src] == sizes[st.index]:
+        continue
+      p, src = out_aval[r.index]
+      dst = v.aval
+      if not (
+        src.ndim >= 1
+        and dst.ndim >= 1
+        and src.shape[0] == sizes[p]
+        and dst.shape[0] == sizes[st.index]
+        and src.shape[1:] == dst.shape[1:]
+      ):
+        raise CaptureError(
+          f"a value of shape {src.shape} at stage {p} (micro-batch {sizes[p]}) and "
+          f"{dst.shape} at stage {st.index} (micro-batch {sizes[st.index]}) crosses between "
+          "stages of different micro-batch sizes without the batch as its leading axis, so it "
+          f"cannot be re-chunked; give stages {p} and {st.index} the same micro-batch size or "
+          "put the layers that reduce over the batch into one stage"
+        )
+
+
 def _one_device_message(device) -> str:
   """The warning for a pipeline given a single device: every stage shares it."""
   msg = (
@@ -658,7 +752,8 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
       ``jax.config.update("jax_num_cpu_devices", n)`` before JAX is first used gives n devices.
     planner: a planner name (``"balanced"``, and the cost-model planners), a ``Plan``, a
       ``gpp_jax.manual_plan(...)``, or a callable ``(layer_graph, cluster, batch_size,
-      num_microbatches=) -> Plan``.
+      num_microbatches=) -> Plan``. Stages with different ``microbatch_size``s each run at
+      their own size (``manual_plan(..., microbatch_sizes=)``, ``"graphpipe-stage-mb"``).
     schedule: ``"1f1b"``, ``"gpipe"``, ``"graph-1f1b"`` or ``"zero-bubble"`` (backward split
       into input and weight gradients, the latter deferred into bubbles); None (default) keeps
       the plan's (planners choose; a manual plan uses 1F1B).

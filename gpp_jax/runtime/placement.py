@@ -281,17 +281,25 @@ def new_send_epoch() -> None:
 
 
 def stage_placements(
-  device_groups: Sequence[Sequence[Any]], microbatch_size: int
+  device_groups: Sequence[Sequence[Any]], microbatch_size: int | Sequence[int]
 ) -> list[StagePlacement]:
-  """Placements for each stage's device group; checks the micro-batch splits across it."""
+  """Placements for each stage's device group; checks the micro-batch splits across it.
+
+  ``microbatch_size``: one size for all stages, or one per stage (per-stage sizes).
+  """
+  sizes = (
+    [microbatch_size] * len(device_groups)
+    if isinstance(microbatch_size, int)
+    else list(microbatch_size)
+  )
   out = []
-  for s, devs in enumerate(device_groups):
+  for s, (devs, b) in enumerate(zip(device_groups, sizes)):
     k = len(devs)
-    if k > 1 and microbatch_size % k:
+    if k > 1 and b % k:
       raise PlanError(
-        f"stage {s} spans {k} devices but a micro-batch has {microbatch_size} "
+        f"stage {s} spans {k} devices but a micro-batch has {b} "
         f"examples, which do not split {k} ways; use a stage width that divides "
-        f"{microbatch_size} or fewer micro-batches"
+        f"{b} or a micro-batch size divisible by {k}"
       )
-    out.append(StagePlacement(tuple(devs), microbatch_size))
+    out.append(StagePlacement(tuple(devs), b))
   return out

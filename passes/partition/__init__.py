@@ -13,6 +13,8 @@
               optimum of the plan space, to check the others (at most 8 layers and 8 devices
               by default; the cost grows like the Bell number of the layer count)
   balanced    FLOP-balanced chain, one device per stage (no cost model)
+  graphpipe-stage-mb  GraphPipe, then a micro-batch size per stage by coordinate descent on
+              the simulated time (``stage_microbatches``)
 
 The papers: GraphPipe, Jeon et al., ASPLOS 2025 (arXiv:2406.17145); PipeDream, Narayanan et
 al., SOSP 2019 (arXiv:1806.03377); Piper, Tarnawski et al., NeurIPS 2021; BaPipe, Zhao et al.
@@ -30,6 +32,7 @@ from gpp_jax.passes.partition.graphpipe import graphpipe_plan
 from gpp_jax.passes.partition.luo import luo_plan
 from gpp_jax.passes.partition.pipedream import pipedream_plan
 from gpp_jax.passes.partition.piper import piper_plan
+from gpp_jax.passes.partition.stage_microbatches import graphpipe_stage_microbatch_plan
 
 PLANNERS: dict[str, Callable[..., Plan]] = {
   "balanced": balanced_plan,
@@ -39,6 +42,7 @@ PLANNERS: dict[str, Callable[..., Plan]] = {
   "bapipe": bapipe_plan,
   "luo": luo_plan,
   "exhaustive": exhaustive_plan,
+  "graphpipe-stage-mb": graphpipe_stage_microbatch_plan,
 }
 SEQUENTIAL_PLANNERS = ("pipedream", "piper", "bapipe", "luo")
 

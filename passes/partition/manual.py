@@ -22,11 +22,14 @@ class ManualPlan:
       and not ``enc#2``; name a ``#k`` sibling layer explicitly).
     devices: ``{stage: device index or indices}``; default stage i -> device i.
     default_stage: stage of layers no rule matches (None: such layers are an error).
+    microbatch_sizes: ``{stage: samples per micro-batch}`` for stages with their own size
+      (GraphPipe's per-stage micro-batches); stages not named use batch / num_microbatches.
   """
 
   rules: Mapping[str, int]
   devices: Mapping[int, int | Sequence[int]] | None = None
   default_stage: int | None = None
+  microbatch_sizes: Mapping[int, int] | None = None
 
   def resolve(
     self,
@@ -67,11 +70,18 @@ class ManualPlan:
     used = sorted(set(assign.values()))
     if used != list(range(n)):
       raise PlanError(f"manual plan stages must be numbered 0..{n - 1} without gaps; got {used}")
+    sizes = dict(self.microbatch_sizes or {})
+    if set(sizes) - set(range(n)):
+      raise PlanError(
+        f"manual plan micro-batch sizes name stages {sorted(set(sizes) - set(range(n)))}, but "
+        f"the plan has stages 0..{n - 1}"
+      )
     stages = []
     for s in range(n):
       d = (self.devices or {}).get(s, s)
       devs = (d,) if isinstance(d, int) else tuple(d)
-      stages.append(Stage(s, tuple(l for l in topo_layers(layer_graph) if assign[l] == s), devs))
+      layers = tuple(l for l in topo_layers(layer_graph) if assign[l] == s)
+      stages.append(Stage(s, layers, devs, microbatch_size=sizes.get(s)))
     plan = Plan(
       tuple(stages),
       stage_edges(layer_graph, assign),
@@ -80,7 +90,7 @@ class ManualPlan:
       planner="manual",
       batch_size=batch_size,
     )
-    validate_plan(plan, layer_graph, num_devices)
+    validate_plan(plan, layer_graph, num_devices, batch_size)
     return plan
 
 
@@ -94,6 +104,13 @@ def manual_plan(
   rules: Mapping[str, int],
   devices: Mapping[int, int | Sequence[int]] | None = None,
   default_stage: int | None = None,
+  microbatch_sizes: Mapping[int, int] | None = None,
 ) -> ManualPlan:
-  """A plan written by hand: ``{module-path prefix: stage}`` and optionally stage -> device."""
-  return ManualPlan(dict(rules), None if devices is None else dict(devices), default_stage)
+  """A plan written by hand: ``{module-path prefix: stage}``, optionally stage -> device and
+  stage -> micro-batch size (stages of different sizes re-chunk the batch between them)."""
+  return ManualPlan(
+    dict(rules),
+    None if devices is None else dict(devices),
+    default_stage,
+    None if microbatch_sizes is None else dict(microbatch_sizes),
+  )

@@ -29,7 +29,7 @@ from gpp_jax.cost.cost_model import (
 from gpp_jax.cost.simulator import SimResult, simulate
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import validate_layer_graph
-from gpp_jax.ir.plan import Plan, Stage, stage_edges
+from gpp_jax.ir.plan import Plan, Stage, has_mixed_microbatches, stage_edges
 from gpp_jax.ir.schedule import Schedule
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.schedules import make_schedule, plan_schedule
@@ -271,7 +271,12 @@ def predict(
     plan = plan.replace(
       stages=tuple(dataclasses.replace(s, in_flight=n) for s, n in zip(plan.stages, bound))
     )
-  sched = _schedule(plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, bound)
+  if has_mixed_microbatches(plan):
+    sched = plan_schedule(plan)  # per-stage counts from the stages' own sizes
+  else:
+    sched = _schedule(
+      plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, bound
+    )
   res = simulate(plan, layer_graph, cluster, schedule=sched, cost_model=cost_model, costs=costs)
   return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
 
