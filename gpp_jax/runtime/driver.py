@@ -312,11 +312,7 @@ class PipelineRunner:
                 f"(stage {s})"
               )
             self._batch_size = np.shape(x)[0]
-            if (
-              not isinstance(x, jax.Array)
-              and not self.multiprocess
-              and len(self.place[s].devices) == 1
-            ):
+            if not isinstance(x, jax.Array) and self.local[s] and len(self.place[s].devices) == 1:
               # Host data goes to the first stage that reads it in one put and is cut there,
               # instead of one host-to-device put per micro-batch.
               x = jax.device_put(np.asarray(x), self.place[s].replicated)
