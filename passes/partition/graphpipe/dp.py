@@ -65,10 +65,12 @@ class Table:
     if split is not None:
       self.split[m] = split[m]
 
-  def close(self) -> Table:
+  def close(self, cap: float = math.inf) -> Table:
     """Make ``val`` monotone (at most k devices, depth at most e): a cell takes the value of a
-    cell with fewer devices or a shallower depth when that is no worse; ``src`` records it."""
+    cell with fewer devices or a shallower depth when that is no worse; ``src`` records it.
+    Values above ``cap`` become infeasible."""
     v = self.val
+    v[v > cap] = math.inf
     # Along e: the first depth attaining each running minimum, then along k likewise.
     se = first_of_min(v, axis=1)
     v = np.minimum.accumulate(v, axis=1)
@@ -90,9 +92,16 @@ class Table:
 class MinMaxDP(SerialisedRuns):
   """One run of the min-max DP for a fixed micro-batch context (see the module docstring)."""
 
-  def __init__(self, ctx: MicrobatchContext, serialise: bool = True, max_depth: int | None = None):
+  def __init__(
+    self,
+    ctx: MicrobatchContext,
+    serialise: bool = True,
+    max_depth: int | None = None,
+    cap: float = math.inf,
+  ):
     self.ctx = ctx
     self.serialise = serialise
+    self.cap = cap
     self.K = ctx.K
     depth = ctx.K if max_depth is None else min(ctx.K, max_depth)
     self.E = depth + 1  # depth indices 0..depth
@@ -117,6 +126,11 @@ class MinMaxDP(SerialisedRuns):
     x = np.maximum(np.broadcast_to(a, shape)[None, :, :], g)
     arg = x.argmin(axis=1)
     return np.take_along_axis(x, arg[:, None, :], axis=1)[:, 0, :], arg
+
+  def too_slow(self, bound: list[float]) -> bool:
+    """True when a stage's transfer-free TPS on every device count is above the cap (and so,
+    the bound growing with the stage, every larger stage's too)."""
+    return bound[self.ctx.n_dps[self.K] - 1] > self.cap
 
   def fits(self, params: float, saved: float) -> np.ndarray:
     """``ok[j, e]``: does a stage on ``dps[j]`` devices fit in memory at in-flight
@@ -149,7 +163,7 @@ class MinMaxDP(SerialisedRuns):
       t.val[:, D:] = 0.0
       t.cid[:, D:] = 0
       t.choices.append(("empty",))
-      t = self._base[D] = t.close()
+      t = self._base[D] = t.close(self.cap)
     return t
 
   def breakpoints(self, v: np.ndarray) -> list[int]:
@@ -171,11 +185,11 @@ class MinMaxDP(SerialisedRuns):
       for n in (node, node.twin):
         if n is not None:
           t.offer(self.P(n, 0, D).val, ("par", n))
-      t.close()
+      t.close(self.cap)
     else:
       t = Table(self.K, self.E)
       self.series_blocks(t, node, 0, D)
-      t.close()
+      t.close(self.cap)
     self.memo[key] = t
     return t
 
@@ -183,7 +197,9 @@ class MinMaxDP(SerialisedRuns):
     """Offers: children [i, p) of a series node (or a leaf) as one stage, then [p, n)."""
     ctx = self.ctx
     for p in range(i + 1, node.n + 1):
-      tps, _, params, saved = ctx.block(node, i, p)
+      tps, bound, params, saved = ctx.block(node, i, p)
+      if self.too_slow(bound):
+        break
       rest = self.S(node, p, D).val if node.kind == "series" else self.base(D).val
       for j, d in enumerate(ctx.dps):
         if d > self.K:
@@ -212,7 +228,7 @@ class MinMaxDP(SerialisedRuns):
     self.head_merge(t, node, i, D)
     if self.serialise and i + 1 < node.n and any(c.kind != "leaf" for c in node.children[i:]):
       t.offer(self.serial(node, i, D), ("serial",))
-    self.memo[key] = t.close()
+    self.memo[key] = t.close(self.cap)
     return t
 
   def P(self, node: SPTreeNode, i: int, D: int) -> Table:
@@ -227,7 +243,9 @@ class MinMaxDP(SerialisedRuns):
     t = Table(self.K, self.E)
     if D + 1 < self.E:
       for p in range(i + 1, node.n + 1):
-        tps, _, params, saved = ctx.block(node, i, p)
+        tps, bound, params, saved = ctx.block(node, i, p)
+        if self.too_slow(bound):
+          break
         rest = self.P(node, p, D).val
         for j, d in enumerate(ctx.dps):
           if d > self.K:
@@ -243,7 +261,7 @@ class MinMaxDP(SerialisedRuns):
         t.offer(cand, ("child",), arg)
       if self.serialise and i + 1 < node.n:
         t.offer(self.serial(node, i, D), ("serial",))
-    self.memo[key] = t.close()
+    self.memo[key] = t.close(self.cap)
     return t
 
   def head_merge(self, t: Table, node: SPTreeNode, i: int, D: int):
@@ -252,12 +270,16 @@ class MinMaxDP(SerialisedRuns):
     in the context of the series children after p."""
     ctx = self.ctx
     for p in range(i + 1, node.n):
+      if self.too_slow(ctx.block(node, i, p)[1]):
+        break
       c = node.children[p]
       if c.kind != "parallel":
         continue
       rest = self.S(node, p + 1, D).val
       for a in range(1, c.n):
-        tps, _, params, saved = ctx.merged(node, p, a, i, p)
+        tps, bound, params, saved = ctx.merged(node, p, a, i, p)
+        if self.too_slow(bound):
+          break
         for e1 in self.breakpoints(rest):
           x, arg = self.conv(rest[:, e1 : e1 + 1], self.P(c, a, e1).val)
           for j, d in enumerate(ctx.dps):
@@ -275,9 +297,13 @@ class MinMaxDP(SerialisedRuns):
     ctx = self.ctx
     c = node.children[i]
     for p in range(i + 2, node.n + 1):
+      if self.too_slow(ctx.block(node, i + 1, p)[1]):
+        break
       rest = self.S(node, p, D).val
       for a in range(1, c.n):
-        tps, _, params, saved = ctx.merged(node, i, a, i + 1, p)
+        tps, bound, params, saved = ctx.merged(node, i, a, i + 1, p)
+        if self.too_slow(bound):
+          break
         for e1 in self.breakpoints(rest):
           DT = e1 + 1
           if DT >= self.E:

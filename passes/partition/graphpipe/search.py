@@ -219,9 +219,12 @@ def graphpipe_plan(
       return microbatch_context(b, B, dps, cluster, cm, costs)
 
     def run_dp(ctx: MicrobatchContext) -> MinMaxDP | None:
+      # Strategies whose bottleneck alone (B * TPS) is ``prune`` times the best simulated
+      # time are not wanted (the sweep skips such sizes too): the DP drops them early.
       nonlocal runs
       runs += 1
-      dp = MinMaxDP(ctx, serialise, max_depth)
+      cap = math.inf if best is None else prune * best.predicted["iteration_time"] / B
+      dp = MinMaxDP(ctx, serialise, max_depth, cap)
       return dp if dp.frontier(root) else None
 
     for b in sorted(sizes, reverse=True):

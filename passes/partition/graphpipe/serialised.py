@@ -14,11 +14,12 @@ from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode
 
 class SerialisedRuns:
   """The serialised option of ``MinMaxDP`` (a mixin: it reads the DP's ``ctx``, device count
-  ``K``, depth count ``E`` and ``memo_chain``)."""
+  ``K``, depth count ``E``, TPS ``cap`` and ``memo_chain``)."""
 
   ctx: MicrobatchContext
   K: int
   E: int
+  cap: float
   memo_chain: dict
 
   def chain(self, node: SPTreeNode, D: int) -> np.ndarray:
@@ -31,31 +32,39 @@ class SerialisedRuns:
       return f
     ctx = self.ctx
     K, E, M = self.K, self.E, ctx.M
-    L = ctx.linear(node).n
-    cap = ctx.cluster.memory_per_device
+    rc = ctx.linear(node)
+    L = rc.n
+    mem_cap = ctx.cluster.memory_per_device
     tps_all, static, saved, per_dev = ctx.linear_stacks(node)
     inflight = np.minimum(np.arange(E), M)
+    # Stages [j, j2) whose transfer-free TPS is above the cap on every device count are never
+    # used; that bound grows with j2, so each j needs only the j2 below a limit.
+    fast = np.stack([rc.bound(d) for d in ctx.dps if d <= K]).min(axis=0) <= self.cap
     f = np.full((L + 1, K + 1, E), math.inf)
     f[L, :, D:] = 0.0
     for j in range(L - 1, -1, -1):
-      tps = tps_all[:, j, j + 1 :]  # (nd, L - j)
-      # memory of stage [j, j2) on d devices at each depth: (nd, L - j, E)
+      hi = j + 1 + int(fast[j, j + 1 :].sum())  # stages [j, j2) for j2 < hi
+      if hi == j + 1:
+        continue
+      tps = tps_all[:, j, j + 1 : hi]  # (nd, w)
+      # memory of stage [j, j2) on d devices at each depth: (nd, w, E)
       mem = (
-        static[j, j + 1 :][None, :, None]
-        + saved[j, j + 1 :][None, :, None] * per_dev[:, None, None] * inflight[None, None, :]
+        static[j, j + 1 : hi][None, :, None]
+        + saved[j, j + 1 : hi][None, :, None] * per_dev[:, None, None] * inflight[None, None, :]
       )
-      ok = mem <= cap
+      ok = mem <= mem_cap
       ok[:, :, 0] = False
       best = np.full((K + 1, E), math.inf)
       for di, d in enumerate(ctx.dps):
         if d > K:
           break
-        rest = f[j + 1 :, : K + 1 - d, :-1]  # (L - j, K + 1 - d, E - 1)
+        rest = f[j + 1 : hi, : K + 1 - d, :-1]  # (w, K + 1 - d, E - 1)
         cand = np.maximum(tps[di][:, None, None], rest)
         cand = np.where(ok[di][:, None, 1:], cand, math.inf)
         np.minimum(best[d:, 1:], cand.min(axis=0), out=best[d:, 1:])
       np.minimum.accumulate(best, axis=0, out=best)
       np.minimum.accumulate(best, axis=1, out=best)
+      best[best > self.cap] = math.inf
       f[j] = best
     self.memo_chain[key] = f
     return f
