@@ -119,13 +119,29 @@ class MinMaxDP(SerialisedRuns):
   # -- table algebra ---------------------------------------------------------------------
   def conv(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """out[k, e] = min over k1 <= k of max(a[k1, e], b[k - k1, e]), and the arg-min k1: two
-    parts side by side sharing k devices (``a`` may be a column, broadcast over e)."""
+    parts side by side sharing k devices (``a`` or ``b`` may be a column, broadcast over e).
+
+    Only the depths from the first where both parts are feasible to the last where either
+    changes are computed; the tables are monotone in e, so later columns repeat the last."""
     shape = (self.K + 1, self.E)
-    g = np.broadcast_to(b, shape)[self._conv_idx]  # (k, k1, e)
+    A, Bt = np.broadcast_to(a, shape), np.broadcast_to(b, shape)
+    out = np.full(shape, math.inf)
+    arg = np.zeros(shape, dtype=np.int64)
+    both = np.isfinite(A).any(axis=0) & np.isfinite(Bt).any(axis=0)
+    if not both.any():
+      return out, arg
+    lo = int(both.argmax())
+    moves = np.nonzero((A[:, 1:] != A[:, :-1]).any(axis=0) | (Bt[:, 1:] != Bt[:, :-1]).any(axis=0))
+    hi = max(lo, int(moves[0][-1]) + 1 if moves[0].size else 0) + 1
+    g = Bt[:, lo:hi][self._conv_idx]  # (k, k1, e)
     g[self._conv_bad] = math.inf
-    x = np.maximum(np.broadcast_to(a, shape)[None, :, :], g)
-    arg = x.argmin(axis=1)
-    return np.take_along_axis(x, arg[:, None, :], axis=1)[:, 0, :], arg
+    x = np.maximum(A[None, :, lo:hi], g)
+    am = x.argmin(axis=1)
+    out[:, lo:hi] = np.take_along_axis(x, am[:, None, :], axis=1)[:, 0, :]
+    arg[:, lo:hi] = am
+    out[:, hi:] = out[:, hi - 1 : hi]
+    arg[:, hi:] = am[:, -1:]
+    return out, arg
 
   def too_slow(self, bound: list[float]) -> bool:
     """True when a stage's transfer-free TPS on every device count is above the cap (and so,

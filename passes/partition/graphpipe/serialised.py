@@ -44,26 +44,30 @@ class SerialisedRuns:
     f[L, :, D:] = 0.0
     for j in range(L - 1, -1, -1):
       hi = j + 1 + int(fast[j, j + 1 :].sum())  # stages [j, j2) for j2 < hi
-      if hi == j + 1:
+      # Entry depths D + 1 .. D + (L - j) are all a chain from j can have; deeper ones repeat.
+      lo, top = D + 1, min(E - 1, D + L - j)
+      if hi == j + 1 or lo > top:
         continue
       tps = tps_all[:, j, j + 1 : hi]  # (nd, w)
-      # memory of stage [j, j2) on d devices at each depth: (nd, w, E)
+      # memory of stage [j, j2) on d devices at depths lo .. top: (nd, w, top - lo + 1)
       mem = (
         static[j, j + 1 : hi][None, :, None]
-        + saved[j, j + 1 : hi][None, :, None] * per_dev[:, None, None] * inflight[None, None, :]
+        + saved[j, j + 1 : hi][None, :, None]
+        * per_dev[:, None, None]
+        * inflight[None, None, lo : top + 1]
       )
       ok = mem <= mem_cap
-      ok[:, :, 0] = False
       best = np.full((K + 1, E), math.inf)
       for di, d in enumerate(ctx.dps):
         if d > K:
           break
-        rest = f[j + 1 : hi, : K + 1 - d, :-1]  # (w, K + 1 - d, E - 1)
+        rest = f[j + 1 : hi, : K + 1 - d, lo - 1 : top]  # (w, K + 1 - d, top - lo + 1)
         cand = np.maximum(tps[di][:, None, None], rest)
-        cand = np.where(ok[di][:, None, 1:], cand, math.inf)
-        np.minimum(best[d:, 1:], cand.min(axis=0), out=best[d:, 1:])
+        cand = np.where(ok[di][:, None, :], cand, math.inf)
+        np.minimum(best[d:, lo : top + 1], cand.min(axis=0), out=best[d:, lo : top + 1])
       np.minimum.accumulate(best, axis=0, out=best)
       np.minimum.accumulate(best, axis=1, out=best)
+      best[:, top + 1 :] = best[:, top : top + 1]
       best[best > self.cap] = math.inf
       f[j] = best
     self.memo_chain[key] = f
