@@ -209,13 +209,21 @@ class MinMaxDP(SerialisedRuns):
     self.memo[key] = t
     return t
 
+  def block_ends(self, node: SPTreeNode, i: int) -> list[int]:
+    """The ends p of the blocks [i, p) not above the cap, longest first: on equal values the
+    first offer is kept, so ties go to fewer, larger stages."""
+    ends = []
+    for p in range(i + 1, node.n + 1):
+      if self.too_slow(self.ctx.block(node, i, p)[1]):
+        break
+      ends.append(p)
+    return ends[::-1]
+
   def series_blocks(self, t: Table, node: SPTreeNode, i: int, D: int):
     """Offers: children [i, p) of a series node (or a leaf) as one stage, then [p, n)."""
     ctx = self.ctx
-    for p in range(i + 1, node.n + 1):
-      tps, bound, params, saved = ctx.block(node, i, p)
-      if self.too_slow(bound):
-        break
+    for p in self.block_ends(node, i):
+      tps, _, params, saved = ctx.block(node, i, p)
       rest = self.S(node, p, D).val if node.kind == "series" else self.base(D).val
       for j, d in enumerate(ctx.dps):
         if d > self.K:
@@ -258,10 +266,8 @@ class MinMaxDP(SerialisedRuns):
     ctx = self.ctx
     t = Table(self.K, self.E)
     if D + 1 < self.E:
-      for p in range(i + 1, node.n + 1):
-        tps, bound, params, saved = ctx.block(node, i, p)
-        if self.too_slow(bound):
-          break
+      for p in self.block_ends(node, i):
+        tps, _, params, saved = ctx.block(node, i, p)
         rest = self.P(node, p, D).val
         for j, d in enumerate(ctx.dps):
           if d > self.K:
