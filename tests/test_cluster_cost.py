@@ -209,3 +209,16 @@ def test_model_graph_costs_follow_the_shapes():
   assert math.isclose(
     float(np.sum(layer_costs(m).param_bytes)), sum(m.nodes[n]["param_bytes"] for n in m)
   )
+
+
+def test_efficiency_is_keyed_on_rows_not_samples():
+  """A layer whose products see 64 rows per sample runs at one sample as efficiently as a
+  one-row layer at 64 samples; a layer without ``rows`` keys the curve on samples."""
+  dev = DeviceSpec("d", 1e12, 1e15, efficiency=((1, 0.25), (64, 1.0)))
+  cm = CostModel()
+  t_seq = cm.layer_times(layer_costs(_one_layer(8e9, 1.0, 0.0, rows=64)), dev, 1)[0][0]
+  t_flat = cm.layer_times(layer_costs(_one_layer(8e9, 1.0, 0.0)), dev, 1)[0][0]
+  assert t_seq == pytest.approx(1e9 / 1e12)  # one sample of 64 rows: full efficiency
+  assert t_flat == pytest.approx(4 * t_seq)  # one sample of one row: a quarter of peak
+  with pytest.raises(ValueError, match="'rows'"):
+    layer_costs(_one_layer(8e9, 1.0, 0.0, rows=0))

@@ -179,3 +179,17 @@ def test_milp_lower_bound_is_below_every_plan():
   assert lb.classes < lb.layers
   gp = PLANNERS["graphpipe"](g, v100_cluster(8), 64, polish_plans=False, chain_plans=False)
   assert lb.seconds <= gp.predicted["iteration_time"] * (1 + 1e-9)
+
+
+def test_milp_fill_and_drain_tighten_the_bound_and_keep_it_below_the_optimum():
+  """The sink stage's pipeline fill and drain (and one crossing transfer) are valid terms: the
+  bound stays below the exhaustive optimum and rises on graphs where the fill matters."""
+  cluster = cpu_cluster(4).replace(intra_link=Link(20e-6, 2e9))
+  for g in (
+    mg.random_sp_dag(4, num_layers=6, batch_size=64),
+    mg.random_dag(1, num_layers=6, edge_prob=0.4, batch_size=64),
+  ):
+    plain = iteration_lower_bound(g, cluster, 64, fill=False)
+    tight = iteration_lower_bound(g, cluster, 64)
+    opt = PLANNERS["exhaustive"](g, cluster, 64).predicted["iteration_time"]
+    assert tight.optimal and plain.seconds * 1.02 < tight.seconds <= opt * (1 + 1e-9)

@@ -40,9 +40,11 @@ class DeviceSpec:
     name: a label ("V100-SXM2-16GB").
     peak_flops: peak arithmetic throughput, FLOP/s.
     memory_bandwidth: device-memory bandwidth, bytes/s.
-    efficiency: points ``(samples_per_device, fraction_of_peak)``, increasing in samples; the
-      fraction of ``peak_flops`` a layer reaches at that micro-batch size per device. Between
-      points it is interpolated linearly in log2(samples); outside it is clamped.
+    efficiency: points ``(rows_per_device, fraction_of_peak)``, increasing in rows; the
+      fraction of ``peak_flops`` a layer reaches when its matrix products see that many rows
+      on one device (samples per device x the layer's ``rows`` per sample, which is 1 unless
+      the layer says otherwise, e.g. the tokens of a Transformer layer). Between points it is
+      interpolated linearly in log2(rows); outside it is clamped.
     kernel_overhead: fixed seconds per layer per pass (launch and framework overhead).
   """
 
@@ -66,7 +68,8 @@ class DeviceSpec:
     object.__setattr__(self, "efficiency", pts)
 
   def efficiency_at(self, samples: float) -> float:
-    """Fraction of peak FLOP/s reached with ``samples`` samples per device."""
+    """Fraction of peak FLOP/s reached with ``samples`` rows per device (samples x rows per
+    sample)."""
     pts = self.efficiency
     if samples <= pts[0][0]:
       return pts[0][1]

@@ -3,9 +3,12 @@
 Time of one layer for a micro-batch of ``s`` samples on one device:
 
 * measured, when the layer has ``time_f`` (and maybe ``time_b``) taken at the graph's
-  ``batch_size`` B on one device: ``time_f * (s / B) * eff(B) / eff(s)``, where ``eff`` is the
-  device's micro-batch efficiency curve (so a small micro-batch is relatively slower);
-* otherwise the roofline ``max(flops(s) / (peak * eff(s)), bytes(s) / bandwidth)``, where
+  ``batch_size`` B on one device: ``time_f * (s / B) * eff(r B) / eff(r s)``, where ``eff`` is
+  the device's efficiency curve (so a small micro-batch is relatively slower) and ``r`` the
+  layer's ``rows``: the rows its matrix products see per sample (the tokens of a sequence
+  model, 1 by default), so the curve is keyed on rows, not samples (a Transformer layer at
+  one sample of 256 tokens multiplies 256-row matrices);
+* otherwise the roofline ``max(flops(s) / (peak * eff(r s)), bytes(s) / bandwidth)``, where
   ``flops(s) = flops * s / B`` and ``bytes(s) = W + (bytes - W) * s / B`` with W the parameter
   bytes read once per micro-batch whatever its size: the layer's ``param_read_bytes`` if set,
   else ``param_bytes`` when ``bytes >= param_bytes`` (a dense layer reads all its weights),
@@ -139,11 +142,11 @@ def _layer_times(cm: CostModel, costs: LayerCosts, device: DeviceSpec, samples: 
   if hit is not None:
     return hit
   B = costs.batch_size
-  eff = device.efficiency_at(samples)
+  eff = np.array([device.efficiency_at(samples * r) for r in costs.rows_ps])
   flops = costs.flops_ps * samples
   nbytes = costs.param_read_bytes + costs.act_bytes_ps * samples
   roof = np.maximum(flops / (device.peak_flops * eff), nbytes / device.memory_bandwidth)
-  scale = samples * device.efficiency_at(B) / eff
+  scale = samples * np.array([device.efficiency_at(B * r) for r in costs.rows_ps]) / eff
   tf = np.where(np.isnan(costs.time_f_ps), roof, costs.time_f_ps * scale)
   tb = np.where(np.isnan(costs.time_b_ps), cm.backward_factor * tf, costs.time_b_ps * scale)
   tf = tf + device.kernel_overhead
@@ -168,6 +171,8 @@ class LayerCosts:
     param_bytes: parameter bytes per layer.
     param_read_bytes: parameter bytes each forward reads whatever the micro-batch size.
     time_f_ps, time_b_ps: measured seconds per sample at ``batch_size`` (NaN if not measured).
+    rows_ps: rows the layer's matrix products see per sample (the layer attribute ``rows``,
+      default 1): the efficiency curve is read at samples x rows.
     edges: (u, v, bytes per sample) with u, v positions.
   """
 
@@ -182,6 +187,7 @@ class LayerCosts:
   time_f_ps: np.ndarray
   time_b_ps: np.ndarray
   edges: tuple[tuple[int, int, float], ...]
+  rows_ps: np.ndarray
   _times: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def __len__(self) -> int:
@@ -204,6 +210,13 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
     return d["param_bytes"] if d["bytes"] >= d["param_bytes"] else 0.0
 
   W = arr(fixed)
+  rows = arr(lambda d: d.get("rows", 1.0))
+  if (rows <= 0).any():
+    bad = [l for l, r in zip(layers, rows, strict=True) if r <= 0]
+    raise ValueError(
+      f"layers {bad}: 'rows' (rows per sample the layer's matrix products see) must be "
+      "positive; set it to the tokens per sample of a sequence layer, or leave it out (1)"
+    )
   return LayerCosts(
     layers=layers,
     index=index,
@@ -215,6 +228,7 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
     saved_ps=arr(lambda d: d["saved_bytes"] / B),
     time_f_ps=tf,
     time_b_ps=np.where(np.isnan(tf), math.nan, tb),
+    rows_ps=rows,
     edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)),
   )
 

@@ -41,11 +41,15 @@ from gpp_jax.ir.layer_graph import add_edge, add_layer, new_layer_graph
 F32 = 4
 
 
-def _dense(g: nx.DiGraph, name: str, d_in: int, d_out: int, B: int, inputs=()) -> str:
+def _dense(
+  g: nx.DiGraph, name: str, d_in: int, d_out: int, B: int, inputs=(), rows: int = 1
+) -> str:
+  """A dense layer; ``B`` counts its rows (samples x ``rows`` per sample)."""
   params = F32 * (d_in * d_out + d_out)
   add_layer(
     g,
     name,
+    rows=rows,
     flops=2.0 * d_in * d_out * B,
     bytes=params + F32 * (d_in + d_out) * B,
     param_bytes=params,
@@ -65,6 +69,7 @@ def _transformer(
   add_layer(
     g,
     name,
+    rows=s,
     flops=(2.0 * s * (4 * h * h + 2 * h * f) + 4.0 * s * s * h) * B,
     bytes=params + F32 * (16 * s * h + 4 * s * f + 3 * a * s * s) * B,
     param_bytes=params,
@@ -112,12 +117,12 @@ def mmt(
   g = new_layer_graph(f"mmt{branches}x{layers}", B)
   tails = []
   for br in range(branches):
-    prev = _dense(g, f"b{br}.in_proj", hidden, hidden, B * seq)
+    prev = _dense(g, f"b{br}.in_proj", hidden, hidden, B * seq, rows=seq)
     for l in range(layers):
       prev = _transformer(g, f"b{br}.layer{l}", seq, hidden, heads, ffn, B, [prev])
     tails.append(prev)
   cat = _concat(g, "concat", tails, B)
-  head = _dense(g, "head", branches * hidden, hidden, B * seq, [cat])
+  head = _dense(g, "head", branches * hidden, hidden, B * seq, [cat], rows=seq)
   _loss(g, "loss", head, B)
   return g
 
@@ -253,7 +258,7 @@ def gpt(
   prev = "embed"
   for l in range(layers):
     prev = _transformer(g, f"layer{l}", seq, hidden, heads, ffn, B, [prev])
-  head = _dense(g, "lm_head", hidden, vocab, B * seq, [prev])
+  head = _dense(g, "lm_head", hidden, vocab, B * seq, [prev], rows=seq)
   g.nodes[head]["act_bytes"] = F32 * seq * B  # the loss reads logits in place; pass labels' size
   g.nodes[head]["saved_bytes"] = F32 * seq * (hidden + vocab) * B
   _loss(g, "loss", head, B)

@@ -229,9 +229,9 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
       fmt_span(pd),
       f"{pd[0] / 9:.3f} / {pd[1] / 21:.3f}",
       (
-        "below 1x = our GraphPipe searched slower (a recursive Python DP run once per "
-        "binary-search step, frontier point and micro-batch size, vs a few numpy operations "
-        "per layer for PipeDream); "
+        "below 1x = our GraphPipe searched slower (one min-max DP over the SP tree per "
+        "micro-batch size plus the simulation and polish of its candidates, vs a few numpy "
+        "operations per layer and no simulation for PipeDream); "
         if pd[0] < 1
         else ""
       )
@@ -250,8 +250,8 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
     "fails on DLRM, CANDLE-Uno",
     ("fails on " + ", ".join(piper_failed)) if piper_failed else "plans every model",
     None,
-    "our Python Piper stops at 4000 downsets / 150 000 pairs; the authors' C++ copes "
-    "with MMT's ~10^4 downsets"
+    "our Piper stops at the authors' limit of 40,000 downsets (IDEALS_LIMIT), as theirs "
+    "does; MMT has about 10^4"
     if piper_failed
     else "",
   )

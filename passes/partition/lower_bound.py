@@ -12,10 +12,27 @@ with F_s + B_s the sum of its layers' times at b / d_s samples per device (the c
 all-reduce's latency term, never negative, is left out). The program minimises the largest of
 these over a *relaxation* of the plan space: layers are split into at most min(K, n) groups
 with any device count d dividing the micro-batch (sum of d <= K), without the convexity of
-stages, the transfers, the pipeline fill and drain or memory. Its optimum is therefore at most
-the iteration time of every plan at micro-batch b, and the minimum over micro-batch sizes is a
-lower bound for every plan. It is exact for the relaxation, not for the plans: the gap to the
-best plan includes what the relaxation leaves out.
+stages, memory and the transfers other than the one below, and with the pipeline fill and
+drain of one stage only (below). Its optimum is therefore at most the iteration time of every
+plan at micro-batch b, and the minimum over micro-batch sizes is a lower bound for every plan.
+It is exact for the relaxation, not for the plans: the gap to the best plan includes what the
+relaxation leaves out.
+
+Pipeline fill and drain (``fill=True``, default). Take the heaviest path (by the layers'
+smallest F + B) that ends at a sink layer v, and the stage S holding v (group 0 of the
+program). S cannot start its first forward before micro-batch 0 has gone forward through the
+path's layers outside S (stages are convex, so those precede S on the path), each at least its
+smallest forward time over the device counts, plus one transfer over the fastest link of the
+smallest path edge when some path layer lies outside S; after its M forwards and M backwards,
+its update follows, and the last micro-batch's backward must still travel back along the same
+layers (the drain). So
+
+    iteration >= fill + M * (F_S + B_S) + U_S   and   iteration >= fill + M * (F_S + B_S) + drain
+
+The drain term holds when a stage's last input-gradient backward is its last computation, which
+is not so for schedules that split the backward (``split_backward=True`` drops it). The path's
+layers are classes of their own, so the program knows which of them group 0 holds; group 0 is
+exempt from the device-count ordering below.
 
 Symmetry breaking. Layers with identical costs (the layers of identical branches) are
 interchangeable in the relaxation, so each class of identical layers is one integer variable
@@ -28,6 +45,7 @@ If the solver stops at ``time_limit`` the bound is its proven dual bound (still 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import networkx as nx
@@ -65,20 +83,46 @@ def _layer_classes(rows: np.ndarray) -> list[list[int]]:
   return list(keyed.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class Fill:
+  """The pipeline fill and drain of the stage (group 0) that holds the sink layer of the
+  heaviest path: ``sink`` is its class, ``path`` the classes of the path's other layers (one
+  layer each) with their smallest forward and backward times ``fwd``, ``bwd`` (seconds per
+  micro-batch), ``transfer`` the smallest time of one micro-batch crossing a path edge, and
+  ``compute[c, k]`` the M forwards and backwards alone (without the update) of a class-c
+  layer on ``dps[k]`` devices."""
+
+  sink: int
+  path: list[int]
+  fwd: list[float]
+  bwd: list[float]
+  transfer: float
+  compute: np.ndarray
+  drain: bool
+
+
 def _min_max_groups(
-  a: np.ndarray, size: list[int], dps: list[int], K: int, J: int, time_limit: float
+  a: np.ndarray,
+  size: list[int],
+  dps: list[int],
+  K: int,
+  J: int,
+  time_limit: float,
+  fill: Fill | None = None,
 ) -> tuple[float, bool]:
   """min over groupings of max group time: class c holds ``size[c]`` interchangeable layers,
   each costing ``a[c, k]`` in a group on ``dps[k]`` devices; at most J groups, sum of devices
-  <= K. Returns (the optimum or the solver's dual bound, solved to optimality)."""
+  <= K; with ``fill``, group 0 holds the sink and also pays the fill (and drain) of the path
+  layers outside it. Returns (the optimum or the solver's dual bound, solved to optimality)."""
   C, D = a.shape
-  # Variables: cnt[c, j] (integer), y[j, k] (binary), v[c, j, k] (continuous), z.
+  # Variables: cnt[c, j] (integer), y[j, k] (binary), v[c, j, k] (continuous), z, w (binary:
+  # some path layer lies outside group 0).
   n_cnt, n_y, n_v = C * J, J * D, C * J * D
-  nv = n_cnt + n_y + n_v + 1
+  nv = n_cnt + n_y + n_v + 2
   cnt = lambda c, j: c * J + j
   yv = lambda j, k: n_cnt + j * D + k
   vv = lambda c, j, k: n_cnt + n_y + (c * J + j) * D + k
-  z = nv - 1
+  z, w = nv - 2, nv - 1
   rows: list[tuple[dict[int, float], float, float]] = []
   for c in range(C):  # every layer in some group
     rows.append(({cnt(c, j): 1.0 for j in range(J)}, size[c], size[c]))
@@ -95,12 +139,27 @@ def _min_max_groups(
     load = {vv(c, j, k): float(a[c, k]) for c in range(C) for k in range(D)}
     load[z] = -1.0
     rows.append((load, -np.inf, 0.0))  # z >= the group's time
-    if j + 1 < J:  # unlabelled groups: non-increasing device counts
+    if j + 1 < J and (fill is None or j > 0):  # unlabelled groups: non-increasing devices
       r = {yv(j, k): float(d) for k, d in enumerate(dps)}
       for k, d in enumerate(dps):
         r[yv(j + 1, k)] = r.get(yv(j + 1, k), 0.0) - float(d)
       rows.append((r, 0.0, np.inf))
   rows.append(({yv(j, k): float(d) for j in range(J) for k, d in enumerate(dps)}, 0.0, K))
+  if fill is not None:
+    rows.append(({cnt(fill.sink, 0): 1.0}, 1.0, 1.0))
+    for c in fill.path:
+      rows.append(({w: 1.0, cnt(c, 0): 1.0}, 1.0, np.inf))
+    # z >= fill + M (F + B) + update of group 0; the fill counts the path layers outside it.
+    r = {vv(c, 0, k): -float(a[c, k]) for c in range(C) for k in range(D)}
+    r.update({cnt(c, 0): f for c, f in zip(fill.path, fill.fwd, strict=True)})
+    r[z], r[w] = 1.0, -fill.transfer
+    rows.append((r, float(sum(fill.fwd)), np.inf))
+    if fill.drain:  # z >= fill + M (F + B) + drain (the backward back along the path)
+      r = {vv(c, 0, k): -float(fill.compute[c, k]) for c in range(C) for k in range(D)}
+      fb = [f + b for f, b in zip(fill.fwd, fill.bwd, strict=True)]
+      r.update({cnt(c, 0): x for c, x in zip(fill.path, fb, strict=True)})
+      r[z], r[w] = 1.0, -2 * fill.transfer
+      rows.append((r, float(sum(fb)), np.inf))
   A = lil_matrix((len(rows), nv))
   lo, hi = np.empty(len(rows)), np.empty(len(rows))
   for i, (r, l_, h_) in enumerate(rows):
@@ -111,7 +170,9 @@ def _min_max_groups(
   cost[z] = 1.0
   integrality = np.zeros(nv)
   integrality[: n_cnt + n_y] = 1
+  integrality[w] = 1
   ub = np.full(nv, np.inf)
+  ub[w] = 1.0
   for c in range(C):
     for j in range(J):
       ub[cnt(c, j)] = size[c]
@@ -131,6 +192,28 @@ def _min_max_groups(
   return (float(bound) if bound is not None and np.isfinite(bound) else 0.0), False
 
 
+def heaviest_path(n: int, edges, weight: np.ndarray) -> list[int]:
+  """The path (layer positions, topological order) of largest total ``weight`` that ends at a
+  sink; positions are topological, so one pass in index order suffices."""
+  preds: list[list[int]] = [[] for _ in range(n)]
+  has_out = np.zeros(n, dtype=bool)
+  for u, v, _ in edges:
+    preds[v].append(u)
+    has_out[u] = True
+  best = weight.astype(float).copy()
+  back = [-1] * n
+  for v in range(n):
+    if preds[v]:
+      u = max(preds[v], key=lambda x: best[x])
+      best[v] += best[u]
+      back[v] = u
+  v = max((x for x in range(n) if not has_out[x]), key=lambda x: best[x])
+  path = [v]
+  while back[path[-1]] >= 0:
+    path.append(back[path[-1]])
+  return path[::-1]
+
+
 def iteration_lower_bound(
   layer_graph: nx.DiGraph,
   cluster: Cluster | int | None = None,
@@ -140,14 +223,19 @@ def iteration_lower_bound(
   cost_model: CostModel | None = None,
   sizes: Sequence[int] | None = None,
   time_limit: float = 60.0,
+  fill: bool = True,
+  split_backward: bool = False,
 ) -> LowerBound:
   """The lower bound (see the module docstring) over ``sizes`` (default: the planners' sweep of
-  micro-batch sizes)."""
+  micro-batch sizes). ``fill``: add the sink stage's pipeline fill and drain; the drain term
+  holds when a stage's last input-gradient backward is its last computation, i.e. not for
+  schedules that split the backward (``split_backward=True`` leaves it out, for zero-bubble)."""
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
   K = cluster.num_devices
   n = len(costs)
   J = min(K, n)
   sizes = list(sizes) if sizes is not None else microbatch_sizes(B, num_microbatches)
+  links = [cluster.intra_link] + ([cluster.inter_link] if cluster.inter_link is not None else [])
   per_size: dict[int, float] = {}
   optimal = True
   n_classes = n
@@ -155,9 +243,12 @@ def iteration_lower_bound(
     M = B // b
     dps = data_parallel_degrees(b, K)
     # Per layer and d: M * (F + B) at b/d samples per device + its share of the update.
+    compute = np.zeros((n, len(dps)))
     work = np.zeros((n, len(dps)))
+    fwd, bwd = np.full(n, np.inf), np.full(n, np.inf)
     for k, d in enumerate(dps):
       tf, tb = cm.layer_times(costs, cluster.device, b / d)
+      fwd, bwd = np.minimum(fwd, tf), np.minimum(bwd, tb)
       if d > 1:
         c = cluster
         inter = c.devices_per_node is not None and d > c.devices_per_node
@@ -166,11 +257,37 @@ def iteration_lower_bound(
       else:
         ar = 0.0
       per_byte = ar + cm.update_traffic / cluster.device.memory_bandwidth
-      work[:, k] = M * (tf + tb) + per_byte * costs.param_bytes
-    classes = _layer_classes(work)
+      compute[:, k] = M * (tf + tb)
+      work[:, k] = compute[:, k] + per_byte * costs.param_bytes
+    # The path's layers (and its sink) are classes of their own: group 0 holds the sink.
+    path = heaviest_path(n, costs.edges, fwd + bwd) if fill else []
+    mark = np.zeros((n, 1))
+    for i, l in enumerate(path):
+      mark[l] = i + 1
+    classes = _layer_classes(np.hstack([work, mark]))
     n_classes = len(classes)
+    of = {c[0]: ci for ci, c in enumerate(classes)}
+    fill_terms = None
+    if len(path) > 1:
+      on_path = set(itertools.pairwise(path))
+      nbytes = [by * b for u, v, by in costs.edges if (u, v) in on_path]
+      fill_terms = Fill(
+        sink=of[path[-1]],
+        path=[of[l] for l in path[:-1]],
+        fwd=[float(fwd[l]) for l in path[:-1]],
+        bwd=[float(bwd[l]) for l in path[:-1]],
+        transfer=min(min(link.time(x) for link in links) for x in nbytes),
+        compute=np.array([compute[c[0]] for c in classes]),
+        drain=not split_backward,
+      )
     value, solved = _min_max_groups(
-      np.array([work[c[0]] for c in classes]), [len(c) for c in classes], dps, K, J, time_limit
+      np.array([work[c[0]] for c in classes]),
+      [len(c) for c in classes],
+      dps,
+      K,
+      J,
+      time_limit,
+      fill_terms,
     )
     per_size[b] = value
     optimal = optimal and solved

@@ -1,27 +1,30 @@
 """GraphPipe planner: LayerGraph + Cluster -> Plan whose stages form a DAG.
 
-Modules: ``tree`` (the SP tree and DP values), ``context`` (per micro-batch size costs), ``dp``
-(the dynamic program), ``serialised`` (serialised runs), ``search`` (bisection, depth frontier,
-micro-batch sweep, seeds, polish and ``graphpipe_plan``).
+Modules: ``tree`` (the SP tree), ``context`` (per micro-batch size costs), ``dp`` (the min-max
+dynamic program and its tables), ``serialised`` (serialised runs), ``search`` (micro-batch
+sweep, frontier candidates, seeds, polish and ``graphpipe_plan``).
 
 The search follows GraphPipe (Jeon et al., ASPLOS'25), Alg. 1 and 2:
 
 1. Series-parallel decomposition of the layer graph (``passes/series_parallel.py``).
-2. For a target time per sample ``t`` (TPS), a dynamic program over
-   (SP sub-problem, devices, downstream depth) decides whether every stage can have
-   TPS <= t within device memory, and among the feasible strategies returns the one whose
-   entry stages hold the fewest in-flight micro-batches (the paper's "minimal source in-flight"
-   value, which is what upstream memory depends on). Sub-problems are:
+2. The paper's DP, for a target time per sample ``t`` (TPS), finds the smallest entry depth
+   (the "minimal source in-flight" value that upstream memory depends on) of a strategy whose
+   stages all have TPS <= t within device memory, and a binary search on ``t`` finds the
+   smallest feasible TPS. Here the same recurrence is turned around: for every
+   (SP sub-problem, downstream context depth) the DP builds a table over (devices k, entry
+   depth e) of the smallest bottleneck TPS of a strategy on at most k devices whose entry
+   depth is at most e (a min-max DP), so one run per micro-batch size gives the whole depth /
+   TPS frontier, with no bisection and no re-run per depth. Sub-problems are:
      * a single stage: the whole sub-problem, or a contiguous run of children of one series or
        parallel node, data parallel over d devices (d divides the micro-batch);
      * a series split: the downstream part is solved first (in-flight counts go sink to
        source), then the upstream part with the downstream entry depth as its context;
      * a parallel split: branches solved independently with the same context, devices split
        between them; the entry depth is the max over branches.
-   Results are memoised on (sub-problem signature, devices, context), so identical branches
-   (the seven CANDLE-Uno towers) are solved once.
-3. A binary search on ``t`` finds the smallest feasible TPS.
-4. The micro-batch size is uniform across stages and swept over powers of two dividing the
+   Tables are memoised on (sub-problem signature, context), so identical branches (the seven
+   CANDLE-Uno towers) are solved once; a series child is solved only in the contexts where the
+   part after it improves (its frontier's breakpoints).
+3. The micro-batch size is uniform across stages and swept over powers of two dividing the
    batch (the paper's default configuration: same micro-batch everywhere, synchronous 1F1B).
 
 Extensions beyond the paper's recurrence (each keeps stages convex and the stage graph a DAG):
@@ -35,13 +38,12 @@ Extensions beyond the paper's recurrence (each keeps stages convex and the stage
     then cut across branch boundaries to balance work; at the root this is a PipeDream-style
     chain over the SP order (which may order branches differently from PipeDream's
     topological order);
-  * depth frontier: besides t*, for each depth below the depth reached at t*, the smallest TPS
-    reaching that depth (searched only where the estimate (M + depth - 1) * TPS * b can still
-    win); the best candidates per micro-batch size are simulated with the plan's schedule and
-    the fastest plan within memory wins; a micro-batch size whose bound B * TPS is 25% above
-    the best simulated time is skipped;
-  * balanced tie-break: DP values order (entry depth, largest stage TPS) lexicographically,
-    so among strategies of the paper's minimal depth the more balanced one wins;
+  * depth frontier: the smallest TPS t* and, for each shallower depth, the smallest TPS reaching
+    it (read off the root's table; a deeper point counts only where it is 0.5% faster); the
+    plan at t* and the best frontier points by the estimate (M + depth - 1) * TPS * b per
+    micro-batch size are simulated with the plan's schedule and the fastest plan within memory
+    wins; a micro-batch size whose bound B * TPS is 25% above the best simulated time is
+    skipped, and the DP drops stages whose TPS is above that bound (``MinMaxDP.cap``);
   * two branch orders: a parallel node's children are tried lightest first (equal branches
     adjacent; merges take the light ones) and in topological order;
   * a no-replication variant: the TPS objective spreads a stage's gradient all-reduce over

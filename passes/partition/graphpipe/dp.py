@@ -1,269 +1,408 @@
-"""The GraphPipe dynamic program for one micro-batch context and one TPS target.
+"""The GraphPipe dynamic program for one micro-batch context: a min-max DP over the SP tree.
 
-``DPSearch.R`` is the smallest entry depth of an SP sub-tree on ``k`` devices with every stage
-within the target, in the context of downstream depth ``D``; ``S`` and ``P`` walk the children
-of series and parallel nodes; ``stages`` reconstructs the stages of an optimum.
+For a sub-problem (an SP-tree node, or the children [i, n) of a series or parallel node) in the
+context of a downstream depth ``D``, the DP builds one table ``val[k, e]``: the smallest
+bottleneck (largest stage TPS) over the strategies on at most ``k`` devices whose entry depth
+(stages from the sub-problem's entry to the sink, ``D`` included) is at most ``e``, every stage
+within device memory at its in-flight count min(depth, M). One run per micro-batch size gives
+the whole depth / TPS frontier of the root, ``val[K, e]`` for every depth ``e``, where the
+paper's formulation (smallest entry depth under a TPS target) needs a bisection on the target
+and a re-run per depth.
+
+Only the depths where a table improves (its breakpoints) are useful contexts: a strategy that
+fits in a deeper context fits in a shallower one (memory grows with depth), so a series child
+is solved in the context of each breakpoint of the part after it, not of every depth.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import numpy as np
 
 from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
 from gpp_jax.passes.partition.graphpipe.serialised import SerialisedRuns
-from gpp_jax.passes.partition.graphpipe.tree import (
-  INF,
-  SPTreeNode,
-  attach_value,
-  par_value,
-  seq_value,
-)
+from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode
+
+Stages = list[tuple[list[int], int]]
 
 
-class DPSearch(SerialisedRuns):
-  """One DP run for a fixed micro-batch context and TPS target."""
+def first_of_min(v: np.ndarray, axis: int) -> np.ndarray:
+  """Index along ``axis`` of the first entry attaining the running minimum of ``v``."""
+  prev = np.minimum.accumulate(v, axis=axis)
+  idx = np.arange(v.shape[axis]).reshape((-1, 1) if axis == 0 else (1, -1))
+  first = np.zeros(v.shape, dtype=np.int64)
+  if axis == 0:
+    first[1:] = np.where(v[1:] < prev[:-1], idx[1:], 0)
+  else:
+    first[:, 1:] = np.where(v[:, 1:] < prev[:, :-1], idx[:, 1:], 0)
+  return np.maximum.accumulate(first, axis=axis)
 
-  def __init__(self, ctx: MicrobatchContext, t_max: float, serialise: bool = True):
+
+class Table:
+  """A sub-problem's table: ``val[k, e]`` (monotone in k and e), and for each cell the cell
+  whose own choice attains it (``src``), that choice (``cid`` into ``choices``) and the
+  device split the choice made there (``split``)."""
+
+  __slots__ = ("choices", "cid", "split", "src_e", "src_k", "val")
+
+  def __init__(self, K: int, E: int):
+    self.val = np.full((K + 1, E), math.inf)
+    self.cid = np.full((K + 1, E), -1, dtype=np.int64)
+    self.split = np.zeros((K + 1, E), dtype=np.int64)
+    self.choices: list[tuple[Any, ...]] = []
+    self.src_k = self.src_e = np.zeros(0, dtype=np.int64)
+
+  def offer(self, cand: np.ndarray, choice: tuple[Any, ...], split: np.ndarray | None = None):
+    """Keep ``choice`` in the cells where ``cand`` is strictly better (ties: the earlier)."""
+    m = cand < self.val
+    if not m.any():
+      return
+    self.val[m] = cand[m]
+    self.cid[m] = len(self.choices)
+    self.choices.append(choice)
+    if split is not None:
+      self.split[m] = split[m]
+
+  def close(self, cap: float = math.inf) -> Table:
+    """Make ``val`` monotone (at most k devices, depth at most e): a cell takes the value of a
+    cell with fewer devices or a shallower depth when that is no worse; ``src`` records it.
+    Values above ``cap`` become infeasible."""
+    v = self.val
+    v[v > cap] = math.inf
+    # Along e: the first depth attaining each running minimum, then along k likewise.
+    se = first_of_min(v, axis=1)
+    v = np.minimum.accumulate(v, axis=1)
+    sk = first_of_min(v, axis=0)
+    self.val = np.minimum.accumulate(v, axis=0)
+    se = np.take_along_axis(se, sk, axis=0)
+    self.src_k, self.src_e = sk, se
+    return self
+
+  def cell(self, k: int, e: int) -> tuple[int, int, tuple[Any, ...], int]:
+    """(k', e', choice, split) of the cell that attains ``val[k, e]``."""
+    k2, e2 = int(self.src_k[k, e]), int(self.src_e[k, e])
+    c = int(self.cid[k2, e2])
+    if c < 0:
+      raise AssertionError("reconstructing an infeasible sub-problem")
+    return k2, e2, self.choices[c], int(self.split[k2, e2])
+
+
+class MinMaxDP(SerialisedRuns):
+  """One run of the min-max DP for a fixed micro-batch context (see the module docstring)."""
+
+  def __init__(
+    self,
+    ctx: MicrobatchContext,
+    serialise: bool = True,
+    max_depth: int | None = None,
+    cap: float = math.inf,
+  ):
     self.ctx = ctx
-    self.t = t_max * (1 + 1e-12)
-    self.memo_r: dict = {}
-    self.memo_s: dict = {}
-    self.memo_p: dict = {}
-    self.memo_chain: dict = {}
     self.serialise = serialise
+    self.cap = cap
+    self.K = ctx.K
+    depth = ctx.K if max_depth is None else min(ctx.K, max_depth)
+    self.E = depth + 1  # depth indices 0..depth
+    self.memo: dict = {}
+    self.memo_chain: dict = {}
+    K1 = self.K + 1
+    k = np.arange(K1)
+    # conv gather: rows k, columns k1 -> index k - k1 (valid where k1 <= k).
+    self._conv_idx = np.clip(k[:, None] - k[None, :], 0, None)
+    self._conv_bad = k[None, :] > k[:, None]
+    self._depths = np.arange(self.E)
+    self._base: dict[int, Table] = {}
+    self._fits: dict[tuple[float, float], np.ndarray] = {}
 
-  def best_block(self, node: SPTreeNode, i: int, p: int, k: int, rest_fn, parallel: bool, D: int):
-    """Smallest feasible d for block [i, p): returns (entry, d) or (INF, None)."""
-    ctx = self.ctx
-    tps, _, params, saved = ctx.block(node, i, p)
-    for j, d in enumerate(ctx.dps):
-      if d > k:
-        break
-      if tps[j] > self.t:
-        continue
-      rest = rest_fn(k - d)
-      if rest >= INF:
-        return INF, None
-      depth = D + 1 if parallel else int(rest) + 1
-      if ctx.mem(params, saved, d, depth) > ctx.cluster.memory_per_device:
-        continue
-      frac = 0.5 * tps[j] / self.t
-      return (par_value(D + 1 + frac, rest) if parallel else seq_value(rest, frac)), d
-    return INF, None
+  # -- table algebra ---------------------------------------------------------------------
+  def conv(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """out[k, e] = min over k1 <= k of max(a[k1, e], b[k - k1, e]), and the arg-min k1: two
+    parts side by side sharing k devices (``a`` or ``b`` may be a column, broadcast over e).
 
-  def block_too_slow(self, node: SPTreeNode, i: int, p: int, k: int) -> bool:
-    """True when no d <= k brings the block's transfer-free TPS under the target."""
-    j = self.ctx.n_dps[k]
-    return j == 0 or self.ctx.block(node, i, p)[1][j - 1] > self.t
+    Only the depths from the first where both parts are feasible to the last where either
+    changes are computed; the tables are monotone in e, so later columns repeat the last."""
+    shape = (self.K + 1, self.E)
+    A, Bt = np.broadcast_to(a, shape), np.broadcast_to(b, shape)
+    out = np.full(shape, math.inf)
+    arg = np.zeros(shape, dtype=np.int64)
+    both = np.isfinite(A).any(axis=0) & np.isfinite(Bt).any(axis=0)
+    if not both.any():
+      return out, arg
+    lo = int(both.argmax())
+    moves = np.nonzero((A[:, 1:] != A[:, :-1]).any(axis=0) | (Bt[:, 1:] != Bt[:, :-1]).any(axis=0))
+    hi = max(lo, int(moves[0][-1]) + 1 if moves[0].size else 0) + 1
+    g = Bt[:, lo:hi][self._conv_idx]  # (k, k1, e)
+    g[self._conv_bad] = math.inf
+    x = np.maximum(A[None, :, lo:hi], g)
+    am = x.argmin(axis=1)
+    out[:, lo:hi] = np.take_along_axis(x, am[:, None, :], axis=1)[:, 0, :]
+    arg[:, lo:hi] = am
+    out[:, hi:] = out[:, hi - 1 : hi]
+    arg[:, hi:] = am[:, -1:]
+    return out, arg
 
-  def R(self, node: SPTreeNode, k: int, D: int) -> float:
-    key = (node.sig, k, D)
-    hit = self.memo_r.get(key)
+  def too_slow(self, bound: list[float]) -> bool:
+    """True when a stage's transfer-free TPS on every device count is above the cap (and so,
+    the bound growing with the stage, every larger stage's too)."""
+    return bound[self.ctx.n_dps[self.K] - 1] > self.cap
+
+  def fits(self, params: float, saved: float) -> np.ndarray:
+    """``ok[j, e]``: does a stage on ``dps[j]`` devices fit in memory at in-flight
+    min(e, M)? (Memoised: blocks share their byte totals.)"""
+    key = (params, saved)
+    hit = self._fits.get(key)
     if hit is not None:
-      return hit[0]
-    val: tuple[float, tuple[Any, ...] | None]
-    if k <= 0:
-      val = (INF, None)
-    elif node.kind == "leaf":
-      e, d = self.best_block(node, 0, 1, k, lambda _: D, False, D)
-      val = (e, ("block", 1, d))
-    elif node.kind == "series":
-      val = (self.S(node, 0, k, D), None)
-    else:
-      val = (self.P(node, 0, k, D), None)
-      if node.twin is not None:
-        e = self.P(node.twin, 0, k, D)
-        if e < val[0]:
-          val = (e, ("twin",))
-    self.memo_r[key] = val
-    return val[0]
+      return hit
+    ctx = self.ctx
+    inflight = np.minimum(self._depths, ctx.M)[None, :]
+    dps = np.asarray(ctx.dps, dtype=float)[:, None]
+    mem = np.asarray(ctx.cm.stage_memory(params, saved, ctx.b, dps, inflight))  # type: ignore[arg-type]
+    ok: np.ndarray = mem <= ctx.cluster.memory_per_device
+    ok[:, 0] = False
+    self._fits[key] = ok
+    return ok
 
-  def children_split(self, node: SPTreeNode, i: int, k: int, D: int, parallel: bool):
-    """Best (value, choice) of children [i, n) of a series (``parallel=False``) or parallel
-    node where the first stage is a block [i, p) of children or child i is solved on its own."""
-    rest_of = self.P if parallel else self.S
-    best: float = INF
-    choice: tuple[Any, ...] | None = None
+  def in_front(self, tps: float, ok: np.ndarray, rest: np.ndarray, d: int) -> np.ndarray:
+    """A stage of ``tps`` on d devices in front of ``rest`` (its depth is rest's + 1)."""
+    cand = np.full_like(rest, math.inf)
+    cand[d:, 1:] = np.maximum(tps, rest[: self.K + 1 - d, :-1])
+    cand[:, ~ok] = math.inf
+    return cand
+
+  def base(self, D: int) -> Table:
+    """The empty sub-problem in context D: bottleneck 0 at depth D, any device count."""
+    t = self._base.get(D)
+    if t is None:
+      t = Table(self.K, self.E)
+      t.val[:, D:] = 0.0
+      t.cid[:, D:] = 0
+      t.choices.append(("empty",))
+      t = self._base[D] = t.close(self.cap)
+    return t
+
+  def breakpoints(self, v: np.ndarray) -> list[int]:
+    """Depths where some row of a closed table improves on the shallower depth."""
+    prev = np.concatenate([np.full((v.shape[0], 1), math.inf), v[:, :-1]], axis=1)
+    return [int(e) for e in np.nonzero((v < prev).any(axis=0))[0]]
+
+  # -- sub-problems ------------------------------------------------------------------------
+  def R(self, node: SPTreeNode, D: int) -> Table:
+    """The table of a whole SP-tree node in context D."""
+    key = ("R", node.sig, D)
+    hit = self.memo.get(key)
+    if hit is not None:
+      return hit
+    if node.kind == "series":
+      t = self.S(node, 0, D)
+    elif node.kind == "parallel":
+      t = Table(self.K, self.E)
+      for n in (node, node.twin):
+        if n is not None:
+          t.offer(self.P(n, 0, D).val, ("par", n))
+      t.close(self.cap)
+    else:
+      t = Table(self.K, self.E)
+      self.series_blocks(t, node, 0, D)
+      t.close(self.cap)
+    self.memo[key] = t
+    return t
+
+  def block_ends(self, node: SPTreeNode, i: int) -> list[int]:
+    """The ends p of the blocks [i, p) not above the cap, longest first: on equal values the
+    first offer is kept, so ties go to fewer, larger stages."""
+    ends = []
     for p in range(i + 1, node.n + 1):
-      if self.block_too_slow(node, i, p, k):
+      if self.too_slow(self.ctx.block(node, i, p)[1]):
         break
-      e, d = self.best_block(node, i, p, k, lambda kk, p=p: rest_of(node, p, kk, D), parallel, D)
-      if e < best:
-        best, choice = e, ("block", p, d)
+      ends.append(p)
+    return ends[::-1]
+
+  def series_blocks(self, t: Table, node: SPTreeNode, i: int, D: int):
+    """Offers: children [i, p) of a series node (or a leaf) as one stage, then [p, n)."""
+    ctx = self.ctx
+    for p in self.block_ends(node, i):
+      tps, _, params, saved = ctx.block(node, i, p)
+      rest = self.S(node, p, D).val if node.kind == "series" else self.base(D).val
+      for j, d in enumerate(ctx.dps):
+        if d > self.K:
+          break
+        ok = self.fits(params, saved)[j]
+        t.offer(self.in_front(tps[j], ok, rest, d), ("block", p, d))
+
+  def S(self, node: SPTreeNode, i: int, D: int) -> Table:
+    """Children [i, n) of a series node in context D."""
+    if i == node.n:
+      return self.base(D)
+    key = ("S", node.sig, i, D)
+    hit = self.memo.get(key)
+    if hit is not None:
+      return hit
+    t = Table(self.K, self.E)
+    self.series_blocks(t, node, i, D)
     child = node.children[i]
     if child.kind != "leaf":
-      for k1 in range(1, k + 1):
-        rest = rest_of(node, i + 1, k - k1, D)
-        if rest >= INF:
-          break
-        if parallel:
-          e = par_value(self.R(child, k1, D), rest)
-        else:
-          e = attach_value(self.R(child, k1, int(rest)), rest)
-        if e < best:
-          best, choice = e, ("child", k1)
-    return best, choice
-
-  def S(self, node: SPTreeNode, i: int, k: int, D: int) -> float:
-    if i == node.n:
-      return D
-    if k <= 0:
-      return INF
-    key = (node.sig, i, k, D)
-    hit = self.memo_s.get(key)
-    if hit is not None:
-      return hit[0]
-    best, choice = self.children_split(node, i, k, D, parallel=False)
-    child = node.children[i]
+      rest = self.S(node, i + 1, D).val
+      for e1 in self.breakpoints(rest):
+        cand, arg = self.conv(self.R(child, e1).val, rest[:, e1 : e1 + 1])
+        t.offer(cand, ("child", e1), arg)
     if child.kind == "parallel" and i + 1 < node.n:
-      e, ch = self.tail_merge(node, i, k, D)
-      if e < best:
-        best, choice = e, ch
-    e, ch = self.head_merge(node, i, k, D)
-    if e < best:
-      best, choice = e, ch
+      self.tail_merge(t, node, i, D)
+    self.head_merge(t, node, i, D)
     if self.serialise and i + 1 < node.n and any(c.kind != "leaf" for c in node.children[i:]):
-      e = self.serial(node, i, k, D)
-      if e < best:
-        best, choice = e, ("serial",)
-    self.memo_s[key] = (best, choice)
-    return best
+      t.offer(self.serial(node, i, D), ("serial",))
+    self.memo[key] = t.close(self.cap)
+    return t
 
-  def head_merge(self, node: SPTreeNode, i: int, k: int, D: int):
-    """Stages where the series children [i, p) share a stage T with branches [0, a) of the
-    parallel child p right after them; the other branches [a, m) are fed by T and solved as a
-    parallel sub-problem in the context of the series children after p."""
+  def P(self, node: SPTreeNode, i: int, D: int) -> Table:
+    """Children [i, n) of a parallel node side by side in context D."""
+    if i == node.n:
+      return self.base(D)
+    key = ("P", node.sig, i, D)
+    hit = self.memo.get(key)
+    if hit is not None:
+      return hit
     ctx = self.ctx
-    best: float = INF
-    choice: tuple[Any, ...] | None = None
+    t = Table(self.K, self.E)
+    if D + 1 < self.E:
+      for p in self.block_ends(node, i):
+        tps, _, params, saved = ctx.block(node, i, p)
+        rest = self.P(node, p, D).val
+        for j, d in enumerate(ctx.dps):
+          if d > self.K:
+            break
+          if not self.fits(params, saved)[j, D + 1]:
+            continue
+          cand = np.full_like(rest, math.inf)
+          cand[d:, D + 1 :] = np.maximum(tps[j], rest[: self.K + 1 - d, D + 1 :])
+          t.offer(cand, ("block", p, d))
+      child = node.children[i]
+      if child.kind != "leaf":
+        cand, arg = self.conv(self.R(child, D).val, self.P(node, i + 1, D).val)
+        t.offer(cand, ("child",), arg)
+      if self.serialise and i + 1 < node.n:
+        t.offer(self.serial(node, i, D), ("serial",))
+    self.memo[key] = t.close(self.cap)
+    return t
+
+  def head_merge(self, t: Table, node: SPTreeNode, i: int, D: int):
+    """Offers: series children [i, p) share a stage T with branches [0, a) of the parallel
+    child p right after them; the other branches [a, m) are fed by T and solved side by side
+    in the context of the series children after p."""
+    ctx = self.ctx
     for p in range(i + 1, node.n):
-      if self.block_too_slow(node, i, p, k):
+      if self.too_slow(ctx.block(node, i, p)[1]):
         break
       c = node.children[p]
       if c.kind != "parallel":
         continue
+      rest = self.S(node, p + 1, D).val
       for a in range(1, c.n):
         tps, bound, params, saved = ctx.merged(node, p, a, i, p)
-        if ctx.n_dps[k] == 0 or bound[ctx.n_dps[k] - 1] > self.t:
+        if self.too_slow(bound):
           break
-        for k3 in range(0, k) if p + 1 < node.n else (0,):
-          rest = self.S(node, p + 1, k3, D)
-          if rest >= INF:
-            continue
+        for e1 in self.breakpoints(rest):
+          x, arg = self.conv(rest[:, e1 : e1 + 1], self.P(c, a, e1).val)
           for j, d in enumerate(ctx.dps):
-            if d > k - k3 - 1:
+            if d > self.K:
               break
-            if tps[j] > self.t:
-              continue
-            e = self.P(c, a, k - k3 - d, int(rest))
-            if e >= INF:
-              break
-            after = par_value(e, rest)
-            if ctx.mem(params, saved, d, int(after) + 1) > ctx.cluster.memory_per_device:
-              continue
-            v = seq_value(after, 0.5 * tps[j] / self.t)
-            if v < best:
-              best, choice = v, ("head", p, a, k3, d)
-            break
-    return best, choice
+            ok = self.fits(params, saved)[j]
+            split = np.zeros_like(arg)
+            split[d:, 1:] = arg[: self.K + 1 - d, :-1]
+            t.offer(self.in_front(tps[j], ok, x, d), ("head", p, a, e1, d), split)
 
-  def tail_merge(self, node: SPTreeNode, i: int, k: int, D: int):
-    """Stages where branches [0, a) of the parallel child i share a stage T with the series
-    children [i+1, p) after it; the other branches [a, m) feed T and are solved as a parallel
-    sub-problem whose context is T's depth."""
+  def tail_merge(self, t: Table, node: SPTreeNode, i: int, D: int):
+    """Offers: branches [0, a) of the parallel child i share a stage T with the series children
+    [i+1, p) after it; the other branches [a, m) feed T and are solved side by side in the
+    context of T's depth."""
     ctx = self.ctx
     c = node.children[i]
-    best: float = INF
-    choice: tuple[Any, ...] | None = None
     for p in range(i + 2, node.n + 1):
-      if self.block_too_slow(node, i + 1, p, k):
+      if self.too_slow(ctx.block(node, i + 1, p)[1]):
         break
+      rest = self.S(node, p, D).val
       for a in range(1, c.n):
         tps, bound, params, saved = ctx.merged(node, i, a, i + 1, p)
-        if ctx.n_dps[k] == 0 or bound[ctx.n_dps[k] - 1] > self.t:
+        if self.too_slow(bound):
           break
-        for k3 in range(0, k) if p < node.n else (0,):
-          rest = self.S(node, p, k3, D)
-          if rest >= INF:
+        for e1 in self.breakpoints(rest):
+          DT = e1 + 1
+          if DT >= self.E:
             continue
-          DT = int(rest) + 1
+          x, arg = self.conv(rest[:, e1 : e1 + 1], self.P(c, a, DT).val)
           for j, d in enumerate(ctx.dps):
-            if d > k - k3 - 1:
+            if d > self.K:
               break
-            if tps[j] > self.t or ctx.mem(params, saved, d, DT) > ctx.cluster.memory_per_device:
+            if not self.fits(params, saved)[j, DT]:
               continue
-            e = self.P(c, a, k - k3 - d, DT)
-            v = par_value(seq_value(rest, 0.5 * tps[j] / self.t), e)
-            if v < best:
-              best, choice = v, ("tail", p, a, k3, d)
-            break
-    return best, choice
+            cand = np.full_like(x, math.inf)
+            cand[d:] = np.maximum(tps[j], x[: self.K + 1 - d])
+            split = np.zeros_like(arg)
+            split[d:] = arg[: self.K + 1 - d]
+            t.offer(cand, ("tail", p, a, e1, d), split)
 
-  def P(self, node: SPTreeNode, i: int, k: int, D: int) -> float:
-    if i == node.n:
-      return D
-    if k <= 0:
-      return INF
-    key = (node.sig, i, k, D)
-    hit = self.memo_p.get(key)
-    if hit is not None:
-      return hit[0]
-    best, choice = self.children_split(node, i, k, D, parallel=True)
-    if self.serialise and i + 1 < node.n:
-      e = self.serial(node, i, k, D)
-      if e < best:
-        best, choice = e, ("serial",)
-    self.memo_p[key] = (best, choice)
-    return best
+  # -- reconstruction ----------------------------------------------------------------------
+  def frontier(self, root: SPTreeNode) -> list[tuple[int, float]]:
+    """(depth, smallest bottleneck) at every depth where the root's bottleneck improves."""
+    row = self.R(root, 0).val[self.K]
+    out, prev = [], math.inf
+    for e in range(self.E):
+      if row[e] < prev:
+        out.append((e, float(row[e])))
+        prev = row[e]
+    return out
 
-  # -- reconstruction -------------------------------------------------------------------
-  def stages(self, node: SPTreeNode, k: int, D: int) -> list[tuple[list[int], int]]:
-    if self.R(node, k, D) >= INF:
-      raise AssertionError("reconstructing an infeasible sub-problem")
-    if node.kind == "leaf":
-      return [(node.layers, self.memo_r[(node.sig, k, D)][1][2])]
+  def stages(self, node: SPTreeNode, k: int, e: int, D: int = 0) -> Stages:
+    """The stages of the strategy behind ``R(node, D).val[k, e]``."""
+    t = self.R(node, D)
+    k, e, ch, _ = t.cell(k, e)
+    if ch[0] == "par":
+      return self._parallel(ch[1], 0, k, e, D)
     if node.kind == "series":
-      return self._series(node, 0, k, D)
-    if self.memo_r[(node.sig, k, D)][1] == ("twin",):
-      assert node.twin is not None  # R chose the twin, so there is one
-      return self._parallel(node.twin, 0, k, D)
-    return self._parallel(node, 0, k, D)
+      return self._series(node, 0, k, e, D)
+    return [(node.layers, ch[2])]
 
-  def _series(self, node: SPTreeNode, i: int, k: int, D: int):
+  def _series(self, node: SPTreeNode, i: int, k: int, e: int, D: int) -> Stages:
     if i == node.n:
       return []
-    _, choice = self.memo_s[(node.sig, i, k, D)]
-    if choice[0] == "block":
-      _, p, d = choice
-      return [(node.block_layers(i, p), d)] + self._series(node, p, k - d, D)
-    if choice[0] == "serial":
-      return self.chain_stages(node, i, k, D)
-    if choice[0] == "head":
-      _, p, a, k3, d = choice
+    k, e, ch, split = self.S(node, i, D).cell(k, e)
+    kind = ch[0]
+    if kind == "block":
+      _, p, d = ch
+      return [(node.block_layers(i, p), d)] + self._series(node, p, k - d, e - 1, D)
+    if kind == "child":
+      e1 = ch[1]
+      return self.stages(node.children[i], split, e, e1) + self._series(
+        node, i + 1, k - split, e1, D
+      )
+    if kind == "serial":
+      return self.chain_stages(node, i, k, e, D)
+    if kind == "head":
+      _, p, a, e1, d = ch
       c = node.children[p]
-      rest = int(self.S(node, p + 1, k3, D))
       stage = node.block_layers(i, p) + [l for ls in c.child_layers[:a] for l in ls]
       return (
-        [(stage, d)] + self._parallel(c, a, k - k3 - d, rest) + self._series(node, p + 1, k3, D)
+        [(stage, d)]
+        + self._parallel(c, a, k - d - split, e - 1, e1)
+        + self._series(node, p + 1, split, e1, D)
       )
-    if choice[0] == "tail":
-      _, p, a, k3, d = choice
-      c = node.children[i]
-      DT = int(self.S(node, p, k3, D)) + 1
-      stage = [l for ls in c.child_layers[:a] for l in ls] + node.block_layers(i + 1, p)
-      return [(stage, d)] + self._parallel(c, a, k - k3 - d, DT) + self._series(node, p, k3, D)
-    k1 = choice[1]
-    rest = int(self.S(node, i + 1, k - k1, D))
-    return self.stages(node.children[i], k1, rest) + self._series(node, i + 1, k - k1, D)
+    _, p, a, e1, d = ch  # tail
+    c = node.children[i]
+    stage = [l for ls in c.child_layers[:a] for l in ls] + node.block_layers(i + 1, p)
+    return (
+      [(stage, d)]
+      + self._parallel(c, a, k - d - split, e, e1 + 1)
+      + self._series(node, p, split, e1, D)
+    )
 
-  def _parallel(self, node: SPTreeNode, i: int, k: int, D: int):
+  def _parallel(self, node: SPTreeNode, i: int, k: int, e: int, D: int) -> Stages:
     if i == node.n:
       return []
-    _, choice = self.memo_p[(node.sig, i, k, D)]
-    if choice[0] == "serial":
-      return self.chain_stages(node, i, k, D)
-    if choice[0] == "block":
-      _, p, d = choice
-      return [(node.block_layers(i, p), d)] + self._parallel(node, p, k - d, D)
-    k1 = choice[1]
-    return self.stages(node.children[i], k1, D) + self._parallel(node, i + 1, k - k1, D)
+    k, e, ch, split = self.P(node, i, D).cell(k, e)
+    if ch[0] == "serial":
+      return self.chain_stages(node, i, k, e, D)
+    if ch[0] == "block":
+      _, p, d = ch
+      return [(node.block_layers(i, p), d)] + self._parallel(node, p, k - d, e, D)
+    return self.stages(node.children[i], split, e, D) + self._parallel(node, i + 1, k - split, e, D)

@@ -1,6 +1,6 @@
-"""GraphPipe's search: for every micro-batch size, the smallest feasible TPS by bisection, the
-depth/TPS frontier above it, the no-replication variant, the chain seeds and the polish; the
-planner entry point ``graphpipe_plan``."""
+"""GraphPipe's search: for every micro-batch size, one min-max DP run gives the depth / TPS
+frontier; the best frontier plans are simulated; then the no-replication variant, the chain
+seeds and the polish; the planner entry point ``graphpipe_plan``."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import networkx as nx
 import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel
+from gpp_jax.cost.cost_model import CostModel, LayerCosts
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
-from gpp_jax.passes.partition.graphpipe.dp import DPSearch
-from gpp_jax.passes.partition.graphpipe.tree import INF, SPTreeNode
+from gpp_jax.passes.partition.graphpipe.dp import MinMaxDP
+from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode
 from gpp_jax.passes.partition.pipedream import chain_candidates, pipedream_plan
 from gpp_jax.passes.partition.plan_assembly import (
   MAX_MICROBATCHES,
@@ -32,7 +32,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   predict,
 )
 from gpp_jax.passes.partition.refine import polish
-from gpp_jax.passes.series_parallel import sp_decompose
+from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,80 +53,57 @@ class SearchStats:
     return dataclasses.asdict(self)
 
 
-class TPSSearch:
-  """Runs the DP for one micro-batch context and counts the runs."""
+def sp_tree(sp: SPDecomposition, costs: LayerCosts) -> SPTreeNode:
+  """The DP's tree for an SP decomposition (transfer bytes per layer and per edge attached)."""
+  incident = np.zeros(len(costs))
+  edge_map: dict = {}  # u -> [(v, bytes)]; ("in", v) -> [(u, bytes)]
+  for u, v, nbytes in costs.edges:
+    incident[u] += nbytes
+    incident[v] += nbytes
+    edge_map.setdefault(u, []).append((v, nbytes))
+    edge_map.setdefault(("in", v), []).append((u, nbytes))
+  return SPTreeNode(sp.root, costs, incident, {}, edge_map)
 
-  def __init__(
-    self,
-    ctx: MicrobatchContext,
-    root: SPTreeNode,
-    eps: float,
-    serialise: bool,
-    tighten: bool = True,
-  ):
-    self.ctx, self.root, self.eps, self.runs = ctx, root, eps, 0
-    self.serialise, self.tighten = serialise, tighten
 
-  def achieved(self, s: DPSearch, t: float) -> float:
-    """The largest stage TPS of the strategy a feasible run at target t found (read off the
-    DP value's fraction, 0.5 * bottleneck / target), or t. The same strategy is feasible at
-    that TPS with the same depth, so a bisection may lower its upper end to it."""
-    if not self.tighten:
-      return t
-    v = s.R(self.root, self.ctx.K, 0)
-    frac = v - int(v)
-    return min(t, 2 * frac * s.t * (1 + 1e-9)) if frac > 0 else t
+def microbatch_context(
+  b: int, B: int, dps: list[int], cluster: Cluster, cm: CostModel, costs: LayerCosts
+) -> MicrobatchContext:
+  """What one DP run holds fixed: micro-batch b of a batch B, the device counts a stage may
+  take, per-layer times at b / d samples per device; transfers on the slowest link."""
+  tsum = {}
+  for d in dps:
+    tf, tb = cm.layer_times(costs, cluster.device, b / d)
+    tsum[d] = tf + tb
+  link = cluster.slowest_link()
+  return MicrobatchContext(
+    b=b,
+    B=B,
+    M=B // b,
+    K=cluster.num_devices,
+    dps=dps,
+    tsum=tsum,
+    mem_cap=cluster.memory_per_device,
+    p2p_alpha=link.alpha,
+    p2p_beta=link.beta,
+    cm=cm,
+    cluster=cluster,
+    costs=costs,
+  )
 
-  def run(self, t: float) -> tuple[DPSearch, int]:
-    """DP at target t: the search and the entry depth it reaches (INF if infeasible)."""
-    self.runs += 1
-    s = DPSearch(self.ctx, t, self.serialise)
-    v = s.R(self.root, self.ctx.K, 0)
-    return s, INF if v >= INF else int(v)
 
-  def bisect(self, lo_t: float, hi_t: float, s_hi: DPSearch, target: int):
-    """Smallest TPS in (lo_t, hi_t] (to ``eps``) whose DP reaches entry depth <= target."""
-    hi_t = max(self.achieved(s_hi, hi_t), lo_t)
-    while hi_t - lo_t > self.eps * hi_t:
-      mid = (lo_t + hi_t) / 2
-      s, v = self.run(mid)
-      if v <= target:
-        hi_t, s_hi = max(self.achieved(s, mid), lo_t), s
-      else:
-        lo_t = mid
-    return hi_t, s_hi
-
-  def min_tps(self, lo: float):
-    """The smallest feasible TPS t* and its search, or None when nothing fits."""
-    hi = lo
-    for _ in range(64):
-      s_hi, v = self.run(hi)
-      if v < INF:
-        return self.bisect(hi / 2 if hi > lo else 0.0, hi, s_hi, INF - 1)
-      hi *= 2
-    return None
-
-  def shallower(self, t_star: float, s_star: DPSearch) -> list[tuple[float, int, DPSearch]]:
-    """Depth / TPS frontier above t*: for each depth d below the depth D* reached at t*, the
-    smallest TPS whose DP reaches depth <= d, searched only up to the TPS at which depth d can
-    still beat the best estimate (M + D - 1) * TPS so far."""
-    M = self.ctx.M
-    D = int(s_star.R(self.root, self.ctx.K, 0))
-    out = []
-    best_est = (M + D - 1) * t_star
-    d = D - 1
-    while d >= 1:
-      bound = best_est / (M + d - 1)
-      s, v = self.run(bound)
-      if v > d:
-        d -= 1
-        continue
-      t_d, s_d = self.bisect(t_star, bound, s, d)
-      depth = int(s_d.R(self.root, self.ctx.K, 0))
-      out.append((t_d, depth, s_d))
-      best_est = min(best_est, (M + depth - 1) * t_d)
-      d = min(d, depth) - 1
-    return out
+def frontier_candidates(
+  dp: MinMaxDP, root: SPTreeNode, eps: float
+) -> list[tuple[float, int, float]]:
+  """The root's depth / TPS frontier as (estimate, depth, TPS), best estimate first, where the
+  estimate (M + depth - 1) * TPS is the synchronous 1F1B time per sample of the mini-batch. A
+  deeper point is kept only where it lowers the TPS by more than ``eps`` (relative) below the
+  last point kept, so the simulations go to plans that differ."""
+  M = dp.ctx.M
+  kept: list[tuple[int, float]] = []
+  for e, t in dp.frontier(root):
+    if not kept or t < (1 - eps) * kept[-1][1]:
+      kept.append((e, t))
+  return sorted(((M + e - 1) * t, e, t) for e, t in kept)
 
 
 def graphpipe_plan(
@@ -139,8 +116,8 @@ def graphpipe_plan(
   schedule: str = "1f1b",
   powers_of_two: bool = False,
   max_microbatches: int | None = MAX_MICROBATCHES,
-  eps: float = 5e-3,
   simulate_top: int = 4,
+  frontier_eps: float = 5e-3,
   prune: float = 1.25,
   replication_variant: bool = True,
   refine_sizes: int = 4,
@@ -151,7 +128,7 @@ def graphpipe_plan(
   chain_plans: bool = True,
   seed_plans: Sequence[Plan] = (),
   polish_plans: bool = True,
-  tighten_bisection: bool = True,
+  max_depth: int | None = None,
   schedules: tuple[str, ...] = (),
 ) -> Plan:
   """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
@@ -165,9 +142,10 @@ def graphpipe_plan(
     schedule: the schedule generator the plan names ("1f1b", "graph-1f1b" or "gpipe").
     powers_of_two: restrict per-stage device counts to powers of two.
     max_microbatches: skip micro-batch sizes that would need more micro-batches than this.
-    eps: relative precision of the binary searches on TPS.
     simulate_top: how many frontier plans per micro-batch size (best estimates first) are
       simulated.
+    frontier_eps: a deeper frontier point is a candidate only where its TPS is more than this
+      (relative) below the shallower candidate's.
     prune: skip a micro-batch size when B * t* exceeds ``prune`` times the best simulated
       iteration time so far (t* its smallest feasible TPS).
     replication_variant: at the two best micro-batch sizes, also search without data
@@ -190,8 +168,8 @@ def graphpipe_plan(
       so the plan returned is at least as fast as each of them.
     polish_plans: run the polish (False: the fastest simulated candidate as it is, to measure
       what the search alone finds).
-    tighten_bisection: after a feasible DP run, lower the bisection's upper end to the
-      bottleneck of the strategy it found (fewer DP runs; False: plain bisection).
+    max_depth: the deepest entry depth (stages on the longest path) the DP considers
+      (default: the device count, i.e. no limit); a smaller one makes the DP cheaper.
     schedules: other schedule generators (e.g. ``("zero-bubble",)``) the best plan is also
       simulated with; the plan keeps the fastest within memory. Zero-bubble is simulated with
       the backward split into B and W (``PlanCosts.weight_fraction``) under the memory bound
@@ -200,28 +178,19 @@ def graphpipe_plan(
   t0 = time.perf_counter()
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
   sp = sp_decompose(layer_graph)
-  incident = np.zeros(len(costs))
-  edge_map: dict = {}  # u -> [(v, bytes)]; ("in", v) -> [(u, bytes)]
-  for u, v, nbytes in costs.edges:
-    incident[u] += nbytes
-    incident[v] += nbytes
-    edge_map.setdefault(u, []).append((v, nbytes))
-    edge_map.setdefault(("in", v), []).append((u, nbytes))
-  interner: dict = {}
   old_limit = sys.getrecursionlimit()
   sys.setrecursionlimit(max(old_limit, 20000))
   try:
-    root = SPTreeNode(sp.root, costs, incident, interner, edge_map)
-    link = cluster.slowest_link()
+    root = sp_tree(sp, costs)
     sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
-    # Phase 1: the smallest feasible TPS t* for every micro-batch size, largest size first;
-    # the plan at t* is simulated at once, and a size whose perfect-balance bound alone is
-    # clearly slower than the best simulated plan is skipped.
+    # Phase 1: one DP run per micro-batch size (largest first) gives its depth / TPS frontier;
+    # the plan at the smallest TPS t* is simulated at once, and a size whose perfect-balance
+    # bound alone is clearly slower than the best simulated plan is skipped.
     per_size = []
     best: Plan | None = None
     evaluated: list[Plan] = []
     seen: set = set()
-    n_cands = n_sims = 0
+    n_cands = n_sims = runs = 0
 
     def consider(b, t, depth, stages):
       nonlocal best, n_sims
@@ -247,26 +216,17 @@ def graphpipe_plan(
         evaluated.append(plan)
 
     def context(b: int, dps: list[int]) -> MicrobatchContext:
-      tsum = {}
-      for d in dps:
-        tf, tb = cm.layer_times(costs, cluster.device, b / d)
-        tsum[d] = tf + tb
-      return MicrobatchContext(
-        b=b,
-        B=B,
-        M=B // b,
-        K=cluster.num_devices,
-        dps=dps,
-        tsum=tsum,
-        mem_cap=cluster.memory_per_device,
-        p2p_alpha=link.alpha,
-        p2p_beta=link.beta,
-        cm=cm,
-        cluster=cluster,
-        costs=costs,
-      )
+      return microbatch_context(b, B, dps, cluster, cm, costs)
 
-    extra_runs = 0
+    def run_dp(ctx: MicrobatchContext) -> MinMaxDP | None:
+      # Strategies whose bottleneck alone (B * TPS) is ``prune`` times the best simulated
+      # time are not wanted (the sweep skips such sizes too): the DP drops them early.
+      nonlocal runs
+      runs += 1
+      cap = math.inf if best is None else prune * best.predicted["iteration_time"] / B
+      dp = MinMaxDP(ctx, serialise, max_depth, cap)
+      return dp if dp.frontier(root) else None
+
     for b in sorted(sizes, reverse=True):
       dps = data_parallel_degrees(b, cluster.num_devices, powers_of_two)
       ctx = context(b, dps)
@@ -274,25 +234,22 @@ def graphpipe_plan(
       lo = sum(min(d * tsum[d][l] for d in dps) for l in range(len(costs))) / (ctx.K * b)
       if best is not None and B * lo > prune * best.predicted["iteration_time"]:
         continue
-      runner = TPSSearch(ctx, root, eps, serialise, tighten_bisection)
-      got = runner.min_tps(max(lo, 1e-15))
-      if got is not None:
-        t_star, s_star = got
-        D = int(s_star.R(root, ctx.K, 0))
-        per_size.append(((ctx.M + D - 1) * t_star * b, b, runner, t_star, s_star))
-        consider(b, t_star, D, s_star.stages(root, ctx.K, 0))
+      dp = run_dp(ctx)
+      if dp is not None:
+        depth, t_star = dp.frontier(root)[-1]
+        cands = frontier_candidates(dp, root, frontier_eps)
+        per_size.append((cands[0][0] * b, b, dp, t_star, [c for c in cands if c[1] != depth]))
+        consider(b, t_star, depth, dp.stages(root, ctx.K, depth))
     # Phase 2: most promising sizes first; skip a size whose bottleneck alone (B * t*) is
     # clearly slower than the best simulated plan; simulate the best frontier plans of the rest.
     per_size.sort(key=lambda x: x[:2])
     best_tps = min((x[3] for x in per_size), default=math.inf)
-    for _, b, runner, t_star, s_star in per_size:
+    for _, b, dp, t_star, cands in per_size:
       if best is not None and B * t_star > prune * best.predicted["iteration_time"]:
         continue
-      frontier = runner.shallower(t_star, s_star)
-      frontier.sort(key=lambda f: (runner.ctx.M + f[1] - 1) * f[0])
-      n_cands += len(frontier) + 1
-      for t, depth, search in frontier[:simulate_top]:
-        consider(b, t, depth, search.stages(root, runner.ctx.K, 0))
+      n_cands += len(cands)
+      for _, depth, t in cands[:simulate_top]:
+        consider(b, t, depth, dp.stages(root, dp.K, depth))
     # Phase 3: the TPS objective spreads a stage's gradient all-reduce over the iteration,
     # but it runs after the stage's last backward; at the best micro-batch sizes, also search
     # without data parallelism (deeper, all-pipeline plans) and let the simulator decide.
@@ -302,25 +259,15 @@ def graphpipe_plan(
       for plan in top:
         mb = plan.stages[0].microbatch_size
         assert mb is not None  # assemble_plan sets every stage's micro-batch size
-        b = mb
-        if b in sizes_done:
+        if mb in sizes_done:
           continue
-        sizes_done.append(b)
+        sizes_done.append(mb)
         if len(sizes_done) > 2:
           break
-        ctx = context(b, [1])
-        runner = TPSSearch(ctx, root, eps, serialise, tighten_bisection)
-        lo = float(ctx.tsum[1].sum()) / (ctx.K * b)
-        got = runner.min_tps(max(lo, 1e-15))
-        if got is not None:
-          t_star, s_star = got
-          frontier = [(t_star, int(s_star.R(root, ctx.K, 0)), s_star)]
-          frontier += runner.shallower(t_star, s_star)
-          frontier.sort(key=lambda f: (ctx.M + f[1] - 1) * f[0])
-          for t, depth, search in frontier[:simulate_top]:
-            consider(b, t, depth, search.stages(root, ctx.K, 0))
-        extra_runs += runner.runs
-    runs = sum(x[2].runs for x in per_size) + extra_runs
+        dp = run_dp(context(mb, [1]))
+        if dp is not None:
+          for _, depth, t in frontier_candidates(dp, root, frontier_eps)[:simulate_top]:
+            consider(mb, t, depth, dp.stages(root, dp.K, depth))
   finally:
     sys.setrecursionlimit(old_limit)
   if best is None or not best.predicted.get("memory_ok", True):

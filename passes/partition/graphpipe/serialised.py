@@ -9,87 +9,96 @@ import math
 import numpy as np
 
 from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
-from gpp_jax.passes.partition.graphpipe.tree import INF, SPTreeNode, seq_value
+from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode
 
 
 class SerialisedRuns:
-  """The serialised option of ``DPSearch`` (a mixin: it reads the search's ``ctx``, target
-  ``t`` and ``memo_chain``)."""
+  """The serialised option of ``MinMaxDP`` (a mixin: it reads the DP's ``ctx``, device count
+  ``K``, depth count ``E``, TPS ``cap`` and ``memo_chain``)."""
 
   ctx: MicrobatchContext
-  t: float
+  K: int
+  E: int
+  cap: float
   memo_chain: dict
 
   def chain(self, node: SPTreeNode, D: int) -> np.ndarray:
-    """Serialised option: ``f[j, k]`` = smallest entry depth of a sequential pipeline over
-    ``node``'s layers j.. (SP order) on at most k devices, every stage within the TPS target
-    and memory, in context depth D (INF if none)."""
+    """``f[j, k, e]`` = smallest bottleneck of a sequential pipeline over ``node``'s layers j..
+    (SP order) on at most k devices with entry depth at most e, every stage within memory, in
+    context depth D (inf if none)."""
     key = (node.sig, D)
     f = self.memo_chain.get(key)
     if f is not None:
       return f
     ctx = self.ctx
+    K, E, M = self.K, self.E, ctx.M
     rc = ctx.linear(node)
-    L, K, M = rc.n, ctx.K, ctx.M
-    cap = ctx.cluster.memory_per_device
+    L = rc.n
+    mem_cap = ctx.cluster.memory_per_device
     tps_all, static, saved, per_dev = ctx.linear_stacks(node)
-    nd = len(ctx.dps)
-    f = np.full((L + 1, K + 1), math.inf)
-    f[L, :] = D
+    inflight = np.minimum(np.arange(E), M)
+    # Stages [j, j2) whose transfer-free TPS is above the cap on every device count are never
+    # used; that bound grows with j2, so each j needs only the j2 below a limit.
+    fast = np.stack([rc.bound(d) for d in ctx.dps if d <= K]).min(axis=0) <= self.cap
+    f = np.full((L + 1, K + 1, E), math.inf)
+    f[L, :, D:] = 0.0
     for j in range(L - 1, -1, -1):
-      tps = tps_all[:, j, j + 1 :]  # (nd, L - j)
-      fast = tps <= self.t
-      if not fast.any():
+      hi = j + 1 + int(fast[j, j + 1 :].sum())  # stages [j, j2) for j2 < hi
+      # Entry depths D + 1 .. D + (L - j) are all a chain from j can have; deeper ones repeat.
+      lo, top = D + 1, min(E - 1, D + L - j)
+      if hi == j + 1 or lo > top:
         continue
-      F3 = np.full((nd, L - j, K + 1), math.inf)
+      tps = tps_all[:, j, j + 1 : hi]  # (nd, w)
+      # memory of stage [j, j2) on d devices at depths lo .. top: (nd, w, top - lo + 1)
+      mem = (
+        static[j, j + 1 : hi][None, :, None]
+        + saved[j, j + 1 : hi][None, :, None]
+        * per_dev[:, None, None]
+        * inflight[None, None, lo : top + 1]
+      )
+      ok = mem <= mem_cap
+      best = np.full((K + 1, E), math.inf)
       for di, d in enumerate(ctx.dps):
-        if d <= K:
-          F3[di, :, d:] = f[j + 1 :, : K + 1 - d]
-      fin = np.isfinite(F3) & fast[:, :, None]
-      G = np.where(fin, F3, 0.0)
-      base = np.floor(G)
-      depth = base + 1
-      val = depth + np.maximum(G - base, 0.5 * tps[:, :, None] / self.t)
-      mem = static[j, j + 1 :][None, :, None] + saved[j, j + 1 :][None, :, None] * per_dev[
-        :, None, None
-      ] * np.minimum(depth, M)
-      ok = fin & (mem <= cap)
-      f[j] = np.minimum.accumulate(np.where(ok, val, math.inf).min(axis=(0, 1)))
+        if d > K:
+          break
+        rest = f[j + 1 : hi, : K + 1 - d, lo - 1 : top]  # (w, K + 1 - d, top - lo + 1)
+        cand = np.maximum(tps[di][:, None, None], rest)
+        cand = np.where(ok[di][:, None, :], cand, math.inf)
+        np.minimum(best[d:, lo : top + 1], cand.min(axis=0), out=best[d:, lo : top + 1])
+      np.minimum.accumulate(best, axis=0, out=best)
+      np.minimum.accumulate(best, axis=1, out=best)
+      best[:, top + 1 :] = best[:, top : top + 1]
+      best[best > self.cap] = math.inf
+      f[j] = best
     self.memo_chain[key] = f
     return f
 
-  def serial(self, node: SPTreeNode, i: int, k: int, D: int) -> float:
-    """Entry depth of serialising children [i, n) of ``node`` into one sequential pipeline."""
+  def serial(self, node: SPTreeNode, i: int, D: int) -> np.ndarray:
+    """Table of serialising children [i, n) of ``node`` into one sequential pipeline."""
     start = sum(len(ls) for ls in node.child_layers[:i])
-    v = self.chain(node, D)[start, k]
-    return INF if not math.isfinite(v) else float(v)
+    return self.chain(node, D)[start]
 
-  def chain_stages(self, node: SPTreeNode, i: int, k: int, D: int):
+  def chain_stages(
+    self, node: SPTreeNode, i: int, k: int, e: int, D: int
+  ) -> list[tuple[list[int], int]]:
+    """The stages behind ``serial(node, i, D)[k, e]``."""
     ctx = self.ctx
     rc = ctx.linear(node)
     f = self.chain(node, D)
     j = sum(len(ls) for ls in node.child_layers[:i])
     out = []
     while j < rc.n:
-      target = f[j, k]
-      while k > 0 and f[j, k - 1] <= target:
-        k -= 1
+      target = f[j, k, e] * (1 + 1e-12)
       step = None
       for d in ctx.dps:
         if d > k:
           break
+        t2 = rc.tps(d)[j, j + 1 :]
         for j2 in range(j + 1, rc.n + 1):
-          sub = f[j2, k - d]
-          if not math.isfinite(sub):
+          if t2[j2 - j - 1] > target or f[j2, k - d, e - 1] > target:
             continue
-          t2 = rc.tps(d)[j, j2]
-          val = seq_value(float(sub), 0.5 * t2 / self.t)
-          if (
-            val <= target * (1 + 1e-12)
-            and t2 <= self.t
-            and ctx.mem(float(rc.params[j, j2]), float(rc.saved[j, j2]), d, int(sub) + 1)
-            <= ctx.cluster.memory_per_device
-          ):
+          mem = ctx.mem(float(rc.params[j, j2]), float(rc.saved[j, j2]), d, e)
+          if mem <= ctx.cluster.memory_per_device:
             step = (j2, d)
             break
         if step:
@@ -98,5 +107,5 @@ class SerialisedRuns:
         raise AssertionError("lost the serialised optimum")
       j2, d = step
       out.append(([node.layers[x] for x in range(j, j2)], d))
-      j, k = j2, k - d
+      j, k, e = j2, k - d, e - 1
     return out

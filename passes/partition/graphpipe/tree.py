@@ -1,9 +1,7 @@
-"""The series-parallel tree the GraphPipe DP walks, and the encoding of its values.
+"""The series-parallel tree the GraphPipe DP walks.
 
 ``SPTreeNode`` wraps a ``passes.series_parallel.SPNode`` with the prefix sums the DP needs
-(layer positions, parameter and saved bytes, incident and internal transfer bytes). DP values
-encode (entry depth, bottleneck) as one float; ``seq_value``, ``par_value`` and
-``attach_value`` combine them.
+(layer positions, parameter and saved bytes, incident and internal transfer bytes).
 """
 
 from __future__ import annotations
@@ -15,35 +13,6 @@ import numpy as np
 
 from gpp_jax.cost.cost_model import LayerCosts
 from gpp_jax.passes.series_parallel import SPNode
-
-INF = 1 << 30
-
-
-# DP values encode (depth, bottleneck) lexicographically as one float: the integer part is the
-# entry depth (stages from the entry to the sink), the fraction is 0.5 * (largest TPS of the
-# sub-problem's stages) / target, so among strategies of equal depth the more balanced wins.
-def seq_value(rest: float, frac: float) -> float:
-  """Value of a stage with TPS fraction ``frac`` in front of a sub-problem worth ``rest``."""
-  if rest >= INF:
-    return INF
-  d = int(rest)
-  return d + 1 + max(rest - d, frac)
-
-
-def par_value(a: float, b: float) -> float:
-  """Value of two sub-problems side by side (same context)."""
-  if a >= INF or b >= INF:
-    return INF
-  da, db = int(a), int(b)
-  return max(da, db) + max(a - da, b - db)
-
-
-def attach_value(e: float, rest: float) -> float:
-  """Value of a sub-problem solved in the context int(rest), followed by ``rest``."""
-  if e >= INF or rest >= INF:
-    return INF
-  d = int(e)
-  return d + max(e - d, rest - int(rest))
 
 
 def nan_to_zero(x: float) -> float:

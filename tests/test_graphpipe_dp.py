@@ -1,0 +1,128 @@
+"""GraphPipe's min-max DP: the depth / TPS frontier of one run per micro-batch size is exact on
+chains (against brute force) and every frontier point reconstructs to stages that attain it."""
+
+import itertools
+import math
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from gpp_jax.cost.cluster import Link, cpu_cluster
+from gpp_jax.experiments import model_graphs as mg
+from gpp_jax.passes.partition import PLANNERS
+from gpp_jax.passes.partition.graphpipe.dp import MinMaxDP
+from gpp_jax.passes.partition.graphpipe.search import microbatch_context, sp_tree
+from gpp_jax.passes.partition.plan_assembly import (
+  assemble_plan,
+  data_parallel_degrees,
+  microbatch_sizes,
+  planner_inputs,
+)
+from gpp_jax.passes.partition.range_costs import RangeCosts
+from gpp_jax.passes.series_parallel import sp_decompose
+
+
+def setup(g: nx.DiGraph, cluster, B: int, b: int, memory: float | None = None):
+  if memory is not None:
+    cluster = cluster.replace(memory_per_device=memory)
+  cluster, cm, B, costs = planner_inputs(g, cluster, B, None)
+  ctx = microbatch_context(
+    b, B, data_parallel_degrees(b, cluster.num_devices, False), cluster, cm, costs
+  )
+  return ctx, sp_tree(sp_decompose(g), costs), MinMaxDP(ctx)
+
+
+def brute_force_chain(ctx) -> list[float]:
+  """Smallest bottleneck with at most e stages over every cut of the chain and every device
+  count per stage (sum <= K), memory at in-flight min(stages after, M)."""
+  rc = RangeCosts(ctx.costs, ctx.cm, ctx.cluster, ctx.b, ctx.B, ctx.dps)
+  n, K, M = rc.n, ctx.K, ctx.M
+  best = [math.inf] * (K + 1)
+  for s in range(1, min(n, K) + 1):
+    for cuts in itertools.combinations(range(1, n), s - 1):
+      bounds = (0, *cuts, n)
+      for ds in itertools.product(ctx.dps, repeat=s):
+        if sum(ds) > K:
+          continue
+        worst = 0.0
+        for x, d in enumerate(ds):
+          i, j = bounds[x], bounds[x + 1]
+          if rc.memory(d, min(s - x, M))[i, j] > ctx.cluster.memory_per_device:
+            worst = math.inf
+            break
+          worst = max(worst, float(rc.tps(d)[i, j]))
+        best[s] = min(best[s], worst)
+  return list(np.minimum.accumulate(best))
+
+
+@pytest.mark.parametrize(
+  "seed,layers,k,b,memory", [(0, 5, 4, 8, None), (1, 6, 4, 4, None), (2, 5, 3, 6, 4e7)]
+)
+def test_frontier_is_exact_on_chains(seed, layers, k, b, memory):
+  g = mg.random_branches(
+    seed, branches=1, max_branch_layers=layers, fork=True, join=True, batch_size=48
+  )
+  cluster = cpu_cluster(k).replace(intra_link=Link(20e-6, 1e9))
+  ctx, root, dp = setup(g, cluster, 48, b, memory)
+  assert len(ctx.costs) >= 3
+  want = brute_force_chain(ctx)
+  got = dp.R(root, 0).val[k]
+  assert any(math.isfinite(x) for x in want)
+  for e in range(k + 1):
+    if math.isfinite(want[e]):
+      assert got[e] == pytest.approx(want[e], rel=1e-12)
+    else:
+      assert got[e] == math.inf
+
+
+def stage_tps(ctx, layers: list[int], d: int) -> float:
+  """A stage's time per sample priced from the layer costs directly (not the DP's tables)."""
+  c = ctx.costs
+  tf, tb = ctx.cm.layer_times(c, ctx.cluster.device, ctx.b / d)
+  inside = set(layers)
+  cut = sum(by for u, v, by in c.edges if (u in inside) != (v in inside))
+  comm = 0.0 if cut <= 1e-12 else 2 * ctx.p2p_alpha + cut * ctx.b / ctx.p2p_beta
+  params = float(c.param_bytes[layers].sum())
+  return ctx.cm.combine(float((tf + tb)[layers].sum()), comm) / ctx.b + ctx.upd(params, d) / ctx.B
+
+
+GRAPHS = [
+  mg.candle_uno(batch_size=64, branches=3, layers=3, hidden=1024, top_layers=2),
+  mg.random_branches(3, branches=3, max_branch_layers=3, batch_size=64),
+  mg.random_sp_dag(2, num_layers=9, batch_size=64),
+  mg.random_dag(1, num_layers=8, edge_prob=0.4, batch_size=64),
+]
+
+
+@pytest.mark.parametrize("gi", range(len(GRAPHS)))
+def test_every_frontier_point_reconstructs_to_its_value(gi):
+  g = GRAPHS[gi]
+  cluster = cpu_cluster(8).replace(intra_link=Link(20e-6, 2e9))
+  ctx, root, dp = setup(g, cluster, 64, 8)
+  front = dp.frontier(root)
+  assert front and all(t1 > t2 for (_, t1), (_, t2) in itertools.pairwise(front))
+  for e, t in front:
+    stages = dp.stages(root, ctx.K, e)
+    assert sorted(l for ls, _ in stages for l in ls) == list(range(len(ctx.costs)))
+    assert sum(d for _, d in stages) <= ctx.K and all(d in ctx.dps for _, d in stages)
+    assert max(stage_tps(ctx, ls, d) for ls, d in stages) == pytest.approx(t, rel=1e-9)
+    plan = assemble_plan(
+      g,
+      ctx.cluster,
+      [([ctx.costs.layers[l] for l in ls], d) for ls, d in stages],
+      microbatch=ctx.b,
+      batch_size=ctx.B,
+      planner="graphpipe",
+      cost_model=ctx.cm,
+      costs=ctx.costs,
+    )
+    assert plan.predicted["memory_ok"] and plan.predicted["depth"] <= e
+
+
+def test_one_dp_run_per_microbatch_size():
+  g = mg.candle_uno(batch_size=256, branches=4, layers=4, hidden=2048, top_layers=2)
+  plan = PLANNERS["graphpipe"](g, cpu_cluster(8), 256, chain_plans=False)
+  search = plan.predicted["search"]
+  # the sweep plus the no-replication variant at the two best sizes
+  assert 1 <= search["dp_runs"] <= len(microbatch_sizes(256, None, 256)) + 2
