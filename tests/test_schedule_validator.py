@@ -3,6 +3,7 @@ names the action; a swap that leaves a runnable schedule is accepted (an indepen
 decides which)."""
 
 import itertools
+from fractions import Fraction
 
 import networkx as nx
 import pytest
@@ -15,9 +16,18 @@ DAG = [(0, 1), (0, 2), (1, 3), (2, 3), (0, 3)]  # branches and a skip edge
 M = 3
 
 
-def _runnable(sched: Schedule) -> bool:
-  """Independent check: complete, per-stage order respected, and the lanes run to the end."""
-  g = sched.stage_graph()
+def overlaps(s, m, t, k, counts):
+  """Whether chunk m of stage s and chunk k of stage t share a sample (stage s cuts the batch
+  into counts[s] chunks)."""
+  a0, a1 = Fraction(m, counts[s]), Fraction(m + 1, counts[s])
+  b0, b1 = Fraction(k, counts[t]), Fraction(k + 1, counts[t])
+  return a0 < b1 and b0 < a1
+
+
+def runnable(sched: Schedule) -> bool:
+  """Independent check: complete (every stage runs its own count of each kind), per-stage order
+  respected, and the lanes run to the end with dependencies from the sample-overlap rule."""
+  g, counts = sched.stage_graph(), sched.stage_counts
   kinds = {a.kind for lane in sched.lanes for a in lane} - {"UPDATE"}
   updates = [lane[-1:] == (Action("UPDATE", s),) for s, lane in enumerate(sched.lanes)]
   if any(updates) and not all(updates):
@@ -26,11 +36,11 @@ def _runnable(sched: Schedule) -> bool:
     body = [a for a in lane if a.kind != "UPDATE"]
     if len(body) != len(lane) - updates[s]:
       return False  # an UPDATE not at the end
-    want = {Action(k, s, m) for k in kinds for m in range(M)}
+    want = {Action(k, s, m) for k in kinds for m in range(counts[s])}
     if set(body) != want or len(body) != len(want):
       return False
     pos = {a: i for i, a in enumerate(body)}
-    for m in range(M):
+    for m in range(counts[s]):
       chain = [Action(k, s, m) for k in ("F", "B", "W") if k in kinds]
       if [pos[a] for a in chain] != sorted(pos[a] for a in chain):
         return False
@@ -38,11 +48,15 @@ def _runnable(sched: Schedule) -> bool:
         return False
 
   def deps(a):
-    if a.kind == "F":
-      return [Action("F", p, a.microbatch) for p in g.predecessors(a.stage)]
-    if a.kind == "B":
-      return [Action("B", c, a.microbatch) for c in g.successors(a.stage)]
-    return []
+    if a.kind not in ("F", "B"):
+      return []
+    others = g.predecessors(a.stage) if a.kind == "F" else g.successors(a.stage)
+    return [
+      Action(a.kind, t, k)
+      for t in others
+      for k in range(counts[t])
+      if overlaps(a.stage, a.microbatch, t, k, counts)
+    ]
 
   done, at = set(), [0] * len(sched.lanes)
   while True:
@@ -56,23 +70,32 @@ def _runnable(sched: Schedule) -> bool:
       return all(p == len(l) for p, l in zip(at, sched.lanes))
 
 
-def _with_lanes(sched, lanes):
-  return Schedule(sched.name, sched.num_microbatches, sched.edges, tuple(map(tuple, lanes)))
+def with_lanes(sched, lanes):
+  return Schedule(
+    sched.name, sched.num_microbatches, sched.edges, tuple(map(tuple, lanes)), sched.counts
+  )
 
 
 SCHEDULES = sorted(GENERATORS)
 
 
-@pytest.fixture(scope="module", params=SCHEDULES)
+# Stages with their own micro-batch counts (per-stage micro-batch sizes) too.
+PER_STAGE_COUNTS = {"1f1b, counts 4 8 2 2": (4, 8, 2, 2), "1f1b, counts 2 8 4 8": (2, 8, 4, 8)}
+
+
+@pytest.fixture(scope="module", params=SCHEDULES + sorted(PER_STAGE_COUNTS))
 def sched(request):
-  s = GENERATORS[request.param](4, DAG, M)
+  if request.param in PER_STAGE_COUNTS:
+    s = GENERATORS["1f1b"](4, DAG, 8, counts=PER_STAGE_COUNTS[request.param])
+  else:
+    s = GENERATORS[request.param](4, DAG, M)
   assert nx.is_directed_acyclic_graph(s.stage_graph())
   return s
 
 
 def test_generated_schedules_pass_both_checks(sched):
   validate_schedule(sched)
-  assert _runnable(sched)
+  assert runnable(sched)
 
 
 def test_one_action_removed_is_rejected_naming_it(sched):
@@ -81,7 +104,7 @@ def test_one_action_removed_is_rejected_naming_it(sched):
       lanes = [list(l) for l in sched.lanes]
       del lanes[s][i]
       with pytest.raises(ScheduleError) as err:
-        validate_schedule(_with_lanes(sched, lanes))
+        validate_schedule(with_lanes(sched, lanes))
       assert str(a) in str(err.value).split("\n")[0], (a, str(err.value))
 
 
@@ -91,8 +114,8 @@ def test_two_actions_swapped_are_rejected_naming_one(sched):
     for i, j in itertools.combinations(range(len(lane)), 2):
       lanes = [list(l) for l in sched.lanes]
       lanes[s][i], lanes[s][j] = lanes[s][j], lanes[s][i]
-      bad = _with_lanes(sched, lanes)
-      if _runnable(bad):
+      bad = with_lanes(sched, lanes)
+      if runnable(bad):
         validate_schedule(bad)  # a different, valid order: accepted
         continue
       rejected += 1
@@ -107,4 +130,4 @@ def test_actions_swapped_between_lanes_are_rejected(sched):
   lanes = [list(l) for l in sched.lanes]
   lanes[0][0], lanes[1][0] = lanes[1][0], lanes[0][0]
   with pytest.raises(ScheduleError, match=rf"action {lanes[0][0]} is in the lane of stage 0"):
-    validate_schedule(_with_lanes(sched, lanes))
+    validate_schedule(with_lanes(sched, lanes))

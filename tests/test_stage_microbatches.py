@@ -2,13 +2,13 @@
 dependencies), the simulator, and pipelined training that matches one device."""
 
 import itertools
-from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 from harness import OPTIMIZERS, apply_dense, compare_steps, dense, make_batch, max_diff, mse_step
+from test_schedule_validator import overlaps, with_lanes
 
 import gpp_jax
 from gpp_jax.cost.cluster import cpu_cluster, make_cluster
@@ -262,13 +262,6 @@ def test_plan_helpers():
 # -- schedules ---------------------------------------------------------------------------------
 
 
-def _overlaps(s, m, t, k, counts):
-  """Independent check: whether chunk m of s and chunk k of t share a sample."""
-  a0, a1 = Fraction(m, counts[s]), Fraction(m + 1, counts[s])
-  b0, b1 = Fraction(k, counts[t]), Fraction(k + 1, counts[t])
-  return a0 < b1 and b0 < a1
-
-
 def test_dependencies_rechunk():
   g = Schedule("x", 4, tuple(DAG), ((),) * 4).stage_graph()
   counts = (4, 8, 2, 2)
@@ -297,7 +290,7 @@ def test_dependencies_rechunk():
       continue
     others = g.predecessors(s) if kind == "F" else g.successors(s)
     want = {
-      Action(kind, t, k) for t in others for k in range(counts[t]) if _overlaps(s, m, t, k, counts)
+      Action(kind, t, k) for t in others for k in range(counts[t]) if overlaps(s, m, t, k, counts)
     }
     if kind == "B":
       want.add(Action("F", s, m))
@@ -330,84 +323,13 @@ def test_one_f_one_b_warmup_is_counted_in_samples():
   assert first_b == [2, 2, 1]  # 16 and 12 samples: whole chunks of 8 and 4, capped
 
 
-def _runnable(sched: Schedule) -> bool:
-  """Independent check: complete per stage, F before B, and the lanes run to the end with
-  dependencies from the sample-overlap rule."""
-  counts, g = sched.stage_counts, sched.stage_graph()
-  for s, lane in enumerate(sched.lanes):
-    body = [a for a in lane if a.kind != "UPDATE"]
-    if lane[-1] != Action("UPDATE", s) or len(body) != len(lane) - 1:
-      return False
-    for kind in "FB":
-      if [a.microbatch for a in body if a.kind == kind] != list(range(counts[s])):
-        return False
-    if any(body.index(Action("F", s, m)) > body.index(Action("B", s, m)) for m in range(counts[s])):
-      return False
-
-  def deps(a):
-    if a.kind == "UPDATE":
-      return []
-    others = g.predecessors(a.stage) if a.kind == "F" else g.successors(a.stage)
-    return [
-      Action(a.kind, t, k)
-      for t in others
-      for k in range(counts[t])
-      if _overlaps(a.stage, a.microbatch, t, k, counts)
-    ]
-
-  done, at = set(), [0] * len(sched.lanes)
-  while True:
-    moved = False
-    for s, lane in enumerate(sched.lanes):
-      while at[s] < len(lane) and all(d in done for d in deps(lane[at[s]])):
-        done.add(lane[at[s]])
-        at[s] += 1
-        moved = True
-    if not moved:
-      return all(p == len(l) for p, l in zip(at, sched.lanes))
-
-
-def _with_lanes(sched, lanes):
-  return Schedule(
-    sched.name, sched.num_microbatches, sched.edges, tuple(map(tuple, lanes)), sched.counts
-  )
-
-
-@pytest.mark.parametrize("counts", [(4, 8, 2, 2), (2, 8, 4, 8)])
-def test_validator_names_removed_and_swapped_actions(counts):
-  sched = one_f_one_b(4, DAG, 8, counts=counts)
-  assert _runnable(sched)
-  for s, lane in enumerate(sched.lanes):
-    for i, a in enumerate(lane):
-      lanes = [list(l) for l in sched.lanes]
-      del lanes[s][i]
-      with pytest.raises(ScheduleError) as err:
-        validate_schedule(_with_lanes(sched, lanes))
-      assert str(a) in str(err.value).split("\n")[0], (a, str(err.value))
-  rejected = 0
-  for s, lane in enumerate(sched.lanes):
-    for i, j in itertools.combinations(range(len(lane)), 2):
-      lanes = [list(l) for l in sched.lanes]
-      lanes[s][i], lanes[s][j] = lanes[s][j], lanes[s][i]
-      bad = _with_lanes(sched, lanes)
-      if _runnable(bad):
-        validate_schedule(bad)  # a different, valid order: accepted
-        continue
-      rejected += 1
-      with pytest.raises(ScheduleError) as err:
-        validate_schedule(bad)
-      head = str(err.value).split("\n")[0]
-      assert str(lane[i]) in head or str(lane[j]) in head, (lane[i], lane[j], head)
-  assert rejected > 0
-
-
 def test_validator_checks_counts():
   sched = gpipe(2, [(0, 1)], 4, counts=(4, 2))
   with pytest.raises(ScheduleError, match="micro-batch 2 outside 0..1 of stage 1"):
-    validate_schedule(_with_lanes(sched, sched.lanes[:1] + (gpipe(2, [(0, 1)], 4).lanes[1],)))
+    validate_schedule(with_lanes(sched, sched.lanes[:1] + (gpipe(2, [(0, 1)], 4).lanes[1],)))
   with pytest.raises(ScheduleError, match="never runs B1.1"):
     validate_schedule(
-      _with_lanes(sched, sched.lanes[:1] + (sched.lanes[1][:3] + sched.lanes[1][4:],))
+      with_lanes(sched, sched.lanes[:1] + (sched.lanes[1][:3] + sched.lanes[1][4:],))
     )
   with pytest.raises(ScheduleError, match="run 4 and 3 micro-batches"):
     gpipe(2, [(0, 1)], 4, counts=(4, 3))
