@@ -12,6 +12,8 @@ the optimizer update, metrics) is split by where values live:
   value crosses between homes (or into or out of the pipeline). Pieces form a DAG, ordered by
   level, so cross-stage reductions (``optax.clip_by_global_norm``'s global norm) are computed
   exactly: partial sums move between stages as small explicit transfers.
+* Only the loss's ancestors run before the pipeline; the rest sits above it. Within a level,
+  what another home reads is a piece of its own, dispatched before the rest of its home's work.
 """
 
 from __future__ import annotations
