@@ -106,6 +106,22 @@ def inflight_chunks(
   return tuple(min(f, c) for f, c in zip(fl.microbatches, counts))
 
 
+def stage_counts(
+  num_stages: int, num_microbatches: int, counts: Sequence[int] | None
+) -> tuple[int, ...] | None:
+  """``counts`` checked (one positive count per stage), or None when every stage runs
+  ``num_microbatches`` (then the schedule is the uniform one, exactly)."""
+  if counts is None:
+    return None
+  c = tuple(int(x) for x in counts)
+  if len(c) != num_stages or any(x < 1 for x in c):
+    raise ScheduleError(
+      f"counts {list(counts)} must give a positive micro-batch count for each of the "
+      f"{num_stages} stages"
+    )
+  return None if all(x == num_microbatches for x in c) else c
+
+
 def longest_path_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> list[int]:
   """L(s): stages on the longest path from s to a sink (sinks have L = 1)."""
   return list(inflight_counts(num_stages, edges).microbatches)
@@ -135,7 +151,7 @@ def graph_1f1b(
   """
   S = num_stages
   g = _stage_graph(S, edges)
-  cs = None if counts is None or all(c == num_microbatches for c in counts) else tuple(counts)
+  cs = stage_counts(S, num_microbatches, counts)
   Ms = [num_microbatches] * S if cs is None else list(cs)
   if in_flight is not None:
     cap = list(in_flight)

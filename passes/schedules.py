@@ -26,45 +26,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-import networkx as nx
-
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.plan import has_mixed_microbatches, stage_microbatch_counts
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
-from gpp_jax.passes.inflight import graph_1f1b, inflight_chunks
+from gpp_jax.passes.inflight import (
+  graph_1f1b,
+  inflight_chunks,
+  longest_path_to_sink,
+  stage_counts,
+)
 from gpp_jax.passes.zero_bubble import zero_bubble
-
-
-def _graph(num_stages: int, edges: Sequence[tuple[int, int]]) -> nx.DiGraph:
-  g = nx.DiGraph()
-  g.add_nodes_from(range(num_stages))
-  g.add_edges_from(edges)
-  return g
-
-
-def longest_path_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> list[int]:
-  """L(s): number of stages on the longest path from s to a sink (sinks have L = 1)."""
-  g = _graph(num_stages, edges)
-  L = [1] * num_stages
-  for s in reversed(list(nx.topological_sort(g))):
-    L[s] = 1 + max((L[t] for t in g.successors(s)), default=0)
-  return L
-
-
-def stage_counts(
-  num_stages: int, num_microbatches: int, counts: Sequence[int] | None
-) -> tuple[int, ...] | None:
-  """``counts`` checked (one positive count per stage), or None when every stage runs
-  ``num_microbatches`` (then the schedule is the uniform one, exactly)."""
-  if counts is None:
-    return None
-  c = tuple(int(x) for x in counts)
-  if len(c) != num_stages or any(x < 1 for x in c):
-    raise ScheduleError(
-      f"counts {list(counts)} must give a positive micro-batch count for each of the "
-      f"{num_stages} stages"
-    )
-  return None if all(x == num_microbatches for x in c) else c
 
 
 def gpipe(

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.schedule import Action, Schedule, overlapping, validate_schedule
-from gpp_jax.passes.inflight import _stage_graph, inflight_chunks, inflight_counts
+from gpp_jax.passes.inflight import _stage_graph, inflight_chunks, inflight_counts, stage_counts
 
 
 def zero_bubble(
@@ -63,7 +63,7 @@ def zero_bubble(
   """
   S, M = num_stages, num_microbatches
   g = _stage_graph(S, edges)
-  cs = None if counts is None or all(c == M for c in counts) else tuple(int(c) for c in counts)
+  cs = stage_counts(S, M, counts)
   Ms = [M] * S if cs is None else list(cs)
   L = inflight_counts(S, edges, num_microbatches=M).microbatches
   if cs is not None:
