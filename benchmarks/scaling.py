@@ -73,6 +73,22 @@ def _setup(model_name):
   return run, run.batches(FLAGS.batch_size, 1)[0]
 
 
+def _functional_step(run):
+  """The zoo step as plain JAX: the NNX state and ``jit(state, batch) -> (new state, loss)``."""
+  import jax
+  from flax import nnx
+
+  graphdef, state = nnx.split((run.model, run.optimizer))
+
+  @jax.jit
+  def step(state, batch):
+    model, opt = nnx.merge(graphdef, state)
+    loss = run.train_step(model, opt, batch)
+    return nnx.state((model, opt)), loss
+
+  return state, step
+
+
 def _median_step(call, wait) -> float:
   for _ in range(FLAGS.warmup):
     wait(call())
@@ -90,17 +106,9 @@ def _report(**row) -> None:
 
 def worker_plain() -> None:
   import jax
-  from flax import nnx
 
   run, batch = _setup(FLAGS.model)
-  graphdef, state = nnx.split((run.model, run.optimizer))
-
-  @jax.jit
-  def step(state, batch):
-    model, opt = nnx.merge(graphdef, state)
-    loss = run.train_step(model, opt, batch)
-    return nnx.state((model, opt)), loss
-
+  state, step = _functional_step(run)
   holder = {"s": state}
 
   def call():  # the host batch each step, as the pipelined runs get it
@@ -119,13 +127,12 @@ def worker_dp() -> None:
 
   distributed.initialize_from_env()
   import numpy as np
-  from flax import nnx
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
   run, batch = _setup(FLAGS.model)
   mesh = Mesh(np.array(jax.devices()), ("data",))
-  graphdef, state = nnx.split((run.model, run.optimizer))
+  state, step = _functional_step(run)
   replicated = NamedSharding(mesh, P())
 
   def global_copy(x):
@@ -143,12 +150,6 @@ def worker_dp() -> None:
       )
       for name, x in batch.items()
     }
-
-  @jax.jit
-  def step(state, batch):
-    model, opt = nnx.merge(graphdef, state)
-    loss = run.train_step(model, opt, batch)
-    return nnx.state((model, opt)), loss
 
   holder = {"s": state}
 

@@ -122,6 +122,20 @@ def stage_counts(
   return None if all(x == num_microbatches for x in c) else c
 
 
+def one_f_one_b_in_flight(
+  num_stages: int,
+  edges: Sequence[tuple[int, int]],
+  num_microbatches: int,
+  counts: tuple[int, ...] | None,
+) -> list[int]:
+  """Synchronous 1F1B's in-flight micro-batches per stage, in each stage's own chunks: L(s)
+  capped at M with one size, ``inflight_chunks`` with per-stage ``counts`` (as returned by
+  ``stage_counts``). The default warm-up of the 1F1B generators and bound of zero-bubble."""
+  if counts is None:
+    return list(inflight_counts(num_stages, edges, num_microbatches=num_microbatches).microbatches)
+  return list(inflight_chunks(num_stages, edges, counts))
+
+
 def longest_path_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> list[int]:
   """L(s): stages on the longest path from s to a sink (sinks have L = 1)."""
   return list(inflight_counts(num_stages, edges).microbatches)
@@ -155,10 +169,8 @@ def graph_1f1b(
   Ms = [num_microbatches] * S if cs is None else list(cs)
   if in_flight is not None:
     cap = list(in_flight)
-  elif cs is None:
-    cap = longest_path_to_sink(S, edges)
   else:
-    cap = list(inflight_chunks(S, edges, cs))
+    cap = one_f_one_b_in_flight(S, edges, num_microbatches, cs)
   cap = [max(1, min(int(c), Ms[s])) for s, c in enumerate(cap)]
   tf = list(forward) if forward is not None else [1.0] * S
   tb = list(backward) if backward is not None else [2.0] * S

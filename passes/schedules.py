@@ -31,8 +31,7 @@ from gpp_jax.ir.plan import has_mixed_microbatches, stage_microbatch_counts
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.inflight import (
   graph_1f1b,
-  inflight_chunks,
-  longest_path_to_sink,
+  one_f_one_b_in_flight,
   stage_counts,
 )
 from gpp_jax.passes.zero_bubble import zero_bubble
@@ -76,12 +75,7 @@ def one_f_one_b(
   """
   M = num_microbatches
   cs = stage_counts(num_stages, M, counts)
-  if warmup is not None:
-    L = list(warmup)
-  elif cs is None:
-    L = longest_path_to_sink(num_stages, edges)
-  else:
-    L = list(inflight_chunks(num_stages, edges, cs))
+  L = list(warmup) if warmup is not None else one_f_one_b_in_flight(num_stages, edges, M, cs)
   lanes = []
   for s in range(num_stages):
     M = num_microbatches if cs is None else cs[s]

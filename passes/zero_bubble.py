@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.schedule import Action, Schedule, overlapping, validate_schedule
-from gpp_jax.passes.inflight import _stage_graph, inflight_chunks, inflight_counts, stage_counts
+from gpp_jax.passes.inflight import _stage_graph, one_f_one_b_in_flight, stage_counts
 
 
 def zero_bubble(
@@ -65,9 +65,7 @@ def zero_bubble(
   g = _stage_graph(S, edges)
   cs = stage_counts(S, M, counts)
   Ms = [M] * S if cs is None else list(cs)
-  L = inflight_counts(S, edges, num_microbatches=M).microbatches
-  if cs is not None:
-    L = inflight_chunks(S, edges, cs)
+  L = one_f_one_b_in_flight(S, edges, M, cs)
   if memory_bound is None:
     cap = list(L)
   else:

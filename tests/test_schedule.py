@@ -4,7 +4,8 @@ import pytest
 
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
-from gpp_jax.passes.schedules import gpipe, longest_path_to_sink, make_schedule, one_f_one_b
+from gpp_jax.passes.inflight import longest_path_to_sink
+from gpp_jax.passes.schedules import gpipe, make_schedule, one_f_one_b
 
 CHAIN = [(0, 1), (1, 2), (2, 3)]
 DAG = [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4), (0, 4)]
