@@ -31,6 +31,7 @@ from gpp_jax.ir.plan import has_mixed_microbatches, stage_microbatch_counts
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.inflight import (
   graph_1f1b,
+  longest_path_to_sink,
   one_f_one_b_in_flight,
   stage_counts,
 )
@@ -117,6 +118,68 @@ def two_bw(num_stages: int, edges: Sequence[tuple[int, int]], num_microbatches: 
   """PipeDream-2BW: double-buffered weights, gradients coalesced over a step's micro-batches."""
   sched = one_f_one_b(num_stages, edges, num_microbatches)
   return dataclasses.replace(sched, name="2bw")
+
+
+def stream_schedule(sched: Schedule, steps: int) -> Schedule:
+  """One step's schedule -> the lanes of ``steps`` consecutive steps (``Schedule.steps``).
+
+  Synchronous schedules, and those that split the backward (W), repeat their lanes step after
+  step: a step's forwards need the previous step's update, so the pipeline drains in between
+  (the flush). The stale-weight schedules (``pipedream-async``, ``-vsync``, ``2bw``) run one
+  1F1B over all the steps' micro-batches without a flush, as PipeDream does: stage s keeps
+  ``w(s)`` micro-batches in flight across the step boundary and runs ``UPDATE(s, t)`` right
+  after the last backward of step t, so the next step's first forwards overlap this step's
+  last backwards. ``w(s) = min(L(s), d(s) * M + 1)``: L(s) is the step's 1F1B warm-up and the
+  cap keeps every forward after the update that makes its weights (d(s) updates old).
+  """
+  from gpp_jax.passes.weight_versions import weight_delays
+
+  if steps < 1:
+    raise ValueError(f"steps must be at least 1, got {steps}")
+  if sched.steps != 1:
+    raise ScheduleError(f"schedule {sched.name!r} already covers {sched.steps} steps")
+  if steps == 1:
+    return sched
+  if not all(lane and lane[-1].kind == "UPDATE" for lane in sched.lanes):
+    raise ScheduleError(
+      f"schedule {sched.name!r} has no UPDATE ending every lane; steps are separated by "
+      "their updates"
+    )
+  counts = sched.stage_counts
+  delays = weight_delays(sched)
+  split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
+  lanes: list[list[Action]] = []
+  if delays is None or split_w:
+    for s, lane in enumerate(sched.lanes):
+      out = []
+      for t in range(steps):
+        for a in lane:
+          if a.kind == "UPDATE":
+            out.append(Action("UPDATE", s, t))
+          else:
+            out.append(Action(a.kind, s, t * counts[s] + a.microbatch))
+      lanes.append(out)
+  else:
+    M = sched.num_microbatches
+    total = steps * M
+    L = longest_path_to_sink(sched.num_stages, sched.edges)
+    for s in range(sched.num_stages):
+      w = max(1, min(L[s], delays[s] * M + 1, total))
+      out = [Action("F", s, g) for g in range(w)]
+      f = w
+      for b in range(total):
+        out.append(Action("B", s, b))
+        if (b + 1) % M == 0:
+          out.append(Action("UPDATE", s, b // M))
+        if f < total:
+          out.append(Action("F", s, f))
+          f += 1
+      lanes.append(out)
+  multi = Schedule(
+    sched.name, sched.num_microbatches, sched.edges, tuple(map(tuple, lanes)), sched.counts, steps
+  )
+  validate_schedule(multi)
+  return multi
 
 
 # Generators that build lanes with per-stage micro-batch counts.

@@ -7,6 +7,11 @@ Each stage owns disjoint devices, so a stage's action list is the program of its
   W(s, m)   weight-gradient part when a schedule splits it from B (optional; then B computes
             input gradients only)
   UPDATE(s) optimizer update of the parameters stage s owns, after all its backwards.
+A schedule usually covers one step (one optimizer update). A schedule over several steps
+(``Schedule.steps`` = K > 1, ``passes.schedules.stream_schedule``) numbers micro-batches
+globally (micro-batch m of step t is ``t * M_s + m`` on a stage with M_s per step) and has
+one ``UPDATE(s, t)`` per step (``microbatch`` = t); consecutive steps may then overlap
+(PipeDream's 1F1B without flushes), as far as the weight version each forward reads allows.
 Transfers are implied by the stage graph: an activation moves when its producer's F ends, a
 cotangent when its consumer's B ends. The simulator and the driver read the same Schedule.
 
@@ -42,11 +47,9 @@ class Action:
       raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
 
   def __str__(self) -> str:
-    return (
-      f"{self.kind}{self.stage}"
-      if self.kind == "UPDATE"
-      else f"{self.kind}{self.stage}.{self.microbatch}"
-    )
+    if self.kind == "UPDATE" and self.microbatch < 0:
+      return f"UPDATE{self.stage}"
+    return f"{self.kind}{self.stage}.{self.microbatch}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,8 @@ class Schedule:
     lanes: ``lanes[s]`` is the ordered action list of stage s.
     counts: micro-batches per stage when they differ (stage s runs 0..counts[s]-1); None for
       M everywhere.
+    steps: optimizer steps the lanes cover (1 for a step's schedule); with K > 1 stage s
+      runs micro-batches 0..K*counts[s]-1 and ``UPDATE(s, t)`` for t = 0..K-1.
   """
 
   name: str
@@ -68,6 +73,7 @@ class Schedule:
   edges: tuple[tuple[int, int], ...]
   lanes: tuple[tuple[Action, ...], ...]
   counts: tuple[int, ...] | None = None
+  steps: int = 1
 
   @property
   def num_stages(self) -> int:
@@ -92,6 +98,7 @@ class Schedule:
         "edges": [list(e) for e in self.edges],
         "lanes": [[[a.kind, a.stage, a.microbatch] for a in lane] for lane in self.lanes],
         "counts": None if self.counts is None else list(self.counts),
+        "steps": self.steps,
       }
     )
 
@@ -104,6 +111,7 @@ class Schedule:
       tuple(tuple(e) for e in d["edges"]),
       tuple(tuple(Action(*a) for a in lane) for lane in d["lanes"]),
       None if d.get("counts") is None else tuple(int(c) for c in d["counts"]),
+      int(d.get("steps", 1)),
     )
 
   def grid(self, mark: Action | None = None) -> str:
@@ -120,7 +128,14 @@ class Schedule:
       if self.counts is None
       else f"micro-batches per stage {list(self.counts)}"
     )
-    return f"Schedule {self.name}: {self.num_stages} stages x {shape}\n" + self.grid()
+    steps = f" x {self.steps} steps" if self.steps > 1 else ""
+    return f"Schedule {self.name}: {self.num_stages} stages x {shape}{steps}\n" + self.grid()
+
+  def step_of(self, a: Action) -> int:
+    """The step an action belongs to (0 for a one-step schedule)."""
+    if a.kind == "UPDATE":
+      return max(a.microbatch, 0)
+    return a.microbatch // self.stage_counts[a.stage]
 
 
 def overlapping(m: int, count: int, other: int) -> range:
@@ -163,8 +178,12 @@ def validate_schedule(sched: Schedule) -> None:
   and W if it uses W anywhere); per-stage counts align along every edge;
   per-stage order F^k before F^(k+1), B^k before B^(k+1), F^k before B^k (B^k before W^k);
   UPDATE, if any stage has one, ends every lane; and executing the lanes in order (each action
-  waits for its dependencies) finishes. The message names the missing or misplaced action and
-  shows the schedule grid with the offending action marked.
+  waits for its dependencies) finishes. Over several steps: a lane runs UPDATE(s, t) in step
+  order, each after its step's backwards and before the next step's, and a forward of step u
+  after the update that makes the weights it reads (``UPDATE(s, u - d(s) - 1)``, d(s) the
+  stage's staleness, ``passes.weight_versions``; 0 for synchronous schedules). The message
+  names the missing or misplaced action and shows the schedule grid with the offending action
+  marked.
   """
   g = sched.stage_graph()
   if not nx.is_directed_acyclic_graph(g):
@@ -186,10 +205,21 @@ def validate_schedule(sched: Schedule) -> None:
       )
   split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
   has_update = any(a.kind == "UPDATE" for lane in sched.lanes for a in lane)
+  K = sched.steps
+  if K < 1:
+    raise ScheduleError(f"a schedule covers at least one step, not {K}")
+  if K > 1 and not has_update:
+    raise ScheduleError(
+      f"a schedule over {K} steps needs an UPDATE per step on every lane; it has none\n"
+      f"{sched.grid()}"
+    )
+  delays = _delays(sched) if K > 1 else (0,) * sched.num_stages
   for s, lane in enumerate(sched.lanes):
     M = counts[s]
+    total = M * K
     seen = set()
     last = {"F": -1, "B": -1, "W": -1}
+    updated = -1  # the last step whose UPDATE this lane ran (several-step schedules)
     for i, a in enumerate(lane):
       if a.stage != s:
         _fail(sched, a, f"action {a} is in the lane of stage {s}")
@@ -197,11 +227,30 @@ def validate_schedule(sched: Schedule) -> None:
         _fail(sched, a, f"action {a} appears twice")
       seen.add(a)
       if a.kind == "UPDATE":
-        if i != len(lane) - 1:
-          _fail(sched, a, f"{a} must be the last action of stage {s}, not before {lane[-1]}")
+        if K == 1:
+          if i != len(lane) - 1:
+            _fail(sched, a, f"{a} must be the last action of stage {s}, not before {lane[-1]}")
+          continue
+        if a.microbatch != updated + 1:
+          expected = Action("UPDATE", s, updated + 1)
+          _fail(
+            sched,
+            a,
+            f"stage {s} runs its updates out of order: {a} comes where {expected} should "
+            f"({expected} is missing or later in the lane)",
+          )
+        for k in ("B", "W") if split_w else ("B",):
+          if last[k] < (a.microbatch + 1) * M - 1:
+            _fail(
+              sched,
+              a,
+              f"{a} comes before {Action(k, s, last[k] + 1)}, a {k} of step {a.microbatch} "
+              "whose gradient it applies",
+            )
+        updated = a.microbatch
         continue
-      if not 0 <= a.microbatch < M:
-        _fail(sched, a, f"micro-batch {a.microbatch} outside 0..{M - 1} of stage {s}")
+      if not 0 <= a.microbatch < total:
+        _fail(sched, a, f"micro-batch {a.microbatch} outside 0..{total - 1} of stage {s}")
       if a.microbatch != last[a.kind] + 1:
         expected = Action(a.kind, s, last[a.kind] + 1)
         _fail(
@@ -215,14 +264,33 @@ def validate_schedule(sched: Schedule) -> None:
         _fail(sched, a, f"{a} comes before F{s}.{a.microbatch} on its stage")
       if a.kind == "W" and Action("B", s, a.microbatch) not in seen:
         _fail(sched, a, f"{a} comes before B{s}.{a.microbatch} on its stage")
-    if has_update and (not lane or lane[-1] != Action("UPDATE", s)):
+      if K > 1:
+        u = a.microbatch // M
+        if a.kind != "F" and u > updated + 1:
+          _fail(
+            sched,
+            a,
+            f"{a} (step {u}) comes before UPDATE{s}.{u - 1}: a step's gradients are summed "
+            "until its update",
+          )
+        need = u - delays[s] - 1
+        if a.kind == "F" and need > updated:
+          _fail(
+            sched,
+            a,
+            f"{a} (step {u}) computes with the weights UPDATE{s}.{need} makes "
+            f"(stage {s} is {delays[s]} updates behind) but comes before it",
+          )
+    end = Action("UPDATE", s) if K == 1 else Action("UPDATE", s, K - 1)
+    if has_update and (not lane or lane[-1] != end):
+      missing = end if K == 1 else Action("UPDATE", s, updated + 1)
       raise ScheduleError(
-        f"stage {s} never runs UPDATE{s}: other stages end with an UPDATE, so every lane must "
-        f"(add UPDATE{s} at the end of stage {s}'s lane)\n{sched.grid()}"
+        f"stage {s} never runs {missing}: other stages end with an UPDATE, so every lane must "
+        f"(add {missing} at the end of stage {s}'s lane)\n{sched.grid()}"
       )
     kinds = ("F", "B", "W") if split_w else ("F", "B")
     for k in kinds:
-      if last[k] != M - 1:
+      if last[k] != total - 1:
         missing = Action(k, s, last[k] + 1)
         raise ScheduleError(f"schedule incomplete: stage {s} never runs {missing}\n{sched.grid()}")
   dispatch_order(sched)
@@ -271,6 +339,14 @@ def _dispatch_order(sched: Schedule) -> tuple[Action, ...]:
       )
       raise ScheduleError(f"schedule deadlocks: {waits}\n{sched.grid(mark=blocked[0])}")
   return tuple(order)
+
+
+def _delays(sched: Schedule) -> tuple[int, ...]:
+  """How many updates each stage's weights lag (0 for synchronous schedules)."""
+  from gpp_jax.passes.weight_versions import weight_delays  # the pass reads this IR
+
+  d = weight_delays(sched)
+  return d if d is not None else (0,) * sched.num_stages
 
 
 def _fail(sched: Schedule, a: Action, msg: str):

@@ -284,39 +284,50 @@ class PipelineRunner:
   def _prepare(
     self, params: Sequence[Any], data: Sequence[Any], versions: Sequence[Sequence[Any]] | None
   ) -> None:
-    """Per-step stage inputs that do not change across micro-batches (``_fixed[s][j]``:
-    parameters, broadcast data, keys before folding) and the host-side batch chunks.
-    ``versions[s]``, when given, is the parameter list stage s reads instead of ``params``
-    (stale weights of the asynchronous schedules; each on its owner's devices)."""
-    self._fixed: list[list[Any]] = [[None] * len(st.inputs) for st in self.staged.stages]
-    # (loss input, micro-batches) -> the batch cut into that many chunks.
-    self._batch_chunks: dict[tuple[int, int], list[Any]] = {}
-    for s, st in enumerate(self.staged.stages):
-      rep = self.place[s].replicated
-      for j, r in enumerate(st.inputs):
-        if r.kind == "param":
-          x = (params if versions is None else versions[s])[r.index]
-          owner = self.staged.param_owner[r.index]
-          # Every process issues the same put: a local copy, a send, a receive or a no-op.
-          self._fixed[s][j] = x if owner == s else transfer(x, rep)
-        elif r.kind == "data":
-          role = self.roles[r.index]
-          x = data[r.index]
-          if role in (BROADCAST, KEY, STATE):  # keys get the micro-batch index folded in per F
-            self._fixed[s][j] = transfer(x, rep)
-          elif role == BATCH and (r.index, self.counts[s]) not in self._batch_chunks:
-            M = self.counts[s]
-            if np.shape(x)[0] % M:
-              raise BatchError(
-                f"batch input of shape {np.shape(x)} does not split into {M} micro-batches "
-                f"(stage {s})"
-              )
-            self._batch_size = np.shape(x)[0]
-            if not isinstance(x, jax.Array) and self.local[s] and len(self.place[s].devices) == 1:
-              # Host data goes to the first stage that reads it in one put and is cut there,
-              # instead of one host-to-device put per micro-batch.
-              x = jax.device_put(np.asarray(x), self.place[s].replicated)
-            self._batch_chunks[(r.index, M)] = _split_batch(x, M)
+    """Every stage's per-step inputs (``_prepare_stage``). ``versions[s]``, when given, is the
+    parameter list stage s reads instead of ``params`` (stale weights of the asynchronous
+    schedules; each on its owner's devices)."""
+    for s in range(len(self.staged.stages)):
+      self._prepare_stage(s, params if versions is None else versions[s], data)
+
+  def _prepare_stage(self, s: int, params: Any, data: Any) -> None:
+    """Stage s's per-step inputs that do not change across micro-batches (``_fixed[s][j]``:
+    parameters, broadcast data, keys before folding), the batch chunks it reads, its packed
+    parameters and its zeroed gradient sum. ``params[i]`` and ``data[i]`` are read only for the
+    inputs the stage has."""
+    st = self.staged.stages[s]
+    rep = self.place[s].replicated
+    for j, r in enumerate(st.inputs):
+      if r.kind == "param":
+        x = params[r.index]
+        owner = self.staged.param_owner[r.index]
+        # Every process issues the same put: a local copy, a send, a receive or a no-op.
+        self._fixed[s][j] = x if owner == s else transfer(x, rep)
+      elif r.kind == "data":
+        role = self.roles[r.index]
+        x = data[r.index]
+        if role in (BROADCAST, KEY, STATE):  # keys get the micro-batch index folded in per F
+          self._fixed[s][j] = transfer(x, rep)
+        elif role == BATCH and (r.index, self.counts[s]) not in self._batch_chunks:
+          M = self.counts[s]
+          if np.shape(x)[0] % M:
+            raise BatchError(
+              f"batch input of shape {np.shape(x)} does not split into {M} micro-batches "
+              f"(stage {s})"
+            )
+          self._batch_size = np.shape(x)[0]
+          if not isinstance(x, jax.Array) and self.local[s] and len(self.place[s].devices) == 1:
+            # Host data goes to the first stage that reads it in one put and is cut there,
+            # instead of one host-to-device put per micro-batch.
+            x = jax.device_put(np.asarray(x), self.place[s].replicated)
+          self._batch_chunks[(r.index, M)] = _split_batch(x, M)
+    fn = self.fns[s]
+    self._pparams[s] = (
+      fn.pack_params([x for x, r in zip(self._fixed[s], st.inputs) if r.kind == "param"])
+      if fn.pack_params is not None and self.local[s]
+      else None
+    )
+    self._acc[s] = self._zeros[s]() if self.local[s] else None
 
   def _stage_args(self, s, m):
     st = self.staged.stages[s]
@@ -482,6 +493,26 @@ class PipelineRunner:
         "measure=True records device-side times with one thread per stage and "
         "runs in a single process only; leave it off for multi-process runs"
       )
+    t0 = self.begin(measure)
+    self._prepare(params, data, versions)
+    events: list[TimelineEvent] = []
+    if measure:
+      self._run_threaded(events, t0)
+    else:
+      for a in self.order:
+        t = time.perf_counter()
+        self._run_action(a)
+        events.append(
+          TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0)
+        )
+    grads = self._gather_grads(params)
+    outs = self.loss_outputs()
+    self.last_timeline = Timeline(events, time.perf_counter() - t0, measure)
+    return outs, grads
+
+  def begin(self, measure: bool = False) -> float:
+    """Starts a step: empty per-step state (stages are prepared by ``_prepare_stage``)."""
+    self._measuring = measure
     # (consumer stage, value id, micro-batch) -> the value, put on the consumer.
     self._inbox: dict[tuple[int, int, int], Any] = {}
     # (producer stage, output position, micro-batch) -> cotangent contributions.
@@ -494,9 +525,15 @@ class PipelineRunner:
     # Chunks of a bigger chunk on the other side of an edge, until all have arrived.
     self._pieces: dict[Any, list[Any]] = {}
     self._batch_size = None
-    self._measuring = measure
     # (stage, loss input) -> the state the stage's last forward left.
     self._carry: dict[tuple[int, int], Any] = {}
+    S = len(self.staged.stages)
+    self._fixed: list[list[Any]] = [[None] * len(st.inputs) for st in self.staged.stages]
+    # (loss input, micro-batches) -> the batch cut into that many chunks.
+    self._batch_chunks: dict[tuple[int, int], list[Any]] = {}
+    self._pparams: list[Any] = [None] * S
+    self._acc: list[Any] = [None] * S
+    self._acc_leaves: dict[int, list[Any]] = {}  # stage -> its unpacked gradient sums
     nloss = len(self.staged.loss_outputs)
     self._loss_vals: list[list[Any]] = [[None] * nloss for _ in range(max(self.counts))]
     ls, lk = self.staged.loss_outputs[0]
@@ -505,26 +542,11 @@ class PipelineRunner:
     self._seed = transfer(
       np.asarray(1.0 / self.counts[ls], dtype=loss_aval.dtype), self.place[ls].replicated
     )
-    t0 = time.perf_counter()
-    self._prepare(params, data, versions)
-    self._pparams = [
-      fn.pack_params([x for x, r in zip(self._fixed[s], st.inputs) if r.kind == "param"])
-      if fn.pack_params is not None and self.local[s]
-      else None
-      for s, (fn, st) in enumerate(zip(self.fns, self.staged.stages))
-    ]
-    self._acc = [z() if loc else None for z, loc in zip(self._zeros, self.local)]
-    events: list[TimelineEvent] = []
-    if measure:
-      self._run_threaded(events, t0)
-    else:
-      for a in self.order:
-        t = time.perf_counter()
-        self._run_action(a)
-        events.append(
-          TimelineEvent(a.kind, a.stage, a.microbatch, t - t0, time.perf_counter() - t0)
-        )
-    grads = self._gather_grads(params)
+    return time.perf_counter()
+
+  def loss_outputs(self) -> list[Any]:
+    """The step's loss outputs: means over micro-batches, per-example values concatenated,
+    carried state as the last micro-batch left it (placeholders for other processes')."""
     outs = []
     B = self._batch_size
     for li, (ls, lk) in enumerate(self.staged.loss_outputs):
@@ -550,8 +572,7 @@ class PipelineRunner:
       else:
         inexact = jnp.issubdtype(v0.dtype, jnp.inexact)
         outs.append(_mean(vals) if inexact and li not in self.state_outputs else vals[-1])
-    self.last_timeline = Timeline(events, time.perf_counter() - t0, measure)
-    return outs, grads
+    return outs
 
   def _run_threaded(self, events, t0):
     cond = threading.Condition()
@@ -600,24 +621,44 @@ class PipelineRunner:
     return None
 
   def _gather_grads(self, params):
-    grads = [None] * len(params)
+    return [self.grad_of(i, x) for i, x in enumerate(params)]
+
+  @functools.cached_property
+  def param_readers(self) -> list[list[tuple[int, int, int]]]:
+    """For each parameter, (stage, input position, position among the stage's parameter
+    gradients) of every stage that reads it."""
+    readers: list[list[tuple[int, int, int]]] = [[] for _ in self.staged.param_owner]
     for s, st in enumerate(self.staged.stages):
       k = 0
-      acc = self.fns[s].acc_leaves(self._acc[s]) if self.local[s] else None
       for j, r in enumerate(st.inputs):
-        if r.kind != "param":
-          continue
-        g = acc[k] if self.local[s] else self._remote(self._in_avals[s][j], s)
-        k += 1
-        owner = self.staged.param_owner[r.index]
-        if owner != s:
-          g = transfer(g, self.place[owner].replicated)
-        if grads[r.index] is None:
-          grads[r.index] = g
-        elif self.local[owner]:
-          grads[r.index] = _add(grads[r.index], g)
-    for i, x in enumerate(params):
-      owner = self.staged.param_owner[i]
-      if grads[i] is None and owner >= 0:  # a parameter the loss never reads
-        grads[i] = transfer(np.zeros(np.shape(x), x.dtype), self.place[owner].replicated)
-    return grads
+        if r.kind == "param":
+          readers[r.index].append((s, j, k))
+          k += 1
+    return readers
+
+  def grad_of(self, i: int, x) -> Any:
+    """Parameter i (``x``: its value or aval) -> its gradient on its owner: the sum of its
+    readers' gradient sums (which must be complete), zeros if the loss never reads it, None
+    if no stage owns it."""
+    owner = self.staged.param_owner[i]
+    g = None
+    for s, j, k in self.param_readers[i]:
+      if self.local[s]:
+        if s not in self._acc_leaves:
+          unpack = self.fns[s].acc_leaves
+          assert unpack is not None  # stage_functions always builds it
+          self._acc_leaves[s] = unpack(self._acc[s])
+        gs = self._acc_leaves[s][k]
+      else:
+        gs = self._remote(self._in_avals[s][j], s)
+      if owner != s:
+        gs = transfer(gs, self.place[owner].replicated)
+      if g is None:
+        g = gs
+      elif self.local[owner]:
+        g = _add(g, gs)
+    if g is None and owner >= 0:  # a parameter the loss never reads
+      shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+      dtype = getattr(x, "dtype", None) or np.result_type(x)
+      g = transfer(np.zeros(shape, dtype), self.place[owner].replicated)
+    return g

@@ -70,6 +70,7 @@ from gpp_jax.runtime.stacked_params import (
   stack_grads,
   stack_outputs,
 )
+from gpp_jax.runtime.stream import stream_reason, stream_steps
 
 
 class Compiled:
@@ -559,6 +560,132 @@ class GraphPipeline:
     if pure.graph_positions:
       nnx.update(tuple(args[i] for i in pure.graph_positions), new_state)
     return out
+
+  def run_steps(self, *args):
+    """K training steps in one call: ``step(*args_t)`` for t = 0..K-1, where each batch
+    argument (the last one, or ``batch_argnums``) is given as a list of K batches.
+
+    The state carries from step to step as it would over K calls: NNX objects among ``args``
+    are updated in place; a functional step returns its new non-batch arguments first, in
+    order (``(params, opt_state, batch) -> (params, opt_state, metrics)``), and step t + 1
+    gets them. Returns the list of the K outputs for an NNX step; for a functional step what
+    ``jax.lax.scan`` would: ``(*final non-batch arguments, [rest of the output per step])``.
+
+    Under the stale-weight schedules (``pipedream-async``, ``pipedream-async-vsync``, ``2bw``)
+    the steps are issued as one stream without a flush between them (``runtime.stream``), as
+    PipeDream runs; other schedules, and runs the stream does not cover (one fused stage,
+    scanned layers split across stages, several processes, ``measure=True``), run the K steps
+    one after another. The values are those of K calls either way.
+    """
+    bpos = self._batch_positions(args)
+    K = None
+    for i in bpos:
+      b = args[i]
+      if not isinstance(b, (list, tuple)) or not b:
+        raise BatchError(
+          f"run_steps takes each batch argument as a non-empty list of per-step batches; "
+          f"argument {i} is a {type(b).__name__}"
+        )
+      if K is not None and len(b) != K:
+        raise BatchError(
+          f"run_steps got {K} batches for one batch argument and {len(b)} for argument {i}; "
+          "give every batch argument one batch per step"
+        )
+      K = len(b)
+    assert K is not None
+
+    def step_args(t: int, state: Sequence[Any] | None = None) -> tuple:
+      it = iter(state or ())
+      out = []
+      for i, a in enumerate(args):
+        if i in bpos:
+          out.append(a[t])
+        elif state is not None and i in carried_args:
+          out.append(next(it))
+        else:
+          out.append(a)
+      return tuple(out)
+
+    first = step_args(0)
+    pure, leaves = functionalize(self.fn, first)
+    c = self.compiled_for(first, pure, leaves)
+    graph = set(pure.graph_positions)
+    carried_args = [i for i in range(len(args)) if i not in bpos and i not in graph]
+    carry = self._carry_map(c, first, graph, carried_args)
+    others_at = [i for i in range(len(args)) if i not in graph]
+    nstate = len(leaves) - len(jax.tree.leaves(tuple(first[i] for i in others_at)))
+
+    def flat(t: int) -> list:
+      a = step_args(t)
+      return leaves[:nstate] + jax.tree.leaves(tuple(a[i] for i in others_at))
+
+    steps_leaves = [leaves] + [flat(t) for t in range(1, K)]
+    for t in range(1, K):
+      got = [(np.shape(x), _canonical(_dtype(x))) for x in steps_leaves[t]]
+      want = [(np.shape(x), _canonical(_dtype(x))) for x in leaves]
+      if str(got) != str(want):
+        raise BatchError(
+          f"run_steps needs batches of one shape and dtype; batch {t} differs from batch 0"
+        )
+    reason = stream_reason(c, self.measure, jax.process_count() > 1)
+    if reason is None and weight_delays(c.schedule) is not None:
+      outs = stream_steps(c, steps_leaves, carry)
+    else:
+      if reason is not None and weight_delays(c.schedule) is not None:
+        logging.info("run_steps: the %d steps run one after another: %s", K, reason)
+      outs = []
+      for t in range(K):
+        step_leaves = steps_leaves[t]
+        if t > 0:
+          step_leaves = [outs[-1][carry[i]] if i in carry else x for i, x in enumerate(step_leaves)]
+        outs.append(self.run_compiled(c, step_leaves))
+    per_step = [jax.tree.unflatten(c.out_tree, o) for o in outs]
+    if graph:
+      nnx.update(tuple(args[i] for i in pure.graph_positions), per_step[-1][1])
+    if not carried_args:
+      return [out for out, _ in per_step]
+    n = len(carried_args)
+    rest = [out[n] if len(out) == n + 1 else tuple(out[n:]) for out, _ in per_step]
+    return (*per_step[-1][0][:n], rest)
+
+  def _carry_map(self, c: Compiled, args, graph, carried_args) -> dict[int, int]:
+    """Flat input position -> flat output position of the state one step hands the next."""
+    out_def, state_def = c.out_tree.children()
+    nout = out_def.num_leaves
+    J = c.prog.jaxpr.jaxpr
+    carry: dict[int, int] = {}
+    nstate = state_def.num_leaves if graph else 0
+    for k in range(nstate):
+      carry[k] = nout + k
+    if not carried_args:
+      return carry
+    out = jax.tree.unflatten(out_def, list(range(nout)))
+    others = [i for i in range(len(args)) if i not in graph]
+    offsets, k = {}, nstate
+    for i in others:
+      offsets[i] = k
+      k += len(jax.tree.leaves(args[i]))
+    n = len(carried_args)
+    how = (
+      "run_steps carries a functional step's state: the step must return its new non-batch "
+      "arguments first, in order, e.g. (params, opt_state, batch) -> (params, opt_state, "
+      "metrics)"
+    )
+    if not isinstance(out, (tuple, list)) or len(out) < n:
+      raise CaptureError(f"{how}; this step returns {type(out).__name__}")
+    for j, i in enumerate(carried_args):
+      got, want = jax.tree.structure(out[j]), jax.tree.structure(args[i])
+      if str(got) != str(want):
+        raise CaptureError(f"{how}; output {j} has structure {got} but argument {i} {want}")
+      for q, o in enumerate(jax.tree.leaves(out[j])):
+        inv, outv = J.invars[offsets[i] + q].aval, J.outvars[o].aval
+        if (inv.shape, inv.dtype) != (outv.shape, outv.dtype):
+          raise CaptureError(
+            f"{how}; leaf {q} of output {j} is {outv.str_short()} but of argument {i} "
+            f"{inv.str_short()}"
+          )
+        carry[offsets[i] + q] = o
+    return carry
 
   def cached_partial(self, *cached_args) -> Callable:
     """The step with its leading arguments bound, the NNX graph traversal done once.
