@@ -13,6 +13,11 @@ stage the peak micro-batches held against the schedule's bound (1F1B: its in-fli
 zero-bubble: the memory bound from device memory, and again with the 1F1B counts as the bound,
 ZB-H1's budget).
 
+Then the steps in a row (``--stream_steps`` = K): 1F1B with its flush after every step (K
+times one step) beside PipeDream's 1F1B without flushes (``pipedream-async`` over K steps,
+``passes.schedules.stream_schedule``, what ``GraphPipeline.run_steps`` issues): time per step,
+throughput and bubble over the K steps.
+
 With ``--measure`` it also runs the tiny zoo MMT and CANDLE-Uno on forced CPU devices: one
 GraphPipe plan per model, run under each schedule, the schedules interleaved step by step;
 the median step time of ``--repeats`` steps (throughput) and, from as many steps with
@@ -39,7 +44,7 @@ from gpp_jax.experiments.model_graphs import model_graph
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.plan_assembly import memory_bound
-from gpp_jax.passes.schedules import make_schedule
+from gpp_jax.passes.schedules import make_schedule, stream_schedule
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("devices", 8, "devices of the cluster")
@@ -50,7 +55,8 @@ flags.DEFINE_bool("measure", False, "also run the tiny zoo models on forced CPU 
 flags.DEFINE_integer("measure_devices", 4, "forced CPU devices of the measured runs")
 flags.DEFINE_integer("measure_batch", 32, "batch of the measured runs")
 flags.DEFINE_integer("repeats", 9, "timed steps per schedule (median)")
-MEASURED_SCHEDULES = ("1f1b", "graph-1f1b", "zero-bubble")
+flags.DEFINE_integer("stream_steps", 8, "steps in a row for the flush / no-flush comparison")
+MEASURED_SCHEDULES = ("1f1b", "graph-1f1b", "zero-bubble", "pipedream-async")
 
 
 def measured(name: str) -> None:
@@ -80,7 +86,14 @@ def measured(name: str) -> None:
     runs[sched] = (pp, run, batch)
   times: dict[str, list[float]] = {s: [] for s in runs}
   bubbles: dict[str, list[list[float]]] = {s: [] for s in runs}
+  K = FLAGS.stream_steps
+  times["pipedream-async, run_steps"] = []
   for _ in range(FLAGS.repeats):
+    pp, run, batch = runs["pipedream-async"]
+    pp.measure = False
+    t = time.perf_counter()  # K steps as one stream, no flush between them
+    jax.block_until_ready(pp.run_steps(run.model, run.optimizer, [batch] * K))
+    times["pipedream-async, run_steps"].append((time.perf_counter() - t) / K)
     for sched, (pp, run, batch) in runs.items():
       pp.measure = False
       t = time.perf_counter()
@@ -105,6 +118,29 @@ def measured(name: str) -> None:
       f"{FLAGS.measure_batch / step:7.1f} samples/s  measured bubble mean {mean_b:6.1%} "
       f"busiest stage {busiest:6.1%} ({S} stages, depth {pp.plan.depth()})"
     )
+  step = statistics.median(times["pipedream-async, run_steps"])
+  print(
+    f"  pipedream-async, {K} steps per run_steps: step median {step * 1e3:7.1f} ms "
+    f"{FLAGS.measure_batch / step:7.1f} samples/s"
+  )
+
+
+def streamed(plan, g, cluster, B: int) -> None:
+  """Simulated K steps in a row: 1F1B (a flush per step) and PipeDream's async 1F1B, which
+  runs them as one stream."""
+  K = FLAGS.stream_steps
+  S, edges, M = plan.num_stages, tuple(plan.edges), plan.num_microbatches
+  per_step = {}
+  for name in ("1f1b", "pipedream-async"):
+    multi = stream_schedule(make_schedule(name, S, edges, M), K)
+    res = simulate(plan.replace(schedule=name), g, cluster, schedule=multi)
+    per_step[name] = res.iteration_time / K
+    print(
+      f"  {K} steps of {name:16s} {per_step[name] * 1e3:8.2f} ms per step "
+      f"{B / per_step[name]:8.1f} samples/s  bubble mean {sum(res.bubble) / S:5.1%} "
+      f"busiest {min(res.bubble):5.1%}  peak held {list(res.peak_in_flight)}"
+    )
+  print(f"  no flush / flush per step: {per_step['pipedream-async'] / per_step['1f1b']:.3f}")
 
 
 def row(name, res, batch, bound, act_per_mb):
@@ -168,6 +204,7 @@ def main(argv):
       print(
         f"  zero-bubble / 1F1B {what} bubble: {zb[0]:.2f} (memory bound), {zb[1]:.2f} (1F1B bound)"
       )
+    streamed(plan, g, cluster, B)
   if FLAGS.measure:
     for name in FLAGS.models:
       measured(name)

@@ -176,7 +176,13 @@ def stream_schedule(sched: Schedule, steps: int) -> Schedule:
           f += 1
       lanes.append(out)
   multi = Schedule(
-    sched.name, sched.num_microbatches, sched.edges, tuple(map(tuple, lanes)), sched.counts, steps
+    sched.name,
+    sched.num_microbatches,
+    sched.edges,
+    tuple(map(tuple, lanes)),
+    sched.counts,
+    steps,
+    delays,
   )
   validate_schedule(multi)
   return multi

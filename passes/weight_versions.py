@@ -25,11 +25,13 @@ at each reader's version, and its gradient contributions are summed).
       coalesced over the micro-batches of a step and computed on the previous version,
       ``d(s) = 1``: W(t + 1) = W(t) - lr * grad f(W(t - 1)).
 
-The generators live in ``passes/schedules.py``. The lanes within a step are synchronous
-1F1B (what each step executes; the runtime runs one step per call, so the overlap of
-consecutive steps that removes PipeDream's flush is not realised here: the throughput is 1F1B's,
-the semantics PipeDream's). The runtime keeps the last ``max d(s)`` parameter versions on the
-owners' devices (weight stashing's memory: stage s holds ``d(s) + 1`` copies of its weights).
+The generators live in ``passes/schedules.py``. One step's lanes are 1F1B; a call of the step
+runs one step, so consecutive calls flush the pipeline in between. ``GraphPipeline.run_steps``
+takes several steps at once and issues them as one 1F1B stream without flushes
+(``passes.schedules.stream_schedule``, ``runtime/stream.py``): the stale versions are what
+lets step t + 1's forwards go ahead of step t's last backwards and its update. The runtime
+keeps the last ``max d(s)`` parameter versions on the owners' devices (weight stashing's
+memory: stage s holds ``d(s) + 1`` copies of its weights).
 """
 
 from __future__ import annotations

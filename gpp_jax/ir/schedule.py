@@ -66,6 +66,9 @@ class Schedule:
       M everywhere.
     steps: optimizer steps the lanes cover (1 for a step's schedule); with K > 1 stage s
       runs micro-batches 0..K*counts[s]-1 and ``UPDATE(s, t)`` for t = 0..K-1.
+    delays: over several steps, how many updates each stage's weights lag (the stale-weight
+      schedules, ``passes.weight_versions``); None for none (a forward of step u then needs
+      the update of step u - 1).
   """
 
   name: str
@@ -74,6 +77,7 @@ class Schedule:
   lanes: tuple[tuple[Action, ...], ...]
   counts: tuple[int, ...] | None = None
   steps: int = 1
+  delays: tuple[int, ...] | None = None
 
   @property
   def num_stages(self) -> int:
@@ -99,6 +103,7 @@ class Schedule:
         "lanes": [[[a.kind, a.stage, a.microbatch] for a in lane] for lane in self.lanes],
         "counts": None if self.counts is None else list(self.counts),
         "steps": self.steps,
+        "delays": None if self.delays is None else list(self.delays),
       }
     )
 
@@ -112,6 +117,7 @@ class Schedule:
       tuple(tuple(Action(*a) for a in lane) for lane in d["lanes"]),
       None if d.get("counts") is None else tuple(int(c) for c in d["counts"]),
       int(d.get("steps", 1)),
+      None if d.get("delays") is None else tuple(int(x) for x in d["delays"]),
     )
 
   def grid(self, mark: Action | None = None) -> str:
@@ -180,8 +186,8 @@ def validate_schedule(sched: Schedule) -> None:
   UPDATE, if any stage has one, ends every lane; and executing the lanes in order (each action
   waits for its dependencies) finishes. Over several steps: a lane runs UPDATE(s, t) in step
   order, each after its step's backwards and before the next step's, and a forward of step u
-  after the update that makes the weights it reads (``UPDATE(s, u - d(s) - 1)``, d(s) the
-  stage's staleness, ``passes.weight_versions``; 0 for synchronous schedules). The message
+  after the update that makes the weights it reads (``UPDATE(s, u - d(s) - 1)``, d(s) =
+  ``delays[s]``, 0 without). The message
   names the missing or misplaced action and shows the schedule grid with the offending action
   marked.
   """
@@ -213,7 +219,9 @@ def validate_schedule(sched: Schedule) -> None:
       f"a schedule over {K} steps needs an UPDATE per step on every lane; it has none\n"
       f"{sched.grid()}"
     )
-  delays = _delays(sched) if K > 1 else (0,) * sched.num_stages
+  delays = sched.delays or (0,) * sched.num_stages
+  if len(delays) != sched.num_stages:
+    raise ScheduleError(f"delays {list(delays)} must give one count per stage")
   for s, lane in enumerate(sched.lanes):
     M = counts[s]
     total = M * K
@@ -339,14 +347,6 @@ def _dispatch_order(sched: Schedule) -> tuple[Action, ...]:
       )
       raise ScheduleError(f"schedule deadlocks: {waits}\n{sched.grid(mark=blocked[0])}")
   return tuple(order)
-
-
-def _delays(sched: Schedule) -> tuple[int, ...]:
-  """How many updates each stage's weights lag (0 for synchronous schedules)."""
-  from gpp_jax.passes.weight_versions import weight_delays  # the pass reads this IR
-
-  d = weight_delays(sched)
-  return d if d is not None else (0,) * sched.num_stages
 
 
 def _fail(sched: Schedule, a: Action, msg: str):

@@ -41,7 +41,6 @@ from jax.extend import core as xc
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.schedule import Action
 from gpp_jax.passes.schedules import stream_schedule
-from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.driver import Timeline, TimelineEvent
 from gpp_jax.runtime.placement import place_input, transfer
 
@@ -102,7 +101,7 @@ def stream_steps(c, steps_leaves: Sequence[Sequence[Any]], carry: dict[int, int]
 
   # Stale weights: stage s at step t reads the parameters of step t - d(s); before the first
   # step, the versions earlier calls kept (``weight_versions.stale_versions``).
-  delays = weight_delays(sched) or (0,) * S
+  delays = sched.delays or (0,) * S
   history = list(getattr(c, "weight_history", None) or [])
 
   def param(t: int, s: int, i: int) -> Any:
@@ -206,7 +205,7 @@ def stream_steps(c, steps_leaves: Sequence[Sequence[Any]], carry: dict[int, int]
     t = next(t for t in range(K) if pending[t])
     raise ScheduleError(f"step {t}'s pieces around the pipeline never got their inputs")
   outs = [[read(t, v) for v in J.outvars] for t in range(K)]
-  if weight_delays(sched) is not None:
+  if sched.delays is not None:
     keep = max(delays) + 1
     versions = [[read(t, marker.invars[i]) for i in range(nparam)] for t in reversed(range(K))]
     c.weight_history = (versions + history)[:keep]
