@@ -199,6 +199,18 @@ def worker_pipe() -> None:
 
   wait(call())  # compiles
   t = _median_step(call, wait)
+  # Host work per step: the device_put calls this process issues in one step.
+  real_put, puts = jax.device_put, [0]
+
+  def counting_put(*a, **k):
+    puts[0] += 1
+    return real_put(*a, **k)
+
+  jax.device_put = counting_put
+  try:
+    wait(call())
+  finally:
+    jax.device_put = real_put
   if jax.process_index() == 0:
     predicted = reporting.predicted_timeline(pp, cluster).iteration_time
     _report(
@@ -208,6 +220,7 @@ def worker_pipe() -> None:
       predicted=predicted,
       stages=len(pp.plan.stages),
       microbatches=FLAGS.worker_microbatches,
+      puts_per_step=puts[0],
     )
 
 
@@ -260,7 +273,8 @@ def _fmt(row: dict, key: str, batch: int) -> str:
   if "predicted" in r:
     err = (r["predicted"] - r["seconds"]) / r["seconds"] * 100
     s += (
-      f" (M={r['microbatches']}, {r['stages']} st, sim {r['predicted'] * 1e3:.0f} ms {err:+.0f}%)"
+      f" (M={r['microbatches']}, {r['stages']} st, sim {r['predicted'] * 1e3:.0f} ms {err:+.0f}%"
+      f", {r.get('puts_per_step', '?')} puts/step)"
     )
   return s
 

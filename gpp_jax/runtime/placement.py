@@ -149,6 +149,8 @@ def transfer(x, sharding: jax.sharding.Sharding):
   """
   if isinstance(x, LocalCopy):
     return place_input(x.value, sharding)
+  if _unchanged(x, sharding):
+    return x
   if jax.process_count() == 1 and _already_there(x, sharding):
     return x  # the common case for state and parameters between steps
   if jax.process_count() > 1 and (
@@ -157,9 +159,9 @@ def transfer(x, sharding: jax.sharding.Sharding):
     if not isinstance(x, jax.Array):
       return _from_host(x, sharding)
     return _across_processes(x, sharding)
-  # With several processes every put is issued, even onto the same devices: skipping those
-  # broke JAX's cross-host transfers (measured with jax 0.10.2: "Async transfer object was
-  # deleted before transfers completed"), while issuing them works.
+  # With several processes every other put is issued, even onto the same devices: skipping
+  # those broke JAX's cross-host transfers (measured with jax 0.10.2: "Async transfer object
+  # was deleted before transfers completed"), while issuing them works.
   remote_only = jax.process_count() > 1 and not _has_local(sharding)
   if remote_only and (_is_remote(x) or not isinstance(x, jax.Array)):
     return _placeholder_for(x, sharding)
@@ -171,6 +173,15 @@ def transfer(x, sharding: jax.sharding.Sharding):
     # transfer, so both are kept until two steps later even if the pipeline drops them sooner.
     _IN_FLIGHT[-1].append((x, out))
   return out
+
+
+def _unchanged(x, sharding) -> bool:
+  """Whether ``jax.device_put(x, sharding)`` would return ``x`` itself: a committed array
+  already on exactly this sharding (JAX's own first test, for the default copy semantics). Such
+  a put moves nothing and touches no transfer state, so skipping it changes nothing but the
+  tens of microseconds of host time the call costs (thousands per step with several
+  processes, where the looser ``_already_there`` does not apply)."""
+  return isinstance(x, jax.Array) and x.committed and x.sharding == sharding
 
 
 def _rows(index, n: int) -> tuple[int, int]:
