@@ -128,7 +128,7 @@ def test_run_steps_bad_input_is_named():
   o = tx.init(params)
   with pytest.raises(BatchError, match="list of per-step batches"):
     pp.run_steps(params, o, make_batch(1, 8, 5, 2))
-  with pytest.raises(BatchError, match="one shape and dtype; batch 1"):
+  with pytest.raises(BatchError, match="one structure, shape and dtype; batch 1"):
     pp.run_steps(params, o, [make_batch(1, 8, 5, 2), make_batch(2, 12, 5, 2)])
 
   def loss_only(params, opt_state, batch):  # returns no new state

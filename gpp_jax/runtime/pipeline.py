@@ -619,14 +619,19 @@ class GraphPipeline:
       a = step_args(t)
       return leaves[:nstate] + jax.tree.leaves(tuple(a[i] for i in others_at))
 
-    steps_leaves = [leaves] + [flat(t) for t in range(1, K)]
+    def signature(t: int) -> tuple:
+      bs = [args[i][t] for i in bpos]
+      shapes = [(np.shape(x), _canonical(_dtype(x))) for x in jax.tree.leaves(bs)]
+      return str(jax.tree.structure(bs)), shapes
+
+    want = signature(0)
     for t in range(1, K):
-      got = [(np.shape(x), _canonical(_dtype(x))) for x in steps_leaves[t]]
-      want = [(np.shape(x), _canonical(_dtype(x))) for x in leaves]
-      if str(got) != str(want):
+      if signature(t) != want:
         raise BatchError(
-          f"run_steps needs batches of one shape and dtype; batch {t} differs from batch 0"
+          f"run_steps needs batches of one structure, shape and dtype; batch {t} differs "
+          "from batch 0"
         )
+    steps_leaves = [leaves] + [flat(t) for t in range(1, K)]
     reason = stream_reason(c, self.measure, jax.process_count() > 1)
     if reason is None and weight_delays(c.schedule) is not None:
       outs = stream_steps(c, steps_leaves, carry)

@@ -157,9 +157,13 @@ def stream_steps(c, steps_leaves: Sequence[Sequence[Any]], carry: dict[int, int]
           env[t][o] = x
 
   pending = [list(c.pieces) for _ in range(K)]
+  issued = [0]  # pieces issued so far
 
-  def run_pieces() -> None:
-    for t in range(K):
+  def run_pieces(first: int = 0) -> None:
+    """Issues the pieces whose inputs exist, from step ``first`` on. A later step gains
+    inputs only from its own updates (which call this) and from the state the step before
+    returns, so the scan stops at the first step after ``first`` where nothing ran."""
+    for t in range(first, K):
       left = []
       for p, f in pending[t]:
         try:
@@ -170,7 +174,11 @@ def stream_steps(c, steps_leaves: Sequence[Sequence[Any]], carry: dict[int, int]
         outs = f(*[transfer(x, homes[p.home]) for x in args])
         for o, x in zip(p.outputs, outs):
           env[t][o] = x
+      ran = len(left) < len(pending[t])
+      issued[0] += len(pending[t]) - len(left)
       pending[t] = left
+      if t > first and not ran:
+        break
 
   events: list[TimelineEvent] = []
   t0 = time.perf_counter()
@@ -185,7 +193,7 @@ def stream_steps(c, steps_leaves: Sequence[Sequence[Any]], carry: dict[int, int]
         start = time.perf_counter()
         if a.kind == "UPDATE":
           update(s, t)
-          run_pieces()
+          run_pieces(t)
         else:
           local = Action(a.kind, s, a.microbatch - t * counts[s])
           if not prepare(t, s) or not runs[t]._ready(local):
@@ -195,6 +203,10 @@ def stream_steps(c, steps_leaves: Sequence[Sequence[Any]], carry: dict[int, int]
         pos[s] += 1
         progressed = True
     if not progressed:
+      before = issued[0]
+      run_pieces()  # a full scan: a step may have gained inputs through one that did not
+      if issued[0] > before:
+        continue
       heads = [str(sched.lanes[s][pos[s]]) for s in range(S) if pos[s] < len(sched.lanes[s])]
       raise ScheduleError(
         f"the {K}-step stream cannot issue any of {heads}: what they read is computed later "
