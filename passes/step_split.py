@@ -183,6 +183,14 @@ def split_step(
   exported = [
     any(homes[c] != homes[k] or c == marker_index for c in consumers[k]) for k in range(len(eqns))
   ]
+  # After the pipeline, work only its own home reads runs as late as its readers allow: at the
+  # lowest level among them. Adam's ``b1 * mu`` does not wait for the global norm, but in a
+  # piece of its own below the norm's level it is a pass over the optimizer state written out
+  # and read back; at its reader's level it fuses into the moment update.
+  for k in reversed(range(len(eqns))):
+    if k == marker_index or feeds_marker[k] or exported[k] or eqns[k].effects or not consumers[k]:
+      continue
+    eqn_level[k] = max(eqn_level[k], min(eqn_level[c] for c in consumers[k]))
   first = [False] * len(eqns)
   for k in reversed(range(len(eqns))):
     if k == marker_index:

@@ -325,3 +325,25 @@ def test_optimizer_work_that_does_not_feed_the_loss_runs_after_the_pipeline():
   assert not any(id(v) in opt_leaves for e in before for v in e.invars), "optimizer work before"
   assert any(e.primitive.name == "mul" for e in before)
   assert any(id(v) in opt_leaves for e in after for v in e.invars)
+
+
+def test_optimizer_update_is_not_cut_at_the_global_norm():
+  # Under clip-by-global-norm + Adam, the moment updates wait for the norm, but ``b1 * mu``
+  # and ``b2 * nu`` do not: they must sit in the piece that finishes the update (where XLA fuses
+  # them), not in one below the norm's level that writes them out. Pieces hand each other only
+  # the norm's scalars; everything else they output is the step's new state.
+  tx = OPTIMIZERS["clip_adam"]()
+  params = chain_params()
+  r, p, pp = compare_steps(
+    mse_step(chain_model, tx),
+    (params, tx.init(params)),
+    make_batch(5, 16, 6, 3),
+    num_microbatches=2,
+    devices=jax.devices()[:4],
+    planner=CHAIN_PLAN,
+  )
+  assert max_diff(r[0], p[0]) <= TOL and max_diff(r[1], p[1]) <= TOL
+  c = pp._last  # pylint: disable=protected-access
+  outs = set(c.prog.jaxpr.jaxpr.outvars)
+  handed = [v for piece, _ in c.pieces[c.nbefore :] for v in piece.outputs if v not in outs]
+  assert handed and all(v.aval.ndim == 0 for v in handed), [v.aval for v in handed]
