@@ -13,6 +13,7 @@ the values it holds against a one-device reference it computes itself.
                 when the first step refuses to run them.
   mode "span": as "check", but stage l1 runs on devices of both processes (one SPMD program
                 over a sub-mesh spanning them); values of that stage are checked shard by shard.
+  mode "stream": 4 steps of pipedream-async as one run_steps call vs 4 calls.
   mode "absent": process 1 never builds the pipeline (it sleeps, then exits); process 0
                 exits 3 with the error message when its set-up times out.
 """
@@ -115,16 +116,31 @@ def main():
     except gpp_jax.GppError as e:
       print(f"FAILED: {e}", flush=True)
       os._exit(3)
-  dev0 = jax.local_devices()[0]
-  ref = jax.jit(step)
-  rp, ro = jax.device_put((params, tx.init(params)), dev0)
-  rb = jax.device_put(batch, dev0)
-  for _ in range(3):
-    p, o, loss = pp(p, o, batch)
-    rp, ro, rloss = ref(rp, ro, rb)
+  if mode == "stream":  # run_steps under pipedream-async vs one call per step
+    batches = [jax.tree.map(lambda a, k=k: a * (1 + 0.1 * k), batch) for k in range(4)]
+    one = gpp_jax.graph_pipeline(
+      step, num_microbatches=4, timeout_s=timeout, schedule="pipedream-async", **options
+    )
+    rp, ro = p, o
+    for b in batches:
+      rp, ro, rloss = one(rp, ro, b)
+    many = gpp_jax.graph_pipeline(
+      step, num_microbatches=4, timeout_s=timeout, schedule="pipedream-async", **options
+    )
+    p, o, losses = many.run_steps(p, o, batches)
+    loss = losses[-1]
+    pp = many
+  else:
+    dev0 = jax.local_devices()[0]
+    ref = jax.jit(step)
+    rp, ro = jax.device_put((params, tx.init(params)), dev0)
+    rb = jax.device_put(batch, dev0)
+    for _ in range(3):
+      p, o, loss = pp(p, o, batch)
+      rp, ro, rloss = ref(rp, ro, rb)
   diffs, checked = [], 0
   for a, b in zip(jax.tree.leaves((p, o, loss)), jax.tree.leaves((rp, ro, rloss))):
-    if a.is_fully_addressable:
+    if a.is_fully_addressable and (b.is_fully_addressable or mode != "stream"):
       diffs.append(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
       checked += 1
     elif a.addressable_shards:  # spans processes: compare this process's shards

@@ -154,6 +154,19 @@ def test_a_stage_spanning_two_processes_matches_the_reference():
   assert checked["1"] >= 12, results
 
 
+def test_run_steps_over_two_processes_equals_one_call_per_step():
+  # Stages alternate between the processes; run_steps (which runs the steps one call at a
+  # time with several processes) ends where 4 calls of the step end, on both processes.
+  r = _launch_worker("stream")
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out[-3000:]  # each process exits 1 if a value it holds differs
+  results = [l for l in out.splitlines() if "] RESULT process=" in l]
+  assert len(results) == 2, out[-3000:]
+  for line in results:
+    assert float(line.split("maxdiff=")[1].split()[0]) <= 1e-5, results
+    assert int(line.split("checked=")[1].split()[0]) >= 6, results
+
+
 def test_processes_with_different_plans_get_a_clear_error():
   r = _launch_worker("differ")
   out = r.stdout + r.stderr
