@@ -594,17 +594,8 @@ class GraphPipeline:
       K = len(b)
     assert K is not None
 
-    def step_args(t: int, state: Sequence[Any] | None = None) -> tuple:
-      it = iter(state or ())
-      out = []
-      for i, a in enumerate(args):
-        if i in bpos:
-          out.append(a[t])
-        elif state is not None and i in carried_args:
-          out.append(next(it))
-        else:
-          out.append(a)
-      return tuple(out)
+    def step_args(t: int) -> tuple:
+      return tuple(a[t] if i in bpos else a for i, a in enumerate(args))
 
     first = step_args(0)
     pure, leaves = functionalize(self.fn, first)
