@@ -36,6 +36,7 @@ import dataclasses
 import statistics
 import time
 
+import numpy as np
 from absl import app, flags
 
 from gpp_jax.cost.cluster import make_cluster
@@ -57,6 +58,12 @@ flags.DEFINE_integer("measure_devices", 4, "forced CPU devices of the measured r
 flags.DEFINE_integer("measure_batch", 32, "batch of the measured runs")
 flags.DEFINE_integer("repeats", 9, "timed steps per schedule (median)")
 flags.DEFINE_integer("stream_steps", 8, "steps in a row for the flush / no-flush comparison")
+flags.DEFINE_bool(
+  "stream_medium",
+  False,
+  "also time K calls vs one run_steps stream on CANDLE-Uno at the scaling benchmark's medium "
+  "size, 2 stages on 2 forced CPU devices",
+)
 MEASURED_SCHEDULES = ("1f1b", "graph-1f1b", "zero-bubble", "pipedream-async")
 
 
@@ -95,7 +102,7 @@ def measured(name: str) -> None:
     pp, run, batch = runs["pipedream-async"]
     pp.measure = False
     t = time.perf_counter()  # K steps as one stream, no flush between them
-    jax.block_until_ready(pp.run_steps(run.model, run.optimizer, [batch] * K))
+    jax.block_until_ready(pp.run_steps(run.model, run.optimizer, [batch] * K, stream=True))
     times["pipedream-async, run_steps"].append((time.perf_counter() - t) / K)
     fast = fast or pp.cached_partial(run.model, run.optimizer)  # no NNX walk per call
     t = time.perf_counter()  # K calls, waiting only after the last: a flush per step
@@ -131,6 +138,68 @@ def measured(name: str) -> None:
       f"  pipedream-async, {K} steps as {what:9s} (one wait): step median {step * 1e3:7.1f} ms "
       f"{FLAGS.measure_batch / step:7.1f} samples/s"
     )
+
+
+def stream_medium() -> None:
+  """CANDLE-Uno at medium size (``benchmarks/scaling.py``), four branches per stage on 2 forced
+  CPU devices, pipedream-async, M = 4: K ``cached_partial`` calls vs one ``run_steps``
+  stream, each waiting once at the end, interleaved; also the host time inside the stream."""
+  import jax
+  from flax import nnx
+
+  import gpp_jax
+  from gpp_jax.experiments import zoo
+
+  K = FLAGS.stream_steps
+  # The scaling benchmark's medium CANDLE-Uno (its MEDIUM table).
+  run = zoo.setup("candle_uno", "paper", branch_width=512, head_width=512)
+  (batch,) = run.batches(256, 1)
+  plan = {f"branches/{i}": 0 for i in range(4)} | {"branches": 1, "head": 1}
+  pp = gpp_jax.graph_pipeline(
+    run.train_step,
+    num_microbatches=4,
+    devices=jax.devices()[:2],
+    planner=gpp_jax.manual_plan(plan),
+    layer_depth=run.spec.layer_depth,
+    schedule="pipedream-async",
+  )
+  fast = pp.cached_partial(run.model, run.optimizer)
+  state = nnx.state((run.model, run.optimizer))
+
+  def wait(x):
+    jax.block_until_ready((x, jax.tree.leaves(state)))
+
+  wait(fast(batch))
+  wait(pp.run_steps(run.model, run.optimizer, [batch] * K, stream=True))
+  calls, streams, hosts = [], [], []
+  for _ in range(FLAGS.repeats):
+    t = time.perf_counter()
+    wait([fast(batch) for _ in range(K)])
+    calls.append((time.perf_counter() - t) / K)
+    t = time.perf_counter()
+    out = pp.run_steps(run.model, run.optimizer, [batch] * K, stream=True)
+    hosts.append((time.perf_counter() - t) / K)
+    wait(out)
+    streams.append((time.perf_counter() - t) / K)
+  # Why: the CPU client stops the issuing thread once a device has enough work queued.
+  f = jax.jit(lambda a: (a @ a) * 1e-3)
+  x = jax.device_put(np.ones((1024, 1024), np.float32), jax.devices()[0])
+  jax.block_until_ready(f(x))
+  for n in (16, 64):
+    t = time.perf_counter()
+    ys = [f(x) for _ in range(n)]
+    issued = time.perf_counter() - t
+    jax.block_until_ready(ys)
+    print(
+      f"  {n} jitted 1024^3 matmuls issued back to back on one CPU device: issuing took "
+      f"{issued * 1e3:.1f} ms of {(time.perf_counter() - t) * 1e3:.1f} ms"
+    )
+  c, st = statistics.median(calls), statistics.median(streams)
+  print(
+    f"candle_uno (medium), 2 stages on 2 forced CPU devices, M=4, {K} steps: {K} calls "
+    f"{c * 1e3:.1f} ms per step, run_steps {st * 1e3:.1f} ms per step (host "
+    f"{statistics.median(hosts) * 1e3:.1f} ms of it), calls / stream {c / st:.3f}"
+  )
 
 
 def streamed(plan, g, cluster, B: int) -> None:
@@ -216,6 +285,8 @@ def main(argv):
   if FLAGS.measure:
     for name in FLAGS.models:
       measured(name)
+  if FLAGS.stream_medium:
+    stream_medium()
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def test_run_steps_streams_and_matches_the_delayed_update_reference(schedule, op
   o0 = tx.init(params)
   with jax.transfer_guard("disallow"):
     p, o, m = pp(params, o0, batches[0])
-    p, o, metrics = pp.run_steps(p, o, batches[1:])
+    p, o, metrics = pp.run_steps(p, o, batches[1:], stream=True)
   losses = [float(m["loss"])] + [float(x["loss"]) for x in metrics]
   rp, ro, rlosses = reference_loop(params, tx, batches, DELAYS[schedule])
   assert max_diff(rp, p) <= TOL
@@ -63,6 +63,21 @@ def test_run_steps_streams_and_matches_the_delayed_update_reference(schedule, op
   order = [(e.action, e.stage, e.microbatch) for e in pp.timeline.events]
   assert order.index(("F", 0, 4)) < order.index(("B", 0, 3))
   assert order.index(("UPDATE", 0, 0)) < order.index(("B", 0, 4))
+
+
+def test_run_steps_on_cpu_streams_only_when_asked():
+  """On CPU devices the default runs one call per step (the stream is slower there); the
+  values are the stream's."""
+  tx = OPTIMIZERS["adamw"]()
+  params = dag_params()
+  batches = [make_batch(50 + t, 8, 5, 2) for t in range(3)]
+  out = {}
+  for stream in (None, True):
+    pp = _pipeline(tx, "2bw")
+    out[stream] = pp.run_steps(params, tx.init(params), batches, stream=stream)
+    beyond_one_step = [e for e in pp.timeline.events if e.microbatch >= 4]
+    assert bool(beyond_one_step) == bool(stream)
+  assert max_diff(out[None], out[True]) <= TOL
 
 
 def test_run_steps_of_a_synchronous_schedule_equals_one_call_per_step():
@@ -115,7 +130,7 @@ def test_run_steps_updates_nnx_objects_like_one_call_per_step():
   one = gpp_jax.graph_pipeline(_nnx_step, **kw)
   losses = [float(one(m1, o1, b)) for b in batches]
   many = gpp_jax.graph_pipeline(_nnx_step, **kw)
-  streamed = many.run_steps(m2, o2, batches)
+  streamed = many.run_steps(m2, o2, batches, stream=True)
   assert [float(x) for x in streamed] == pytest.approx(losses, abs=TOL)
   assert max_diff(nnx.state((m1, o1)), nnx.state((m2, o2))) <= TOL
   assert int(o2.step[...]) == 4

@@ -561,7 +561,7 @@ class GraphPipeline:
       nnx.update(tuple(args[i] for i in pure.graph_positions), new_state)
     return out
 
-  def run_steps(self, *args):
+  def run_steps(self, *args, stream: bool | None = None):
     """K training steps in one call: ``step(*args_t)`` for t = 0..K-1, where each batch
     argument (the last one, or ``batch_argnums``) is given as a list of K batches.
 
@@ -572,10 +572,14 @@ class GraphPipeline:
     ``jax.lax.scan`` would: ``(*final non-batch arguments, [rest of the output per step])``.
 
     Under the stale-weight schedules (``pipedream-async``, ``pipedream-async-vsync``, ``2bw``)
-    the steps are issued as one stream without a flush between them (``runtime.stream``), as
-    PipeDream runs; other schedules, and runs the stream does not cover (one fused stage,
-    scanned layers split across stages, several processes, ``measure=True``), run the K steps
-    one after another. The values are those of K calls either way.
+    the steps can be issued as one stream without a flush between them (``runtime.stream``), as
+    PipeDream runs. ``stream=None`` (default) streams on accelerators and runs K calls on CPU
+    devices, where the client blocks the issuing thread once a device has a few dozen
+    computations queued and the stream measured slower than K calls (see BUILD_NOTES);
+    ``True`` streams wherever it can, ``False`` never. Other schedules, and runs the stream
+    does not cover (one fused stage, scanned layers split across stages, several processes,
+    ``measure=True``), run the K steps one after another. The values are those of K calls
+    either way.
     """
     bpos = self._batch_positions(args)
     K = None
@@ -623,11 +627,17 @@ class GraphPipeline:
           "from batch 0"
         )
     steps_leaves = [leaves] + [flat(t) for t in range(1, K)]
+    stale = weight_delays(c.schedule) is not None
     reason = stream_reason(c, self.measure, jax.process_count() > 1)
-    if reason is None and weight_delays(c.schedule) is not None:
+    cpu = all(d.platform == "cpu" for p in c.placements for d in p.devices)
+    if stream is False:
+      reason = "stream=False"
+    elif reason is None and stream is None and cpu:
+      reason = "the devices are CPUs (pass stream=True to stream there)"
+    if reason is None and stale:
       outs = stream_steps(c, steps_leaves, carry)
     else:
-      if reason is not None and weight_delays(c.schedule) is not None:
+      if reason is not None and stale:
         logging.info("run_steps: the %d steps run one after another: %s", K, reason)
       outs = []
       for t in range(K):
