@@ -3,13 +3,13 @@ under the stale-weight schedules, the same values as one call per step, and the 
 schedule IR (validator, simulator) it runs."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 from harness import OPTIMIZERS, make_batch, max_diff, mse_step
 from test_async_schedules import DELAYS, STAGE_OF, dag_model, dag_params, reference_loop
+from test_flax_steps import NNXNet, nnx_train_step
 
 import gpp_jax
 from gpp_jax.errors import BatchError, CaptureError, ScheduleError
@@ -95,28 +95,9 @@ def test_run_steps_of_a_synchronous_schedule_equals_one_call_per_step():
   assert losses == [float(x["loss"]) for x in metrics]
 
 
-class _Net(nnx.Module):
-  def __init__(self, rngs):
-    self.enc = nnx.Linear(5, 8, rngs=rngs)
-    self.mid = nnx.Linear(8, 8, rngs=rngs)
-    self.head = nnx.Linear(8, 2, rngs=rngs)
-
-  def __call__(self, x):
-    return self.head(jnp.tanh(self.mid(jnp.tanh(self.enc(x)))))
-
-
-def _nnx_step(model, optimizer, batch):
-  def loss_fn(model):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-  loss, grads = gpp_jax.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss
-
-
 def test_run_steps_updates_nnx_objects_like_one_call_per_step():
   def fresh():
-    m = _Net(nnx.Rngs(0))
+    m = NNXNet(nnx.Rngs(0))
     return m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)
 
   kw = dict(
@@ -125,11 +106,11 @@ def test_run_steps_updates_nnx_objects_like_one_call_per_step():
     planner=gpp_jax.manual_plan({"enc": 0, "mid": 1, "head": 2}),
     schedule="pipedream-async",
   )
-  batches = [make_batch(60 + t, 8, 5, 2) for t in range(4)]
+  batches = [make_batch(60 + t, 8, 5, 3) for t in range(4)]
   (m1, o1), (m2, o2) = fresh(), fresh()
-  one = gpp_jax.graph_pipeline(_nnx_step, **kw)
+  one = gpp_jax.graph_pipeline(nnx_train_step, **kw)
   losses = [float(one(m1, o1, b)) for b in batches]
-  many = gpp_jax.graph_pipeline(_nnx_step, **kw)
+  many = gpp_jax.graph_pipeline(nnx_train_step, **kw)
   streamed = many.run_steps(m2, o2, batches, stream=True)
   assert [float(x) for x in streamed] == pytest.approx(losses, abs=TOL)
   assert max_diff(nnx.state((m1, o1)), nnx.state((m2, o2))) <= TOL
