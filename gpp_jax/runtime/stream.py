@@ -23,10 +23,13 @@ lane order of ``ir.schedule.dispatch_order``:
   * the pieces of the step around the pipeline (``passes.step_split``) run as soon as their
     inputs exist; the state a step returns is the next step's input (``carry``).
 
-Nothing waits on a device: JAX dispatch is asynchronous and this only orders the dispatches, so
-the values are the same as K calls of the step (the tests compare them to the reference
-loops). Synchronous schedules get their lanes repeated (``stream_schedule``): K steps with
-flushes, as K calls.
+Nothing here waits on a device: JAX dispatch is asynchronous and this only orders the
+dispatches, so the values are the same as K calls of the step (the tests compare them to the
+reference loops). Synchronous schedules get their lanes repeated (``stream_schedule``): K steps
+with flushes, as K calls. JAX's CPU client, though, makes the issuing thread wait once a device
+has a few dozen computations queued, and a stream queues many more than one step does; with
+one thread feeding every device, the others then starve. ``run_steps`` therefore streams by
+default only on accelerators (BUILD_NOTES, "Measured (schedules)").
 """
 
 from __future__ import annotations
