@@ -35,6 +35,7 @@ from gpp_jax.passes.inflight import (
   one_f_one_b_in_flight,
   stage_counts,
 )
+from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.passes.zero_bubble import zero_bubble
 
 
@@ -132,8 +133,6 @@ def stream_schedule(sched: Schedule, steps: int) -> Schedule:
   last backwards. ``w(s) = min(L(s), d(s) * M + 1)``: L(s) is the step's 1F1B warm-up and the
   cap keeps every forward after the update that makes its weights (d(s) updates old).
   """
-  from gpp_jax.passes.weight_versions import weight_delays
-
   if steps < 1:
     raise ValueError(f"steps must be at least 1, got {steps}")
   if sched.steps != 1:

@@ -159,9 +159,9 @@ def transfer(x, sharding: jax.sharding.Sharding):
     if not isinstance(x, jax.Array):
       return _from_host(x, sharding)
     return _across_processes(x, sharding)
-  # With several processes every other put is issued, even onto the same devices: skipping
-  # those broke JAX's cross-host transfers (measured with jax 0.10.2: "Async transfer object
-  # was deleted before transfers completed"), while issuing them works.
+  # With several processes the remaining puts are issued even onto the same devices: skipping
+  # them by device set (``_already_there``) broke JAX's cross-host transfers (measured with
+  # jax 0.10.2: "Async transfer object was deleted before transfers completed").
   remote_only = jax.process_count() > 1 and not _has_local(sharding)
   if remote_only and (_is_remote(x) or not isinstance(x, jax.Array)):
     return _placeholder_for(x, sharding)
