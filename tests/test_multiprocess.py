@@ -141,12 +141,17 @@ def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference(
   assert sum(checked) >= 13, results  # the parameters, optimizer state and loss, somewhere
 
 
-def test_a_stage_spanning_two_processes_matches_the_reference():
-  r = _launch_worker("span")
+def _results(r) -> list[str]:
+  """The RESULT lines of both processes of a worker run that must have succeeded."""
   out = r.stdout + r.stderr
   assert r.returncode == 0, out[-3000:]  # each process exits 1 if a value it holds differs
   results = [l for l in out.splitlines() if "] RESULT process=" in l]
   assert len(results) == 2, out[-3000:]
+  return results
+
+
+def test_a_stage_spanning_two_processes_matches_the_reference():
+  results = _results(_launch_worker("span"))
   maxdiff = [float(l.split("maxdiff=")[1].split()[0]) for l in results]
   assert max(maxdiff) <= 1e-5, results
   # Process 1 holds l1 (its shard of the spanning stage) and l2: both checked there.
@@ -157,11 +162,7 @@ def test_a_stage_spanning_two_processes_matches_the_reference():
 def test_run_steps_over_two_processes_equals_one_call_per_step():
   # Stages alternate between the processes; run_steps (which runs the steps one call at a
   # time with several processes) ends where 4 calls of the step end, on both processes.
-  r = _launch_worker("stream")
-  out = r.stdout + r.stderr
-  assert r.returncode == 0, out[-3000:]  # each process exits 1 if a value it holds differs
-  results = [l for l in out.splitlines() if "] RESULT process=" in l]
-  assert len(results) == 2, out[-3000:]
+  results = _results(_launch_worker("stream"))
   for line in results:
     assert float(line.split("maxdiff=")[1].split()[0]) <= 1e-5, results
     assert int(line.split("checked=")[1].split()[0]) >= 6, results
