@@ -31,6 +31,30 @@ def make_batch(seed, batch, din, dout):
   }
 
 
+# A four-stage DAG: an input layer, two branches, and a head that reads both branches and, over a
+# skip edge, the input layer. Stage graph 0 -> 1, 0 -> 2, 0 -> 3, 1 -> 3, 2 -> 3.
+DAG_STAGES = {"inp": 0, "left": 1, "right": 2, "head": 3}
+DAG_EDGES = [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3)]
+
+
+def dag_model(p, x):
+  h = jnp.tanh(apply_dense(p["inp"], x))
+  a = jnp.tanh(apply_dense(p["left"], h))
+  b = jax.nn.relu(apply_dense(p["right"], h))
+  return apply_dense(p["head"], jnp.concatenate([a, b], axis=-1) + jnp.tile(h, 2))
+
+
+def dag_params():
+  """Parameters of ``dag_model`` for 5 inputs and 2 outputs."""
+  ks = jax.random.split(jax.random.key(11), 4)
+  return {
+    "inp": dense(ks[0], 5, 6),
+    "left": dense(ks[1], 6, 6),
+    "right": dense(ks[2], 6, 6),
+    "head": dense(ks[3], 12, 2),
+  }
+
+
 def mse_step(model_fn, tx):
   """A plain-pytree train step: MSE loss, optax update, loss metric."""
 

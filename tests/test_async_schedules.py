@@ -6,7 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import OPTIMIZERS, apply_dense, dense, make_batch, max_diff, mse_step
+from harness import (
+  DAG_STAGES,
+  OPTIMIZERS,
+  dag_model,
+  dag_params,
+  make_batch,
+  max_diff,
+  mse_step,
+)
 
 import gpp_jax
 
@@ -14,24 +22,6 @@ TOL = 1e-5
 STEPS = 6
 
 
-def dag_model(p, x):
-  h = jnp.tanh(apply_dense(p["inp"], x))
-  a = jnp.tanh(apply_dense(p["left"], h))
-  b = jax.nn.relu(apply_dense(p["right"], h))
-  return apply_dense(p["head"], jnp.concatenate([a, b], axis=-1) + jnp.tile(h, 2))
-
-
-def dag_params():
-  ks = jax.random.split(jax.random.key(11), 4)
-  return {
-    "inp": dense(ks[0], 5, 6),
-    "left": dense(ks[1], 6, 6),
-    "right": dense(ks[2], 6, 6),
-    "head": dense(ks[3], 12, 2),
-  }
-
-
-STAGE_OF = {"inp": 0, "left": 1, "right": 2, "head": 3}
 # Stage graph 0 -> 1, 0 -> 2, 0 -> 3 (skip), 1 -> 3, 2 -> 3: longest paths to the sink 3, 2, 2, 1.
 DELAYS = {
   "pipedream-async": (2, 1, 1, 0),
@@ -51,7 +41,7 @@ def reference_loop(params, tx, batches, delays):
 
   grad = jax.jit(jax.value_and_grad(loss_fn))
   for t, batch in enumerate(batches):
-    stale = {k: history[max(0, t - delays[STAGE_OF[k]])][k] for k in params}
+    stale = {k: history[max(0, t - delays[DAG_STAGES[k]])][k] for k in params}
     loss, g = grad(stale, batch)
     updates, opt_state = tx.update(g, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -71,7 +61,7 @@ def test_async_schedule_matches_delayed_update_reference(schedule):
     mse_step(dag_model, tx),
     num_microbatches=4,
     devices=jax.devices()[:4],
-    planner=gpp_jax.manual_plan(STAGE_OF),
+    planner=gpp_jax.manual_plan(DAG_STAGES),
     schedule=schedule,
   )
   p, o, losses = params, tx.init(params), []

@@ -7,7 +7,19 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from harness import OPTIMIZERS, apply_dense, compare_steps, dense, make_batch, max_diff, mse_step
+from harness import (
+  DAG_EDGES,
+  DAG_STAGES,
+  OPTIMIZERS,
+  apply_dense,
+  compare_steps,
+  dag_model,
+  dag_params,
+  dense,
+  make_batch,
+  max_diff,
+  mse_step,
+)
 from test_schedule_validator import overlaps, with_lanes
 
 import gpp_jax
@@ -30,27 +42,6 @@ from gpp_jax.passes.schedules import (
 from gpp_jax.passes.zero_bubble import zero_bubble
 
 TOL = 1e-5
-DAG = [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3)]  # two branches, a join and a skip edge
-RULES = {"inp": 0, "left": 1, "right": 2, "head": 3}
-
-
-def skip_model(p, x):
-  h = jnp.tanh(apply_dense(p["inp"], x))
-  a = jnp.tanh(apply_dense(p["left"], h))
-  b = jax.nn.relu(apply_dense(p["right"], h))
-  return apply_dense(p["head"], jnp.concatenate([a, b, h], axis=-1))
-
-
-def skip_params():
-  ks = jax.random.split(jax.random.key(3), 4)
-  return {
-    "inp": dense(ks[0], 5, 12),
-    "left": dense(ks[1], 12, 8),
-    "right": dense(ks[2], 12, 8),
-    "head": dense(ks[3], 28, 2),
-  }
-
-
 # -- training matches one device ---------------------------------------------------------------
 
 
@@ -65,13 +56,13 @@ def skip_params():
   ],
 )
 def test_per_stage_sizes_match_one_device(schedule, sizes, devices):
-  params = skip_params()
+  params = dag_params()
   tx = OPTIMIZERS["clip_adam"]()
   plan = gpp_jax.manual_plan(
-    RULES, devices=devices or None, microbatch_sizes=dict(enumerate(sizes))
+    DAG_STAGES, devices=devices or None, microbatch_sizes=dict(enumerate(sizes))
   )
   r, p, pp = compare_steps(
-    mse_step(skip_model, tx),
+    mse_step(dag_model, tx),
     (params, tx.init(params)),
     make_batch(3, 16, 5, 2),
     num_microbatches=4,
@@ -80,7 +71,7 @@ def test_per_stage_sizes_match_one_device(schedule, sizes, devices):
     schedule=schedule,
   )
   counts = tuple(16 // b for b in sizes)
-  assert sorted(pp.plan.edges) == DAG
+  assert sorted(pp.plan.edges) == DAG_EDGES
   assert pp.schedule.stage_counts == counts
   forwards = [sum(e.action == "F" and e.stage == s for e in pp.timeline.events) for s in range(4)]
   assert tuple(forwards) == counts
@@ -89,11 +80,11 @@ def test_per_stage_sizes_match_one_device(schedule, sizes, devices):
 
 
 def test_zero_bubble_with_per_stage_sizes_matches_one_device():
-  params = skip_params()
+  params = dag_params()
   tx = OPTIMIZERS["adamw"]()
-  plan = gpp_jax.manual_plan(RULES, microbatch_sizes={0: 8, 1: 2, 2: 4, 3: 4})
+  plan = gpp_jax.manual_plan(DAG_STAGES, microbatch_sizes={0: 8, 1: 2, 2: 4, 3: 4})
   r, p, pp = compare_steps(
-    mse_step(skip_model, tx),
+    mse_step(dag_model, tx),
     (params, tx.init(params)),
     make_batch(6, 16, 5, 2),
     steps=2,
@@ -110,11 +101,11 @@ def test_zero_bubble_with_per_stage_sizes_matches_one_device():
 
 def test_graph_1f1b_remat_and_measure_with_per_stage_sizes_match_one_device():
   # measure=True runs one thread per stage, waiting until the re-chunked inputs are complete.
-  params = skip_params()
+  params = dag_params()
   tx = OPTIMIZERS["adamw"]()
-  plan = gpp_jax.manual_plan(RULES, microbatch_sizes={0: 2, 1: 4, 2: 4, 3: 8})
+  plan = gpp_jax.manual_plan(DAG_STAGES, microbatch_sizes={0: 2, 1: 4, 2: 4, 3: 8})
   r, p, pp = compare_steps(
-    mse_step(skip_model, tx),
+    mse_step(dag_model, tx),
     (params, tx.init(params)),
     make_batch(5, 16, 5, 2),
     steps=2,
@@ -136,7 +127,7 @@ def test_aux_outputs_with_per_stage_sizes():
 
   def step(params, opt_state, batch):
     def loss_fn(p):
-      out = skip_model(p, batch["x"])
+      out = dag_model(p, batch["x"])
       err = jnp.mean(jnp.abs(out - batch["y"]))
       return jnp.mean((out - batch["y"]) ** 2), {"pred": out, "err": err}
 
@@ -144,9 +135,9 @@ def test_aux_outputs_with_per_stage_sizes():
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, aux
 
-  params = skip_params()
+  params = dag_params()
   batch = make_batch(1, 16, 5, 2)
-  plan = gpp_jax.manual_plan(RULES, microbatch_sizes={0: 4, 1: 2, 2: 8, 3: 8})
+  plan = gpp_jax.manual_plan(DAG_STAGES, microbatch_sizes={0: 4, 1: 2, 2: 8, 3: 8})
   pp = gpp_jax.graph_pipeline(step, num_microbatches=4, devices=jax.devices()[:4], planner=plan)
   opt_state = tx.init(params)
   with jax.transfer_guard("disallow"):
@@ -160,10 +151,10 @@ def test_aux_outputs_with_per_stage_sizes():
 
 
 def _run(plan, batch=16, num_microbatches=4, devices=None, schedule=None):
-  params = skip_params()
+  params = dag_params()
   tx = OPTIMIZERS["adamw"]()
   pp = gpp_jax.graph_pipeline(
-    mse_step(skip_model, tx),
+    mse_step(dag_model, tx),
     num_microbatches=num_microbatches,
     devices=devices or jax.devices()[:4],
     planner=plan,
@@ -173,20 +164,20 @@ def _run(plan, batch=16, num_microbatches=4, devices=None, schedule=None):
 
 
 def test_size_that_does_not_divide_the_batch():
-  plan = gpp_jax.manual_plan(RULES, microbatch_sizes={1: 3})
+  plan = gpp_jax.manual_plan(DAG_STAGES, microbatch_sizes={1: 3})
   with pytest.raises(PlanError, match="stage 1 has micro-batch size 3, which does not divide"):
     _run(plan)
 
 
 def test_sizes_misaligned_on_an_edge():
-  plan = gpp_jax.manual_plan(RULES, microbatch_sizes={0: 4, 1: 6, 2: 4, 3: 4})
+  plan = gpp_jax.manual_plan(DAG_STAGES, microbatch_sizes={0: 4, 1: 6, 2: 4, 3: 4})
   with pytest.raises(PlanError, match=r"stages 0 and 1 .* sizes 4 and 6 do not align"):
     _run(plan, batch=24)
 
 
 def test_data_parallel_stage_size_must_split_over_its_devices():
   plan = gpp_jax.manual_plan(
-    RULES, devices={0: 0, 1: 1, 2: [2, 3, 4], 3: 5}, microbatch_sizes={2: 8}
+    DAG_STAGES, devices={0: 0, 1: 1, 2: [2, 3, 4], 3: 5}, microbatch_sizes={2: 8}
   )
   with pytest.raises(PlanError, match="stage 2 spans 3 devices but a micro-batch has 8"):
     _run(plan, devices=jax.devices()[:6])
@@ -217,7 +208,7 @@ def test_a_value_without_the_batch_axis_cannot_cross_between_sizes():
 
 
 def test_schedules_that_need_one_size_refuse():
-  plan = gpp_jax.manual_plan(RULES, microbatch_sizes={1: 2})
+  plan = gpp_jax.manual_plan(DAG_STAGES, microbatch_sizes={1: 2})
   with pytest.raises(ScheduleError, match=r"'pipedream-async' needs one micro-batch size"):
     _run(plan, schedule="pipedream-async")
   with pytest.raises(ScheduleError, match=r"'2bw' needs one micro-batch size"):
@@ -225,13 +216,13 @@ def test_schedules_that_need_one_size_refuse():
 
 
 def test_random_keys_refuse_per_stage_sizes():
-  params = skip_params()
+  params = dag_params()
   tx = OPTIMIZERS["adamw"]()
 
   def step(params, opt_state, key, batch):
     def loss_fn(p):
       x = batch["x"] * jax.random.bernoulli(key, 0.9, batch["x"].shape)
-      return jnp.mean((skip_model(p, x) - batch["y"]) ** 2)
+      return jnp.mean((dag_model(p, x) - batch["y"]) ** 2)
 
     loss, grads = gpp_jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -241,7 +232,7 @@ def test_random_keys_refuse_per_stage_sizes():
     step,
     num_microbatches=4,
     devices=jax.devices()[:4],
-    planner=gpp_jax.manual_plan(RULES, microbatch_sizes={1: 2}),
+    planner=gpp_jax.manual_plan(DAG_STAGES, microbatch_sizes={1: 2}),
   )
   with pytest.raises(GppError, match="random key.*same micro-batch size"):
     pp(params, tx.init(params), jax.random.key(0), make_batch(0, 16, 5, 2))
@@ -263,7 +254,7 @@ def test_plan_helpers():
 
 
 def test_dependencies_rechunk():
-  g = Schedule("x", 4, tuple(DAG), ((),) * 4).stage_graph()
+  g = Schedule("x", 4, tuple(DAG_EDGES), ((),) * 4).stage_graph()
   counts = (4, 8, 2, 2)
   # A big chunk waits for every small producer chunk inside it; a small one for the big one.
   assert set(dependencies(Action("F", 3, 1), g, counts=counts)) == {
@@ -303,7 +294,7 @@ COUNTS = [(4, 8, 2, 2), (2, 8, 4, 8), (8, 4, 4, 1), (1, 2, 4, 8)]
 @pytest.mark.parametrize("gen", [gpipe, one_f_one_b, graph_1f1b, zero_bubble])
 @pytest.mark.parametrize("counts", COUNTS)
 def test_generators_build_valid_per_stage_schedules(gen, counts):
-  sched = gen(4, DAG, max(counts), counts=counts)
+  sched = gen(4, DAG_EDGES, max(counts), counts=counts)
   validate_schedule(sched)
   assert sched.stage_counts == counts
   for s, lane in enumerate(sched.lanes):

@@ -7,8 +7,17 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from harness import OPTIMIZERS, make_batch, max_diff, mse_step
-from test_async_schedules import DELAYS, STAGE_OF, dag_model, dag_params, reference_loop
+from harness import (
+  DAG_EDGES,
+  DAG_STAGES,
+  OPTIMIZERS,
+  dag_model,
+  dag_params,
+  make_batch,
+  max_diff,
+  mse_step,
+)
+from test_async_schedules import DELAYS, reference_loop
 from test_flax_steps import NNXNet, nnx_train_step
 
 import gpp_jax
@@ -17,7 +26,6 @@ from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.schedules import make_schedule, stream_schedule
 
 TOL = 1e-5
-DAG_EDGES = ((0, 1), (0, 2), (0, 3), (1, 3), (2, 3))
 
 
 def _pipeline(tx, schedule, **kw):
@@ -25,7 +33,7 @@ def _pipeline(tx, schedule, **kw):
     mse_step(dag_model, tx),
     num_microbatches=4,
     devices=jax.devices()[:4],
-    planner=gpp_jax.manual_plan(STAGE_OF),
+    planner=gpp_jax.manual_plan(DAG_STAGES),
     schedule=schedule,
     **kw,
   )
@@ -134,7 +142,7 @@ def test_run_steps_bad_input_is_named():
     loss_only,
     num_microbatches=4,
     devices=jax.devices()[:4],
-    planner=gpp_jax.manual_plan(STAGE_OF),
+    planner=gpp_jax.manual_plan(DAG_STAGES),
     schedule="2bw",
   )
   with pytest.raises(CaptureError, match="new non-batch arguments first"):
