@@ -45,29 +45,45 @@ TOL = 1e-5
 # -- training matches one device ---------------------------------------------------------------
 
 
+def _matches_one_device(sizes, opt, seed, stage_devices=None, **kw):
+  """Trains the DAG with per-stage ``sizes`` (``kw``: steps, num_microbatches, schedule, ...)
+  pipelined and on one device; asserts loss and state agree within TOL; returns the pipeline.
+  ``stage_devices``: the manual plan's devices per stage."""
+  params = dag_params()
+  tx = OPTIMIZERS[opt]()
+  plan = gpp_jax.manual_plan(
+    DAG_STAGES, devices=stage_devices, microbatch_sizes=dict(enumerate(sizes))
+  )
+  r, p, pp = compare_steps(
+    mse_step(dag_model, tx),
+    (params, tx.init(params)),
+    make_batch(seed, 16, 5, 2),
+    planner=plan,
+    **kw,
+  )
+  assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
+  assert max_diff(r[:2], p[:2]) <= TOL
+  return pp
+
+
 @pytest.mark.parametrize(
   "schedule,sizes,devices",
   [
     # The loss stage has the biggest chunks; the branch between has the smallest.
-    ("1f1b", (4, 2, 8, 8), {}),
+    ("1f1b", (4, 2, 8, 8), None),
     # The loss stage has the smallest chunks (its loss is scaled by 2 / 16); a two-device
     # stage runs its own size split over its devices.
     ("gpipe", (8, 2, 4, 2), {2: [2, 3], 3: 4}),
   ],
 )
 def test_per_stage_sizes_match_one_device(schedule, sizes, devices):
-  params = dag_params()
-  tx = OPTIMIZERS["clip_adam"]()
-  plan = gpp_jax.manual_plan(
-    DAG_STAGES, devices=devices or None, microbatch_sizes=dict(enumerate(sizes))
-  )
-  r, p, pp = compare_steps(
-    mse_step(dag_model, tx),
-    (params, tx.init(params)),
-    make_batch(3, 16, 5, 2),
+  pp = _matches_one_device(
+    sizes,
+    "clip_adam",
+    3,
+    devices,
     num_microbatches=4,
     devices=jax.devices()[:5],
-    planner=plan,
     schedule=schedule,
   )
   counts = tuple(16 // b for b in sizes)
@@ -75,50 +91,36 @@ def test_per_stage_sizes_match_one_device(schedule, sizes, devices):
   assert pp.schedule.stage_counts == counts
   forwards = [sum(e.action == "F" and e.stage == s for e in pp.timeline.events) for s in range(4)]
   assert tuple(forwards) == counts
-  assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
-  assert max_diff(r[:2], p[:2]) <= TOL
 
 
 def test_zero_bubble_with_per_stage_sizes_matches_one_device():
-  params = dag_params()
-  tx = OPTIMIZERS["adamw"]()
-  plan = gpp_jax.manual_plan(DAG_STAGES, microbatch_sizes={0: 8, 1: 2, 2: 4, 3: 4})
-  r, p, pp = compare_steps(
-    mse_step(dag_model, tx),
-    (params, tx.init(params)),
-    make_batch(6, 16, 5, 2),
+  pp = _matches_one_device(
+    (8, 2, 4, 4),
+    "adamw",
+    6,
     steps=2,
     num_microbatches=4,
     devices=jax.devices()[:4],
-    planner=plan,
     schedule="zero-bubble",
   )
   assert pp.schedule.stage_counts == (2, 8, 4, 4)
   assert sum(e.action == "W" for e in pp.timeline.events) == 2 + 8 + 4 + 4
-  assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
-  assert max_diff(r[:2], p[:2]) <= TOL
 
 
 def test_graph_1f1b_remat_and_measure_with_per_stage_sizes_match_one_device():
   # measure=True runs one thread per stage, waiting until the re-chunked inputs are complete.
-  params = dag_params()
-  tx = OPTIMIZERS["adamw"]()
-  plan = gpp_jax.manual_plan(DAG_STAGES, microbatch_sizes={0: 2, 1: 4, 2: 4, 3: 8})
-  r, p, pp = compare_steps(
-    mse_step(dag_model, tx),
-    (params, tx.init(params)),
-    make_batch(5, 16, 5, 2),
+  pp = _matches_one_device(
+    (2, 4, 4, 8),
+    "adamw",
+    5,
     steps=2,
     num_microbatches=2,
     devices=jax.devices()[:4],
-    planner=plan,
     schedule="graph-1f1b",
     remat=True,
     measure=True,
   )
   assert pp.schedule.stage_counts == (8, 4, 4, 2)
-  assert abs(float(r[2]["loss"]) - float(p[2]["loss"])) <= TOL
-  assert max_diff(r[:2], p[:2]) <= TOL
 
 
 def test_aux_outputs_with_per_stage_sizes():
