@@ -628,12 +628,7 @@ class GraphPipeline:
         )
     steps_leaves = [leaves] + [flat(t) for t in range(1, K)]
     stale = weight_delays(c.schedule) is not None
-    reason = stream_reason(c, self.measure, jax.process_count() > 1)
-    cpu = all(d.platform == "cpu" for p in c.placements for d in p.devices)
-    if stream is False:
-      reason = "stream=False"
-    elif reason is None and stream is None and cpu:
-      reason = "the devices are CPUs (pass stream=True to stream there)"
+    reason = stream_reason(c, self.measure, jax.process_count() > 1, stream)
     if reason is None and stale:
       outs = stream_steps(c, steps_leaves, carry)
     else:

@@ -52,8 +52,13 @@ class _Missing(Exception):
   """A value not issued yet."""
 
 
-def stream_reason(c, measure: bool, multiprocess: bool) -> str | None:
-  """Why ``run_steps`` runs the steps one call at a time for ``c``, None if it streams."""
+def stream_reason(c, measure: bool, multiprocess: bool, stream: bool | None) -> str | None:
+  """Why ``run_steps`` runs the steps one call at a time for ``c``, None if it streams.
+
+  ``stream``: the caller's choice (``GraphPipeline.run_steps``); None streams on accelerators
+  only, True wherever the stream can run, False never."""
+  if stream is False:
+    return "stream=False"
   if c.fused is not None:
     return "the plan is one stage on one device (the step runs as one jitted function)"
   if c.scan_split.stacked:
@@ -62,6 +67,8 @@ def stream_reason(c, measure: bool, multiprocess: bool) -> str | None:
     return "the run has several processes"
   if measure:
     return "measure=True times each action on its own"
+  if stream is None and all(d.platform == "cpu" for p in c.placements for d in p.devices):
+    return "the devices are CPUs (pass stream=True to stream there)"
   return None
 
 
