@@ -51,25 +51,13 @@ flags.DEFINE_string("model", None, "worker: the model")
 flags.DEFINE_string("planner", None, "worker: the planner")
 flags.DEFINE_integer("worker_microbatches", 1, "worker: micro-batches")
 
-# Medium sizes: the paper presets narrowed until a step takes 50-500 ms on one core.
-MEDIUM = {
-  "candle_uno": dict(branch_width=512, head_width=512),
-  "mmt": dict(
-    hidden=128, num_layers=2, num_heads=4, ffn=256, seq_lens=16, feature_dims=128, head_dims=(128,)
-  ),
-  "dlrm": dict(
-    dense_width=512, top_width=512, num_embeddings=20_000, bag_size=16, interaction_dim=32
-  ),
-}
-
-
 # ------------------------------------------------------------------ workers
 
 
 def _setup(model_name):
   from gpp_jax.experiments import zoo
 
-  run = zoo.setup(model_name, "paper", **MEDIUM[model_name])
+  run = zoo.setup(model_name, "paper", **zoo.MEDIUM[model_name])
   return run, run.batches(FLAGS.batch_size, 1)[0]
 
 

@@ -151,8 +151,7 @@ def stream_medium() -> None:
   from gpp_jax.experiments import zoo
 
   K = FLAGS.stream_steps
-  # The scaling benchmark's medium CANDLE-Uno (its MEDIUM table).
-  run = zoo.setup("candle_uno", "paper", branch_width=512, head_width=512)
+  run = zoo.setup("candle_uno", "paper", **zoo.MEDIUM["candle_uno"])
   (batch,) = run.batches(256, 1)
   plan = {f"branches/{i}": 0 for i in range(4)} | {"branches": 1, "head": 1}
   pp = gpp_jax.graph_pipeline(

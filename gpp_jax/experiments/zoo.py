@@ -14,6 +14,18 @@ from flax import nnx
 
 import gpp_jax
 
+# Medium sizes for measured runs on CPUs: the paper presets narrowed until a step of batch 256
+# takes 50-500 ms on one core (``setup(name, "paper", **MEDIUM[name])``).
+MEDIUM: dict[str, dict[str, Any]] = {
+  "candle_uno": dict(branch_width=512, head_width=512),
+  "mmt": dict(
+    hidden=128, num_layers=2, num_heads=4, ffn=256, seq_lens=16, feature_dims=128, head_dims=(128,)
+  ),
+  "dlrm": dict(
+    dense_width=512, top_width=512, num_embeddings=20_000, bag_size=16, interaction_dim=32
+  ),
+}
+
 
 @dataclasses.dataclass
 class ZooRun:
