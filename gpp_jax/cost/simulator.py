@@ -28,6 +28,7 @@ Two entry points:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +39,8 @@ import networkx as nx
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts, plan_costs
 from gpp_jax.errors import ScheduleError
-from gpp_jax.ir.schedule import Action, Schedule, dispatch_order, overlapping
+from gpp_jax.ir.program import Instr, Op, Program
+from gpp_jax.ir.schedule import Action, Schedule
 
 Times = float | Sequence[float] | Mapping[int, float]
 
@@ -185,7 +187,9 @@ def simulate_times(
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
 ) -> SimResult:
-  """Schedule + explicit times -> SimResult.
+  """Schedule + explicit times -> SimResult: the schedule's lowered program
+  (``passes.lowering.lower_schedule``: one activation and one cotangent per stage edge and
+  micro-batch) timed by ``simulate_program``.
 
   Args:
     schedule: the schedule to execute (validated by the caller or by its generator).
@@ -198,9 +202,8 @@ def simulate_times(
     static_memory, activation_memory: bytes per device for weights/optimizer state, and for
       one stashed micro-batch, per stage (0 if None).
     stage_devices: devices of each stage, to report peak memory per device.
-    host_dispatch: seconds the driver's single host thread spends issuing one action. When
-      set, actions are issued one after another in the driver's dispatch order
-      (``dispatch_order``), and none starts before it has been issued.
+    host_dispatch: seconds the driver's single host thread spends issuing one action (F, B,
+      W, UPDATE); when set, no action starts before the host has issued it, in dispatch order.
     cores: the host has this many cores, shared by the computing actions (forced CPU
       devices share them) and by the issuing thread while it issues an action; None for
       independent devices.
@@ -208,113 +211,157 @@ def simulate_times(
       mapped to the same key share it one after another (a node's network interface).
       Unmapped transfers (the default for all) each have their own channel.
   """
-  S, M = schedule.num_stages, schedule.num_microbatches
-  counts = schedule.stage_counts
-  g = schedule.stage_graph()
-  preds = [sorted(g.predecessors(s)) for s in range(S)]
-  succs = [sorted(g.successors(s)) for s in range(S)]
+  S = schedule.num_stages
   tf = _per_action(forward, "forward", S)
   tb = _per_action(backward, "backward", S)
   tw = _per_action(weight, "weight", S)
   up = list(update) if update is not None else [0.0] * S
   act_x = dict(activation_transfer or {})
   cot_x = dict(cotangent_transfer if cotangent_transfer is not None else act_x)
+  program = lowered_schedule(schedule)
+  F, B, W, SEND = Op.F, Op.B, Op.W, Op.SEND
+  durations = []
+  for i in program.instrs:
+    op = i.op
+    if op is F:
+      durations.append(tf(i.stage, i.mb))
+    elif op is B:
+      durations.append(tb(i.stage, i.mb))
+    elif op is W:
+      durations.append(tw(i.stage, i.mb))
+    elif op is SEND:
+      durations.append(
+        act_x.get((i.lane, i.peer), 0.0) if i.arg == "act" else cot_x.get((i.peer, i.lane), 0.0)
+      )
+    elif op is Op.UPDATE:
+      durations.append(float(up[i.stage]))
+    else:
+      durations.append(0.0)
+  host = None
+  if host_dispatch is not None:
+    host = {op: float(host_dispatch) for op in (Op.F, Op.B, Op.W, Op.UPDATE)}
+  return simulate_program(
+    program,
+    durations,
+    host_cost=host,
+    cores=cores,
+    channels=channels,
+    static_memory=static_memory,
+    activation_memory=activation_memory,
+    stage_devices=stage_devices,
+    num_microbatches=schedule.num_microbatches,
+  )
+
+
+@functools.lru_cache(maxsize=512)
+def lowered_schedule(schedule: Schedule) -> Program:
+  """``passes.lowering.lower_schedule``, kept for the schedules simulated again and again."""
+  from gpp_jax.passes.lowering import lower_schedule
+
+  return lower_schedule(schedule)
+
+
+_TRANSFER_KINDS = {"act": "activation", "ct": "cotangent"}
+
+
+def simulate_program(
+  program: Program,
+  durations: Sequence[float] | Callable[[Instr], float],
+  *,
+  host_cost: Mapping[Op, float] | None = None,
+  cores: int | None = None,
+  channels: Mapping[tuple[str, int, int], Any] | None = None,
+  static_memory: Sequence[float] | None = None,
+  activation_memory: Sequence[float] | None = None,
+  stage_devices: Sequence[Sequence[int]] | None = None,
+  num_microbatches: int | None = None,
+) -> SimResult:
+  """Times a lowered program (``ir.program``): the instructions in its dispatch order.
+
+  ``durations``: seconds of each instruction (a sequence in program order, or a function of
+  the instruction). A computing instruction starts when its lane is free and every buffer it
+  reads is there, and occupies its lane for its duration. A SEND starts when its buffer exists
+  and its channel (kind, source lane, destination lane; ``channels`` may map several onto one)
+  is free, and occupies the channel, not a lane; the RECV that follows on the destination holds
+  that lane until the buffer has arrived, as a device that runs its queue in order waits for an
+  input. With ``host_cost`` (seconds per op; ops not in it cost the host nothing) one host
+  thread issues the instructions one after another in program order, and none starts before
+  it is issued; with ``cores`` the computing instructions and the issuing thread share that
+  many cores (forced CPU devices). The result's actions are the F, B, W and UPDATE
+  instructions, its transfers the SENDs; memory as ``simulate_times`` describes.
+  """
+  S = program.num_stages
+  instrs = program.instrs
+  if callable(durations):
+    durations = [durations(i) for i in instrs]
+  if len(durations) != len(instrs):
+    raise ValueError(f"{len(durations)} durations for {len(instrs)} instructions")
   stat = list(static_memory) if static_memory is not None else [0.0] * S
   actm = list(activation_memory) if activation_memory is not None else [0.0] * S
   devs = tuple(tuple(d) for d in stage_devices) if stage_devices is not None else ((),) * S
-
-  end: dict[tuple[str, int, int], float] = {}
-  arrive: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, m) -> arrival time
+  ready = [0.0] * len(program.buffers)
+  lane_free = [0.0] * program.num_lanes
   chan_free: dict[Any, float] = defaultdict(float)
-  lane_free = [0.0] * S
-  pos = [0] * S
+  chan_of = dict(channels or {})
+  core_free = [0.0] * cores if cores else None
+  host = host_cost or {}
+  host_t = 0.0
   actions: list[ActionTime] = []
   transfers: list[TransferTime] = []
-  total = sum(len(l) for l in schedule.lanes)
-
-  chan_of = dict(channels or {})
-
-  def send(kind: str, src: int, dst: int, m: int, t0: float, dur: float):
-    chan = chan_of.get((kind, src, dst), (kind, src, dst))
-    start = max(t0, chan_free[chan])
-    chan_free[chan] = start + dur
-    arrive[(kind, src, dst, m)] = start + dur
-    transfers.append(TransferTime(kind, src, dst, m, start, start + dur))
-
-  def needs(a: Action):
-    """(dependency end times, None where not yet known; duration) of an action."""
-    m, s = a.microbatch, a.stage
-    if a.kind == "F":
-      return [
-        arrive.get(("activation", p, s, k))
-        for p in preds[s]
-        for k in overlapping(m, counts[s], counts[p])
-      ], tf(s, m)
-    if a.kind == "B":
-      return (
-        [end.get(("F", s, m))]
-        + [
-          arrive.get(("cotangent", c, s, k))
-          for c in succs[s]
-          for k in overlapping(m, counts[s], counts[c])
-        ],
-        tb(s, m),
-      )
-    if a.kind == "W":
-      return [end.get(("B", a.stage, m))], tw(a.stage, m)
-    return [], float(up[a.stage])
-
-  def run(a: Action, start: float, dur: float) -> None:
-    s, m = a.stage, a.microbatch
-    fin = start + dur
-    end[(a.kind, s, m)] = fin
-    lane_free[s] = fin
-    actions.append(ActionTime(a.kind, s, m, start, fin))
-    if a.kind == "F":
-      for c in succs[s]:
-        send("activation", s, c, m, fin, act_x.get((s, c), 0.0))
-    elif a.kind == "B":
-      for p in preds[s]:
-        send("cotangent", s, p, m, fin, cot_x.get((p, s), 0.0))
-
-  if host_dispatch is not None:
-    host_t = 0.0
-    core_free = [0.0] * cores if cores else None
-    for a in dispatch_order(schedule):
-      deps, dur = needs(a)
+  one_step = program.steps == 1
+  SEND, RECV, kinds = Op.SEND, Op.RECV, _TRANSFER_KINDS
+  F, B, W, UPDATE = Op.F, Op.B, Op.W, Op.UPDATE
+  for i, dur in zip(instrs, durations):
+    op = i.op
+    issued = 0.0
+    if host and op in host:
       if core_free is None:
-        host_t += host_dispatch
+        host_t += host[op]
       else:  # the issuing thread needs a core as well
         k = min(range(len(core_free)), key=core_free.__getitem__)
-        host_t = max(host_t, core_free[k]) + host_dispatch
+        host_t = max(host_t, core_free[k]) + host[op]
         core_free[k] = host_t
-      start = max([lane_free[a.stage], host_t] + deps)
-      if core_free is not None:
-        k = min(range(len(core_free)), key=core_free.__getitem__)
-        start = max(start, core_free[k])
-        core_free[k] = start + dur
-      run(a, start, dur)
+      issued = host_t
+    dep = 0.0
+    for b in i.reads:
+      if ready[b] > dep:
+        dep = ready[b]
+    if op is SEND:
+      kind = kinds.get(i.arg, i.arg)
+      key = (kind, i.lane, i.peer)
+      chan = chan_of.get(key, key)
+      start = max(dep, chan_free[chan], issued)
+      end = start + dur
+      chan_free[chan] = end
+      for b in i.writes:
+        ready[b] = end
+      transfers.append(TransferTime(kind, i.lane, i.peer, i.mb, start, end))
+      continue
+    lane = i.lane
+    if op is RECV:
+      if dep > lane_free[lane]:
+        lane_free[lane] = dep
+      continue
+    start = max(lane_free[lane], dep, issued)
+    if core_free is not None and dur > 0:
+      k = min(range(len(core_free)), key=core_free.__getitem__)
+      start = max(start, core_free[k])
+      core_free[k] = start + dur
+    end = start + dur
+    lane_free[lane] = end
+    for b in i.writes:
+      ready[b] = end
+    if op is F or op is B or op is W:
+      actions.append(ActionTime(op.value, i.stage, i.mb, start, end))
+    elif op is UPDATE:
+      actions.append(ActionTime("UPDATE", i.stage, -1 if one_step else i.mb, start, end))
+  if num_microbatches is None:
+    forwards = [sum(a.kind == "F" and a.stage == s for a in actions) for s in range(S)]
+    num_microbatches = max(forwards, default=0) // max(program.steps, 1)
+  return _result(program.name, S, num_microbatches, actions, transfers, stat, actm, devs)
 
-  while len(actions) < total:
-    progressed = False
-    for s, lane in enumerate(schedule.lanes):
-      while pos[s] < len(lane):
-        a = lane[pos[s]]
-        deps, dur = needs(a)
-        if any(d is None for d in deps):
-          break
-        run(a, max([lane_free[s]] + deps), dur)
-        pos[s] += 1
-        progressed = True
-    if not progressed:
-      blocked = [
-        str(schedule.lanes[s][pos[s]]) for s in range(S) if pos[s] < len(schedule.lanes[s])
-      ]
-      raise ScheduleError(
-        f"simulation deadlocks with actions {blocked} waiting; validate the "
-        f"schedule with validate_schedule\n{schedule.grid()}"
-      )
 
+def _result(name, S, M, actions, transfers, stat, actm, devs) -> SimResult:
   T = max((a.end for a in actions), default=0.0)
   busy = [0.0] * S
   events: list[list[tuple[float, int]]] = [[] for _ in range(S)]
@@ -339,7 +386,7 @@ def simulate_times(
     for d in devs[s]:
       per_dev[d] = max(per_dev.get(d, 0.0), mem[s])
   return SimResult(
-    schedule=schedule.name,
+    schedule=name,
     num_stages=S,
     num_microbatches=M,
     iteration_time=T,
@@ -374,8 +421,16 @@ def simulate(
   cost_model: CostModel | None = None,
   costs: LayerCosts | None = None,
   shared_nic: bool = False,
+  program: Program | None = None,
+  host_cost: Mapping[Op, float] | None = None,
+  cores: int | None = None,
 ) -> SimResult:
   """Plan + LayerGraph + Cluster -> SimResult, with times and memory from the cost model.
+
+  ``program``: the lowered program of the compiled step (``GraphPipeline.program``, the one the
+  executor runs) to time instead of the schedule's own lowering; each of its transfers between
+  stages costs its bytes over the link between their devices, ``host_cost`` and ``cores`` as
+  ``simulate_program`` takes them.
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
   schedule has W actions, each stage's backward is split into B and W by the cost model's
@@ -404,6 +459,18 @@ def simulate(
   delays = weight_delays(schedule)
   if delays is not None:
     static = [m + d * p for m, d, p in zip(static, delays, pc.param_bytes)]
+  if program is not None:
+    return simulate_program(
+      program,
+      step_durations(program, plan, cluster, pc, backward, weight),
+      host_cost=host_cost,
+      cores=cores,
+      channels=nic_channels(plan, cluster) if shared_nic else None,
+      static_memory=static,
+      activation_memory=pc.activation_memory,
+      stage_devices=[s.devices for s in plan.stages],
+      num_microbatches=schedule.num_microbatches,
+    )
   return simulate_times(
     schedule,
     pc.forward,
@@ -417,6 +484,43 @@ def simulate(
     stage_devices=[s.devices for s in plan.stages],
     channels=nic_channels(plan, cluster) if shared_nic else None,
   )
+
+
+def step_durations(
+  program: Program,
+  plan,
+  cluster: Cluster,
+  pc: Any,
+  backward: Sequence[float],
+  weight: Sequence[float] | None,
+) -> list[float]:
+  """Seconds of each instruction of a compiled step's program under the cost model: F, B, W
+  and UPDATE as for the schedule (``plan_costs``); a SEND between stages its buffer's bytes
+  over their link (nothing from the host lane, whose puts the device-only model leaves out);
+  a fused step M forwards and backwards and the update; the rest nothing."""
+  S = program.num_stages
+  devs = [plan.stages[s].devices for s in range(min(S, plan.num_stages))]
+  out = []
+  for i in program.instrs:
+    op = i.op
+    if op is Op.F:
+      out.append(float(pc.forward[i.stage]))
+    elif op is Op.B:
+      out.append(float(backward[i.stage]))
+    elif op is Op.W:
+      out.append(float(weight[i.stage]) if weight is not None else 0.0)
+    elif op is Op.UPDATE:
+      out.append(float(pc.update[i.stage]))
+    elif op is Op.STEP:
+      M = plan.num_microbatches
+      out.append(M * float(pc.forward[0] + pc.backward[0]) + float(pc.update[0]))
+    elif op is Op.SEND and i.lane < S and i.peer < S:
+      nbytes = max(program.buffers[i.writes[0]].nbytes, 0)
+      link = cluster.link_between(devs[i.lane], devs[i.peer])
+      out.append(link.time(nbytes) if set(devs[i.lane]) != set(devs[i.peer]) else 0.0)
+    else:
+      out.append(0.0)
+  return out
 
 
 def nic_channels(plan, cluster: Cluster) -> dict[tuple[str, int, int], Any]:

@@ -1,0 +1,384 @@
+"""Lowered schedule IR: a Program of instructions over named buffers, and its validator.
+
+A ``Schedule`` says which forward and backward each stage runs in which order; a ``Program``
+says everything the runtime does for it, in the order one host thread issues it. Lowering
+(``passes.lowering``) turns a schedule (with the staged step, or with one value per stage edge
+for the planners' simulations) into a program; the executor (``runtime.executor``) runs that
+program and the simulator (``cost.simulator``) times the same one, so what is predicted and
+what runs are one list of instructions.
+
+Lanes. Lane s < S is stage s's devices; lane S (``Program.host``) is the host: values the
+caller passes without a home (the batch, keys) live there. An instruction runs on its lane.
+
+Buffers. Every value the program handles is a buffer, written once (static single
+assignment: a gradient sum updated by a backward is a new buffer each time) and living on one
+lane. A buffer is written by an instruction or bound from the program's inputs, read by later
+instructions, and freed by the instruction after which nothing reads it (``Instr.frees``: the
+executor drops it there), unless it is one of the program's outputs.
+
+Transfers are instructions: ``SEND`` (on the source lane) reads a buffer there and writes a
+buffer on the destination lane (``peer``); ``RECV`` on the destination lane marks its arrival,
+and the destination reads it only after that. A stage reads only buffers of its own lane.
+
+Text form (``Program.to_text`` / ``Program.from_text``), one instruction a line::
+
+  L1 F1.3 : %12 %40 -> %44 %45 | free %12
+  L1 SEND>2 act : %44 -> %47
+  L2 RECV<1 act : %47
+
+``L<lane>``, the op with its stage and micro-batch where it has them, ``>peer`` / ``<peer`` for
+transfers, an argument word, the buffers read ``->`` written, and those freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from gpp_jax.errors import ScheduleError
+
+
+class ProgramError(ScheduleError):
+  """A lowered program that reads a value before it exists, or loses one."""
+
+
+class Op(enum.Enum):
+  """Instruction kinds."""
+
+  # Moving values.
+  SEND = "SEND"  # a buffer to another lane (jax.device_put); RECV marks its arrival
+  RECV = "RECV"
+  # A stage's set-up for a step.
+  CHUNK = "CHUNK"  # a batch array cut into the stage's micro-batches (arg: how many)
+  PACK = "PACK"  # the stage's parameters packed into one buffer per dtype
+  ZERO = "ZERO"  # the stage's gradient sums, zeroed
+  # The schedule's actions.
+  F = "F"  # forward of (stage, micro-batch)
+  B = "B"  # backward (input cotangents only when the schedule has W)
+  W = "W"  # weight-gradient part of a split backward
+  UPDATE = "UPDATE"  # the stage's gradient sums of a step are complete: one per parameter
+  # Re-chunking between stages of different micro-batch sizes.
+  SPLIT = "SPLIT"  # a chunk cut into smaller chunks (arg: how many)
+  CONCAT = "CONCAT"  # chunks joined into a bigger one
+  # Gradients and outputs.
+  ADD = "ADD"  # a parameter's gradient contributions summed on its owner
+  ZEROS = "ZEROS"  # the zero gradient of a parameter the loss never reads
+  REDUCE = "REDUCE"  # a loss output over micro-batches (arg: mean, concat or last)
+  UNSTACK = "UNSTACK"  # a stacked (scanned) array cut into its slices
+  STACK = "STACK"  # slices stacked into one array
+  # The step around the pipeline.
+  PIECE = "PIECE"  # a piece of the train step (passes.step_split; arg: its index)
+  STEP = "STEP"  # the whole step as one executable (a plan of one stage on one device)
+
+
+# Ops that compute on their lane's devices (the rest move or mark values).
+COMPUTE = frozenset(Op) - {Op.SEND, Op.RECV}
+# Ops whose stage and micro-batch are printed (``F1.3``, ``UPDATE1.0``).
+_SCHEDULED = frozenset({Op.F, Op.B, Op.W, Op.UPDATE})
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """A value of the program: where it lives and what it is.
+
+  ``name`` is readable (``x12.3``: value 12 of micro-batch 3; ``res1.3``; ``acc1.2``);
+  ``nbytes`` is its size per device holding it (-1 when lowering does not know it, e.g. a
+  residual pytree before its stage is traced)."""
+
+  lane: int
+  name: str
+  shape: tuple[int, ...] = ()
+  dtype: str = ""
+  nbytes: int = -1
+
+
+class Instr(NamedTuple):
+  """One instruction (a named tuple: programs have thousands, and the planners lower many).
+
+  Attributes:
+    op: what it does.
+    lane: where it runs (a stage's devices, or the host lane).
+    stage, mb: the schedule coordinates of F/B/W (micro-batch numbered over all steps) and
+      UPDATE (``mb`` = the step); for other ops the stage and micro-batch they serve, or -1.
+    reads, writes, frees: buffer ids.
+    peer: SEND's destination lane, RECV's source lane (-1 otherwise).
+    arg: an op-specific word: a transfer's kind (``act``, ``ct``, ``param``, ``grad``,
+      ``data``, ``batch``, ``input``), REDUCE's mode, PIECE's index, CHUNK's and SPLIT's count,
+      B's and W's cotangents per output (``2.0.1``).
+  """
+
+  op: Op
+  lane: int
+  stage: int = -1
+  mb: int = -1
+  reads: tuple[int, ...] = ()
+  writes: tuple[int, ...] = ()
+  frees: tuple[int, ...] = ()
+  peer: int = -1
+  arg: str = ""
+
+  def label(self) -> str:
+    """``F1.3``, ``UPDATE1.0``, ``SEND>2[1.3]``, ``RECV<1[2.3]``, ``PIECE[-1.0]`` ...: other ops
+    than F/B/W/UPDATE show the stage and micro-batch they serve in brackets, where set."""
+    if self.op in _SCHEDULED:
+      return f"{self.op.value}{self.stage}.{self.mb}"
+    where = f"[{self.stage}.{self.mb}]" if (self.stage, self.mb) != (-1, -1) else ""
+    if self.op is Op.SEND:
+      return f"SEND>{self.peer}{where}"
+    if self.op is Op.RECV:
+      return f"RECV<{self.peer}{where}"
+    return self.op.value + where
+
+  def __str__(self) -> str:
+    head = f"L{self.lane} {self.label()}" + (f" {self.arg}" if self.arg else "")
+    body = " ".join(f"%{b}" for b in self.reads)
+    if self.writes:
+      body += (" " if body else "") + "-> " + " ".join(f"%{b}" for b in self.writes)
+    tail = f" | free {' '.join(f'%{b}' for b in self.frees)}" if self.frees else ""
+    return f"{head} : {body}{tail}" if body or tail else head
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A lowered schedule: instructions in dispatch order over named buffers.
+
+  Attributes:
+    name: the schedule's name.
+    num_lanes: stages + 1 (the last lane is the host).
+    buffers: every buffer, indexed by id.
+    instrs: the instructions in the order the host issues them; ``lane(l)`` is lane l's
+      program (its instructions in that order).
+    inputs: buffers bound from the program's inputs, in order.
+    outputs: buffers returned, in order.
+    steps: optimizer steps the program covers.
+  """
+
+  name: str
+  num_lanes: int
+  buffers: tuple[Buffer, ...]
+  instrs: tuple[Instr, ...]
+  inputs: tuple[int, ...] = ()
+  outputs: tuple[int, ...] = ()
+  steps: int = 1
+
+  @property
+  def host(self) -> int:
+    return self.num_lanes - 1
+
+  @property
+  def num_stages(self) -> int:
+    return self.num_lanes - 1
+
+  def lane(self, l: int) -> tuple[Instr, ...]:
+    return tuple(i for i in self.instrs if i.lane == l)
+
+  def count(self, op: Op) -> int:
+    return sum(i.op is op for i in self.instrs)
+
+  def replace_instr(self, k: int, instr: Instr) -> Program:
+    """The program with instruction k replaced (tests and tools mutate programs this way)."""
+    instrs = list(self.instrs)
+    instrs[k] = instr
+    return dataclasses.replace(self, instrs=tuple(instrs))
+
+  # ------------------------------------------------------------------ text form
+  def to_text(self) -> str:
+    lines = [f"program {self.name} lanes={self.num_lanes} steps={self.steps}"]
+    for k, b in enumerate(self.buffers):
+      shape = ",".join(map(str, b.shape))
+      lines.append(f"buffer %{k} L{b.lane} {b.name} [{shape}] {b.dtype or '-'} {b.nbytes}")
+    lines.append("inputs " + " ".join(f"%{b}" for b in self.inputs))
+    lines.append("outputs " + " ".join(f"%{b}" for b in self.outputs))
+    lines.extend(str(i) for i in self.instrs)
+    return "\n".join(lines) + "\n"
+
+  @classmethod
+  def from_text(cls, text: str) -> Program:
+    lines = [l for l in text.splitlines() if l.strip()]
+    m = re.fullmatch(r"program (\S*) lanes=(\d+) steps=(\d+)", lines[0])
+    if not m:
+      raise ProgramError(f"not a program header: {lines[0]!r}")
+    name, num_lanes, steps = m.group(1), int(m.group(2)), int(m.group(3))
+    buffers, instrs = [], []
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    for line in lines[1:]:
+      if line.startswith("buffer "):
+        bm = re.fullmatch(r"buffer %(\d+) L(\d+) (\S+) \[([\d,]*)\] (\S+) (-?\d+)", line)
+        if not bm or int(bm.group(1)) != len(buffers):
+          raise ProgramError(f"bad buffer line {line!r}")
+        shape = tuple(int(x) for x in bm.group(4).split(",") if x)
+        dtype = "" if bm.group(5) == "-" else bm.group(5)
+        buffers.append(Buffer(int(bm.group(2)), bm.group(3), shape, dtype, int(bm.group(6))))
+      elif line.startswith("inputs"):
+        inputs = _ids(line[len("inputs") :])
+      elif line.startswith("outputs"):
+        outputs = _ids(line[len("outputs") :])
+      else:
+        instrs.append(_parse_instr(line))
+    return cls(name, num_lanes, tuple(buffers), tuple(instrs), inputs, outputs, steps)
+
+  def __str__(self) -> str:
+    rows = [f"Program {self.name}: {len(self.instrs)} instructions, {len(self.buffers)} buffers"]
+    for l in range(self.num_lanes):
+      what = "host" if l == self.host else f"stage {l}"
+      rows.append(f"{what:>8s} | " + " ".join(i.label() for i in self.lane(l)))
+    return "\n".join(rows)
+
+  def listing(self, mark: int | None = None) -> str:
+    """The instructions one a line, instruction ``mark`` flagged (for error messages)."""
+    out = []
+    for k, i in enumerate(self.instrs):
+      out.append(f"{'>>' if k == mark else '  '} {k:4d} {i}")
+    return "\n".join(out)
+
+
+def _ids(s: str) -> tuple[int, ...]:
+  return tuple(int(x[1:]) for x in s.split() if x.startswith("%"))
+
+
+_INSTR = re.compile(
+  r"L(\d+) (?P<op>[A-Z]+)(?:(?P<stage>\d+)\.(?P<mb>\d+)|(?P<dir>[<>])(?P<peer>\d+))?"
+  r"(?:\[(?P<wstage>-?\d+)\.(?P<wmb>-?\d+)\])?"
+  r"(?: (?P<arg>[^:%|\s]+))?(?: : (?P<body>[^|]*?))?\s*(?:\| free (?P<frees>.*))?$"
+)
+
+
+def _parse_instr(line: str) -> Instr:
+  m = _INSTR.fullmatch(line.strip())
+  if not m:
+    raise ProgramError(f"cannot read the instruction {line!r}")
+  try:
+    op = Op(m.group("op"))
+  except ValueError:
+    raise ProgramError(f"unknown op in {line!r}; ops are {[o.value for o in Op]}") from None
+  body = m.group("body") or ""
+  reads, _, writes = body.partition("->")
+  stage, mb = m.group("stage") or m.group("wstage"), m.group("mb") or m.group("wmb")
+  return Instr(
+    op,
+    int(m.group(1)),
+    int(stage) if stage is not None else -1,
+    int(mb) if mb is not None else -1,
+    _ids(reads),
+    _ids(writes),
+    _ids(m.group("frees") or ""),
+    int(m.group("peer")) if m.group("peer") is not None else -1,
+    m.group("arg") or "",
+  )
+
+
+def validate_program(program: Program) -> None:
+  """Raises ProgramError unless every value exists where and when it is read and none leaks.
+
+  Checks, in dispatch order: every buffer is bound from the inputs or written by exactly one
+  instruction, on its own lane; a buffer is read after it is written and before it is freed;
+  an instruction other than a transfer reads only its own lane's buffers; a buffer a SEND
+  writes lives on the SEND's destination, has exactly one RECV there, and nothing reads it
+  before that RECV; every RECV has its SEND; every buffer that is not an output is freed,
+  exactly once. The message names the instruction and shows the listing with it marked.
+  """
+  P = program
+  nbuf = len(P.buffers)
+  written: dict[int, int] = {}  # buffer -> instruction that wrote it (-1: an input)
+  freed: dict[int, int] = {}
+  received: dict[int, int] = {}  # transferred buffer -> its RECV
+  sent: set[int] = set()
+
+  def fail(k: int | None, msg: str):
+    raise ProgramError(f"{msg}\n{P.listing(mark=k)}")
+
+  def check_id(k: int, b: int):
+    if not 0 <= b < nbuf:
+      fail(k, f"instruction {k} ({P.instrs[k]}) names buffer %{b}, which does not exist")
+
+  for b in P.inputs:
+    if not 0 <= b < nbuf:
+      fail(None, f"program input %{b} does not exist")
+    if b in written:
+      fail(None, f"buffer %{b} is bound from the inputs twice")
+    written[b] = -1
+  for k, ins in enumerate(P.instrs):
+    if not 0 <= ins.lane < P.num_lanes:
+      fail(k, f"{ins} runs on lane {ins.lane}, outside 0..{P.num_lanes - 1}")
+    for b in ins.reads:
+      check_id(k, b)
+      what = f"{ins.label()} reads %{b} ({P.buffers[b].name})"
+      if ins.op is Op.RECV and b not in sent:
+        fail(k, f"{ins.label()} receives %{b}, which no SEND wrote before: a recv without a send")
+      if b not in written:
+        fail(k, f"{what} before anything writes it")
+      if b in freed:
+        fail(k, f"{what} after instruction {freed[b]} freed it")
+      lane = P.buffers[b].lane
+      if ins.op is Op.RECV:
+        src = P.instrs[written[b]].lane
+        if ins.peer != src:
+          fail(k, f"{ins.label()} names lane {ins.peer} as the source of %{b}, sent by {src}")
+        if lane != ins.lane:
+          fail(k, f"{ins.label()} on lane {ins.lane} receives %{b}, which lands on lane {lane}")
+        if b in received:
+          fail(k, f"%{b} is received twice (instructions {received[b]} and {k})")
+        received[b] = k
+        continue
+      if b in sent and b not in received:
+        fail(k, f"{what} before it arrives: the RECV of %{b} on lane {lane} comes later or never")
+      if lane != ins.lane:
+        fail(
+          k,
+          f"{what}, which lives on lane {lane}, not on its own lane {ins.lane}: values move "
+          "between lanes only by SEND and RECV",
+        )
+    for b in ins.writes:
+      check_id(k, b)
+      if b in written:
+        fail(k, f"{ins.label()} writes %{b} ({P.buffers[b].name}), already written")
+      written[b] = k
+      lane = P.buffers[b].lane
+      if ins.op is Op.SEND:
+        if lane != ins.peer:
+          fail(k, f"{ins.label()} writes %{b}, which lives on lane {lane}, not {ins.peer}")
+        sent.add(b)
+      elif lane != ins.lane:
+        fail(k, f"{ins.label()} on lane {ins.lane} writes %{b}, which lives on lane {lane}")
+    for b in ins.frees:
+      check_id(k, b)
+      if b not in written:
+        fail(k, f"{ins.label()} frees %{b} before anything writes it")
+      if b in freed:
+        fail(k, f"{ins.label()} frees %{b} ({P.buffers[b].name}) again (freed by {freed[b]})")
+      freed[b] = k
+  missing = sorted(sent - set(received))
+  if missing:
+    b = missing[0]
+    fail(
+      written[b],
+      f"%{b} ({P.buffers[b].name}) is sent to lane {P.buffers[b].lane} but never received there: "
+      "a missing RECV",
+    )
+  outputs = set(P.outputs)
+  for b in outputs:
+    if not 0 <= b < nbuf or b not in written:
+      fail(None, f"program output %{b} is never written")
+    if b in freed:
+      fail(freed[b], f"program output %{b} ({P.buffers[b].name}) is freed before the end")
+  for b in range(nbuf):
+    if b in written and b not in freed and b not in outputs:
+      k = written[b]
+      fail(
+        None if k < 0 else k,
+        f"buffer %{b} ({P.buffers[b].name}) is never freed and is no output: a leaked buffer",
+      )
+    if b not in written:
+      fail(None, f"buffer %{b} ({P.buffers[b].name}) is declared but never written")
+
+
+def lane_programs(program: Program) -> list[Sequence[Instr]]:
+  """Each lane's instructions in dispatch order."""
+  out: list[list[Instr]] = [[] for _ in range(program.num_lanes)]
+  for i in program.instrs:
+    out[i.lane].append(i)
+  return out
