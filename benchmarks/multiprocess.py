@@ -72,7 +72,7 @@ def build(num_stages):
 def time_steps(pp, params, opt, batch, repeats=8):
   import jax
 
-  from gpp_jax.runtime.driver import wait_for
+  from gpp_jax.runtime.executor import wait_for
 
   p, o, _ = pp(params, opt, batch)
   wait_for((p, o), 600)

@@ -160,7 +160,7 @@ def worker_pipe() -> None:
   import gpp_jax
   from gpp_jax.cli import reporting
   from gpp_jax.cost.cluster import process_cluster
-  from gpp_jax.runtime.driver import wait_for
+  from gpp_jax.runtime.executor import wait_for
 
   run, batch = _setup(FLAGS.model)
   devices = jax.devices()

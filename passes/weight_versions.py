@@ -28,15 +28,13 @@ at each reader's version, and its gradient contributions are summed).
 The generators live in ``passes/schedules.py``. One step's lanes are 1F1B; a call of the step
 runs one step, so consecutive calls flush the pipeline in between. ``GraphPipeline.run_steps``
 takes several steps at once and issues them as one 1F1B stream without flushes
-(``passes.schedules.stream_schedule``, ``runtime/stream.py``): the stale versions are what
+(``passes.schedules.stream_schedule``, ``runtime/steps.py``): the stale versions are what
 lets step t + 1's forwards go ahead of step t's last backwards and its update. The runtime
 keeps the last ``max d(s)`` parameter versions on the owners' devices (weight stashing's
 memory: stage s holds ``d(s) + 1`` copies of its weights).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from gpp_jax.ir.schedule import Schedule
 from gpp_jax.passes.inflight import inflight_counts
@@ -55,21 +53,3 @@ def weight_delays(sched: Schedule) -> tuple[int, ...] | None:
   if sched.name == "pipedream-async-vsync":
     return (max(L) - 1,) * S
   return tuple(l - 1 for l in L)
-
-
-def stale_versions(compiled, params: Sequence) -> list[list] | None:
-  """The parameters each stage reads this step under an asynchronous schedule, else None.
-
-  Keeps the last ``max d(s)`` parameter lists (the arrays the previous steps were given, on
-  their owners' devices) on ``compiled.weight_history``; stage s reads version
-  ``max(0, t - d(s))``, the oldest kept one until the history is long enough.
-  """
-  delays = weight_delays(compiled.schedule)
-  if delays is None:
-    return None
-  history = getattr(compiled, "weight_history", None)
-  if history is None:
-    history = compiled.weight_history = []
-  history.insert(0, list(params))
-  del history[max(delays) + 1 :]
-  return [history[min(d, len(history) - 1)] for d in delays]

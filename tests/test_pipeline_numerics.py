@@ -177,7 +177,7 @@ def test_parameter_shared_by_two_stages():
     devices=jax.devices()[:3],
     planner=plan,
   )
-  staged = pp._last.staged
+  staged = pp.compiled.staged.staged
   # The embedding lives on stage 0 and stage 2 reads a copy of it.
   embed_in = [i for i, o in enumerate(staged.param_owner) if o == 0]
   assert any(r_.kind == "param" and r_.index in embed_in for r_ in staged.stages[2].inputs)
@@ -224,8 +224,8 @@ def test_global_norm_clipping_active_is_exact():
   assert max_diff(r[0], p[0]) <= 1e-7
   # The norm pieces exchange scalars only: a piece another stage reads from computes just what
   # it sends, so no stage's update waits for another stage's update.
-  c = pp._last  # pylint: disable=protected-access
-  after = [piece for piece, _ in c.pieces[c.nbefore :]]
+  c = pp.compiled
+  after = list(c.prog.after)
   sent = [
     piece
     for piece in after
@@ -318,9 +318,9 @@ def test_optimizer_work_that_does_not_feed_the_loss_runs_after_the_pipeline():
     planner=CHAIN_PLAN,
   )
   assert max_diff(r[0], p[0]) <= TOL and max_diff(r[1], p[1]) <= TOL
-  c = pp._last  # pylint: disable=protected-access
-  before = [e for piece, _ in c.pieces[: c.nbefore] for e in piece.jaxpr.jaxpr.eqns]
-  after = [e for piece, _ in c.pieces[c.nbefore :] for e in piece.jaxpr.jaxpr.eqns]
+  c = pp.compiled
+  before = [e for piece in c.prog.before for e in piece.jaxpr.jaxpr.eqns]
+  after = [e for piece in c.prog.after for e in piece.jaxpr.jaxpr.eqns]
   opt_leaves = {id(v) for v in c.prog.jaxpr.jaxpr.invars[8:]}  # params are the first 8 leaves
   assert not any(id(v) in opt_leaves for e in before for v in e.invars), "optimizer work before"
   assert any(e.primitive.name == "mul" for e in before)
@@ -343,7 +343,7 @@ def test_optimizer_update_is_not_cut_at_the_global_norm():
     planner=CHAIN_PLAN,
   )
   assert max_diff(r[0], p[0]) <= TOL and max_diff(r[1], p[1]) <= TOL
-  c = pp._last  # pylint: disable=protected-access
+  c = pp.compiled
   outs = set(c.prog.jaxpr.jaxpr.outvars)
-  handed = [v for piece, _ in c.pieces[c.nbefore :] for v in piece.outputs if v not in outs]
+  handed = [v for piece in c.prog.after for v in piece.outputs if v not in outs]
   assert handed and all(v.aval.ndim == 0 for v in handed), [v.aval for v in handed]

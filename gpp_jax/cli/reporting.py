@@ -14,12 +14,14 @@ from gpp_jax.ir import layer_graph as lg
 
 
 def predicted_timeline(pipeline, cluster):
-  """The simulator's SimResult for a built ``GraphPipeline``'s plan and schedule."""
+  """The simulator's SimResult for a built ``GraphPipeline``: the program its executor runs,
+  timed under the cost model."""
   from gpp_jax.cost.simulator import simulate
 
-  c = pipeline._require()  # pylint: disable=protected-access
-  graph = lg.scaled(pipeline.layer_graph, c.batch_size)
-  return simulate(pipeline.plan, graph, cluster, schedule=pipeline.schedule)
+  graph = lg.scaled(pipeline.layer_graph, pipeline.batch_size)
+  return simulate(
+    pipeline.plan, graph, cluster, schedule=pipeline.schedule, program=pipeline.program
+  )
 
 
 def write_predicted_timeline(pipeline, cluster, path: str):
@@ -36,8 +38,7 @@ def write_schedule_pngs(pipeline, cluster, run_dir: str) -> list[str]:
   matplotlib."""
   from gpp_jax.experiments.schedule_plot import draw_schedule, schedule_pngs
 
-  c = pipeline._require()  # pylint: disable=protected-access
-  graph = lg.scaled(pipeline.layer_graph, c.batch_size)
+  graph = lg.scaled(pipeline.layer_graph, pipeline.batch_size)
   written = schedule_pngs(pipeline.plan, graph, cluster, run_dir)
   tl = pipeline.timeline
   if written and tl is not None and tl.events:
@@ -49,29 +50,34 @@ def write_schedule_pngs(pipeline, cluster, run_dir: str) -> list[str]:
   return written
 
 
-def host_aware_time(pipeline, cluster, per_action: float, outside: float, cores: int) -> float:
-  """Seconds of one step as the simulator's host mode predicts it: the driver's one thread
-  issues the schedule's actions in dispatch order, ``per_action`` seconds each, sharing
+def host_aware_time(pipeline, cluster, host_cost, outside: float, cores: int) -> float:
+  """Seconds of one step as the simulator's host mode predicts it: one thread issues the
+  instructions of the step's program in order, ``host_cost[op]`` seconds each, sharing
   ``cores`` cores with the computing (forced CPU) devices; plus ``outside`` seconds of host
-  time the step spends outside the pipeline."""
-  from gpp_jax.cost.cost_model import plan_costs
-  from gpp_jax.cost.simulator import simulate_times, split_backward
+  time the step spends outside the program."""
+  from gpp_jax.cost.simulator import simulate
 
-  c = pipeline._require()  # pylint: disable=protected-access
-  pc = plan_costs(pipeline.plan, lg.scaled(pipeline.layer_graph, c.batch_size), cluster)
-  backward, weight = split_backward(pipeline.schedule, pc.backward, pc.weight_fraction)
-  hosted = simulate_times(
-    pipeline.schedule,
-    pc.forward,
-    backward,
-    weight=weight,
-    update=pc.update,
-    activation_transfer=pc.activation_transfer,
-    cotangent_transfer=pc.cotangent_transfer,
-    host_dispatch=per_action,
+  graph = lg.scaled(pipeline.layer_graph, pipeline.batch_size)
+  hosted = simulate(
+    pipeline.plan,
+    graph,
+    cluster,
+    schedule=pipeline.schedule,
+    program=pipeline.program,
+    host_cost=host_cost,
     cores=cores,
   ).iteration_time
   return hosted + outside
+
+
+def host_costs(timeline) -> dict:
+  """Median host seconds per op of a run's dispatch timeline (``measure`` off)."""
+  from gpp_jax.ir.program import Op
+
+  per: dict[str, list[float]] = {}
+  for e in timeline.events:
+    per.setdefault(e.action, []).append(e.end - e.start)
+  return {Op(k): statistics.median(v) for k, v in per.items()}
 
 
 def step_time_summary(
@@ -98,14 +104,14 @@ def step_time_summary(
   fused = (
     dispatch is not None
     and dispatch[1] is not None
-    and ([e.action for e in dispatch[1].events] == ["STEP"])
+    and any(e.action == "STEP" for e in dispatch[1].events)
   )
   # A fused step (one stage on one device) is one jitted call: no per-action dispatch to model.
   if dispatch is not None and dispatch[1] is not None and not dispatch[1].measured and not fused:
     t_host, tl = dispatch
     per_action = statistics.median(e.end - e.start for e in tl.events) if tl.events else 0.0
     outside = max(t_host - tl.total, 0.0)
-    hosted = host_aware_time(pipeline, cluster, per_action, outside, out["cores"])
+    hosted = host_aware_time(pipeline, cluster, host_costs(tl), outside, out["cores"])
     out["predicted_host_ms"] = hosted * 1e3
     out["host_us_per_action"] = per_action * 1e6
   return out

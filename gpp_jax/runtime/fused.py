@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.extend import core as xc
 
 from gpp_jax.passes.step_split import StepProgram
-from gpp_jax.runtime.driver import BATCH, KEY
+from gpp_jax.passes.lowering import BATCH, KEY
 
 
 def _accumulated_value_and_grad(

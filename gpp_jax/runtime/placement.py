@@ -145,34 +145,45 @@ def transfer(x, sharding: jax.sharding.Sharding):
   In a multi-process run every process calls this for every transfer, in the same order:
   source and destination local is a local copy; a local source and a remote destination is the
   send and a remote source with a local destination the receive of JAX's cross-host transfer;
-  when neither end is local, nothing moves and a placeholder stands for the result.
+  when neither end is local, nothing moves and a placeholder stands for the result. JAX's
+  cross-host transfer moves an array between single devices only, so a transfer between
+  processes with several devices on either side goes device by device (``_across_processes``).
   """
   if isinstance(x, LocalCopy):
     return place_input(x.value, sharding)
   if _unchanged(x, sharding):
     return x
-  if jax.process_count() == 1 and _already_there(x, sharding):
-    return x  # the common case for state and parameters between steps
-  if jax.process_count() > 1 and (
-    spans_processes(sharding) or (isinstance(x, jax.Array) and spans_processes(x.sharding))
-  ):
-    if not isinstance(x, jax.Array):
+  if jax.process_count() == 1:
+    if _already_there(x, sharding):
+      return x  # the common case for state and parameters between steps
+    if _needs_gather(x, sharding):
+      x = _gathered(x)
+    return jax.device_put(x, sharding)
+  if not isinstance(x, jax.Array):
+    if spans_processes(sharding):
       return _from_host(x, sharding)
+    return jax.device_put(x, sharding) if _has_local(sharding) else _placeholder_for(x, sharding)
+  if _crosses_processes(x.sharding, sharding) and (
+    len(x.sharding.device_set) > 1 or len(sharding.device_set) > 1
+  ):
     return _across_processes(x, sharding)
-  # With several processes the remaining puts are issued even onto the same devices: skipping
-  # them by device set (``_already_there``) broke JAX's cross-host transfers (measured with
-  # jax 0.10.2: "Async transfer object was deleted before transfers completed").
-  remote_only = jax.process_count() > 1 and not _has_local(sharding)
-  if remote_only and (_is_remote(x) or not isinstance(x, jax.Array)):
+  # The remaining puts are issued even onto the same devices: skipping them by device set
+  # (``_already_there``) broke JAX's cross-host transfers (measured with jax 0.10.2: "Async
+  # transfer object was deleted before transfers completed").
+  if not _has_local(sharding) and _is_remote(x):
     return _placeholder_for(x, sharding)
-  if jax.process_count() == 1 and _needs_gather(x, sharding):
-    x = _gathered(x)
   out = jax.device_put(x, sharding)
-  if _is_remote(x) or (jax.process_count() > 1 and not _has_local(sharding)):
+  if _is_remote(x) or not _has_local(sharding):
     # A receive or a send: JAX's transfer objects hang off both arrays and must outlive the
     # transfer, so both are kept until two steps later even if the pipeline drops them sooner.
     _IN_FLIGHT[-1].append((x, out))
   return out
+
+
+def _crosses_processes(src, dst) -> bool:
+  """Whether moving from sharding ``src`` to ``dst`` involves more than one process."""
+  procs = {d.process_index for d in src.device_set} | {d.process_index for d in dst.device_set}
+  return len(procs) > 1
 
 
 def _unchanged(x, sharding) -> bool:

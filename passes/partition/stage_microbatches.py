@@ -10,7 +10,7 @@ take per-stage counts (gpipe, 1f1b, graph-1f1b, zero-bubble).
 
 The ``graphpipe-stage-mb`` planner is GraphPipe followed by this pass. Its plans run only on
 steps whose loss carries no state between micro-batches and reads no random key (see
-``runtime.driver``).
+``runtime.executor``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The driver takes the batch where it is: a device array is split on its device."""
+"""The executor takes the batch where it is: a device array is split on its device."""
 
 import jax
 from harness import OPTIMIZERS, compare_steps, make_batch, max_diff, mse_step
 from test_pipeline_numerics import CHAIN_PLAN, chain_model, chain_params
 
-import gpp_jax.runtime.driver as driver
+import gpp_jax.runtime.executor as executor
 
 TOL = 1e-5
 
@@ -17,7 +17,7 @@ def test_device_batch_is_split_on_its_device_and_matches_the_reference(monkeypat
     host_reads.append(x)
     return real_get(x)
 
-  monkeypatch.setattr(driver.jax, "device_get", counting_get)
+  monkeypatch.setattr(executor.jax, "device_get", counting_get)
   tx = OPTIMIZERS["adamw"]()
   params = chain_params()
   batch = jax.device_put(make_batch(0, 16, 6, 3), jax.devices()[5])
@@ -49,7 +49,7 @@ def test_host_batch_is_put_once_per_step_and_cut_on_the_device(monkeypatch):
       host_puts.append(x.shape)
     return real_put(x, *a, **k)
 
-  monkeypatch.setattr(driver.jax, "device_put", counting_put)
+  monkeypatch.setattr(executor.jax, "device_put", counting_put)
   tx = OPTIMIZERS["adamw"]()
   params = chain_params()
   r, p, _pp = compare_steps(

@@ -1,0 +1,730 @@
+"""The compile chain: a train step and its arguments -> a ``CompiledStep``, phase by phase.
+
+``compile_step`` runs the phases in order; each is a function of the previous phases' results
+and returns one typed result:
+
+  capture   (step, arguments)          -> Captured   the step's Jaxpr, its loss, layers, roles
+  plan      Captured                   -> Planned    LayerGraph (calibrated), Plan
+  stage     Captured, Planned          -> Staged     the loss per stage, the step around it,
+                                                     each stage's placement
+  schedule  Planned                    -> Schedule   per-stage action lists
+  lower     Staged, Schedule           -> Lowered    the program the executor runs and the
+                                                     simulator times (``passes.lowering``)
+  kernels   Staged                     -> Kernels    the jitted stage, piece and fused functions
+  executor  Lowered, Kernels           -> Executor   (``runtime.executor``)
+
+``GraphPipeline`` (``runtime.pipeline``) keeps one ``CompiledStep`` per argument signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import networkx as nx
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.extend import core as xc
+
+from gpp_jax.cost.cluster import process_cluster
+from gpp_jax.errors import BatchError, CaptureError, PlanError
+from gpp_jax.ir import layer_graph as lg
+from gpp_jax.ir.plan import Plan, has_mixed_microbatches, stage_microbatch_sizes, validate_plan
+from gpp_jax.ir.program import Program
+from gpp_jax.ir.schedule import Schedule
+from gpp_jax.passes.calibrate import Calibration, measure_layers
+from gpp_jax.passes.capture import inline_calls
+from gpp_jax.passes.layering import Layering, layer_program
+from gpp_jax.passes.lowering import (
+  BATCH,
+  BROADCAST,
+  KEY,
+  STATE,
+  Lowered,
+  StepSpec,
+  lower_fused,
+  lower_step,
+)
+from gpp_jax.passes.partition import get_planner
+from gpp_jax.passes.partition.manual import ManualPlan
+from gpp_jax.passes.scan_split import ScanSplit, split_scans
+from gpp_jax.passes.schedules import plan_schedule, stream_schedule
+from gpp_jax.passes.staging import StagedProgram, stage_functions, stage_program
+from gpp_jax.passes.step_split import StepProgram, split_step
+from gpp_jax.passes.weight_versions import weight_delays
+from gpp_jax.runtime.capture_step import PureStep, recording, value_and_grad_p
+from gpp_jax.runtime.executor import Executor, Kernels, StageKernels
+from gpp_jax.runtime.fused import fused_step
+from gpp_jax.runtime.loss_state import StatePair, check_state_returned, split_state, state_carries
+from gpp_jax.runtime.placement import StagePlacement, pack_limit, stage_placements, transfer
+from gpp_jax.runtime.processes import check_same_plan, exchange
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The decorator's settings (``graph_pipeline``'s arguments)."""
+
+  num_microbatches: int
+  devices: tuple[Any, ...]
+  planner: Any = "balanced"
+  schedule: str | None = None
+  batch_argnums: tuple[int, ...] | None = None
+  remat: bool = False
+  layer_depth: int | None = None
+  cluster: Any = None
+  measure: bool = False
+  planner_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  timeout_s: float = 300.0
+  calibrate: bool = False
+  fuse: bool = True
+  name: str = "step"
+
+  def batch_positions(self, nargs: int) -> tuple[int, ...]:
+    if self.batch_argnums is None:
+      return (nargs - 1,)
+    for a in self.batch_argnums:
+      if not -nargs <= a < nargs:
+        raise ValueError(f"batch_argnums {self.batch_argnums} out of range for {nargs} arguments")
+    return tuple(a % nargs for a in self.batch_argnums)
+
+
+# ---------------------------------------------------------------------------- capture
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+  """The traced step (no planning, no compilation).
+
+  Attributes:
+    out_tree: the tree of the step's outputs (its own and the new NNX state).
+    step: the whole step's ClosedJaxpr (calls inlined); ``marker_index`` its value-and-grad.
+    loss: the loss's ClosedJaxpr after the scan split; ``layering`` its layers.
+    roles: per marker input: None for a parameter, else BATCH, KEY, BROADCAST or STATE.
+    state: state the loss updates (``runtime.loss_state``).
+    scan_split: how stacked parameters were cut per layer (``passes.scan_split``).
+    nparam: parameters of the captured loss.
+    batch_size, microbatch_size: examples per step and per micro-batch (as traced).
+    batch_leaves: the flat step arguments that are batch arrays (traced at micro-batch size).
+  """
+
+  out_tree: Any
+  step: xc.ClosedJaxpr
+  marker_index: int
+  loss: xc.ClosedJaxpr
+  layering: Layering
+  roles: tuple[str | None, ...]
+  state: tuple[StatePair, ...]
+  scan_split: ScanSplit
+  nparam: int
+  batch_size: int
+  microbatch_size: int
+  batch_leaves: tuple[int, ...] = ()
+
+  @property
+  def marker(self) -> xc.JaxprEqn:
+    return self.step.jaxpr.eqns[self.marker_index]
+
+
+def capture(
+  pure: PureStep,
+  args: Sequence[Any],
+  leaves: Sequence[Any],
+  opts: Options,
+  microbatch_size: int | None = None,
+) -> Captured:
+  """Traces the step and layers its loss, at micro-batches of ``microbatch_size`` samples
+  (default: batch / num_microbatches)."""
+  batch_idx, B = batch_leaves(pure, args, leaves, opts)
+  mb = B // opts.num_microbatches if microbatch_size is None else microbatch_size
+  abstract = [
+    jax.ShapeDtypeStruct(
+      ((mb,) + tuple(np.shape(x))[1:]) if i in batch_idx else tuple(np.shape(x)),
+      canonical_dtype(x),
+    )
+    for i, x in enumerate(leaves)
+  ]
+  with recording() as recs:
+    step = jax.make_jaxpr(pure.fn)(*abstract)
+  if not recs:
+    raise CaptureError(
+      "the step never calls gpp_jax.value_and_grad; replace "
+      "jax.value_and_grad / nnx.value_and_grad by gpp_jax.value_and_grad"
+    )
+  rec = recs[0]
+  step = inline_calls(step)
+  J = step.jaxpr
+  markers = [k for k, e in enumerate(J.eqns) if e.primitive is value_and_grad_p]
+  if len(markers) != 1:
+    raise CaptureError(
+      f"expected one gpp_jax.value_and_grad in the step, found {len(markers)} "
+      "(it may not sit inside jax.lax control flow)"
+    )
+  mk = markers[0]
+  marker = J.eqns[mk]
+  batch_vars = {J.invars[i] for i in batch_idx}
+  _check_batch_use(J, mk, batch_vars, rec.num_params)
+  # Batch arrays are split, never carried (an aux leaf named like a batch entry is no state).
+  state = [p for p in rec.state if p.input is None or marker.invars[p.input] not in batch_vars]
+  roles = input_roles(marker, rec.num_params, batch_vars, state, rec.module_state)
+  check_state_returned(J, marker, state)
+  loss = inline_calls(marker.params["loss_jaxpr"])
+  loss, split_paths, scan_split = split_scans(
+    loss, rec.num_params, rec.param_paths, [(p.input, p.output) for p in state if p.input is not None]
+  )
+  layering = layer_program(
+    loss,
+    split_paths + [None] * (len(loss.jaxpr.invars) - len(split_paths)),
+    batch_size=mb,
+    layer_depth=opts.layer_depth,
+    name=opts.name,
+  )
+  return Captured(
+    out_tree=pure.out_tree[-1],
+    step=step,
+    marker_index=mk,
+    loss=loss,
+    layering=layering,
+    roles=roles,
+    state=tuple(state),
+    scan_split=scan_split,
+    nparam=rec.num_params,
+    batch_size=B,
+    microbatch_size=mb,
+    batch_leaves=tuple(batch_idx),
+  )
+
+
+def batch_leaves(
+  pure: PureStep, args: Sequence[Any], leaves: Sequence[Any], opts: Options
+) -> tuple[list[int], int]:
+  """The flat step arguments that are batch arrays, and the batch size (checked to split
+  into the micro-batches)."""
+  M = opts.num_microbatches
+  bpos = opts.batch_positions(len(args))
+  # Flat indices of batch leaves: graph state first, then the other arguments in order.
+  nstate = (
+    len(jax.tree.leaves(nnx.state(tuple(args[i] for i in pure.graph_positions))))
+    if pure.graph_positions
+    else 0
+  )
+  batch_idx: list[int] = []
+  offset = nstate
+  for i, a in enumerate(args):
+    if i in pure.graph_positions:
+      if i in bpos:
+        raise CaptureError(f"argument {i} is an NNX object, not a batch; set batch_argnums")
+      continue
+    n = len(jax.tree.leaves(a))
+    if i in bpos:
+      batch_idx.extend(range(offset, offset + n))
+    offset += n
+  if not batch_idx:
+    raise BatchError(
+      f"the batch arguments {bpos} hold no arrays; pass the batch there or set batch_argnums"
+    )
+  sizes = {np.shape(leaves[i])[0] if np.ndim(leaves[i]) else None for i in batch_idx}
+  if None in sizes or len(sizes) != 1:
+    raise BatchError(
+      f"batch leaves must share one leading (batch) dimension; got sizes {sorted(map(str, sizes))}"
+    )
+  B = sizes.pop()
+  assert B is not None  # None in sizes raised above
+  if B % M:
+    raise BatchError(
+      f"the batch of {B} examples does not split into {M} micro-batches; use a "
+      f"batch size divisible by {M} or a num_microbatches that divides {B}"
+    )
+  return batch_idx, B
+
+
+def _check_batch_use(J: xc.Jaxpr, mk: int, batch_vars: set, nparam: int) -> None:
+  """Raises CaptureError for a batch used outside the loss, returned, or differentiated."""
+  for k, e in enumerate(J.eqns):
+    if k != mk and any(isinstance(a, xc.Var) and a in batch_vars for a in e.invars):
+      raise CaptureError(
+        f"the batch is used outside the loss function (by `{e.primitive.name}` at "
+        f"{e.source_info.name_stack or 'top level'}); move every computation on the batch "
+        "into the function given to gpp_jax.value_and_grad"
+      )
+  if any(isinstance(a, xc.Var) and a in batch_vars for a in J.outvars):
+    raise CaptureError("the step returns its batch input; return only results")
+  if any(isinstance(a, xc.Var) and a in batch_vars for a in J.eqns[mk].invars[:nparam]):
+    raise CaptureError("a batch array is passed as the differentiated argument")
+
+
+def input_roles(marker, nparam: int, batch_vars: set, state, module_state) -> tuple:
+  """Per loss input: None for a parameter, BATCH (split into micro-batches), STATE (carried
+  from micro-batch to micro-batch), KEY (micro-batch index folded in) or BROADCAST."""
+  roles: list[str | None] = [None] * nparam
+  carried = {p.input for p in state if p.input is not None}
+  for i, a in enumerate(marker.invars[nparam:], nparam):
+    if isinstance(a, xc.Var) and a in batch_vars:
+      roles.append(BATCH)
+    elif i in carried:
+      roles.append(STATE)
+    elif _is_key(a.aval) and i not in module_state:
+      roles.append(KEY)
+    else:
+      roles.append(BROADCAST)
+  if BATCH not in roles:
+    raise CaptureError(
+      "the loss function does not read the batch; the pipeline splits the "
+      "batch read inside the loss into micro-batches"
+    )
+  return tuple(roles)
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+  """The plan and the graph it was made for.
+
+  Attributes:
+    plan: the validated plan (stages, devices, micro-batches, schedule name).
+    layer_graph: the LayerGraph planned over (calibrated times where measured).
+    calibration: the measured layer times (``calibrate=True``), else None.
+  """
+
+  plan: Plan
+  layer_graph: nx.DiGraph
+  calibration: Calibration | None = None
+
+
+def plan_step(captured: Captured, opts: Options) -> Planned:
+  """Calibrates (if asked), plans, validates; with several processes, checks that every
+  process has the same plan."""
+  graph = captured.layering.graph
+  calibration = None
+  if opts.calibrate:
+    calibration = calibrate(captured, opts)
+    graph = calibration.apply(graph)
+  plan = make_plan(graph, captured.batch_size, opts)
+  if jax.process_count() > 1:
+    check_same_plan(plan, opts.timeout_s)
+  return Planned(plan, graph, calibration)
+
+
+def calibrate(captured: Captured, opts: Options) -> Calibration:
+  """Times the layers on this process's first device of the pipeline; with several
+  processes, every process takes process 0's numbers so that all plan alike."""
+  here = jax.process_index()
+  device = next((d for d in opts.devices if d.process_index == here), jax.local_devices()[0])
+  lay = captured.layering
+  cal = measure_layers(captured.loss, lay.eqn_layer, lay.param_layer, lay.graph, device)
+  if jax.process_count() == 1:
+    return cal
+  first = Calibration.from_json(exchange("calibration", cal.to_json(), opts.timeout_s)[0])
+  return dataclasses.replace(first, device=f"{first.device} on process 0")
+
+
+def planner_cluster(opts: Options) -> Any:
+  """What planners are given as the machine: the user's Cluster, else the devices."""
+  if opts.cluster is not None:
+    return opts.cluster
+  if jax.process_count() > 1:
+    return process_cluster(list(opts.devices))
+  return len(opts.devices)
+
+
+def make_plan(graph: nx.DiGraph, batch_size: int, opts: Options) -> Plan:
+  """The plan for ``graph``: the given Plan, a resolved manual plan, or a planner's."""
+  M = opts.num_microbatches
+  p = opts.planner
+  nd = len(opts.devices)
+  if isinstance(p, Plan):
+    plan = p if p.num_microbatches == M else p.replace(num_microbatches=M)
+    if has_mixed_microbatches(plan) and plan.batch_size != batch_size:
+      plan = plan.replace(batch_size=batch_size)  # per-stage sizes are checked against it
+  elif isinstance(p, ManualPlan):
+    return p.resolve(graph, M, opts.schedule or "1f1b", nd, batch_size)
+  elif isinstance(p, str):
+    fn = get_planner(p)
+    plan = fn(
+      lg.scaled(graph, batch_size),
+      planner_cluster(opts),
+      batch_size,
+      num_microbatches=M,
+      **opts.planner_options,
+    )
+  elif callable(p):
+    plan = p(graph, planner_cluster(opts), batch_size, num_microbatches=M)
+  else:
+    raise TypeError(
+      f"planner must be a name, a Plan, a gpp_jax.manual_plan or a callable; "
+      f"got {type(p).__name__}"
+    )
+  if plan.num_microbatches != M:
+    plan = plan.replace(num_microbatches=M)
+  if opts.schedule is not None:
+    plan = plan.replace(schedule=opts.schedule)
+  validate_plan(plan, graph, nd, batch_size)
+  return plan
+
+
+# ---------------------------------------------------------------------------- stage
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+  """The step cut by the plan.
+
+  Attributes:
+    staged: the loss per stage (``passes.staging``).
+    prog: the step around the pipeline (``passes.step_split``).
+    placements: where each stage runs.
+    spec: what the lowering reads (``passes.lowering.StepSpec``).
+  """
+
+  staged: StagedProgram
+  prog: StepProgram
+  placements: tuple[StagePlacement, ...]
+  spec: StepSpec
+
+  @property
+  def microbatch_sizes(self) -> tuple[int, ...]:
+    return tuple(p.microbatch_size for p in self.placements)
+
+
+def stage_step(
+  captured: Captured,
+  planned: Planned,
+  opts: Options,
+  recapture: Callable[[int], Captured],
+) -> Staged:
+  """Cuts the loss into the plan's stages (each at its own micro-batch size, tracing the step
+  again per size through ``recapture``) and the rest of the step by where values live."""
+  plan, B = planned.plan, captured.batch_size
+  sizes = stage_microbatch_sizes(plan, B)
+  placements = stage_placements([[opts.devices[d] for d in s.devices] for s in plan.stages], sizes)
+  lay = captured.layering
+  staged = stage_program(captured.loss, lay.eqn_layer, lay.param_layer, plan)
+  if len(set(sizes)) > 1:
+    staged = restage(captured, plan, staged, sizes, recapture)
+  split = captured.scan_split
+  marker = captured.marker
+  # A parameter stacked over a split scan lives on the stage owning its first slice.
+  homes = [staged.param_owner[ks[0]] for ks in split.parts[: split.num_params]]
+  nparam = captured.nparam
+  in_home = [homes[j] if j < nparam else -1 for j in range(len(marker.invars))]
+  nloss = len(split.out_parts)
+  out_home = [staged.loss_outputs[split.out_parts[k][0]][0] for k in range(nloss)] + homes
+  prog = split_step(captured.step, captured.marker_index, in_home, out_home)
+  # The loss's inputs and outputs after the scan split: one per slice of a split input.
+  loss_roles = tuple(r for r, ks in zip(captured.roles, split.parts) for _ in ks)
+  state = tuple(split_state(captured.state, split))
+  carries = state_carries(staged, state)
+  counts = [B // b for b in sizes]
+  spec = StepSpec(
+    staged=staged,
+    prog=prog,
+    roles=loss_roles,
+    scan_split=split,
+    state=state,
+    batch_size=B,
+    batch_leaves=captured.batch_leaves,
+    packed=tuple(len(p.devices) == 1 and not opts.remat for p in placements),
+    multi_device=tuple(len(p.devices) > 1 for p in placements),
+    carries=tuple((s, j, k) for s, pairs in carries.items() for j, k in pairs),
+  )
+  if len(set(counts)) > 1:
+    _check_mixed(counts, state, loss_roles)
+  return Staged(staged, prog, tuple(placements), spec)
+
+
+def restage(
+  captured: Captured,
+  plan: Plan,
+  staged: StagedProgram,
+  sizes: Sequence[int],
+  recapture: Callable[[int], Captured],
+) -> StagedProgram:
+  """The staged loss with each stage traced at its own micro-batch size.
+
+  The step is captured once more per distinct size; stage s takes its program from the
+  capture at ``sizes[s]``. Every capture must split into the same stages with the same
+  inputs and outputs (a model whose program changes with the batch size cannot), and a value
+  crossing between stages of different sizes must carry the batch as its leading axis, so
+  that the executor can cut or join it along that axis.
+  """
+  by_size = {captured.microbatch_size: staged}
+  for b in sorted(set(sizes) - {captured.microbatch_size}):
+    cb = recapture(b)
+    if cb.scan_split != captured.scan_split:
+      raise CaptureError(
+        f"the loss traced at micro-batch size {b} splits its scanned layers differently "
+        f"than at {captured.microbatch_size}; give every stage the same micro-batch size"
+      )
+    try:
+      by_size[b] = stage_program(cb.loss, cb.layering.eqn_layer, cb.layering.param_layer, plan)
+    except PlanError as e:
+      raise CaptureError(
+        f"the loss traced at micro-batch size {b} has other layers than at "
+        f"{captured.microbatch_size} ({e}); the model's program must not depend on the batch "
+        "size to use per-stage micro-batch sizes"
+      ) from e
+  for b, other in by_size.items():
+    same = (other.param_owner, other.loss_outputs, other.edges) == (
+      staged.param_owner,
+      staged.loss_outputs,
+      staged.edges,
+    ) and all(
+      (x.inputs, x.outputs) == (y.inputs, y.outputs) for x, y in zip(other.stages, staged.stages)
+    )
+    if not same:
+      raise CaptureError(
+        f"the loss traced at micro-batch size {b} cuts into stages differently than at "
+        f"{captured.microbatch_size} (the program depends on the batch size); give every stage "
+        "the same micro-batch size"
+      )
+  stages = tuple(by_size[b].stages[s] for s, b in enumerate(sizes))
+  _check_rechunkable(stages, sizes)
+  return dataclasses.replace(staged, stages=stages)
+
+
+def _check_rechunkable(stages: Sequence[Any], sizes: Sequence[int]) -> None:
+  """Raises CaptureError for a value crossing between stages of different micro-batch sizes
+  that does not have the batch as its leading axis (a per-chunk scalar, say): it cannot be
+  cut or joined into the other stage's chunks."""
+  out_aval = {
+    o.vid: (st.index, v.aval) for st in stages for o, v in zip(st.outputs, st.jaxpr.jaxpr.outvars)
+  }
+  for st in stages:
+    for r, v in zip(st.inputs, st.jaxpr.jaxpr.invars):
+      if r.kind != "act" or sizes[r.src] == sizes[st.index]:
+        continue
+      p, src = out_aval[r.index]
+      dst = v.aval
+      if not (
+        src.ndim >= 1
+        and dst.ndim >= 1
+        and src.shape[0] == sizes[p]
+        and dst.shape[0] == sizes[st.index]
+        and src.shape[1:] == dst.shape[1:]
+      ):
+        raise CaptureError(
+          f"a value of shape {src.shape} at stage {p} (micro-batch {sizes[p]}) and "
+          f"{dst.shape} at stage {st.index} (micro-batch {sizes[st.index]}) crosses between "
+          "stages of different micro-batch sizes without the batch as its leading axis, so it "
+          f"cannot be re-chunked; give stages {p} and {st.index} the same micro-batch size or "
+          "put the layers that reduce over the batch into one stage"
+        )
+
+
+def _check_mixed(counts: Sequence[int], state: Sequence[StatePair], roles) -> None:
+  """Raises GppError for what cannot run with per-stage micro-batch sizes."""
+  from gpp_jax.errors import GppError
+
+  what = f"the stages run {list(counts)} micro-batches (per-stage micro-batch sizes)"
+  fix = "give every stage the same micro-batch size (Stage.microbatch_size)"
+  if state:
+    raise GppError(
+      f"{what}, but the loss carries state from one micro-batch to the next (e.g. "
+      f"BatchNorm statistics), whose order depends on the micro-batch size; {fix}"
+    )
+  if KEY in roles:
+    raise GppError(
+      f"{what}, but the loss reads a random key, into which each stage folds its own "
+      f"micro-batch index, so stages would draw from different chunks; {fix}, or pass "
+      "no key to the loss"
+    )
+  if jax.process_count() > 1:
+    raise GppError(f"{what}, which runs in a single process only; {fix}")
+
+
+# ---------------------------------------------------------------------------- the rest
+
+
+def fuses(opts: Options, plan: Plan, sched: Schedule, captured: Captured) -> bool:
+  """Whether the step runs as one jitted function: one stage on one device is gradient
+  accumulation, not a pipeline (``runtime.fused``)."""
+  return (
+    opts.fuse
+    and plan.num_stages == 1
+    and len(plan.stages[0].devices) == 1
+    and jax.process_count() == 1
+    and weight_delays(sched) is None  # stale-weight schedules keep older versions
+    and not captured.state  # state carried between micro-batches runs in the executor
+  )
+
+
+def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Options, fused: bool):
+  """The jitted functions a program calls: per stage forward/backward, the pieces of the
+  step around the pipeline, and (one fused stage) the whole step."""
+  spec = staged.spec
+  layers = [tuple(s.layers) for s in planned.plan.stages]
+  stages = []
+  for st, place, packed in zip(staged.staged.stages, staged.placements, spec.packed):
+    fns = stage_functions(
+      st,
+      remat=opts.remat,
+      pack_residuals=len(place.devices) == 1,
+      pack_limit=pack_limit(place.devices[0]),
+    )
+    assert (fns.pack_params is not None) == packed
+    nondiff = [r for r in st.inputs if not r.diff]
+    keys = tuple(
+      k for k, r in enumerate(nondiff) if r.kind == "data" and spec.roles[r.index] == KEY
+    )
+    zeros = jax.jit(fns.zeros_acc, out_shardings=place.replicated)
+    stages.append(StageKernels(st, fns, place, zeros, keys, layers[st.index]))
+  prog = staged.prog
+  pieces = [jax.jit(xc.jaxpr_as_fun(p.jaxpr)) for p in prog.before + prog.after]
+  fused_fn = None
+  if fused:
+    # The loss as captured (one stage needs no scan split): inputs are the marker's.
+    loss = inline_calls(captured.marker.params["loss_jaxpr"])
+    fused_fn = fused_step(
+      prog, loss, list(captured.roles), opts.num_microbatches, captured.microbatch_size
+    )
+  return Kernels(stages, pieces, fused_fn)
+
+
+def loss_seeds(staged: Staged, counts: Sequence[int]) -> list[Any]:
+  """Per stage, ``1 / M_s`` on the stage computing the loss (None elsewhere): the seed of its
+  backward, d(mean loss) / d(chunk loss)."""
+  st = staged.staged
+  ls, lk = st.loss_outputs[0]
+  dtype = st.stages[ls].jaxpr.jaxpr.outvars[lk].aval.dtype
+  seeds: list[Any] = [None] * len(st.stages)
+  seeds[ls] = transfer(np.asarray(1.0 / counts[ls], dtype=dtype), staged.placements[ls].replicated)
+  return seeds
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+  """Everything built for one argument signature, phase by phase (see the module docstring).
+
+  ``executor`` runs one step; ``executor_for`` gives the executor of K steps in one program
+  (``run_steps``' stream) or of a stale-weight step with another history length.
+  """
+
+  opts: Options
+  captured: Captured
+  planned: Planned
+  staged: Staged
+  schedule: Schedule
+  kernels: Kernels
+  fused: bool
+  seeds: tuple[Any, ...]
+  delays: tuple[int, ...] | None
+  history: list[list[Any]]  # parameter versions of earlier steps, newest first (stale weights)
+  executors: dict[tuple[int, int], Executor]
+  last: list[Executor]  # the executor of the last run
+
+  @property
+  def plan(self) -> Plan:
+    return self.planned.plan
+
+  @property
+  def layer_graph(self) -> nx.DiGraph:
+    return self.planned.layer_graph
+
+  @property
+  def batch_size(self) -> int:
+    return self.captured.batch_size
+
+  @property
+  def out_tree(self) -> Any:
+    return self.captured.out_tree
+
+  @property
+  def prog(self) -> StepProgram:
+    return self.staged.prog
+
+  @property
+  def lowered(self) -> Lowered:
+    return self.executor_for(1).lowered
+
+  @property
+  def program(self) -> Program:
+    return self.lowered.program
+
+  def executor_for(self, steps: int = 1, carry: dict[int, int] | None = None) -> Executor:
+    """The executor of ``steps`` steps in one program (``carry``: flat input -> the flat
+    output of the previous step feeding it)."""
+    keep = max(self.delays) if self.delays else 0
+    key = (steps, min(len(self.history), keep))
+    ex = self.executors.get(key)
+    if ex is None:
+      if self.fused:
+        assert steps == 1, "a fused step runs one step a call"
+        lowered = lower_fused(self.staged.spec)
+      else:
+        sched = self.schedule if steps == 1 else stream_schedule(self.schedule, steps)
+        lowered = lower_step(
+          self.staged.spec, sched, carry=carry, delays=self.delays, history=key[1]
+        )
+      ex = Executor(
+        lowered, self.kernels, seeds=self.seeds, timeout_s=self.opts.timeout_s,
+        history=self.history,
+      )
+      self.executors[key] = ex
+    return ex
+
+  def run(
+    self, steps_leaves: Sequence[Sequence[Any]], carry=None, measure: bool = False
+  ) -> list[list[Any]]:
+    """Runs ``len(steps_leaves)`` steps in one program; returns each step's flat outputs.
+    ``measure``: one thread per lane waiting for each instruction (device times)."""
+    ex = self.executor_for(len(steps_leaves), carry)
+    self.last[:] = [ex]
+    return ex.run(steps_leaves, measure=measure)
+
+
+def compile_step(
+  pure: PureStep, args: Sequence[Any], leaves: Sequence[Any], opts: Options
+) -> CompiledStep:
+  """The compile chain, top to bottom."""
+  captured = capture(pure, args, leaves, opts)
+  planned = plan_step(captured, opts)
+  staged = stage_step(
+    captured, planned, opts, lambda b: capture(pure, args, leaves, opts, microbatch_size=b)
+  )
+  sched = plan_schedule(planned.plan, captured.batch_size)
+  fused = fuses(opts, planned.plan, sched, captured)
+  kernels = build_kernels(captured, planned, staged, opts, fused)
+  counts = sched.stage_counts
+  seeds = loss_seeds(staged, counts)
+  logging.info(
+    "graph_pipeline: %d stages (depth %d), micro-batches per stage %s of %s, %d step pieces",
+    planned.plan.num_stages,
+    planned.plan.depth(),
+    list(counts),
+    list(staged.microbatch_sizes),
+    len(kernels.pieces),
+  )
+  return CompiledStep(
+    opts=opts,
+    captured=captured,
+    planned=planned,
+    staged=staged,
+    schedule=sched,
+    kernels=kernels,
+    fused=fused,
+    seeds=tuple(seeds),
+    delays=weight_delays(sched),
+    history=[],
+    executors={},
+    last=[],
+  )
+
+
+def canonical_dtype(x) -> Any:
+  dtype = getattr(x, "dtype", None) or np.result_type(x)
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return dtype
+  return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _is_key(x) -> bool:
+  dt = getattr(x, "dtype", None)
+  if dt is None:
+    return False
+  if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+    return True
+  return dt == np.uint32 and tuple(getattr(x, "shape", ())) == (2,)

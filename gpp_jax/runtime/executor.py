@@ -1,0 +1,783 @@
+"""The executor: runs a lowered program (``passes.lowering``) on real devices.
+
+One object per lane owns that lane's buffers (``Lane.buffers``: a stage's parameters and
+their packed form, its stashed residuals, its gradient sums, what it received; the host
+lane's the arguments the caller passed). ``Executor`` turns each instruction into a call with
+its operands resolved once, at build time, by a rule per op (``_RULES``), and runs the calls
+in the program's order on one thread. JAX dispatches asynchronously, so nothing here waits on
+a device: the devices overlap as the program lets them. Every value moves between lanes by a
+SEND (``placement.transfer``: an explicit ``jax.device_put``), and each buffer is dropped
+after its last reader.
+
+Strategies of the same program:
+  * ``run``: one thread, the program's order (every step, one-stage fused steps, K-step
+    streams, multi-process runs alike);
+  * ``run(measure=True)``: one thread per lane, each running its lane's instructions in order
+    as their inputs arrive and waiting for each to finish on the device, which gives device
+    times per instruction (single process).
+
+Multi-process: every process runs the same program in the same order. A process computes only
+the instructions of lanes on its own devices and stands in placeholders (arrays with no local
+shards) for what the others compute; every SEND is issued by every process, which makes each
+cross-process edge a matched send and receive (``placement.transfer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpp_jax.errors import GppError, ScheduleError
+from gpp_jax.ir.program import Instr, Op
+from gpp_jax.passes.lowering import Lowered
+from gpp_jax.runtime.placement import (
+  StagePlacement,
+  new_send_epoch,
+  place_input,
+  transfer,
+)
+
+
+@dataclasses.dataclass
+class TimelineEvent:
+  action: str
+  stage: int
+  microbatch: int
+  start: float
+  end: float
+
+
+@dataclasses.dataclass
+class Timeline:
+  """Per-instruction times of one run (seconds from its start).
+
+  ``measured`` is True when ``end`` is when the device finished the instruction (measure
+  mode); otherwise start/end bracket only the host-side dispatch. ``action`` is the op (F, B,
+  W, UPDATE, SEND, PIECE, ...); ``stage`` the stage it serves (its lane for ops serving none).
+  """
+
+  events: list[TimelineEvent]
+  total: float
+  measured: bool
+  stage_devices: tuple[tuple[int, ...], ...] = ()  # the plan's device indices per stage
+
+  def to_chrome_trace(self) -> dict:
+    """Chrome / Perfetto trace laid out like the simulator's (``cost.simulator.chrome_trace``):
+    one track per stage, named with its devices; the track says whether its spans are device
+    times (measured) or the host's dispatch of each action."""
+    ev: list[dict] = []
+    stages = sorted({e.stage for e in self.events} | set(range(len(self.stage_devices))))
+    what = "device (measured)" if self.measured else "host dispatch"
+    for s in stages:
+      devs = self.stage_devices[s] if s < len(self.stage_devices) else ()
+      label = f"stage {s}" + (f" (devices {','.join(map(str, devs))})" if devs else "")
+      if self.stage_devices and s == len(self.stage_devices):
+        label = "host"
+      ev.append({"ph": "M", "name": "process_name", "pid": s, "args": {"name": label}})
+      ev.append({"ph": "M", "name": "process_sort_index", "pid": s, "args": {"sort_index": s}})
+      ev.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 0, "args": {"name": what}})
+    for e in self.events:
+      ev.append(
+        {
+          "name": f"{e.action}{e.stage}.{e.microbatch}",
+          "ph": "X",
+          "cat": e.action,
+          "pid": e.stage,
+          "tid": 0,
+          "ts": e.start * 1e6,
+          "dur": max(e.end - e.start, 0) * 1e6,
+          "args": {"microbatch": e.microbatch},
+        }
+      )
+    return {"traceEvents": ev, "displayTimeUnit": "ms"}
+
+
+class StageFailure(GppError):
+  """An instruction of the pipelined step raised; ``__cause__`` is the original exception."""
+
+
+def placeholder(aval, sharding):
+  """An array with no local data standing for a value computed on another process."""
+  return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [], dtype=aval.dtype)
+
+
+def is_local(placement: StagePlacement) -> bool:
+  """Whether this process takes part in the stage: it holds one of the stage's devices (a
+  stage spanning processes runs as one SPMD program that each of its processes calls)."""
+  return any(d.process_index == jax.process_index() for d in placement.devices)
+
+
+def wait_for(values, timeout_s: float) -> None:
+  """Blocks until this process's shards of ``values`` are ready, or raises after a timeout.
+
+  A peer process that died or stalls leaves a receive unfinished forever; this turns that hang
+  into a clear error within ``timeout_s`` seconds.
+  """
+  arrays = [x for x in jax.tree.leaves(values) if isinstance(x, jax.Array)]
+  done = threading.Event()
+  failure = []
+
+  def block():
+    try:
+      for x in arrays:
+        for shard in x.addressable_shards:
+          shard.data.block_until_ready()
+    except BaseException as e:  # surfaced in the caller
+      failure.append(e)
+    done.set()
+
+  threading.Thread(target=block, daemon=True, name="gpp-wait").start()
+  if not done.wait(timeout_s):
+    raise GppError(
+      f"the pipelined step did not finish within {timeout_s:.0f} s on process "
+      f"{jax.process_index()} of {jax.process_count()}: a peer process has died or "
+      "stalls (its activations or gradients never arrived). Check the other "
+      "processes' logs; raise timeout_s if steps are legitimately this slow."
+    )
+  if failure:
+    where = f"process {jax.process_index()} of {jax.process_count()}"
+    if jax.process_count() > 1:
+      raise GppError(
+        f"the pipelined step failed on {where}: a transfer with a peer process "
+        f"broke, so the peer process has died or closed its connection. Check the "
+        f"other processes' logs. Cause: {failure[0]}"
+      ) from failure[0]
+    raise GppError(f"the pipelined step failed on {where}: {failure[0]}") from failure[0]
+
+
+@jax.jit
+def _fold(key, m):
+  return jax.random.fold_in(key, m)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_on_device(x, M):
+  return jnp.split(x, M)
+
+
+def _split_batch(x, M: int) -> list[Any]:
+  """A batch array cut into M contiguous micro-batches: a device array on its device (no round
+  trip through the host), host data on the host."""
+  if isinstance(x, jax.Array) and x.is_fully_addressable and len(x.sharding.device_set) == 1:
+    return list(_split_on_device(x, M))
+  return np.split(np.asarray(jax.device_get(x)), M)
+
+
+@jax.jit
+def _mean(xs):
+  return sum(xs[1:], xs[0]) / len(xs)
+
+
+@jax.jit
+def _concat(xs):
+  return jnp.concatenate(xs, axis=0)
+
+
+@jax.jit
+def _add(a, b):
+  return jax.tree.map(jnp.add, a, b)
+
+
+@jax.jit
+def _unstack(x):
+  return list(x)
+
+
+@jax.jit
+def _stack(xs):
+  return jnp.stack(xs)
+
+
+@dataclasses.dataclass
+class StageKernels:
+  """A stage's executables and where they run (``passes.staging.stage_functions``)."""
+
+  stage: Any  # passes.staging.StageProgram
+  fns: Any  # passes.staging.StageFunctions
+  placement: StagePlacement
+  zeros: Callable[[], Any]
+  key_positions: tuple[int, ...]  # among the forward's non-differentiable inputs
+  layers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Kernels:
+  """Everything a program of one compiled step calls: per stage, the step's pieces, the
+  fused step, the loss seeds."""
+
+  stages: list[StageKernels]
+  pieces: list[Callable[..., Any]]
+  fused: Callable[..., Any] | None
+
+
+class Lane:
+  """One lane's buffers: a stage's devices, or the host."""
+
+  def __init__(self, index: int, size: int, placement: StagePlacement | None, local: bool):
+    self.index = index
+    self.placement = placement
+    self.local = local
+    self.buffers: list[Any] = [None] * size
+
+  def live_bytes(self) -> int:
+    """Bytes this lane's live buffers hold on its devices (this process's shards)."""
+    total = 0
+    for x in jax.tree.leaves(self.buffers):
+      if isinstance(x, jax.Array):
+        total += sum(s.data.nbytes for s in x.addressable_shards)
+    return total
+
+
+class Executor:
+  """Runs one lowered program with one compiled step's kernels."""
+
+  def __init__(
+    self,
+    lowered: Lowered,
+    kernels: Kernels,
+    *,
+    seeds: Sequence[Any] = (),
+    timeout_s: float = 300.0,
+    history: list[list[Any]] | None = None,
+  ):
+    """``seeds``: the loss seed per stage (``Binding("seed")``); ``history``: the parameter
+    versions of earlier steps, newest first, shared by the executors of one compiled step
+    (``Binding("version")`` reads it; stale-weight programs extend it)."""
+    self.lowered = lowered
+    self.program = P = lowered.program
+    self.kernels = kernels
+    self.timeout_s = timeout_s
+    self.multiprocess = jax.process_count() > 1
+    S = P.num_stages
+    places = [k.placement for k in kernels.stages[:S]]
+    self.lanes = [
+      Lane(l, 0, places[l] if l < S else None, is_local(places[l]) if l < S else True)
+      for l in range(P.num_lanes)
+    ]
+    # Global buffer id -> (its lane's list, index there).
+    self.where: list[tuple[list[Any], int]] = []
+    sizes = [0] * P.num_lanes
+    for b in P.buffers:
+      self.where.append((self.lanes[b.lane].buffers, sizes[b.lane]))
+      sizes[b.lane] += 1
+    for lane, n in zip(self.lanes, sizes):
+      lane.buffers.extend([None] * n)
+    self.seeds = list(seeds)
+    self.split_lanes = {i.lane for i in P.instrs if i.op is Op.W}
+    self._fold_m: dict[tuple[int, int], Any] = {}
+    self.code: list[tuple[Callable[[], None], tuple[tuple[list[Any], int], ...]]] = []
+    self.instrs: list[Instr] = []
+    for ins in P.instrs:
+      if ins.op is Op.RECV:
+        continue  # arrival is the SEND's result being there; nothing to call
+      self.instrs.append(ins)
+      self.code.append((_RULES[ins.op](self, ins), tuple(self.where[b] for b in ins.frees)))
+    self.last_timeline: Timeline | None = None
+    self.history = history if history is not None else []
+
+  # ------------------------------------------------------------------ helpers for the rules
+  def _slot(self, b: int) -> tuple[list[Any], int]:
+    return self.where[b]
+
+  def _getter(self, reads: Sequence[int]) -> Callable[[], list[Any]]:
+    slots = [self.where[b] for b in reads]
+    return lambda: [lst[i] for lst, i in slots]
+
+  def _setter(self, writes: Sequence[int]) -> Callable[[Sequence[Any]], None]:
+    slots = [self.where[b] for b in writes]
+
+    def put(values: Sequence[Any]) -> None:
+      for (lst, i), v in zip(slots, values):
+        lst[i] = v
+
+    return put
+
+  def _placeholders(self, ins: Instr, writes: Sequence[int]) -> list[Any]:
+    """Stand-ins for what a lane of another process writes (None where no shape is known)."""
+    place = self.lanes[ins.lane].placement
+    out = []
+    for b in writes:
+      aval = self.lowered.avals[b]
+      if aval is None or place is None or not hasattr(aval, "shape"):
+        out.append(None)
+      else:
+        out.append(placeholder(aval, place.for_array(aval)))
+    return out
+
+  def _remote(self, ins: Instr) -> Callable[[], None] | None:
+    """The call for an instruction of a lane this process does not compute, else None."""
+    if self.lanes[ins.lane].local:
+      return None
+    values = self._placeholders(ins, ins.writes)
+    put = self._setter(ins.writes)
+    return lambda: put(values)
+
+  def fold_index(self, lane: int, m: int) -> Any:
+    """Micro-batch index m on a lane's devices (folded into the loss's keys)."""
+    key = (lane, m)
+    x = self._fold_m.get(key)
+    if x is None:
+      x = self._fold_m[key] = transfer(np.uint32(m), self.lanes[lane].placement.replicated)
+    return x
+
+  def describe(self, ins: Instr) -> str:
+    """Where an instruction runs, in words, for error messages."""
+    P = self.program
+    if ins.lane == P.host:
+      where = "the host"
+    else:
+      k = self.kernels.stages[ins.lane]
+      layers = ", ".join(k.layers[:6]) + (", ..." if len(k.layers) > 6 else "")
+      where = f"stage {ins.lane} ({layers}) on {k.placement}"
+    mb = f", micro-batch {ins.mb}" if ins.op in (Op.F, Op.B, Op.W) else ""
+    step = f", step {ins.mb}" if ins.op is Op.UPDATE else ""
+    return f"{ins.label()} ({ins.op.name}{mb}{step}) on {where}"
+
+  # ------------------------------------------------------------------ running
+  def bind(self, steps_leaves: Sequence[Sequence[Any]]) -> None:
+    P, lw = self.program, self.lowered
+    for b, binding in zip(P.inputs, lw.bindings):
+      lst, i = self.where[b]
+      kind = binding.kind
+      if kind == "leaf":
+        lst[i] = steps_leaves[binding.step][binding.index]
+      elif kind == "seed":
+        lst[i] = self.seeds[binding.index]
+      elif kind == "const":
+        lst[i] = binding.value
+      elif kind == "version":
+        lst[i] = self.history[binding.step - 1][binding.index]
+      else:
+        raise ScheduleError(f"unknown input binding {binding}")
+
+  def run(self, steps_leaves: Sequence[Sequence[Any]], measure: bool = False) -> list[list[Any]]:
+    """Runs the program on the flat arguments of each of its steps; returns each step's flat
+    outputs."""
+    if measure and self.multiprocess:
+      raise GppError(
+        "measure=True records device-side times with one thread per stage and "
+        "runs in a single process only; leave it off for multi-process runs"
+      )
+    if self.multiprocess:
+      new_send_epoch()
+    t0 = time.perf_counter()
+    try:
+      self.bind(steps_leaves)
+      if measure:
+        events = self._run_threaded(t0)
+      else:
+        events = self._run_in_order(t0)
+      P = self.program
+      values = [self.where[b] for b in P.outputs]
+      outs = [lst[i] for lst, i in values]
+    finally:
+      for lane in self.lanes:  # nothing of this run outlives it but its outputs
+        lane.buffers[:] = [None] * len(lane.buffers)
+    if self.multiprocess:
+      wait_for(outs, self.timeout_s)
+    self.last_timeline = Timeline(events, time.perf_counter() - t0, measure)
+    lw = self.lowered
+    if lw.versions:
+      keep = max(lw.delays or (0,))
+      kept = [[outs[k] for k in ks] for ks in reversed(lw.versions)]
+      self.history[:] = (kept + self.history)[:keep]
+    return [[outs[k] for k in ks] for ks in lw.step_outputs]
+
+  def _run_in_order(self, t0: float) -> list[TimelineEvent]:
+    code = self.code
+    stamps = [0.0] * (len(code) + 1)
+    perf = time.perf_counter
+    k = 0
+    try:
+      stamps[0] = perf()
+      for k, (call, frees) in enumerate(code):
+        call()
+        for lst, i in frees:
+          lst[i] = None
+        stamps[k + 1] = perf()
+    except Exception as e:
+      ins = self.instrs[k]
+      raise StageFailure(
+        f"the pipelined step failed at instruction {k} of {len(code)}, {self.describe(ins)}: "
+        f"{type(e).__name__}: {e}"
+      ) from e
+    return [
+      TimelineEvent(
+        ins.op.value,
+        ins.stage if ins.stage >= 0 else ins.lane,
+        ins.mb,
+        stamps[k] - t0,
+        stamps[k + 1] - t0,
+      )
+      for k, ins in enumerate(self.instrs)
+    ]
+
+  def _run_threaded(self, t0: float) -> list[TimelineEvent]:
+    """One thread per lane; each waits for its instruction's inputs, runs it and blocks until
+    the device has finished (device times)."""
+    P = self.program
+    present = [False] * len(P.buffers)
+    for b in P.inputs:
+      present[b] = True
+    cond = threading.Condition()
+    errors: list[BaseException] = []
+    events: list[TimelineEvent] = []
+    per_lane: list[list[int]] = [[] for _ in range(P.num_lanes)]
+    for k, ins in enumerate(self.instrs):
+      per_lane[ins.lane].append(k)
+
+    def worker(lane: int) -> None:
+      try:
+        for k in per_lane[lane]:
+          ins = self.instrs[k]
+          call, frees = self.code[k]
+          with cond:
+            while not errors and not all(present[b] for b in ins.reads):
+              if not cond.wait(timeout=self.timeout_s):
+                raise ScheduleError(
+                  f"lane {lane} waited {self.timeout_s:.0f} s for the inputs of {ins.label()}"
+                )
+            if errors:
+              return
+          start = time.perf_counter()
+          try:
+            call()
+          except Exception as e:
+            raise StageFailure(
+              f"the pipelined step failed at {self.describe(ins)}: {type(e).__name__}: {e}"
+            ) from e
+          jax.block_until_ready([self.where[b][0][self.where[b][1]] for b in ins.writes])
+          end = time.perf_counter()
+          with cond:
+            for lst, i in frees:
+              lst[i] = None
+            for b in ins.writes:
+              present[b] = True
+            events.append(
+              TimelineEvent(
+                ins.op.value, ins.stage if ins.stage >= 0 else ins.lane, ins.mb, start - t0, end - t0
+              )
+            )
+            cond.notify_all()
+      except BaseException as e:  # surfaced in the caller
+        with cond:
+          errors.append(e)
+          cond.notify_all()
+
+    threads = [
+      threading.Thread(target=worker, args=(l,), daemon=True) for l in range(P.num_lanes)
+    ]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    if errors:
+      raise errors[0]
+    events.sort(key=lambda e: e.start)
+    return events
+
+
+# ---------------------------------------------------------------------------- rules per op
+
+
+def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
+  (src_lst, si), (dst_lst, di) = ex.where[ins.reads[0]], ex.where[ins.writes[0]]
+  place = ex.lanes[ins.peer].placement
+  assert place is not None, "a SEND to the host lane"
+  aval = ex.lowered.avals[ins.writes[0]]
+  if ins.arg in ("act", "ct", "batch") and aval is not None:
+    sharding = place.for_array(aval)
+  else:
+    sharding = place.replicated
+  if ins.lane == ex.program.host:  # what the caller passed: each process has its own copy
+
+    def send_input():
+      dst_lst[di] = place_input(src_lst[si], sharding)
+
+    return send_input
+
+  def send():
+    dst_lst[di] = transfer(src_lst[si], sharding)
+
+  return send
+
+
+def _chunk(ex: Executor, ins: Instr) -> Callable[[], None]:
+  M = int(ins.arg)
+  (lst, i) = ex.where[ins.reads[0]]
+  put = ex._setter(ins.writes)
+  if ins.lane == ex.program.host:
+    return lambda: put(_split_batch(lst[i], M))
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  return lambda: put(_split_on_device(lst[i], M))
+
+
+def _pack(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  pack = ex.kernels.stages[ins.lane].fns.pack_params
+  get, (lst, i) = ex._getter(ins.reads), ex.where[ins.writes[0]]
+
+  def run():
+    lst[i] = pack(get())
+
+  return run
+
+
+def _zero(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  zeros = ex.kernels.stages[ins.lane].zeros
+  lst, i = ex.where[ins.writes[0]]
+
+  def run():
+    lst[i] = zeros()
+
+  return run
+
+
+def _forward(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  k = ex.kernels.stages[ins.lane]
+  st, fns = k.stage, k.fns
+  packed = fns.pack_params is not None
+  nparam = sum(1 for r in st.inputs if r.kind == "param")
+  ndiff = st.num_diff - (nparam if packed else 0)
+  first = 1 if packed else 0
+  get = ex._getter(ins.reads)
+  put = ex._setter(ins.writes)
+  fwd = fns.fwd
+  keys = k.key_positions
+  m = ins.mb % ex.lowered.counts[ins.lane]
+  fold_m = ex.fold_index(ins.lane, m) if keys else None
+
+  def run():
+    vals = get()
+    diff = vals[first : first + ndiff]
+    nondiff = vals[first + ndiff :]
+    for p in keys:
+      nondiff[p] = _fold(nondiff[p], fold_m)
+    if packed:
+      outs, res = fwd(vals[0], diff, nondiff)
+    else:
+      outs, res = fwd(diff, nondiff)
+    put((res, *outs))
+
+  return run
+
+
+def _groups(arg: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in arg.split(".")) if arg else ()
+
+
+def _grouped(groups: Sequence[int], flat: Sequence[Any]) -> list[tuple[Any, ...]]:
+  out, k = [], 0
+  for n in groups:
+    out.append(tuple(flat[k : k + n]))
+    k += n
+  return out
+
+
+def _backward(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  fns = ex.kernels.stages[ins.lane].fns
+  packed = fns.pack_params is not None
+  groups = _groups(ins.arg)
+  get, put = ex._getter(ins.reads), ex._setter(ins.writes)
+  pre = 2 if packed else 1
+  if ins.lane in ex.split_lanes:  # B computes input cotangents only; W the gradient sums
+    bwd_input = fns.bwd_input
+
+    def run_split():
+      vals = get()
+      in_cts, kept = bwd_input(*vals[:pre], _grouped(groups, vals[pre:]))
+      put((kept, *in_cts))
+
+    return run_split
+  bwd = fns.bwd
+
+  def run():
+    vals = get()
+    acc, in_cts = bwd(*vals[:pre], _grouped(groups, vals[pre + 1 :]), vals[pre])
+    put((acc, *in_cts))
+
+  return run
+
+
+def _weight(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  fns = ex.kernels.stages[ins.lane].fns
+  pre = 2 if fns.pack_params is not None else 1
+  groups = _groups(ins.arg)
+  get, (lst, i) = ex._getter(ins.reads), ex.where[ins.writes[0]]
+  bwd_weight = fns.bwd_weight
+
+  def run():
+    vals = get()  # residuals, (packed parameters), kept, sums, cotangents
+    kept, acc = vals[pre], vals[pre + 1]
+    lst[i] = bwd_weight(*vals[:pre], _grouped(groups, vals[pre + 2 :]), kept, acc)
+
+  return run
+
+
+def _update(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  unpack = ex.kernels.stages[ins.lane].fns.acc_leaves
+  (lst, i), put = ex.where[ins.reads[0]], ex._setter(ins.writes)
+  return lambda: put(unpack(lst[i]))
+
+
+def _split(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  r = int(ins.arg)
+  (lst, i), put = ex.where[ins.reads[0]], ex._setter(ins.writes)
+  return lambda: put(_split_on_device(lst[i], r))
+
+
+def _concat_rule(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  place = ex.lanes[ins.lane].placement
+  assert place is not None
+  get, (lst, i) = ex._getter(ins.reads), ex.where[ins.writes[0]]
+
+  def run():
+    lst[i] = place.put(_concat(get()))
+
+  return run
+
+
+def _add_rule(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  get, (lst, i) = ex._getter(ins.reads), ex.where[ins.writes[0]]
+
+  def run():
+    parts = get()
+    g = parts[0]
+    for x in parts[1:]:
+      g = _add(g, x)
+    lst[i] = g
+
+  return run
+
+
+def _zeros_rule(ex: Executor, ins: Instr) -> Callable[[], None]:
+  aval = ex.lowered.avals[ins.writes[0]]
+  place = ex.lanes[ins.lane].placement
+  assert place is not None
+  lst, i = ex.where[ins.writes[0]]
+  shape, dtype = tuple(aval.shape), aval.dtype
+
+  def run():
+    lst[i] = transfer(np.zeros(shape, dtype), place.replicated)
+
+  return run
+
+
+def _reduce(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  get, (lst, i) = ex._getter(ins.reads), ex.where[ins.writes[0]]
+  mode = ins.arg
+  if mode == "last":
+    src, j = ex.where[ins.reads[-1]]
+
+    def last():
+      lst[i] = src[j]
+
+    return last
+  f = _concat if mode == "concat" else _mean
+
+  def run():
+    lst[i] = f(get())
+
+  return run
+
+
+def _unstack_rule(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  (lst, i), put = ex.where[ins.reads[0]], ex._setter(ins.writes)
+
+  def run():
+    x = lst[i]
+    put(_unstack(x) if isinstance(x, jax.Array) else list(np.asarray(x)))
+
+  return run
+
+
+def _stack_rule(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  get, (lst, i) = ex._getter(ins.reads), ex.where[ins.writes[0]]
+
+  def run():
+    lst[i] = _stack(get())
+
+  return run
+
+
+def _piece(ex: Executor, ins: Instr) -> Callable[[], None]:
+  remote = ex._remote(ins)
+  if remote is not None:
+    return remote
+  f = ex.kernels.pieces[int(ins.arg)]
+  get, put = ex._getter(ins.reads), ex._setter(ins.writes)
+  return lambda: put(f(*get()))
+
+
+def _step(ex: Executor, ins: Instr) -> Callable[[], None]:
+  f = ex.kernels.fused
+  assert f is not None
+  get, put = ex._getter(ins.reads), ex._setter(ins.writes)
+  return lambda: put(f(*get()))
+
+
+_RULES: dict[Op, Callable[[Executor, Instr], Callable[[], None]]] = {
+  Op.SEND: _send,
+  Op.CHUNK: _chunk,
+  Op.PACK: _pack,
+  Op.ZERO: _zero,
+  Op.F: _forward,
+  Op.B: _backward,
+  Op.W: _weight,
+  Op.UPDATE: _update,
+  Op.SPLIT: _split,
+  Op.CONCAT: _concat_rule,
+  Op.ADD: _add_rule,
+  Op.ZEROS: _zeros_rule,
+  Op.REDUCE: _reduce,
+  Op.UNSTACK: _unstack_rule,
+  Op.STACK: _stack_rule,
+  Op.PIECE: _piece,
+  Op.STEP: _step,
+}
+
