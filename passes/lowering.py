@@ -115,7 +115,8 @@ class _Builder:
     self._seq = 0
 
   def new(self, lane: int, name: str, aval: Any = None, nbytes: int | None = None) -> int:
-    shape, dtype = (), ""
+    shape: tuple[int, ...] = ()
+    dtype = ""
     if aval is not None and hasattr(aval, "shape"):
       shape, dtype = tuple(int(d) for d in aval.shape), str(aval.dtype)
       if nbytes is None:
@@ -161,9 +162,7 @@ class _Builder:
   def send(self, b: int, dst: int, lane: int, kind: str, queue: Hashable, stage=-1, mb=-1) -> None:
     """A SEND of ``b`` into the (keyed) buffer ``dst`` on ``lane``; its RECV is queued apart."""
     src = self.buffers[b].lane
-    self.emit(
-      Instr(Op.SEND, src, stage, mb, reads=(b,), writes=(dst,), peer=lane, arg=kind), queue
-    )
+    self.emit(Instr(Op.SEND, src, stage, mb, reads=(b,), writes=(dst,), peer=lane, arg=kind), queue)
 
   def recv(self, dst: int, src_lane: int, kind: str, queue: Hashable, stage=-1, mb=-1) -> None:
     lane = self.buffers[dst].lane
@@ -267,9 +266,7 @@ class _Builder:
     for b, k in last.items():
       if b not in keep:
         frees[k].append(b)
-    instrs = tuple(
-      i._replace(frees=tuple(sorted(f))) if f else i for i, f in zip(order, frees)
-    )
+    instrs = tuple(i._replace(frees=tuple(sorted(f))) if f else i for i, f in zip(order, frees))
     program = Program(
       self.name,
       self.S + 1,
@@ -383,7 +380,9 @@ def lower_schedule(sched: Schedule) -> Program:
     s, m = a.stage, a.microbatch
     if a.kind == "F":
       reads = [
-        arrive(("a", p, s, k), s, p, "act", m, uses(s, p)) for p in preds[s] for k in chunks(s, m, p)
+        arrive(("a", p, s, k), s, p, "act", m, uses(s, p))
+        for p in preds[s]
+        for k in chunks(s, m, p)
       ]
       res = keyed[("res", s, m)] = new(s)
       out = new(s)
@@ -419,8 +418,8 @@ def lower_schedule(sched: Schedule) -> Program:
         last = (ict,) if i == len(preds[s]) - 1 else ()
         instrs.append(Instr(Op.SEND, s, s, m, (ict,), (dst,), last, p, "ct"))
     elif a.kind == "W":
-      bw = keyed[("bw", s, m)]
-      instrs.append(Instr(Op.W, s, s, m, (keyed[("res", s, m)], bw), (), (keyed[("res", s, m)], bw)))
+      both = (keyed[("res", s, m)], keyed[("bw", s, m)])
+      instrs.append(Instr(Op.W, s, s, m, both, (), both))
     else:
       instrs.append(Instr(Op.UPDATE, s, s, 0 if one_step else a.microbatch))
   return Program(sched.name, S + 1, tuple(buffers), tuple(instrs), steps=sched.steps)
@@ -627,7 +626,8 @@ class _StepLowering:
     if back == 0:  # no earlier version: the first step's own
       return self.loss_in[0][k]
     if (back, k) not in self.versions:
-      b = self.bld.bind(Binding("version", k, back), self.bld.host, f"p{k}-{back}", self.loss_aval(k))
+      aval = self.loss_aval(k)
+      b = self.bld.bind(Binding("version", k, back), self.bld.host, f"p{k}-{back}", aval)
       self.versions[(back, k)] = self.bld.on(b, self.st.param_owner[k], "input")
     return self.versions[(back, k)]
 

@@ -16,6 +16,11 @@ the values it holds against a one-device reference it computes itself.
   mode "stream": 4 steps of pipedream-async as one run_steps call vs 4 calls.
   mode "absent": process 1 never builds the pipeline (it sleeps, then exits); process 0
                 exits 3 with the error message when its set-up times out.
+  mode "widths": as "check", with every placement a stage can have: one device of process 0,
+                two devices of process 1 fed from it, two devices spanning both processes,
+                two devices of process 0 (so each kind of transfer crosses the processes).
+  mode "planned-<planner>": as "check", planned by that planner over the 8 devices given
+                alternately from each process (so the planner's device groups cross them).
 """
 
 import os
@@ -80,11 +85,19 @@ def main():
     plan = gpp_jax.manual_plan(
       {"l0": 0, "l1": 1, "l2": 2, "l3": 3}, devices={0: 0, 1: (3, 4), 2: 5, 3: 1}
     )
+  if mode == "widths":
+    plan = gpp_jax.manual_plan(
+      {"l0": 0, "l1": 1, "l2": 2, "l3": 3}, devices={0: 0, 1: (4, 5), 2: (3, 6), 3: (1, 2)}
+    )
   if mode == "differ" and jax.process_index() == 1:
     plan = gpp_jax.manual_plan({"l0": 0, "l1": 1, "l2": 1, "l3": 1}, devices={0: 0, 1: 4})
   options = {}
   if mode == "calibrate":
     options = dict(planner="graphpipe", calibrate=True)
+  elif mode.startswith("planned-"):
+    devs = jax.devices()
+    alternate = [d for pair in zip(devs[:4], devs[4:]) for d in pair]
+    options = dict(planner=mode.split("-", 1)[1], devices=alternate)
   else:
     options = dict(planner=plan)
   pp = gpp_jax.graph_pipeline(step, num_microbatches=4, timeout_s=timeout, **options)
@@ -149,10 +162,13 @@ def main():
         diffs.append(float(np.max(np.abs(np.asarray(shard.data) - whole[shard.index]))))
       checked += 1
   # A planner may leave a process without stages; the manual plan gives each some.
-  ok = max(diffs, default=0.0) <= 1e-5 and (checked > 0 or mode == "calibrate")
+  ok = max(diffs, default=0.0) <= 1e-5 and (
+    checked > 0 or mode == "calibrate" or mode.startswith("planned-")
+  )
   print(
     f"RESULT process={jax.process_index()} checked={checked} maxdiff={max(diffs, default=0.0):.3g} "
-    f"edges={sorted(pp.plan.edges)} plan={pp.plan.fingerprint()[:12]}",
+    f"edges={sorted(pp.plan.edges)} plan={pp.plan.fingerprint()[:12]} "
+    f"devices={[tuple(pp.devices[d].id for d in st.devices) for st in pp.plan.stages]}",
     flush=True,
   )
   sys.stdout.flush()

@@ -211,3 +211,36 @@ def test_train_program_runs_an_nnx_model_over_two_processes_for_several_steps():
   assert r.returncode == 0, out[-3000:]
   logged = [l for l in out.splitlines() if "train.py" in l and " step 4/4 loss" in l]
   assert len(logged) == 2, out[-3000:]
+
+
+def test_every_placement_kind_runs_over_two_processes():
+  """One device to two devices of the other process, to a stage spanning both, to two devices
+  of the first: each transfer between them crosses the processes and matches the reference."""
+  results = _results(_launch_worker("widths"))
+  maxdiff = [float(l.split("maxdiff=")[1].split()[0]) for l in results]
+  assert max(maxdiff) <= 1e-5, results
+  assert "devices=[(0,), (2048, 2049), (3, 2050), (1, 2)]" in results[0], results
+
+
+@pytest.mark.parametrize("planner", ["balanced", "graphpipe", "pipedream"])
+def test_plans_the_planners_choose_run_over_two_processes(planner):
+  results = _results(_launch_worker(f"planned-{planner}"))
+  maxdiff = [float(l.split("maxdiff=")[1].split()[0]) for l in results]
+  assert max(maxdiff) <= 1e-5, results
+  plans = {l.split("plan=")[1].split()[0] for l in results}
+  assert len(plans) == 1, results
+  checked = [int(l.split("checked=")[1].split()[0]) for l in results]
+  assert sum(checked) >= 13, results
+  # Devices given alternately from each process: the planner's stages use both.
+  ids = [
+    int(x)
+    for x in results[0]
+    .split("devices=")[1]
+    .replace("(", " ")
+    .replace(")", " ")
+    .replace(",", " ")
+    .replace("[", " ")
+    .replace("]", " ")
+    .split()
+  ]
+  assert min(ids) < 2048 <= max(ids), results

@@ -128,7 +128,7 @@ def test_the_validator_catches_a_leaked_buffer_and_a_read_after_free():
 
 def test_simulate_times_is_the_lowered_schedule_timed():
   sched = make_schedule("1f1b", 4, EDGES, 4)
-  a = simulate_times(sched, [1.0] * 4, [2.0] * 4, activation_transfer={e: 0.25 for e in EDGES})
+  a = simulate_times(sched, [1.0] * 4, [2.0] * 4, activation_transfer=dict.fromkeys(EDGES, 0.25))
   prog = lower_schedule(sched)
 
   def dur(i: Instr) -> float:  # cotangents cost what activations do unless told otherwise
@@ -176,9 +176,7 @@ def test_executor_and_simulator_run_the_same_program(dag):
   lowered = c.lowered
   swapped, a, b = _delay_a_forward(lowered.program)
   validate_program(swapped)
-  ex = Executor(
-    dataclasses.replace(lowered, program=swapped), c.kernels, seeds=c.seeds, history=[]
-  )
+  ex = Executor(dataclasses.replace(lowered, program=swapped), c.kernels, seeds=c.seeds, history=[])
   leaves = jax.tree.leaves((params, tx.init(params), batch))
   outs = ex.run([leaves])[0]
   assert max_diff(outs, jax.tree.leaves(out)) <= 1e-6
@@ -187,7 +185,7 @@ def test_executor_and_simulator_run_the_same_program(dag):
   original = [(e.action, e.stage, e.microbatch) for e in pp.timeline.events]
   assert original.index(("F", a.stage, a.mb)) < original.index(("F", b.stage, b.mb))
 
-  host = {op: 1.0 for op in Op}
+  host = dict.fromkeys(Op, 1.0)
   before = simulate_program(lowered.program, lambda i: 0.0, host_cost=host)
   after = simulate_program(swapped, lambda i: 0.0, host_cost=host)
   start = {(x.kind, x.stage, x.microbatch): x.start for x in before.actions}

@@ -38,7 +38,6 @@ import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts, plan_costs
-from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.program import Instr, Op, Program
 from gpp_jax.ir.schedule import Action, Schedule
 

@@ -22,17 +22,19 @@ COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "UPDATE": "#8c8c8c"}
 
 
 def _spans(timeline: Any) -> list[tuple[str, int, int, float, float]]:
-  """(kind, stage, micro-batch, start, end) of a SimResult's actions or a Timeline's events."""
+  """(kind, stage, micro-batch, start, end) of a SimResult's actions or a Timeline's events:
+  the schedule's actions (a timeline also holds the program's transfers and other work)."""
   items: Iterable[Any] = getattr(timeline, "actions", None) or getattr(timeline, "events", [])
   out = []
   for a in items:
     kind = getattr(a, "kind", None) or a.action
-    out.append((kind, a.stage, a.microbatch, a.start, a.end))
+    if kind in COLORS:
+      out.append((kind, a.stage, a.microbatch, a.start, a.end))
   return out
 
 
 def draw_schedule(timeline: Any, path: str, title: str = "") -> str | None:
-  """Draws a SimResult (``cost.simulator``) or a measured driver Timeline to ``path`` (PNG);
+  """Draws a SimResult (``cost.simulator``) or an executor's Timeline to ``path`` (PNG);
   returns the file name, or None without matplotlib."""
   plt = pyplot()
   if plt is None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from collections.abc import Sequence
 from typing import NamedTuple
 
 from gpp_jax.errors import ScheduleError
@@ -202,7 +201,8 @@ class Program:
     if not m:
       raise ProgramError(f"not a program header: {lines[0]!r}")
     name, num_lanes, steps = m.group(1), int(m.group(2)), int(m.group(3))
-    buffers, instrs = [], []
+    buffers: list[Buffer] = []
+    instrs: list[Instr] = []
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
     for line in lines[1:]:
@@ -374,11 +374,3 @@ def validate_program(program: Program) -> None:
       )
     if b not in written:
       fail(None, f"buffer %{b} ({P.buffers[b].name}) is declared but never written")
-
-
-def lane_programs(program: Program) -> list[Sequence[Instr]]:
-  """Each lane's instructions in dispatch order."""
-  out: list[list[Instr]] = [[] for _ in range(program.num_lanes)]
-  for i in program.instrs:
-    out[i.lane].append(i)
-  return out

@@ -171,9 +171,8 @@ def capture(
   roles = input_roles(marker, rec.num_params, batch_vars, state, rec.module_state)
   check_state_returned(J, marker, state)
   loss = inline_calls(marker.params["loss_jaxpr"])
-  loss, split_paths, scan_split = split_scans(
-    loss, rec.num_params, rec.param_paths, [(p.input, p.output) for p in state if p.input is not None]
-  )
+  pairs = [(p.input, p.output) for p in state if p.input is not None]
+  loss, split_paths, scan_split = split_scans(loss, rec.num_params, rec.param_paths, pairs)
   layering = layer_program(
     loss,
     split_paths + [None] * (len(loss.jaxpr.invars) - len(split_paths)),
@@ -355,8 +354,7 @@ def make_plan(graph: nx.DiGraph, batch_size: int, opts: Options) -> Plan:
     plan = p(graph, planner_cluster(opts), batch_size, num_microbatches=M)
   else:
     raise TypeError(
-      f"planner must be a name, a Plan, a gpp_jax.manual_plan or a callable; "
-      f"got {type(p).__name__}"
+      f"planner must be a name, a Plan, a gpp_jax.manual_plan or a callable; got {type(p).__name__}"
     )
   if plan.num_microbatches != M:
     plan = plan.replace(num_microbatches=M)
@@ -660,7 +658,10 @@ class CompiledStep:
           self.staged.spec, sched, carry=carry, delays=self.delays, history=key[1]
         )
       ex = Executor(
-        lowered, self.kernels, seeds=self.seeds, timeout_s=self.opts.timeout_s,
+        lowered,
+        self.kernels,
+        seeds=self.seeds,
+        timeout_s=self.opts.timeout_s,
         history=self.history,
       )
       self.executors[key] = ex

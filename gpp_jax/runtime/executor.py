@@ -214,7 +214,7 @@ class Kernels:
   fused step, the loss seeds."""
 
   stages: list[StageKernels]
-  pieces: list[Callable[..., Any]]
+  pieces: Sequence[Callable[..., Any]]
   fused: Callable[..., Any] | None
 
 
@@ -300,32 +300,34 @@ class Executor:
 
     return put
 
-  def _placeholders(self, ins: Instr, writes: Sequence[int]) -> list[Any]:
-    """Stand-ins for what a lane of another process writes (None where no shape is known)."""
-    place = self.lanes[ins.lane].placement
-    out = []
-    for b in writes:
-      aval = self.lowered.avals[b]
-      if aval is None or place is None or not hasattr(aval, "shape"):
-        out.append(None)
-      else:
-        out.append(placeholder(aval, place.for_array(aval)))
-    return out
-
   def _remote(self, ins: Instr) -> Callable[[], None] | None:
-    """The call for an instruction of a lane this process does not compute, else None."""
+    """The call for an instruction of a lane this process does not compute, else None: it
+    stands in new placeholders (a transfer's state hangs off its arrays, so each run makes
+    its own) for what the lane writes (None where no shape is known)."""
     if self.lanes[ins.lane].local:
       return None
-    values = self._placeholders(ins, ins.writes)
+    place = self.lanes[ins.lane].placement
+    assert place is not None
+    shapes = []
+    for b in ins.writes:
+      aval = self.lowered.avals[b]
+      known = aval is not None and hasattr(aval, "shape")
+      shapes.append((aval, place.for_array(aval)) if known else None)
     put = self._setter(ins.writes)
-    return lambda: put(values)
+
+    def stand_in():
+      put([None if x is None else placeholder(*x) for x in shapes])
+
+    return stand_in
 
   def fold_index(self, lane: int, m: int) -> Any:
     """Micro-batch index m on a lane's devices (folded into the loss's keys)."""
     key = (lane, m)
     x = self._fold_m.get(key)
     if x is None:
-      x = self._fold_m[key] = transfer(np.uint32(m), self.lanes[lane].placement.replicated)
+      place = self.lanes[lane].placement
+      assert place is not None, "the host lane folds no keys"
+      x = self._fold_m[key] = transfer(np.uint32(m), place.replicated)
     return x
 
   def describe(self, ins: Instr) -> str:
@@ -461,20 +463,15 @@ class Executor:
               lst[i] = None
             for b in ins.writes:
               present[b] = True
-            events.append(
-              TimelineEvent(
-                ins.op.value, ins.stage if ins.stage >= 0 else ins.lane, ins.mb, start - t0, end - t0
-              )
-            )
+            stage = ins.stage if ins.stage >= 0 else ins.lane
+            events.append(TimelineEvent(ins.op.value, stage, ins.mb, start - t0, end - t0))
             cond.notify_all()
       except BaseException as e:  # surfaced in the caller
         with cond:
           errors.append(e)
           cond.notify_all()
 
-    threads = [
-      threading.Thread(target=worker, args=(l,), daemon=True) for l in range(P.num_lanes)
-    ]
+    threads = [threading.Thread(target=worker, args=(l,), daemon=True) for l in range(P.num_lanes)]
     for t in threads:
       t.start()
     for t in threads:
@@ -780,4 +777,3 @@ _RULES: dict[Op, Callable[[Executor, Instr], Callable[[], None]]] = {
   Op.PIECE: _piece,
   Op.STEP: _step,
 }
-

@@ -72,9 +72,9 @@ class GraphPipeline:
       devices=tuple(devices) if devices is not None else tuple(jax.devices()),
       planner=planner,
       schedule=schedule,
-      batch_argnums=(batch_argnums,) if isinstance(batch_argnums, int) else (
-        None if batch_argnums is None else tuple(batch_argnums)
-      ),
+      batch_argnums=(batch_argnums,)
+      if isinstance(batch_argnums, int)
+      else (None if batch_argnums is None else tuple(batch_argnums)),
       remat=remat,
       layer_depth=layer_depth,
       cluster=cluster,

@@ -81,6 +81,8 @@ def _already_there(x, sharding) -> bool:
   """
   if not isinstance(x, jax.Array) or x.sharding.device_set != sharding.device_set:
     return False
+  if not x.committed:  # JAX moves an uncommitted array where it likes: commit it (no copy)
+    return False
   if len(sharding.device_set) == 1:
     return True
   return jax.process_count() == 1 and x.sharding.is_equivalent_to(sharding, x.ndim)
