@@ -281,96 +281,117 @@ def validate_program(program: Program) -> None:
   before that RECV; every RECV has its SEND; every buffer that is not an output is freed,
   exactly once. The message names the instruction and shows the listing with it marked.
   """
-  P = program
-  nbuf = len(P.buffers)
-  written: dict[int, int] = {}  # buffer -> instruction that wrote it (-1: an input)
-  freed: dict[int, int] = {}
-  received: dict[int, int] = {}  # transferred buffer -> its RECV
-  sent: set[int] = set()
-
-  def fail(k: int | None, msg: str):
-    raise ProgramError(f"{msg}\n{P.listing(mark=k)}")
-
-  def check_id(k: int, b: int):
-    if not 0 <= b < nbuf:
-      fail(k, f"instruction {k} ({P.instrs[k]}) names buffer %{b}, which does not exist")
-
-  for b in P.inputs:
-    if not 0 <= b < nbuf:
-      fail(None, f"program input %{b} does not exist")
-    if b in written:
-      fail(None, f"buffer %{b} is bound from the inputs twice")
-    written[b] = -1
-  for k, ins in enumerate(P.instrs):
-    if not 0 <= ins.lane < P.num_lanes:
-      fail(k, f"{ins} runs on lane {ins.lane}, outside 0..{P.num_lanes - 1}")
+  check = _Checker(program)
+  for b in program.inputs:
+    check.bind(b)
+  for k, ins in enumerate(program.instrs):
+    if not 0 <= ins.lane < program.num_lanes:
+      check.fail(k, f"{ins} runs on lane {ins.lane}, outside 0..{program.num_lanes - 1}")
     for b in ins.reads:
-      check_id(k, b)
-      what = f"{ins.label()} reads %{b} ({P.buffers[b].name})"
-      if ins.op is Op.RECV and b not in sent:
-        fail(k, f"{ins.label()} receives %{b}, which no SEND wrote before: a recv without a send")
-      if b not in written:
-        fail(k, f"{what} before anything writes it")
-      if b in freed:
-        fail(k, f"{what} after instruction {freed[b]} freed it")
-      lane = P.buffers[b].lane
-      if ins.op is Op.RECV:
-        src = P.instrs[written[b]].lane
-        if ins.peer != src:
-          fail(k, f"{ins.label()} names lane {ins.peer} as the source of %{b}, sent by {src}")
-        if lane != ins.lane:
-          fail(k, f"{ins.label()} on lane {ins.lane} receives %{b}, which lands on lane {lane}")
-        if b in received:
-          fail(k, f"%{b} is received twice (instructions {received[b]} and {k})")
-        received[b] = k
-        continue
-      if b in sent and b not in received:
-        fail(k, f"{what} before it arrives: the RECV of %{b} on lane {lane} comes later or never")
-      if lane != ins.lane:
-        fail(
-          k,
-          f"{what}, which lives on lane {lane}, not on its own lane {ins.lane}: values move "
-          "between lanes only by SEND and RECV",
-        )
+      check.read(k, ins, b)
     for b in ins.writes:
-      check_id(k, b)
-      if b in written:
-        fail(k, f"{ins.label()} writes %{b} ({P.buffers[b].name}), already written")
-      written[b] = k
-      lane = P.buffers[b].lane
-      if ins.op is Op.SEND:
-        if lane != ins.peer:
-          fail(k, f"{ins.label()} writes %{b}, which lives on lane {lane}, not {ins.peer}")
-        sent.add(b)
-      elif lane != ins.lane:
-        fail(k, f"{ins.label()} on lane {ins.lane} writes %{b}, which lives on lane {lane}")
+      check.write(k, ins, b)
     for b in ins.frees:
-      check_id(k, b)
-      if b not in written:
-        fail(k, f"{ins.label()} frees %{b} before anything writes it")
-      if b in freed:
-        fail(k, f"{ins.label()} frees %{b} ({P.buffers[b].name}) again (freed by {freed[b]})")
-      freed[b] = k
-  missing = sorted(sent - set(received))
-  if missing:
-    b = missing[0]
-    fail(
-      written[b],
-      f"%{b} ({P.buffers[b].name}) is sent to lane {P.buffers[b].lane} but never received there: "
-      "a missing RECV",
-    )
-  outputs = set(P.outputs)
-  for b in outputs:
-    if not 0 <= b < nbuf or b not in written:
-      fail(None, f"program output %{b} is never written")
-    if b in freed:
-      fail(freed[b], f"program output %{b} ({P.buffers[b].name}) is freed before the end")
-  for b in range(nbuf):
-    if b in written and b not in freed and b not in outputs:
-      k = written[b]
-      fail(
-        None if k < 0 else k,
-        f"buffer %{b} ({P.buffers[b].name}) is never freed and is no output: a leaked buffer",
+      check.free(k, ins, b)
+  check.end()
+
+
+class _Checker:
+  """``validate_program``'s state: who wrote, sent, received and freed each buffer."""
+
+  def __init__(self, program: Program):
+    self.P = program
+    self.written: dict[int, int] = {}  # buffer -> instruction that wrote it (-1: an input)
+    self.freed: dict[int, int] = {}
+    self.received: dict[int, int] = {}  # transferred buffer -> its RECV
+    self.sent: set[int] = set()
+
+  def fail(self, k: int | None, msg: str):
+    raise ProgramError(f"{msg}\n{self.P.listing(mark=k)}")
+
+  def name(self, b: int) -> str:
+    return f"%{b} ({self.P.buffers[b].name})"
+
+  def exists(self, k: int | None, b: int) -> None:
+    if not 0 <= b < len(self.P.buffers):
+      self.fail(k, f"instruction {k} names buffer %{b}, which does not exist")
+
+  def bind(self, b: int) -> None:
+    self.exists(None, b)
+    if b in self.written:
+      self.fail(None, f"buffer %{b} is bound from the inputs twice")
+    self.written[b] = -1
+
+  def read(self, k: int, ins: Instr, b: int) -> None:
+    self.exists(k, b)
+    what = f"{ins.label()} reads {self.name(b)}"
+    if ins.op is Op.RECV and b not in self.sent:
+      self.fail(k, f"{ins.label()} receives %{b}, which no SEND wrote: a recv without a send")
+    if b not in self.written:
+      self.fail(k, f"{what} before anything writes it")
+    if b in self.freed:
+      self.fail(k, f"{what} after instruction {self.freed[b]} freed it")
+    lane = self.P.buffers[b].lane
+    if ins.op is Op.RECV:
+      src = self.P.instrs[self.written[b]].lane
+      if ins.peer != src:
+        self.fail(k, f"{ins.label()} names lane {ins.peer} as the source of %{b}, sent by {src}")
+      if lane != ins.lane:
+        self.fail(k, f"{ins.label()} on lane {ins.lane} receives %{b}, which lands on lane {lane}")
+      if b in self.received:
+        self.fail(k, f"%{b} is received twice (instructions {self.received[b]} and {k})")
+      self.received[b] = k
+      return
+    if b in self.sent and b not in self.received:
+      self.fail(k, f"{what} before it arrives: its RECV on lane {lane} comes later or never")
+    if lane != ins.lane:
+      self.fail(
+        k,
+        f"{what}, which lives on lane {lane}, not on its own lane {ins.lane}: values move "
+        "between lanes only by SEND and RECV",
       )
-    if b not in written:
-      fail(None, f"buffer %{b} ({P.buffers[b].name}) is declared but never written")
+
+  def write(self, k: int, ins: Instr, b: int) -> None:
+    self.exists(k, b)
+    if b in self.written:
+      self.fail(k, f"{ins.label()} writes {self.name(b)}, already written")
+    self.written[b] = k
+    lane = self.P.buffers[b].lane
+    if ins.op is Op.SEND:
+      if lane != ins.peer:
+        self.fail(k, f"{ins.label()} writes %{b}, which lives on lane {lane}, not {ins.peer}")
+      self.sent.add(b)
+    elif lane != ins.lane:
+      self.fail(k, f"{ins.label()} on lane {ins.lane} writes %{b}, which lives on lane {lane}")
+
+  def free(self, k: int, ins: Instr, b: int) -> None:
+    self.exists(k, b)
+    if b not in self.written:
+      self.fail(k, f"{ins.label()} frees %{b} before anything writes it")
+    if b in self.freed:
+      self.fail(k, f"{ins.label()} frees {self.name(b)} again (freed by {self.freed[b]})")
+    self.freed[b] = k
+
+  def end(self) -> None:
+    P, written, freed = self.P, self.written, self.freed
+    missing = sorted(self.sent - set(self.received))
+    if missing:
+      b = missing[0]
+      self.fail(
+        written[b],
+        f"{self.name(b)} is sent to lane {P.buffers[b].lane} but never received there: a "
+        "missing RECV",
+      )
+    outputs = set(P.outputs)
+    for b in outputs:
+      if not 0 <= b < len(P.buffers) or b not in written:
+        self.fail(None, f"program output %{b} is never written")
+      if b in freed:
+        self.fail(freed[b], f"program output {self.name(b)} is freed before the end")
+    for b in range(len(P.buffers)):
+      if b not in written:
+        self.fail(None, f"buffer {self.name(b)} is declared but never written")
+      if b not in freed and b not in outputs:
+        k = written[b]
+        leak = f"buffer {self.name(b)} is never freed and is no output: a leaked buffer"
+        self.fail(None if k < 0 else k, leak)
