@@ -12,6 +12,7 @@ from flax.training import train_state
 from harness import compare_steps, max_diff
 
 import gpp_jax
+from gpp_jax.ir.program import Op
 
 TOL = 1e-5
 D, T, NL, V = 8, 4, 6, 11  # width, sequence length, layers, vocabulary
@@ -171,9 +172,9 @@ def nnx_step_plain(model, optimizer, batch):
 # ---------------------------------------------------------------------------------- lax.scan
 
 
-def test_lax_scan_over_stacked_pytree_with_a_manual_cut():
+def _stacked_params():
   keys = jax.random.split(jax.random.key(0), 3)
-  params = {
+  return {
     "inp": jax.random.normal(keys[0], (5, D)) / 3,
     "blocks": {
       "w": jax.random.normal(keys[1], (NL, D, D)) / 3,
@@ -181,42 +182,76 @@ def test_lax_scan_over_stacked_pytree_with_a_manual_cut():
     },
     "out": jax.random.normal(keys[2], (D, 3)) / 3,
   }
-  tx = optax.adam(1e-2)
 
-  def model(p, x):
-    def layer(h, blk):
-      return jnp.tanh(h @ blk["w"] + blk["b"]) + h, jnp.mean(h)
 
-    h, _ = jax.lax.scan(layer, x @ p["inp"], p["blocks"])
-    return h @ p["out"]
+def _stacked_model(p, x):
+  def layer(h, blk):
+    return jnp.tanh(h @ blk["w"] + blk["b"]) + h, jnp.mean(h)
 
+  h, _ = jax.lax.scan(layer, x @ p["inp"], p["blocks"])
+  return h @ p["out"]
+
+
+def _stacked_step(tx):
   def step(params, opt_state, batch):
     loss, grads = gpp_jax.value_and_grad(
-      lambda p: jnp.mean((model(p, batch["x"]) - batch["y"]) ** 2)
+      lambda p: jnp.mean((_stacked_model(p, batch["x"]) - batch["y"]) ** 2)
     )(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  rng = np.random.default_rng(3)
-  batch = {
+  return step
+
+
+def _stacked_batch(seed=3):
+  rng = np.random.default_rng(seed)
+  return {
     "x": rng.normal(size=(8, 5)).astype(np.float32),
     "y": rng.normal(size=(8, 3)).astype(np.float32),
   }
-  plan = gpp_jax.manual_plan(
-    {"inp": 0, **{f"blocks/{i}": int(i >= 2) for i in range(NL)}, "out": 1}
-  )
+
+
+STACKED_PLAN = gpp_jax.manual_plan(
+  {"inp": 0, **{f"blocks/{i}": int(i >= 2) for i in range(NL)}, "out": 1}
+)
+
+
+def test_lax_scan_over_stacked_pytree_with_a_manual_cut():
+  params = _stacked_params()
+  tx = optax.adam(1e-2)
   r, p, pp = compare_steps(
-    step,
+    _stacked_step(tx),
     (params, tx.init(params)),
-    batch,
+    _stacked_batch(),
     num_microbatches=2,
     devices=jax.devices()[:2],
-    planner=plan,
+    planner=STACKED_PLAN,
   )
   assert sorted(pp.plan.stages[0].layers) == ["blocks/0", "blocks/1", "inp"]
   assert abs(float(r[-1]) - float(p[-1])) <= TOL
   assert max_diff(r[0], p[0]) <= TOL
   assert max_diff(r[1], p[1]) <= TOL
+
+
+def test_stale_weight_stream_over_a_scan_split_across_stages_equals_calls():
+  """2BW's K steps as one program (slices of the stacked weights unstacked on their home,
+  sent to their stages, their gradients stacked back) equal K calls of the step."""
+  params = _stacked_params()
+  tx = optax.adam(1e-2)
+  batches = [_stacked_batch(10 + t) for t in range(3)]
+  kw = dict(num_microbatches=2, devices=jax.devices()[:2], planner=STACKED_PLAN, schedule="2bw")
+  one = gpp_jax.graph_pipeline(_stacked_step(tx), **kw)
+  p, o = params, tx.init(params)
+  losses = []
+  for b in batches:
+    p, o, loss = one(p, o, b)
+    losses.append(float(loss))
+  many = gpp_jax.graph_pipeline(_stacked_step(tx), **kw)
+  sp, so, slosses = many.run_steps(params, tx.init(params), batches, stream=True)
+  assert many.program.count(Op.UNSTACK) >= 1
+  assert any(e.microbatch >= 2 for e in many.timeline.events if e.action == "F")  # one stream
+  assert max_diff(p, sp) <= TOL and max_diff(o, so) <= TOL
+  assert max(abs(a - float(b)) for a, b in zip(losses, slosses)) <= TOL
 
 
 def test_split_scans_pass_keeps_values_and_slices_parameters():
