@@ -446,6 +446,8 @@ class StepSpec:
       host and put batch-sharded; a single device cuts them where the batch lands).
     carries: (stage, loss input, stage output position) of each state a stage carries from
       one micro-batch to the next (``runtime.loss_state.state_carries``).
+    reduce: per loss output, how it combines over micro-batches ("mean", "sum", "concat",
+      "last"; None or missing: the default rule, see ``reduction``).
   """
 
   staged: Any
@@ -458,6 +460,7 @@ class StepSpec:
   packed: tuple[bool, ...]
   multi_device: tuple[bool, ...]
   carries: tuple[tuple[int, int, int], ...] = ()
+  reduce: tuple[str | None, ...] = ()
 
 
 def lower_fused(spec: StepSpec) -> Lowered:
@@ -588,12 +591,12 @@ class _StepLowering:
 
   # ------------------------------------------------------------------ the marker's inputs
   def loss_aval(self, k: int):
-    """The abstract value of input k of the split loss."""
-    for st in self.st.stages:
-      for r, v in zip(st.inputs, st.jaxpr.jaxpr.invars):
-        if r.kind in ("param", "data") and r.index == k:
-          return v.aval
-    return None
+    """The abstract value of input k of the split loss (a slice of a stacked input)."""
+    for i, ks in enumerate(self.split.parts):
+      if k in ks:
+        aval = self.marker.invars[i].aval
+        return aval if len(ks) == 1 else aval.update(shape=aval.shape[1:])
+    raise AssertionError(f"split loss input {k} belongs to no captured input")
 
   def marker_inputs(self, t: int) -> None:
     """The split loss's inputs at step t: parameters on their owners, data where it is."""
@@ -892,13 +895,13 @@ class _StepLowering:
     M = self.counts[ls]
     vals = [self.outs[(ls, t * M + m)][lk] for m in range(M)]
     aval = bld.avals[vals[0]]
-    state = q in self.state_outputs
-    if q > 0 and not state and len(aval.shape) >= 1 and aval.shape[0] == self.mb[ls]:
-      mode, out_aval = "concat", aval.update(shape=(aval.shape[0] * M, *aval.shape[1:]))
-    elif jnp.issubdtype(aval.dtype, jnp.inexact) and not state:
-      mode, out_aval = "mean", aval
-    else:
-      mode, out_aval, vals = "last", aval, vals[-1:]
+    asked = self.spec.reduce[q] if q < len(self.spec.reduce) else None
+    mode = reduction(q, aval, self.mb[ls], q in self.state_outputs, asked)
+    out_aval = aval
+    if mode == "concat":
+      out_aval = aval.update(shape=(aval.shape[0] * M, *aval.shape[1:]))
+    elif mode == "last":
+      vals = vals[-1:]
     out = bld.new(ls, f"loss{q}.t{t}", out_aval)
     bld.emit(Instr(Op.REDUCE, ls, ls, t, tuple(vals), (out,), arg=mode))
     return out
@@ -960,6 +963,25 @@ class _StepLowering:
       self.delays,
       tuple(self.counts),
     )
+
+
+def reduction(index: int, aval, microbatch: int, state: bool, asked: str | None) -> str:
+  """How loss output ``index`` combines over micro-batches: the loss (index 0) is averaged;
+  state the loss carries takes the last micro-batch's value; an aux leaf what ``aux_reduce``
+  asked, else per-example values (leading axis = the micro-batch) are concatenated, other
+  floating values averaged, the rest (integers) the last."""
+  if index == 0:
+    return "mean"
+  if state:
+    return "last"
+  per_example = len(aval.shape) >= 1 and aval.shape[0] == microbatch
+  if asked is not None:
+    if asked == "concat" and not len(aval.shape):
+      raise CaptureError(f"aux_reduce asks to concatenate aux leaf {index - 1}, a scalar")
+    return asked
+  if per_example:
+    return "concat"
+  return "mean" if jnp.issubdtype(aval.dtype, jnp.inexact) else "last"
 
 
 def _rows(aval, r: int):

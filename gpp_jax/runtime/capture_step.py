@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,12 @@ class LossRecord:
   # Loss inputs that are NNX variables of the module: keys among them are not folded with the
   # micro-batch index (an ``nnx.Rngs`` stream advances its own counter instead).
   module_state: frozenset[int] = frozenset()
+  # How each output of the loss (the loss, then the aux leaves) combines over micro-batches:
+  # "mean", "sum", "concat", "last", or None for the default rule (``AUX_REDUCTIONS``).
+  reduce: tuple[str | None, ...] = ()
+
+
+AUX_REDUCTIONS = ("mean", "sum", "concat", "last")
 
 
 class _State(threading.local):
@@ -104,14 +111,22 @@ def _is_graph_node(x) -> bool:
   return isinstance(x, nnx.Module)
 
 
-def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
+def value_and_grad(fun: Callable, has_aux: bool = False, aux_reduce: Any = None) -> Callable:
   """Like ``jax.value_and_grad(fun, has_aux=has_aux)``, differentiating the first argument.
 
   Inside a ``graph_pipeline`` step, marks where the pipelined forward ends: ``fun`` is the part
   of the step that is split into stages. The first argument may be a pytree of parameters or a
   Flax NNX module (its ``nnx.Param`` variables are differentiated, as ``nnx.value_and_grad``
   does). The loss must be a scalar mean over the examples of the batch.
+
+  ``aux_reduce`` says how aux values combine over the micro-batches of a pipelined step: one of
+  ``"mean"``, ``"sum"`` (a summed metric such as a token count), ``"concat"`` (per-example values,
+  along the leading axis) or ``"last"``, for every aux leaf, or a pytree of them matching the aux
+  (a prefix of it, or a dict naming some of its top-level entries). Unnamed leaves keep the
+  default: floating values are averaged, arrays whose leading axis is the micro-batch
+  concatenated, others (integers) take the last micro-batch's. Outside a pipeline it is ignored.
   """
+  _check_reduce_spec(aux_reduce)
 
   def wrapped(params, *args, **kwargs):
     if _STATE.recording is None:
@@ -147,6 +162,7 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
     out_tree = []
     changed: list[int] = []  # module variables the loss gives a new value
     aux_paths: list[tuple[str, ...]] = []
+    reduce: list[str | None] = [None]  # the loss itself: the mean over micro-batches
 
     def flat(*ls):
       model = rebuild(ls[:npar], ls[npar:])
@@ -172,6 +188,7 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
         )
       with_p, tree = jax.tree_util.tree_flatten_with_path((loss, aux))
       out_tree.append(tree)
+      reduce.extend(_reductions(aux, aux_reduce))
       aux_paths.extend(path_names(p[1:]) for p, _ in with_p)
       flat_out = [x for _, x in with_p]
       if nrest:
@@ -216,8 +233,9 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
     outs = value_and_grad_p.bind(
       *leaves, *rest_leaves, *tracers, loss_jaxpr=loss_jaxpr, num_params=npar
     )
+    reduce += [None] * (len(J.outvars) - len(reduce))  # new module state: its last value
     _STATE.recording.append(
-      LossRecord(paths, npar, has_aux, state, frozenset(range(npar, npar + nrest)))
+      LossRecord(paths, npar, has_aux, state, frozenset(range(npar, npar + nrest)), tuple(reduce))
     )
     loss_aux = jax.tree.unflatten(out_tree[0], outs[:nout])
     if changed:
@@ -229,6 +247,46 @@ def value_and_grad(fun: Callable, has_aux: bool = False) -> Callable:
     return (loss_aux if has_aux else loss_aux[0]), grads
 
   return wrapped
+
+
+def _check_reduce_spec(spec: Any) -> None:
+  bad = [x for x in jax.tree.leaves(spec) if x not in AUX_REDUCTIONS]
+  if bad:
+    raise CaptureError(
+      f"aux_reduce takes {', '.join(map(repr, AUX_REDUCTIONS))} per aux leaf (or a pytree "
+      f"of them); got {bad[0]!r}"
+    )
+
+
+def _reductions(aux: Any, spec: Any) -> list[str | None]:
+  """One reduction (or None: the default rule) per leaf of ``aux``, in flattening order, from
+  ``aux_reduce``: a string for all, a dict naming some top-level entries of a dict aux, or a
+  pytree that is a prefix of the aux."""
+  n = len(jax.tree.leaves(aux))
+  if spec is None:
+    return [None] * n
+  if isinstance(spec, str):
+    return [spec] * n
+  if isinstance(spec, dict) and isinstance(aux, dict):
+    unknown = sorted(set(spec) - set(aux), key=str)
+    if unknown:
+      raise CaptureError(f"aux_reduce names {unknown}, which the aux ({sorted(aux)}) lacks")
+    return [r for k in sorted(aux) for r in _reductions(aux[k], spec.get(k))]
+  try:
+    groups = jax.tree.map(lambda r, a: _Repeat(r, len(jax.tree.leaves(a))), spec, aux)
+  except (ValueError, TypeError) as e:
+    raise CaptureError(
+      f"aux_reduce must be a string, a dict naming aux entries, or a pytree prefix of the aux; "
+      f"it does not match the aux's structure ({e})"
+    ) from None
+  leaves = jax.tree.leaves(groups, is_leaf=lambda x: isinstance(x, _Repeat))
+  return [g.value for g in leaves for _ in range(g.count)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Repeat:
+  value: str
+  count: int
 
 
 # ------------------------------------------------------------------ NNX functionalisation
@@ -243,6 +301,9 @@ class PureStep:
   graph_positions: tuple[int, ...]
   graphdef: Any
   out_tree: list
+  # Arguments the step takes by position (keyword arguments follow them, ``with_keywords``).
+  num_positional: int = -1
+  keywords: tuple[str, ...] = ()
 
 
 def functionalize(step: Callable, args: tuple) -> tuple[PureStep, list]:
@@ -285,4 +346,38 @@ def functionalize(step: Callable, args: tuple) -> tuple[PureStep, list]:
     out_tree.append(tree)
     return out_flat
 
-  return PureStep(pure, in_tree, pos, graphdef, out_tree), leaves
+  npos = getattr(step, "num_positional", len(args))
+  names = getattr(step, "names", ())
+  return PureStep(pure, in_tree, pos, graphdef, out_tree, npos, names), leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithKeywords:
+  """``fn(*args[:n], **dict(zip(names, args[n:])))``: a step called with keyword arguments, as
+  a function of positional ones (their values are step arguments like any other)."""
+
+  fn: Callable
+  num_positional: int
+  names: tuple[str, ...]
+
+  def __call__(self, *args):
+    n = self.num_positional
+    return self.fn(*args[:n], **dict(zip(self.names, args[n:])))
+
+
+def with_keywords(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
+  """The step and its arguments with keyword arguments bound by ``fn``'s signature: those it
+  can take by position join the positional ones (so ``step(state, batch=b)`` is
+  ``step(state, b)``), the rest follow them by name."""
+  if not kwargs:
+    return fn, args
+  try:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+  except TypeError as e:
+    name = getattr(fn, "__name__", "the step")
+    raise TypeError(f"{name}() {e}") from None
+  positional, by_name = tuple(bound.args), dict(bound.kwargs)
+  if not by_name:
+    return fn, positional
+  names = tuple(by_name)
+  return _WithKeywords(fn, len(positional), names), positional + tuple(by_name[k] for k in names)

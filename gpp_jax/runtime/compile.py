@@ -82,13 +82,18 @@ class Options:
   fuse: bool = True
   name: str = "step"
 
-  def batch_positions(self, nargs: int) -> tuple[int, ...]:
+  def batch_positions(self, nargs: int, positional: int | None = None) -> tuple[int, ...]:
+    """Positions of the batch among ``nargs`` step arguments, of which the first
+    ``positional`` are given by position (default: the last of those)."""
+    npos = nargs if positional is None or positional < 0 else positional
     if self.batch_argnums is None:
-      return (nargs - 1,)
+      return (npos - 1,)
     for a in self.batch_argnums:
-      if not -nargs <= a < nargs:
-        raise ValueError(f"batch_argnums {self.batch_argnums} out of range for {nargs} arguments")
-    return tuple(a % nargs for a in self.batch_argnums)
+      if not -npos <= a < npos:
+        raise ValueError(
+          f"batch_argnums {self.batch_argnums} out of range for {npos} positional arguments"
+        )
+    return tuple(a % npos for a in self.batch_argnums)
 
 
 # ---------------------------------------------------------------------------- capture
@@ -108,6 +113,9 @@ class Captured:
     nparam: parameters of the captured loss.
     batch_size, microbatch_size: examples per step and per micro-batch (as traced).
     batch_leaves: the flat step arguments that are batch arrays (traced at micro-batch size).
+    reduce: per loss output, how it combines over micro-batches (``value_and_grad``'s
+      ``aux_reduce``; None: the default rule).
+    loss_as_traced: the loss at micro-batch size before the scan split (the fused step's).
   """
 
   out_tree: Any
@@ -122,6 +130,8 @@ class Captured:
   batch_size: int
   microbatch_size: int
   batch_leaves: tuple[int, ...] = ()
+  reduce: tuple[str | None, ...] = ()
+  loss_as_traced: xc.ClosedJaxpr | None = None
 
   @property
   def marker(self) -> xc.JaxprEqn:
@@ -136,43 +146,30 @@ def capture(
   microbatch_size: int | None = None,
 ) -> Captured:
   """Traces the step and layers its loss, at micro-batches of ``microbatch_size`` samples
-  (default: batch / num_microbatches)."""
+  (default: batch / num_microbatches).
+
+  The loss is traced at the micro-batch size. The rest of the step is too, unless it reads
+  the batch itself (metrics such as an accuracy computed from the batch and the logits the loss
+  returned): then the step is traced once more at the whole batch, and that trace is the step
+  the pipeline runs around its loss."""
   batch_idx, B = batch_leaves(pure, args, leaves, opts)
   mb = B // opts.num_microbatches if microbatch_size is None else microbatch_size
-  abstract = [
-    jax.ShapeDtypeStruct(
-      ((mb,) + tuple(np.shape(x))[1:]) if i in batch_idx else tuple(np.shape(x)),
-      canonical_dtype(x),
-    )
-    for i, x in enumerate(leaves)
-  ]
-  with recording() as recs:
-    step = jax.make_jaxpr(pure.fn)(*abstract)
-  if not recs:
-    raise CaptureError(
-      "the step never calls gpp_jax.value_and_grad; replace "
-      "jax.value_and_grad / nnx.value_and_grad by gpp_jax.value_and_grad"
-    )
-  rec = recs[0]
-  step = inline_calls(step)
+  step, rec, mk = _trace(pure, leaves, batch_idx, mb)
+  traced_loss = inline_calls(step.jaxpr.eqns[mk].params["loss_jaxpr"])
+  batch_vars = {step.jaxpr.invars[i] for i in batch_idx}
+  if mb != B and _reads_batch_outside_loss(step.jaxpr, mk, batch_vars):
+    step, _, mk = _trace(pure, leaves, batch_idx, B)
   J = step.jaxpr
-  markers = [k for k, e in enumerate(J.eqns) if e.primitive is value_and_grad_p]
-  if len(markers) != 1:
-    raise CaptureError(
-      f"expected one gpp_jax.value_and_grad in the step, found {len(markers)} "
-      "(it may not sit inside jax.lax control flow)"
-    )
-  mk = markers[0]
   marker = J.eqns[mk]
   batch_vars = {J.invars[i] for i in batch_idx}
-  _check_batch_use(J, mk, batch_vars, rec.num_params)
+  if any(isinstance(a, xc.Var) and a in batch_vars for a in marker.invars[: rec.num_params]):
+    raise CaptureError("a batch array is passed as the differentiated argument")
   # Batch arrays are split, never carried (an aux leaf named like a batch entry is no state).
   state = [p for p in rec.state if p.input is None or marker.invars[p.input] not in batch_vars]
   roles = input_roles(marker, rec.num_params, batch_vars, state, rec.module_state)
   check_state_returned(J, marker, state)
-  loss = inline_calls(marker.params["loss_jaxpr"])
   pairs = [(p.input, p.output) for p in state if p.input is not None]
-  loss, split_paths, scan_split = split_scans(loss, rec.num_params, rec.param_paths, pairs)
+  loss, split_paths, scan_split = split_scans(traced_loss, rec.num_params, rec.param_paths, pairs)
   layering = layer_program(
     loss,
     split_paths + [None] * (len(loss.jaxpr.invars) - len(split_paths)),
@@ -193,7 +190,44 @@ def capture(
     batch_size=B,
     microbatch_size=mb,
     batch_leaves=tuple(batch_idx),
+    reduce=rec.reduce,
+    loss_as_traced=traced_loss,
   )
+
+
+def _trace(pure: PureStep, leaves: Sequence[Any], batch_idx: Sequence[int], size: int):
+  """The step's ClosedJaxpr (calls inlined) with the batch leaves at ``size`` examples, the
+  loss's record, and the marker's position."""
+  abstract = [
+    jax.ShapeDtypeStruct(
+      ((size,) + tuple(np.shape(x))[1:]) if i in batch_idx else tuple(np.shape(x)),
+      canonical_dtype(x),
+    )
+    for i, x in enumerate(leaves)
+  ]
+  with recording() as recs:
+    step = jax.make_jaxpr(pure.fn)(*abstract)
+  if not recs:
+    raise CaptureError(
+      "the step never calls gpp_jax.value_and_grad; replace "
+      "jax.value_and_grad / nnx.value_and_grad by gpp_jax.value_and_grad"
+    )
+  step = inline_calls(step)
+  markers = [k for k, e in enumerate(step.jaxpr.eqns) if e.primitive is value_and_grad_p]
+  if len(markers) != 1:
+    raise CaptureError(
+      f"expected one gpp_jax.value_and_grad in the step, found {len(markers)} "
+      "(it may not sit inside jax.lax control flow)"
+    )
+  return step, recs[0], markers[0]
+
+
+def _reads_batch_outside_loss(J: xc.Jaxpr, mk: int, batch_vars: set) -> bool:
+  """Whether the step reads (or returns) the batch outside its loss function."""
+  return any(
+    k != mk and any(isinstance(a, xc.Var) and a in batch_vars for a in e.invars)
+    for k, e in enumerate(J.eqns)
+  ) or any(isinstance(a, xc.Var) and a in batch_vars for a in J.outvars)
 
 
 def batch_leaves(
@@ -202,7 +236,7 @@ def batch_leaves(
   """The flat step arguments that are batch arrays, and the batch size (checked to split
   into the micro-batches)."""
   M = opts.num_microbatches
-  bpos = opts.batch_positions(len(args))
+  bpos = opts.batch_positions(len(args), pure.num_positional)
   # Flat indices of batch leaves: graph state first, then the other arguments in order.
   nstate = (
     len(jax.tree.leaves(nnx.state(tuple(args[i] for i in pure.graph_positions))))
@@ -237,21 +271,6 @@ def batch_leaves(
       f"batch size divisible by {M} or a num_microbatches that divides {B}"
     )
   return batch_idx, B
-
-
-def _check_batch_use(J: xc.Jaxpr, mk: int, batch_vars: set, nparam: int) -> None:
-  """Raises CaptureError for a batch used outside the loss, returned, or differentiated."""
-  for k, e in enumerate(J.eqns):
-    if k != mk and any(isinstance(a, xc.Var) and a in batch_vars for a in e.invars):
-      raise CaptureError(
-        f"the batch is used outside the loss function (by `{e.primitive.name}` at "
-        f"{e.source_info.name_stack or 'top level'}); move every computation on the batch "
-        "into the function given to gpp_jax.value_and_grad"
-      )
-  if any(isinstance(a, xc.Var) and a in batch_vars for a in J.outvars):
-    raise CaptureError("the step returns its batch input; return only results")
-  if any(isinstance(a, xc.Var) and a in batch_vars for a in J.eqns[mk].invars[:nparam]):
-    raise CaptureError("a batch array is passed as the differentiated argument")
 
 
 def input_roles(marker, nparam: int, batch_vars: set, state, module_state) -> tuple:
@@ -425,6 +444,7 @@ def stage_step(
     state=state,
     batch_size=B,
     batch_leaves=captured.batch_leaves,
+    reduce=tuple(r for r, qs in zip(captured.reduce, split.out_parts) for _ in qs),
     packed=tuple(len(p.devices) == 1 and not opts.remat for p in placements),
     multi_device=tuple(len(p.devices) > 1 for p in placements),
     carries=tuple((s, j, k) for s, pairs in carries.items() for j, k in pairs),
@@ -575,9 +595,15 @@ def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Op
   fused_fn = None
   if fused:
     # The loss as captured (one stage needs no scan split): inputs are the marker's.
-    loss = inline_calls(captured.marker.params["loss_jaxpr"])
+    loss = captured.loss_as_traced
+    assert loss is not None
     fused_fn = fused_step(
-      prog, loss, list(captured.roles), opts.num_microbatches, captured.microbatch_size
+      prog,
+      loss,
+      list(captured.roles),
+      opts.num_microbatches,
+      captured.microbatch_size,
+      captured.reduce,
     )
   return Kernels(stages, pieces, fused_fn)
 

@@ -177,6 +177,11 @@ def _mean(xs):
 
 
 @jax.jit
+def _sum(xs):
+  return sum(xs[1:], xs[0])
+
+
+@jax.jit
 def _concat(xs):
   return jnp.concatenate(xs, axis=0)
 
@@ -558,8 +563,9 @@ def _forward(ex: Executor, ins: Instr) -> Callable[[], None]:
   get = ex._getter(ins.reads)
   put = ex._setter(ins.writes)
   fwd = fns.fwd
-  keys = k.key_positions
-  m = ins.mb % ex.lowered.counts[ins.lane]
+  M = ex.lowered.counts[ins.lane]
+  keys = k.key_positions if M > 1 else ()  # one micro-batch: the step's own key
+  m = ins.mb % M
   fold_m = ex.fold_index(ins.lane, m) if keys else None
 
   def run():
@@ -709,7 +715,7 @@ def _reduce(ex: Executor, ins: Instr) -> Callable[[], None]:
       lst[i] = src[j]
 
     return last
-  f = _concat if mode == "concat" else _mean
+  f = {"concat": _concat, "sum": _sum, "mean": _mean}[mode]
 
   def run():
     lst[i] = f(get())

@@ -19,12 +19,16 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as xc
 
-from gpp_jax.passes.lowering import BATCH, KEY
+from gpp_jax.passes.lowering import BATCH, KEY, reduction
 from gpp_jax.passes.step_split import StepProgram
 
 
 def _accumulated_value_and_grad(
-  loss: xc.ClosedJaxpr, roles: Sequence[str | None], num_microbatches: int, microbatch_size: int
+  loss: xc.ClosedJaxpr,
+  roles: Sequence[str | None],
+  num_microbatches: int,
+  microbatch_size: int,
+  reduce: Sequence[str | None] = (),
 ) -> Callable[..., list[Any]]:
   """``(*marker inputs) -> [*loss outputs, *parameter gradients]`` over the micro-batches."""
   f = xc.jaxpr_as_fun(loss)
@@ -44,9 +48,8 @@ def _accumulated_value_and_grad(
   def run(*inputs):
     params, rest = list(inputs[:nparam]), list(inputs[nparam:])
     roles_rest = roles[nparam:]
-    if M == 1:
-      data = [jax.random.fold_in(x, 0) if r == KEY else x for x, r in zip(rest, roles_rest)]
-      outs, grads = one(params, data, 0)
+    if M == 1:  # the step as written: its own keys, no fold
+      outs, grads = one(params, rest, 0)
       return [*outs, *grads]
     chunks = [x.reshape((M, mb, *x.shape[1:])) for x, r in zip(rest, roles_rest) if r == BATCH]
 
@@ -64,15 +67,16 @@ def _accumulated_value_and_grad(
     grads, stacked = jax.lax.scan(body, zeros, (jnp.arange(M, dtype=jnp.uint32), chunks))
     outs = []
     for i, (y, a) in enumerate(zip(stacked, out_avals)):
-      if i > 0 and a.ndim >= 1 and a.shape[0] == mb:
-        outs.append(y.reshape((M * mb, *a.shape[1:])))
-      elif jnp.issubdtype(a.dtype, jnp.inexact):
-        total = y[0]
-        for k in range(1, M):  # the driver's order of summation
-          total = total + y[k]
-        outs.append(total / M)
-      else:
+      mode = reduction(i, a, mb, False, reduce[i] if i < len(reduce) else None)
+      if mode == "concat":
+        outs.append(y.reshape((M * a.shape[0], *a.shape[1:])))
+      elif mode == "last":
         outs.append(y[-1])
+      else:
+        total = y[0]
+        for k in range(1, M):  # the executor's order of summation
+          total = total + y[k]
+        outs.append(total / M if mode == "mean" else total)
     return [*outs, *grads]
 
   return run
@@ -84,11 +88,12 @@ def fused_step(
   roles: Sequence[str | None],
   num_microbatches: int,
   microbatch_size: int,
+  reduce: Sequence[str | None] = (),
 ) -> Callable[..., list[Any]]:
   """The jitted step ``(*step input leaves) -> [*step outputs]`` of a one-stage plan."""
   J = prog.jaxpr.jaxpr
   marker = prog.marker
-  vag = _accumulated_value_and_grad(loss, roles, num_microbatches, microbatch_size)
+  vag = _accumulated_value_and_grad(loss, roles, num_microbatches, microbatch_size, reduce)
   pieces = [(p, xc.jaxpr_as_fun(p.jaxpr)) for p in prog.before]
   after = [(p, xc.jaxpr_as_fun(p.jaxpr)) for p in prog.after]
 

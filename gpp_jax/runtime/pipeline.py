@@ -27,7 +27,7 @@ from gpp_jax.passes.calibrate import Calibration
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.cached import CachedStep
-from gpp_jax.runtime.capture_step import functionalize
+from gpp_jax.runtime.capture_step import functionalize, with_keywords
 from gpp_jax.runtime.compile import (
   CompiledStep,
   Options,
@@ -197,6 +197,8 @@ class GraphPipeline:
       pure.in_tree,
       tuple((tuple(np.shape(x)), str(canonical_dtype(x))) for x in leaves),
       pure.graph_positions,
+      pure.num_positional,
+      pure.keywords,
     )
     c = self._compiled.get(key)
     if c is None:
@@ -209,8 +211,9 @@ class GraphPipeline:
     self._last = c
     return c.run([leaves], measure=self.measure)[0]
 
-  def __call__(self, *args):
-    pure, leaves = functionalize(self.fn, args)
+  def __call__(self, *args, **kwargs):
+    fn, args = with_keywords(self.fn, args, kwargs)
+    pure, leaves = functionalize(fn, args)
     c = self.compiled_for(args, pure, leaves)
     outs = self.run_compiled(c, leaves)
     out, new_state = jax.tree.unflatten(c.out_tree, outs)
