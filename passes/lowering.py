@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import re
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -114,14 +115,22 @@ class _Builder:
     self.bindings: list[Binding] = []
     self._seq = 0
 
-  def new(self, lane: int, name: str, aval: Any = None, nbytes: int | None = None) -> int:
+  def new(
+    self,
+    lane: int,
+    name: str,
+    aval: Any = None,
+    nbytes: int | None = None,
+    kind: str | None = None,
+  ) -> int:
     shape: tuple[int, ...] = ()
     dtype = ""
     if aval is not None and hasattr(aval, "shape"):
       shape, dtype = tuple(int(d) for d in aval.shape), str(aval.dtype)
       if nbytes is None:
         nbytes = int(aval_bytes(aval))
-    self.buffers.append(Buffer(lane, name, shape, dtype, -1 if nbytes is None else nbytes))
+    kind = kind or _kind_of(name)
+    self.buffers.append(Buffer(lane, name, shape, dtype, -1 if nbytes is None else nbytes, kind))
     self.avals.append(aval)
     return len(self.buffers) - 1
 
@@ -154,7 +163,11 @@ class _Builder:
       return b
     c = self.copies.get((b, lane))
     if c is None:
-      c = self.copies[(b, lane)] = self.new(lane, f"{self.buffers[b].name}@{lane}", self.avals[b])
+      src_buf = self.buffers[b]
+      copy_kind = kind if kind in ("param", "batch", "grad") else src_buf.kind
+      c = self.copies[(b, lane)] = self.new(
+        lane, f"{src_buf.name}@{lane}", self.avals[b], src_buf.nbytes, copy_kind
+      )
       self.emit(Instr(Op.SEND, src, mb=mb, reads=(b,), writes=(c,), peer=lane, arg=kind), queue)
       self.emit(Instr(Op.RECV, lane, mb=mb, reads=(c,), peer=src, arg=kind), queue)
     return c
@@ -487,6 +500,7 @@ def lower_step(
   carry: dict[int, int] | None = None,
   delays: Sequence[int] | None = None,
   history: int = 0,
+  sizes: Sequence[dict[str, int]] | None = None,
 ) -> Lowered:
   """The staged step under ``sched`` -> its program.
 
@@ -496,14 +510,19 @@ def lower_step(
   computes step t with the parameters of step t - d(s), and with those the caller gave t - d(s)
   steps before (``Binding("version")``) while t < d(s); ``history`` is how many such earlier
   versions exist (the oldest stands in for older ones, the current parameters for none).
+  ``sizes[s]``: bytes per device of stage s's buffers whose size only its traced functions
+  know (``res`` residuals, ``pp`` packed parameters, ``acc`` gradient sums, ``kept`` what B
+  leaves W), for memory accounting.
   """
-  return _StepLowering(spec, sched, carry or {}, delays, history).run()
+  return _StepLowering(spec, sched, carry or {}, delays, history, sizes).run()
 
 
 class _StepLowering:
   """``lower_step``'s state: the builder and where each step's values are."""
 
-  def __init__(self, spec: StepSpec, sched: Schedule, carry: dict[int, int], delays, history):
+  def __init__(
+    self, spec: StepSpec, sched: Schedule, carry: dict[int, int], delays, history, sizes
+  ):
     self.spec, self.sched, self.carry = spec, sched, carry
     self.K = sched.steps
     st = self.st = spec.staged
@@ -512,6 +531,7 @@ class _StepLowering:
     self.mb = [spec.batch_size // c for c in self.counts]
     self.delays = tuple(delays) if delays is not None else None
     self.history = history
+    self.sizes = list(sizes) if sizes is not None else [{} for _ in range(self.S)]
     self.bld = _Builder(self.S, sched.name, self.K)
     self.J = spec.prog.jaxpr.jaxpr
     self.marker = spec.prog.marker
@@ -541,6 +561,9 @@ class _StepLowering:
     self.kept: dict[tuple[int, int], int] = {}
     self.seeds: dict[int, int] = {}
     self.grad_parts: dict[tuple[int, int], list[int]] = {}
+
+  def size(self, s: int, what: str) -> int | None:
+    return self.sizes[s].get(what)
 
   # ------------------------------------------------------------------ step values
   def const(self, value: Any, name: str) -> int:
@@ -646,7 +669,7 @@ class _StepLowering:
         fixed[j] = bld.on(self.param(t, s, r.index), s, "param", queue=grp, mb=t)
     if self.spec.packed[s]:
       params = tuple(fixed[j] for j, r in enumerate(st.inputs) if r.kind == "param")
-      self.packed_buf[(s, t)] = pp = bld.new(s, f"pp{s}.t{t}")
+      self.packed_buf[(s, t)] = pp = bld.new(s, f"pp{s}.t{t}", nbytes=self.size(s, "pp"))
       bld.emit(Instr(Op.PACK, s, s, t, params, (pp,)), grp)
     for j, r in enumerate(st.inputs):
       if r.kind != "data":
@@ -656,7 +679,7 @@ class _StepLowering:
         self.batch_setup(s, t, j, r.index, src, grp)
       else:
         fixed[j] = bld.on(src, s, "data", queue=grp, mb=t)
-    self.acc[(s, t)] = acc = bld.new(s, f"acc{s}.t{t}")
+    self.acc[(s, t)] = acc = bld.new(s, f"acc{s}.t{t}", nbytes=self.size(s, "acc"))
     bld.emit(Instr(Op.ZERO, s, s, t, (), (acc,)), grp)
 
   def batch_setup(self, s: int, t: int, j: int, k: int, src: int, grp) -> None:
@@ -707,7 +730,7 @@ class _StepLowering:
         reads.append(self.outs[(s, m - 1)][self.carries[(s, r.index)]])
       else:
         reads.append(fixed[j])
-    self.res[(s, m)] = res = bld.new(s, f"res{s}.{m}")
+    self.res[(s, m)] = res = bld.new(s, f"res{s}.{m}", nbytes=self.size(s, "res"))
     outs = tuple(
       bld.new(s, f"x{o.vid}.{m}", v.aval) for o, v in zip(st.outputs, st.jaxpr.jaxpr.outvars)
     )
@@ -778,11 +801,11 @@ class _StepLowering:
     acts = [(j, r) for j, r in enumerate(st.inputs) if r.diff and r.kind == "act"]
     ict = tuple(bld.new(s, f"ct{r.index}.{m}@{s}", st.jaxpr.jaxpr.invars[j].aval) for j, r in acts)
     if self.split_w:
-      self.kept[(s, m)] = kept = bld.new(s, f"kept{s}.{m}")
+      self.kept[(s, m)] = kept = bld.new(s, f"kept{s}.{m}", nbytes=self.size(s, "kept"))
       bld.emit(Instr(Op.B, s, s, m, (*pre, *contribs), (kept, *ict), arg=arg), grp)
     else:
       acc = self.acc[(s, t)]
-      self.acc[(s, t)] = new = bld.new(s, f"acc{s}.{m}")
+      self.acc[(s, t)] = new = bld.new(s, f"acc{s}.{m}", nbytes=self.size(s, "acc"))
       bld.emit(Instr(Op.B, s, s, m, (*pre, acc, *contribs), (new, *ict), arg=arg), grp)
     for (_, r), b in zip(acts, ict):
       p, k = self.out_pos[r.index]
@@ -794,7 +817,7 @@ class _StepLowering:
     contribs, arg = self.cts.pop((s, m))
     pre = [self.res[(s, m)]] + ([self.packed_buf[(s, t)]] if self.spec.packed[s] else [])
     acc = self.acc[(s, t)]
-    self.acc[(s, t)] = new = bld.new(s, f"acc{s}.{m}")
+    self.acc[(s, t)] = new = bld.new(s, f"acc{s}.{m}", nbytes=self.size(s, "acc"))
     reads = (*pre, self.kept[(s, m)], acc, *contribs)
     bld.emit(Instr(Op.W, s, s, m, reads, (new,), arg=arg), grp)
 
@@ -982,6 +1005,29 @@ def reduction(index: int, aval, microbatch: int, state: bool, asked: str | None)
   if per_example:
     return "concat"
   return "mean" if jnp.issubdtype(aval.dtype, jnp.inexact) else "last"
+
+
+# Buffer names the lowering gives -> what the buffer holds (``ir.program.KINDS``).
+_NAME_KINDS = tuple(
+  (re.compile(pattern), kind)
+  for pattern, kind in (
+    (r"in\d|literal|out-literal|p\d+-\d", "input"),
+    (r"seed", "data"),
+    (r"slice|pp\d", "param"),
+    (r"acc", "acc"),
+    (r"b\d", "batch"),
+    (r"res|kept", "res"),
+    (r"x\d", "act"),
+    (r"ct\d", "ct"),
+    (r"g\d|stack", "grad"),
+    (r"loss", "loss"),
+    (r"v\.|out\d", "piece"),
+  )
+)
+
+
+def _kind_of(name: str) -> str:
+  return next((kind for pattern, kind in _NAME_KINDS if pattern.match(name)), "other")
 
 
 def _rows(aval, r: int):

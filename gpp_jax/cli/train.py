@@ -98,6 +98,18 @@ flags.DEFINE_string(
 )
 flags.DEFINE_float("timeout_s", 300.0, "multi-process: fail a step that stalls this long")
 flags.DEFINE_string(
+  "memory_limit",
+  None,
+  "bytes a plan may use per device, e.g. 512MiB or 12GiB (default: the device's limit where "
+  "JAX reports one, else the cluster preset's)",
+)
+flags.DEFINE_bool(
+  "measure_memory",
+  True,
+  "measure the memory of one step (the second; live arrays per device at every instruction) "
+  "and write it to summary.json and the measured trace",
+)
+flags.DEFINE_string(
   "checkpoint_dir",
   None,
   "save checkpoints here and resume from the latest one it holds (gpp_jax.checkpoint)",
@@ -339,6 +351,7 @@ def _main(argv: list[str]) -> None:
     # A given plan is run as it is: measuring the layers could not change it.
     calibrate=FLAGS.calibrate and cluster_name != "v100" and not FLAGS.plan,
     layer_depth=run.spec.layer_depth,
+    memory_limit=FLAGS.memory_limit,
   )
   label = "plan" if FLAGS.plan else FLAGS.planner
   run_dir = FLAGS.run_dir or os.path.join(
@@ -395,7 +408,12 @@ def _main(argv: list[str]) -> None:
     if last and step > start + 1 and jax.process_count() == 1:
       pp.measure = True  # the last step records a measured per-action timeline
     t_step = time.perf_counter()
-    loss = train(data[(step - 1) % len(data)])
+    batch = data[(step - 1) % len(data)]
+    if step == start + 1 and FLAGS.measure_memory and not last and not _MULTIPROCESS:
+      # In the first logged interval, which the step time leaves out (warm-up).
+      loss = pp.measure_memory(model, optimizer, batch)
+    else:
+      loss = train(batch)
     if step == FLAGS.steps - 1:
       dispatch = (time.perf_counter() - t_step, pp.timeline)
     samples += FLAGS.batch_size
@@ -427,13 +445,17 @@ def _main(argv: list[str]) -> None:
     assert metrics is not None
     metrics.close()
     tl = pp.timeline
+    memory = pp.memory
     with open(os.path.join(run_dir, "timeline_measured.json"), "w") as f:
-      json.dump(tl.to_chrome_trace(), f)
+      json.dump(tl.to_chrome_trace(memory.counters if memory else None), f)
     predicted = reporting.write_predicted_timeline(
       pp, cluster, os.path.join(run_dir, "timeline_predicted.json")
     )
     reporting.write_schedule_pngs(pp, cluster, run_dir)
     summary = reporting.step_time_summary(pp, cluster, step_ms, dispatch, predicted)
+    summary["memory"] = [d.to_dict() for d in memory.devices] if memory else None
+    if memory:
+      print(f"peak memory per device (measured step vs the program's prediction):\n{memory}")
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
     print(reporting.format_summary(summary))

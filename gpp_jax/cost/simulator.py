@@ -429,7 +429,8 @@ def simulate(
   ``program``: the lowered program of the compiled step (``GraphPipeline.program``, the one the
   executor runs) to time instead of the schedule's own lowering; each of its transfers between
   stages costs its bytes over the link between their devices, ``host_cost`` and ``cores`` as
-  ``simulate_program`` takes them.
+  ``simulate_program`` takes them; memory is then the program's own (``cost.memory``: its
+  buffers' sizes and lifetimes, without the executables' temporaries).
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
   schedule has W actions, each stage's backward is split into B and W by the cost model's
@@ -459,7 +460,7 @@ def simulate(
   if delays is not None:
     static = [m + d * p for m, d, p in zip(static, delays, pc.param_bytes)]
   if program is not None:
-    return simulate_program(
+    res = simulate_program(
       program,
       step_durations(program, plan, cluster, pc, backward, weight),
       host_cost=host_cost,
@@ -470,6 +471,16 @@ def simulate(
       stage_devices=[s.devices for s in plan.stages],
       num_microbatches=schedule.num_microbatches,
     )
+    # The program knows its buffers' sizes and lifetimes: its memory, not the cost model's.
+    from gpp_jax.cost.memory import program_memory
+
+    lanes = [tuple(s.devices) for s in plan.stages] + [()]
+    mem = program_memory(program, lanes)
+    stage_memory = tuple(
+      float(max((mem.peak.get(d, 0) for d in s.devices), default=0)) for s in plan.stages
+    )
+    peak = {int(d): float(n) for d, n in mem.peak.items()}  # type: ignore[call-overload]
+    return dataclasses.replace(res, stage_memory=stage_memory, peak_memory=peak)
   return simulate_times(
     schedule,
     pc.forward,

@@ -84,14 +84,34 @@ class Buffer:
   """A value of the program: where it lives and what it is.
 
   ``name`` is readable (``x12.3``: value 12 of micro-batch 3; ``res1.3``; ``acc1.2``);
-  ``nbytes`` is its size per device holding it (-1 when lowering does not know it, e.g. a
-  residual pytree before its stage is traced)."""
+  ``nbytes`` is its size per device holding it (-1 when lowering does not know it); ``kind``
+  what it is for (``KINDS``), for memory accounting."""
 
   lane: int
   name: str
   shape: tuple[int, ...] = ()
   dtype: str = ""
   nbytes: int = -1
+  kind: str = "other"
+
+
+# What a buffer holds: a step argument, parameters (copies, packed, slices), the batch (and its
+# chunks), other loss inputs (keys, constants), activations and cotangents, stashed residuals,
+# gradient sums and gradients, loss outputs, values of the step's pieces (the optimizer).
+KINDS = (
+  "input",
+  "param",
+  "batch",
+  "data",
+  "act",
+  "ct",
+  "res",
+  "acc",
+  "grad",
+  "loss",
+  "piece",
+  "other",
+)
 
 
 class Instr(NamedTuple):
@@ -188,7 +208,7 @@ class Program:
     lines = [f"program {self.name} lanes={self.num_lanes} steps={self.steps}"]
     for k, b in enumerate(self.buffers):
       shape = ",".join(map(str, b.shape))
-      lines.append(f"buffer %{k} L{b.lane} {b.name} [{shape}] {b.dtype or '-'} {b.nbytes}")
+      lines.append(f"buffer %{k} L{b.lane} {b.name} [{shape}] {b.dtype or '-'} {b.nbytes} {b.kind}")
     lines.append("inputs " + " ".join(f"%{b}" for b in self.inputs))
     lines.append("outputs " + " ".join(f"%{b}" for b in self.outputs))
     lines.extend(str(i) for i in self.instrs)
@@ -207,12 +227,14 @@ class Program:
     outputs: tuple[int, ...] = ()
     for line in lines[1:]:
       if line.startswith("buffer "):
-        bm = re.fullmatch(r"buffer %(\d+) L(\d+) (\S+) \[([\d,]*)\] (\S+) (-?\d+)", line)
+        bm = re.fullmatch(r"buffer %(\d+) L(\d+) (\S+) \[([\d,]*)\] (\S+) (-?\d+) (\S+)", line)
         if not bm or int(bm.group(1)) != len(buffers):
           raise ProgramError(f"bad buffer line {line!r}")
         shape = tuple(int(x) for x in bm.group(4).split(",") if x)
         dtype = "" if bm.group(5) == "-" else bm.group(5)
-        buffers.append(Buffer(int(bm.group(2)), bm.group(3), shape, dtype, int(bm.group(6))))
+        buffers.append(
+          Buffer(int(bm.group(2)), bm.group(3), shape, dtype, int(bm.group(6)), bm.group(7))
+        )
       elif line.startswith("inputs"):
         inputs = _ids(line[len("inputs") :])
       elif line.startswith("outputs"):

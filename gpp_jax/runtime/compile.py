@@ -29,7 +29,7 @@ from absl import logging
 from flax import nnx
 from jax.extend import core as xc
 
-from gpp_jax.cost.cluster import process_cluster
+from gpp_jax.cost.cluster import as_cluster, process_cluster
 from gpp_jax.errors import BatchError, CaptureError, PlanError
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, has_mixed_microbatches, stage_microbatch_sizes, validate_plan
@@ -81,6 +81,7 @@ class Options:
   calibrate: bool = False
   fuse: bool = True
   name: str = "step"
+  memory_limit: int | None = None  # bytes per device; None: the device's, else the cluster's
 
   def batch_positions(self, nargs: int, positional: int | None = None) -> tuple[int, ...]:
     """Positions of the batch among ``nargs`` step arguments, of which the first
@@ -341,12 +342,63 @@ def calibrate(captured: Captured, opts: Options) -> Calibration:
 
 
 def planner_cluster(opts: Options) -> Any:
-  """What planners are given as the machine: the user's Cluster, else the devices."""
+  """What planners are given as the machine: the user's Cluster (else the devices'), with the
+  memory per device the budget (``memory_limit``)."""
   if opts.cluster is not None:
-    return opts.cluster
-  if jax.process_count() > 1:
-    return process_cluster(list(opts.devices))
-  return len(opts.devices)
+    cluster = as_cluster(opts.cluster)
+  elif jax.process_count() > 1:
+    cluster = process_cluster(list(opts.devices))
+  else:
+    cluster = as_cluster(len(opts.devices))
+  return cluster.replace(memory_per_device=float(memory_limit(opts, cluster)))
+
+
+def memory_limit(opts: Options, cluster: Any = None) -> int:
+  """Bytes per device a plan may use: ``memory_limit=``, else the smallest ``bytes_limit`` the
+  pipeline's devices report (GPU, TPU), else the cluster preset's memory per device."""
+  if opts.memory_limit is not None:
+    return int(opts.memory_limit)
+  reported = []
+  for d in opts.devices:
+    stats = d.memory_stats() if d.process_index == jax.process_index() else None
+    if stats and stats.get("bytes_limit"):
+      reported.append(int(stats["bytes_limit"]))
+  if reported:
+    return min(reported)
+  if cluster is None:
+    cluster = as_cluster(opts.cluster if opts.cluster is not None else len(opts.devices))
+  return int(cluster.memory_per_device)
+
+
+def check_memory(c: CompiledStep, opts: Options, planned_by_user: bool) -> None:
+  """Before anything runs: the step's program, its buffers sized, against the budget. A plan
+  the user gave that does not fit is refused with each device's numbers; a planner's that the
+  program finds over budget (its cost model was optimistic) is logged."""
+  from gpp_jax.cost.memory import program_memory
+
+  limit = memory_limit(opts)
+  ex = c.executor_for(1)
+  lanes = [p.devices for p in c.staged.placements[: ex.program.num_stages]]
+  trace = program_memory(ex.program, lanes + [()], None, c.input_kinds(ex.lowered))
+  over = {d: n for d, n in trace.peak.items() if n > limit}
+  if not over:
+    return
+  from gpp_jax.runtime.memory import format_bytes as fmt
+
+  lines = []
+  for d, n in sorted(over.items(), key=lambda kv: -kv[1]):
+    cat, size = max(trace.breakdown[d].items(), key=lambda kv: kv[1])
+    lines.append(f"{d}: {fmt(n)} (most: {cat}, {fmt(size)})")
+  msg = (
+    f"the plan needs more memory than memory_limit={fmt(limit)} per device (before "
+    f"temporaries): {'; '.join(lines)}. Give the stages fewer layers (more stages), keep fewer "
+    "micro-batches in flight (schedule='1f1b' instead of 'gpipe'), use smaller micro-batches "
+    "(more num_microbatches), recompute activations (remat=True), or raise memory_limit to at "
+    f"least {fmt(max(over.values()))}"
+  )
+  if planned_by_user:
+    raise PlanError(msg)
+  logging.warning("graph_pipeline: %s", msg)
 
 
 def make_plan(graph: nx.DiGraph, batch_size: int, opts: Options) -> Plan:
@@ -608,6 +660,57 @@ def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Op
   return Kernels(stages, pieces, fused_fn)
 
 
+def buffer_bytes(
+  kernels: Kernels, staged: StagedProgram, split_w: bool, remat: bool
+) -> list[dict[str, int]]:
+  """Per stage, bytes per device of the buffers only its traced functions size: residuals
+  (``res``), packed parameters (``pp``), gradient sums (``acc``) and, with W actions, what B
+  keeps for W (``kept``). Traced, not compiled (``jax.eval_shape``); a stage over k devices
+  holds 1/k of its residuals (they carry the batch)."""
+  out = []
+  for k in kernels.stages:
+    st, fns = k.stage, k.fns
+    avals = [v.aval for v in st.jaxpr.jaxpr.invars]
+    nparam = sum(r.kind == "param" for r in st.inputs)
+    nondiff = avals[st.num_diff :]
+    sizes: dict[str, int] = {"acc": _tree_bytes(jax.eval_shape(fns.zeros_acc))}
+    if fns.pack_params is not None:
+      pp = jax.eval_shape(fns.pack_params, avals[:nparam])
+      sizes["pp"] = _tree_bytes(pp)
+      outs, res = jax.eval_shape(fns.fwd, pp, avals[nparam : st.num_diff], nondiff)
+      pre: tuple = (res, pp)
+    else:
+      outs, res = jax.eval_shape(fns.fwd, avals[: st.num_diff], nondiff)
+      pre = (res,)
+    width = len(k.placement.devices)
+    sizes["res"] = _tree_bytes(res) // width
+    if split_w:
+      # B's contributions per output, as the lowering groups them (a trace of the split
+      # backward records its structure, so a fresh copy of the stage's functions is traced).
+      cts = []
+      for k_out, (o, x) in enumerate(zip(st.outputs, outs)):
+        n = len(o.consumers) if o.diff else 0
+        n += int(o.diff and (st.index, k_out) == staged.loss_outputs[0])
+        cts.append(tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for _ in range(n)))
+      fresh = stage_functions(
+        st, remat=remat, pack_residuals=width == 1, pack_limit=pack_limit(k.placement.devices[0])
+      )
+      assert fresh.bwd_input is not None
+      if fresh.pack_params is not None:  # its forward records the residuals' layout
+        jax.eval_shape(fresh.fwd, pre[1], avals[nparam : st.num_diff], nondiff)
+      else:
+        jax.eval_shape(fresh.fwd, avals[: st.num_diff], nondiff)
+      _, kept = jax.eval_shape(fresh.bwd_input, *pre, cts)
+      sizes["kept"] = _tree_bytes(kept) // width
+    out.append(sizes)
+  return out
+
+
+def _tree_bytes(tree: Any) -> int:
+  leaves = jax.tree.leaves(tree)
+  return sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize for x in leaves)
+
+
 def loss_seeds(staged: Staged, counts: Sequence[int]) -> list[Any]:
   """Per stage, ``1 / M_s`` on the stage computing the loss (None elsewhere): the seed of its
   backward, d(mean loss) / d(chunk loss)."""
@@ -680,8 +783,14 @@ class CompiledStep:
         lowered = lower_fused(self.staged.spec)
       else:
         sched = self.schedule if steps == 1 else stream_schedule(self.schedule, steps)
+        split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
         lowered = lower_step(
-          self.staged.spec, sched, carry=carry, delays=self.delays, history=key[1]
+          self.staged.spec,
+          sched,
+          carry=carry,
+          delays=self.delays,
+          history=key[1],
+          sizes=buffer_bytes(self.kernels, self.staged.staged, split_w, self.opts.remat),
         )
       ex = Executor(
         lowered,
@@ -692,6 +801,33 @@ class CompiledStep:
       )
       self.executors[key] = ex
     return ex
+
+  def input_kinds(self, lowered: Lowered) -> dict[int, str]:
+    """Kinds of the program's step-argument buffers: parameters, the batch, other state."""
+    J = self.captured.step.jaxpr
+    index = {v: i for i, v in enumerate(J.invars)}
+    params = {index[v] for v in self.captured.marker.invars[: self.captured.nparam] if v in index}
+    batch = set(self.captured.batch_leaves)
+    kinds = {}
+    for b, binding in zip(lowered.program.inputs, lowered.bindings):
+      if binding.kind == "leaf":
+        i = binding.index
+        kinds[b] = "param" if i in params else "batch" if i in batch else "input"
+    return kinds
+
+  def measure_memory(self, leaves: Sequence[Any]) -> tuple[list[Any], Any]:
+    """One step, counting the live arrays per device at every instruction boundary; returns
+    its flat outputs and the ``runtime.memory.MemoryReport`` (measured beside predicted)."""
+    from gpp_jax.cost.memory import program_memory
+    from gpp_jax.runtime import memory
+
+    ex = self.executor_for(1)
+    self.last[:] = [ex]
+    kinds = self.input_kinds(ex.lowered)
+    outs = ex.run([leaves], memory=kinds)[0]
+    lanes = [p.devices for p in self.staged.placements[: ex.program.num_stages]]
+    predicted = program_memory(ex.program, lanes + [()], ex.temps, kinds)
+    return outs, memory.report(ex.census, predicted)
 
   def run(
     self, steps_leaves: Sequence[Sequence[Any]], carry=None, measure: bool = False
@@ -725,7 +861,7 @@ def compile_step(
     list(staged.microbatch_sizes),
     len(kernels.pieces),
   )
-  return CompiledStep(
+  compiled = CompiledStep(
     opts=opts,
     captured=captured,
     planned=planned,
@@ -739,6 +875,8 @@ def compile_step(
     executors={},
     last=[],
   )
+  check_memory(compiled, opts, isinstance(opts.planner, (Plan, ManualPlan)))
+  return compiled
 
 
 def canonical_dtype(x) -> Any:

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -69,10 +69,13 @@ class Timeline:
   measured: bool
   stage_devices: tuple[tuple[int, ...], ...] = ()  # the plan's device indices per stage
 
-  def to_chrome_trace(self) -> dict:
+  def to_chrome_trace(
+    self, memory: Mapping[str, Sequence[tuple[float, int]]] | None = None
+  ) -> dict:
     """Chrome / Perfetto trace laid out like the simulator's (``cost.simulator.chrome_trace``):
     one track per stage, named with its devices; the track says whether its spans are device
-    times (measured) or the host's dispatch of each action."""
+    times (measured) or the host's dispatch of each action. ``memory``: device -> (seconds,
+    bytes) of a memory-measuring step (``MemoryReport.counters``), a counter track per device."""
     ev: list[dict] = []
     stages = sorted({e.stage for e in self.events} | set(range(len(self.stage_devices))))
     what = "device (measured)" if self.measured else "host dispatch"
@@ -97,6 +100,21 @@ class Timeline:
           "args": {"microbatch": e.microbatch},
         }
       )
+    if memory:
+      pid = max(stages, default=-1) + 1
+      name = "memory per device (the memory-measuring step)"
+      ev.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+      for device, points in memory.items():
+        for t, nbytes in points:
+          ev.append(
+            {
+              "ph": "C",
+              "name": f"{device} MiB",
+              "pid": pid,
+              "ts": t * 1e6,
+              "args": {"MiB": nbytes / 2**20},
+            }
+          )
     return {"traceEvents": ev, "displayTimeUnit": "ms"}
 
 
@@ -280,13 +298,18 @@ class Executor:
     self._fold_m: dict[tuple[int, int], Any] = {}
     self.code: list[tuple[Callable[[], None], tuple[tuple[list[Any], int], ...]]] = []
     self.instrs: list[Instr] = []
-    for ins in P.instrs:
+    self.positions: list[int] = []  # each call's instruction in the program
+    for k, ins in enumerate(P.instrs):
       if ins.op is Op.RECV:
         continue  # arrival is the SEND's result being there; nothing to call
       self.instrs.append(ins)
+      self.positions.append(k)
       self.code.append((_RULES[ins.op](self, ins), tuple(self.where[b] for b in ins.frees)))
     self.last_timeline: Timeline | None = None
     self.history = history if history is not None else []
+    self.census: Any = None  # the last memory-measuring run's (``runtime.memory.Census``)
+    self.temps: dict[int, int] = {}  # instruction -> its executable's temporaries (measured)
+    self._temp_cache: dict = {}
 
   # ------------------------------------------------------------------ helpers for the rules
   def _slot(self, b: int) -> tuple[list[Any], int]:
@@ -365,9 +388,17 @@ class Executor:
       else:
         raise ScheduleError(f"unknown input binding {binding}")
 
-  def run(self, steps_leaves: Sequence[Sequence[Any]], measure: bool = False) -> list[list[Any]]:
+  def run(
+    self,
+    steps_leaves: Sequence[Sequence[Any]],
+    measure: bool = False,
+    memory: Mapping[int, str] | None = None,
+  ) -> list[list[Any]]:
     """Runs the program on the flat arguments of each of its steps; returns each step's flat
-    outputs."""
+    outputs. ``measure``: device times per instruction (one thread per lane). ``memory``: count
+    the live arrays per device at every instruction boundary (``runtime.memory``; the mapping
+    gives buffers a kind other than their own, e.g. which step arguments are parameters);
+    the result is ``self.census``."""
     if measure and self.multiprocess:
       raise GppError(
         "measure=True records device-side times with one thread per stage and "
@@ -380,6 +411,8 @@ class Executor:
       self.bind(steps_leaves)
       if measure:
         events = self._run_threaded(t0)
+      elif memory is not None:
+        events = self._run_counting_memory(t0, memory)
       else:
         events = self._run_in_order(t0)
       P = self.program
@@ -426,6 +459,37 @@ class Executor:
       )
       for k, ins in enumerate(self.instrs)
     ]
+
+  def _run_counting_memory(self, t0: float, kinds: Mapping[int, str]) -> list[TimelineEvent]:
+    """In order, waiting for each instruction, counting the live arrays after it ran."""
+    from gpp_jax.runtime.memory import Census, executable_temps
+
+    census = Census(self, kinds)
+    census.count(0.0, {})
+    events = []
+    for k, (call, frees) in enumerate(self.code):
+      ins = self.instrs[k]
+      start = time.perf_counter()
+      try:
+        call()
+        jax.block_until_ready([self.where[b][0][self.where[b][1]] for b in ins.writes])
+      except Exception as e:
+        raise StageFailure(
+          f"the pipelined step failed at {self.describe(ins)}: {type(e).__name__}: {e}"
+        ) from e
+      end = time.perf_counter()
+      temp = executable_temps(call, self._temp_cache)
+      place = self.lanes[ins.lane].placement
+      devices = place.devices if place is not None else ()
+      if temp:
+        self.temps[self.positions[k]] = temp
+      census.count(end - t0, dict.fromkeys(devices, temp) if temp else {})
+      for lst, i in frees:
+        lst[i] = None
+      stage = ins.stage if ins.stage >= 0 else ins.lane
+      events.append(TimelineEvent(ins.op.value, stage, ins.mb, start - t0, end - t0))
+    self.census = census
+    return events
 
   def _run_threaded(self, t0: float) -> list[TimelineEvent]:
     """One thread per lane; each waits for its instruction's inputs, runs it and blocks until
@@ -568,18 +632,25 @@ def _forward(ex: Executor, ins: Instr) -> Callable[[], None]:
   m = ins.mb % M
   fold_m = ex.fold_index(ins.lane, m) if keys else None
 
-  def run():
+  def args():
     vals = get()
     diff = vals[first : first + ndiff]
     nondiff = vals[first + ndiff :]
     for p in keys:
       nondiff[p] = _fold(nondiff[p], fold_m)
-    if packed:
-      outs, res = fwd(vals[0], diff, nondiff)
-    else:
-      outs, res = fwd(diff, nondiff)
+    return (vals[0], diff, nondiff) if packed else (diff, nondiff)
+
+  def run():
+    outs, res = fwd(*args())
     put((res, *outs))
 
+  return _with_kernel(run, fwd, args)
+
+
+def _with_kernel(run: Callable[[], None], kernel: Any, args: Callable[[], Any]):
+  """``run``, carrying the jitted function it calls and its arguments (``run.kernel``), so
+  that a memory-measuring run can ask XLA for the executable's temporaries."""
+  run.kernel = (kernel, args)  # type: ignore[attr-defined]
   return run
 
 
@@ -607,20 +678,26 @@ def _backward(ex: Executor, ins: Instr) -> Callable[[], None]:
   if ins.lane in ex.split_lanes:  # B computes input cotangents only; W the gradient sums
     bwd_input = fns.bwd_input
 
-    def run_split():
+    def split_args():
       vals = get()
-      in_cts, kept = bwd_input(*vals[:pre], _grouped(groups, vals[pre:]))
+      return (*vals[:pre], _grouped(groups, vals[pre:]))
+
+    def run_split():
+      in_cts, kept = bwd_input(*split_args())
       put((kept, *in_cts))
 
-    return run_split
+    return _with_kernel(run_split, bwd_input, split_args)
   bwd = fns.bwd
 
-  def run():
+  def args():
     vals = get()
-    acc, in_cts = bwd(*vals[:pre], _grouped(groups, vals[pre + 1 :]), vals[pre])
+    return (*vals[:pre], _grouped(groups, vals[pre + 1 :]), vals[pre])
+
+  def run():
+    acc, in_cts = bwd(*args())
     put((acc, *in_cts))
 
-  return run
+  return _with_kernel(run, bwd, args)
 
 
 def _weight(ex: Executor, ins: Instr) -> Callable[[], None]:
@@ -633,12 +710,14 @@ def _weight(ex: Executor, ins: Instr) -> Callable[[], None]:
   get, (lst, i) = ex._getter(ins.reads), ex.where[ins.writes[0]]
   bwd_weight = fns.bwd_weight
 
-  def run():
+  def args():
     vals = get()  # residuals, (packed parameters), kept, sums, cotangents
-    kept, acc = vals[pre], vals[pre + 1]
-    lst[i] = bwd_weight(*vals[:pre], _grouped(groups, vals[pre + 2 :]), kept, acc)
+    return (*vals[:pre], _grouped(groups, vals[pre + 2 :]), vals[pre], vals[pre + 1])
 
-  return run
+  def run():
+    lst[i] = bwd_weight(*args())
+
+  return _with_kernel(run, bwd_weight, args)
 
 
 def _update(ex: Executor, ins: Instr) -> Callable[[], None]:
@@ -754,14 +833,14 @@ def _piece(ex: Executor, ins: Instr) -> Callable[[], None]:
     return remote
   f = ex.kernels.pieces[int(ins.arg)]
   get, put = ex._getter(ins.reads), ex._setter(ins.writes)
-  return lambda: put(f(*get()))
+  return _with_kernel(lambda: put(f(*get())), f, get)
 
 
 def _step(ex: Executor, ins: Instr) -> Callable[[], None]:
   f = ex.kernels.fused
   assert f is not None
   get, put = ex._getter(ins.reads), ex._setter(ins.writes)
-  return lambda: put(f(*get()))
+  return _with_kernel(lambda: put(f(*get())), f, get)
 
 
 _RULES: dict[Op, Callable[[Executor, Instr], Callable[[], None]]] = {

@@ -36,6 +36,7 @@ from gpp_jax.runtime.compile import (
   compile_step,
 )
 from gpp_jax.runtime.executor import Timeline
+from gpp_jax.runtime.memory import MemoryReport, format_bytes, parse_bytes
 from gpp_jax.runtime.steps import carry_map, stream_reason
 
 
@@ -63,6 +64,7 @@ class GraphPipeline:
     timeout_s: float = 300.0,
     calibrate: bool = False,
     fuse: bool = True,
+    memory_limit: int | str | None = None,
   ):
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -84,9 +86,11 @@ class GraphPipeline:
       calibrate=calibrate,
       fuse=fuse,
       name=getattr(fn, "__name__", "step"),
+      memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
     )
     self._compiled: dict[Any, CompiledStep] = {}
     self._last: CompiledStep | None = None
+    self._memory: MemoryReport | None = None
     functools.update_wrapper(self, fn)
     if len(self.devices) == 1 and self.num_microbatches > 1:
       warnings.warn(_one_device_message(self.devices[0]), UserWarning, stacklevel=_caller_level())
@@ -182,8 +186,26 @@ class GraphPipeline:
         f"forward per micro-batch, {pbytes / 2**20:.3f} MiB parameters"
       )
     lines.append("")
+    lines += self._memory_lines(c)
+    lines.append("")
     lines.append(str(c.schedule))
     return "\n".join(lines)
+
+  def _memory_lines(self, c: CompiledStep) -> list[str]:
+    """Peak memory per device: the program's prediction, and the last measuring step's."""
+    from gpp_jax.cost.memory import program_memory
+
+    ex = c.executor_for(1)
+    lanes = [p.devices for p in c.staged.placements[: ex.program.num_stages]]
+    predicted = program_memory(ex.program, lanes + [()], ex.temps, c.input_kinds(ex.lowered))
+    measured = {d.device: d for d in self._memory.devices} if self._memory else {}
+    how = "measured (measure_memory) / " if measured else ""
+    lines = [f"peak memory per device ({how}predicted from the step's program):"]
+    for d in sorted(predicted.peak, key=lambda d: getattr(d, "id", 0)):
+      m = measured.get(str(d))
+      got = f"{format_bytes(m.measured_peak_bytes)} / " if m else ""
+      lines.append(f"  {d}: {got}{format_bytes(predicted.peak[d])}")
+    return lines
 
   def layer_graph_for(self, *args):
     """Traces the step for these arguments and returns its LayerGraph, without planning."""
@@ -212,10 +234,29 @@ class GraphPipeline:
     return c.run([leaves], measure=self.measure)[0]
 
   def __call__(self, *args, **kwargs):
+    return self._call(args, kwargs)
+
+  def measure_memory(self, *args, **kwargs):
+    """One step, as a call of the step, that also measures memory: at every instruction
+    boundary the bytes of every array alive on each device (``jax.live_arrays``) plus the
+    running executable's temporaries. Returns the step's output (the same values as a call);
+    ``.memory`` is then the ``MemoryReport``: per device the measured and predicted peak and
+    what held the bytes."""
+    return self._call(args, kwargs, measure_memory=True)
+
+  @property
+  def memory(self):
+    """The last ``measure_memory`` step's ``MemoryReport`` (None before one)."""
+    return self._memory
+
+  def _call(self, args, kwargs, measure_memory: bool = False):
     fn, args = with_keywords(self.fn, args, kwargs)
     pure, leaves = functionalize(fn, args)
     c = self.compiled_for(args, pure, leaves)
-    outs = self.run_compiled(c, leaves)
+    if measure_memory:
+      outs, self._memory = c.measure_memory(leaves)
+    else:
+      outs = self.run_compiled(c, leaves)
     out, new_state = jax.tree.unflatten(c.out_tree, outs)
     if pure.graph_positions:
       nnx.update(tuple(args[i] for i in pure.graph_positions), new_state)
@@ -393,6 +434,11 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
     timeout_s: in a multi-process run, the set-up (sharing layer times and checking that all
       processes have one plan) or a step that has not finished after this many seconds
       (a peer process died or stalls) raises ``GppError`` instead of hanging.
+    memory_limit: bytes a plan may use per device (an int, or a string such as ``"512MiB"``,
+      ``"12GiB"``); default: the device's ``bytes_limit`` where JAX reports one (GPU, TPU),
+      else the cluster preset's. Planners choose among the plans whose predicted peak fits;
+      a plan given by hand (a ``Plan`` or ``manual_plan``) that does not fit is refused before
+      anything runs, with each device's numbers.
   """
   if fn is None:
     return lambda f: GraphPipeline(f, **kwargs)
