@@ -476,14 +476,30 @@ class StepSpec:
   reduce: tuple[str | None, ...] = ()
 
 
-def lower_fused(spec: StepSpec) -> Lowered:
-  """The step as one executable on stage 0's device: every argument put there, one STEP."""
+def lower_fused(spec: StepSpec, num_microbatches: int = 1) -> Lowered:
+  """The step as one executable on stage 0's devices: every argument put there, one STEP.
+
+  On several devices (jit data parallel) each batch array is first cut into its micro-batches
+  stacked along a new leading axis (``CHUNK`` with arg ``M:stacked`` on the host lane) and put
+  with every micro-batch split over the devices (SEND arg ``stacked``)."""
   J = spec.prog.jaxpr.jaxpr
   bld = _Builder(1, "fused", 1)
   reads = []
+  M = num_microbatches
+  stacked = spec.multi_device[0]
   for i, v in enumerate(J.invars):
-    aval = _whole_batch(v.aval, spec.batch_size) if i in spec.batch_leaves else v.aval
+    batch = i in spec.batch_leaves
+    aval = _whole_batch(v.aval, spec.batch_size) if batch else v.aval
     b = bld.bind(Binding("leaf", i), bld.host, f"in{i}", aval)
+    if batch and stacked:
+      chunked = aval.update(shape=(M, aval.shape[0] // M, *aval.shape[1:]))
+      c = bld.new(bld.host, f"b{i}.t0@host", chunked)
+      bld.emit(Instr(Op.CHUNK, bld.host, 0, 0, (b,), (c,), arg=f"{M}:stacked"), "step")
+      dst = bld.new(0, f"b{i}.t0", chunked)
+      bld.send(c, dst, 0, "stacked", "step")
+      bld.recv(dst, bld.host, "stacked", "step")
+      reads.append(dst)
+      continue
     reads.append(bld.on(b, 0, "input", queue="step"))
   outs = tuple(bld.new(0, f"out{k}", getattr(v, "aval", None)) for k, v in enumerate(J.outvars))
   bld.emit(Instr(Op.STEP, 0, 0, 0, tuple(reads), outs), "step")

@@ -223,3 +223,25 @@ def test_fused_step_runs_a_scan_over_stacked_layers_whole():
   assert pp.compiled.fused
   assert abs(float(loss) - float(rloss)) <= 1e-6
   assert max_diff((p, o), (rp, ro)) <= 1e-6
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_one_stage_over_several_devices_runs_as_jit_data_parallel(M):
+  """One stage over four devices: one jitted step with the parameters replicated and every
+  micro-batch split over the devices, equal to the plain step."""
+  from harness import dag_model, dag_params, make_batch, mse_step
+
+  tx = optax.adam(1e-2)
+  params, batch = dag_params(), make_batch(0, 32, 5, 2)
+  layers = ("inp", "left", "right", "head")
+  plan = gpp_jax.Plan((gpp_jax.Stage(0, layers, (0, 1, 2, 3)),), (), M)
+  pp = gpp_jax.graph_pipeline(
+    mse_step(dag_model, tx), num_microbatches=M, devices=jax.devices()[:4], planner=plan
+  )
+  out = pp(params, tx.init(params), batch)
+  ref = jax.jit(mse_step(dag_model, tx))(params, tx.init(params), batch)
+  assert pp.compiled.fused
+  assert [e.action for e in pp.timeline.events if e.action not in ("SEND", "CHUNK")] == ["STEP"]
+  assert max_diff(ref, out) <= 1e-6
+  w = out[0]["inp"]["w"]
+  assert len(w.sharding.device_set) == 4 and w.sharding.is_fully_replicated

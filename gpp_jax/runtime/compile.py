@@ -610,12 +610,11 @@ def _check_mixed(counts: Sequence[int], state: Sequence[StatePair], roles) -> No
 
 
 def fuses(opts: Options, plan: Plan, sched: Schedule, captured: Captured) -> bool:
-  """Whether the step runs as one jitted function: one stage on one device is gradient
-  accumulation, not a pipeline (``runtime.fused``)."""
+  """Whether the step runs as one jitted function: one stage is gradient accumulation, not a
+  pipeline (``runtime.fused``): plain jit on one device, jit data parallel on several."""
   return (
     opts.fuse
     and plan.num_stages == 1
-    and len(plan.stages[0].devices) == 1
     and jax.process_count() == 1
     and weight_delays(sched) is None  # stale-weight schedules keep older versions
     and not captured.state  # state carried between micro-batches runs in the executor
@@ -656,6 +655,7 @@ def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Op
       opts.num_microbatches,
       captured.microbatch_size,
       captured.reduce,
+      stacked=len(staged.placements[0].devices) > 1,
     )
   return Kernels(stages, pieces, fused_fn)
 
@@ -780,7 +780,7 @@ class CompiledStep:
     if ex is None:
       if self.fused:
         assert steps == 1, "a fused step runs one step a call"
-        lowered = lower_fused(self.staged.spec)
+        lowered = lower_fused(self.staged.spec, self.opts.num_microbatches)
       else:
         sched = self.schedule if steps == 1 else stream_schedule(self.schedule, steps)
         split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)

@@ -189,6 +189,11 @@ def _split_batch(x, M: int) -> list[Any]:
   return np.split(np.asarray(jax.device_get(x)), M)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _reshape(x, shape):
+  return x.reshape(shape)
+
+
 @jax.jit
 def _mean(xs):
   return sum(xs[1:], xs[0]) / len(xs)
@@ -561,6 +566,8 @@ def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
   aval = ex.lowered.avals[ins.writes[0]]
   if ins.arg in ("act", "ct", "batch") and aval is not None:
     sharding = place.for_array(aval)
+  elif ins.arg == "stacked":  # micro-batches stacked: each split over the devices
+    sharding = place.stacked
   else:
     sharding = place.replicated
   if ins.lane == ex.program.host:  # what the caller passed: each process has its own copy
@@ -577,9 +584,18 @@ def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
 
 
 def _chunk(ex: Executor, ins: Instr) -> Callable[[], None]:
-  M = int(ins.arg)
+  count, _, how = ins.arg.partition(":")
+  M = int(count)
   (lst, i) = ex.where[ins.reads[0]]
   put = ex._setter(ins.writes)
+  if how == "stacked":  # one array, the micro-batches along a new leading axis
+
+    def stack():
+      x = lst[i]
+      shape = (M, x.shape[0] // M, *x.shape[1:])
+      put([_reshape(x, shape) if isinstance(x, jax.Array) else np.reshape(x, shape)])
+
+    return stack
   if ins.lane == ex.program.host:
     return lambda: put(_split_batch(lst[i], M))
   remote = ex._remote(ins)

@@ -29,8 +29,10 @@ def _accumulated_value_and_grad(
   num_microbatches: int,
   microbatch_size: int,
   reduce: Sequence[str | None] = (),
+  stacked: bool = False,
 ) -> Callable[..., list[Any]]:
-  """``(*marker inputs) -> [*loss outputs, *parameter gradients]`` over the micro-batches."""
+  """``(*marker inputs) -> [*loss outputs, *parameter gradients]`` over the micro-batches.
+  ``stacked``: batch arrays come as their micro-batches along a leading axis."""
   f = xc.jaxpr_as_fun(loss)
   M, mb = num_microbatches, microbatch_size
   nparam = sum(r is None for r in roles)
@@ -49,9 +51,14 @@ def _accumulated_value_and_grad(
     params, rest = list(inputs[:nparam]), list(inputs[nparam:])
     roles_rest = roles[nparam:]
     if M == 1:  # the step as written: its own keys, no fold
-      outs, grads = one(params, rest, 0)
+      data = [x[0] if stacked and r == BATCH else x for x, r in zip(rest, roles_rest)]
+      outs, grads = one(params, data, 0)
       return [*outs, *grads]
-    chunks = [x.reshape((M, mb, *x.shape[1:])) for x, r in zip(rest, roles_rest) if r == BATCH]
+    chunks = [
+      x if stacked else x.reshape((M, mb, *x.shape[1:]))
+      for x, r in zip(rest, roles_rest)
+      if r == BATCH
+    ]
 
     def body(acc, xs):
       m, batch = xs
@@ -64,9 +71,9 @@ def _accumulated_value_and_grad(
       return [a + g for a, g in zip(acc, grads)], outs
 
     zeros = [jnp.zeros_like(p) for p in params]
-    grads, stacked = jax.lax.scan(body, zeros, (jnp.arange(M, dtype=jnp.uint32), chunks))
+    grads, per_mb = jax.lax.scan(body, zeros, (jnp.arange(M, dtype=jnp.uint32), chunks))
     outs = []
-    for i, (y, a) in enumerate(zip(stacked, out_avals)):
+    for i, (y, a) in enumerate(zip(per_mb, out_avals)):
       mode = reduction(i, a, mb, False, reduce[i] if i < len(reduce) else None)
       if mode == "concat":
         outs.append(y.reshape((M * a.shape[0], *a.shape[1:])))
@@ -89,11 +96,14 @@ def fused_step(
   num_microbatches: int,
   microbatch_size: int,
   reduce: Sequence[str | None] = (),
+  stacked: bool = False,
 ) -> Callable[..., list[Any]]:
-  """The jitted step ``(*step input leaves) -> [*step outputs]`` of a one-stage plan."""
+  """The jitted step ``(*step input leaves) -> [*step outputs]`` of a one-stage plan
+  (``stacked``: its batch arrays come as micro-batches along a leading axis, split over the
+  devices of a data-parallel stage)."""
   J = prog.jaxpr.jaxpr
   marker = prog.marker
-  vag = _accumulated_value_and_grad(loss, roles, num_microbatches, microbatch_size, reduce)
+  vag = _accumulated_value_and_grad(loss, roles, num_microbatches, microbatch_size, reduce, stacked)
   pieces = [(p, xc.jaxpr_as_fun(p.jaxpr)) for p in prog.before]
   after = [(p, xc.jaxpr_as_fun(p.jaxpr)) for p in prog.after]
 

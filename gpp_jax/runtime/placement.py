@@ -54,6 +54,13 @@ class StagePlacement:
       return self.replicated
     return NamedSharding(self.mesh, PartitionSpec("data"))
 
+  @functools.cached_property
+  def stacked(self) -> jax.sharding.Sharding:
+    """For micro-batches stacked along a leading axis: each split over the devices."""
+    if len(self.devices) == 1:
+      return self.replicated
+    return NamedSharding(self.mesh, PartitionSpec(None, "data"))
+
   def for_array(self, x) -> jax.sharding.Sharding:
     """The sharding an incoming array gets: batch-sharded if it carries the micro-batch axis."""
     shape = np.shape(x) if not hasattr(x, "shape") else x.shape

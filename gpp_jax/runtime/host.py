@@ -1,0 +1,118 @@
+"""Measuring the host's costs on this machine (``cost.host.HostCosts``)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gpp_jax.cost.host import HostCosts, host_costs_from_timeline
+
+
+def measure_parallel(devices: Sequence[Any], size: int = 192, reps: int = 5) -> float:
+  """How many of ``devices`` compute at full speed at once: a matrix chain's time on one
+  device, times the number of devices, over its time on all of them together (1: they take
+  turns; len(devices): independent)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  if len(devices) < 2:
+    return 1.0
+  f = jax.jit(lambda x: jax.lax.fori_loop(0, 24, lambda i, h: jnp.tanh(h @ x), x))
+  xs = [jax.device_put(np.ones((size, size), np.float32) / size, d) for d in devices]
+  jax.block_until_ready([f(x) for x in xs])
+
+  def timed(args) -> float:
+    best = float("inf")
+    for _ in range(reps):
+      t = time.perf_counter()
+      jax.block_until_ready([f(x) for x in args])
+      best = min(best, time.perf_counter() - t)
+    return best
+
+  one, together = timed(xs[:1]), timed(xs)
+  return float(min(max(len(xs) * one / together, 1.0), len(xs)))
+
+
+@functools.lru_cache(maxsize=8)
+def _measure(devices: tuple[Any, ...], repeats: int) -> HostCosts:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import gpp_jax
+
+  n = min(4, len(devices))
+  widths = [6, 8, 8, 8, 3]
+
+  def model(p, x):
+    for k in range(4):
+      x = jnp.tanh(x @ p[f"l{k}"]["w"] + p[f"l{k}"]["b"])
+    return x
+
+  rng = np.random.default_rng(0)
+  params = {
+    f"l{k}": {
+      "w": rng.normal(size=(widths[k], widths[k + 1])).astype(np.float32),
+      "b": np.zeros(widths[k + 1], np.float32),
+    }
+    for k in range(4)
+  }
+  tx = optax.adam(1e-3)
+
+  def step(params, opt_state, batch):
+    loss, grads = gpp_jax.value_and_grad(lambda p: jnp.mean((model(p, batch[0]) - batch[1]) ** 2))(
+      params
+    )
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  batch = (
+    rng.normal(size=(16, widths[0])).astype(np.float32),
+    rng.normal(size=(16, widths[-1])).astype(np.float32),
+  )
+  stages = {f"l{k}": k * n // 4 for k in range(4)}
+  pp = gpp_jax.graph_pipeline(
+    step,
+    num_microbatches=4,
+    devices=list(devices[:n]),
+    planner=gpp_jax.manual_plan(stages),
+    fuse=False,
+  )
+  p, o = params, tx.init(params)
+  for _ in range(3):
+    p, o, loss = pp(p, o, batch)
+  jax.block_until_ready(loss)
+  found = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    p, o, loss = pp(p, o, batch)
+    call = time.perf_counter() - t
+    jax.block_until_ready(loss)
+    found.append(host_costs_from_timeline(pp.timeline, pp.plan.num_stages, call))
+  per_op = {
+    k: statistics.median(h.per_op[k] for h in found if k in h.per_op)
+    for k in {k for h in found for k in h.per_op}
+  }
+  cpu = devices[0].platform == "cpu"
+  return HostCosts(
+    per_op=per_op,
+    per_stage=statistics.median(h.per_stage for h in found),
+    outside=statistics.median(h.outside for h in found),
+    parallel=measure_parallel(list(devices[:n])) if cpu else None,
+    cores=len(os.sched_getaffinity(0)) if cpu else None,
+    device=str(devices[0]),
+  )
+
+
+def measure_host(devices: Sequence[Any], repeats: int = 7) -> HostCosts:
+  """``HostCosts`` of this process driving ``devices``: a small pipeline over up to four of
+  them runs a few steps through the executor (its per-instruction dispatch timeline gives the
+  per-op costs) and, on CPU devices, a matrix chain on each of them measures how many compute
+  at once (``measure_parallel``). Seconds in all; measured once per process and devices."""
+  return _measure(tuple(devices), repeats)
