@@ -73,13 +73,16 @@ def program_memory(
   lane_devices: Sequence[Sequence[Hashable]],
   temps: Mapping[int, int] | None = None,
   kinds: Mapping[int, str] | None = None,
+  constants: Mapping[int, int] | None = None,
 ) -> MemoryTrace:
   """Walks ``program`` in order and returns the peak bytes per device.
 
   ``lane_devices[l]``: the devices of lane l (a buffer's ``nbytes`` is what each of them
   holds); the host lane holds nothing on a device. ``temps[k]``: temporaries of instruction k
   on each device of its lane. ``kinds``: buffer -> kind where it differs from the buffer's own
-  (a pinned step argument that is a parameter, say). Buffers of unknown size count nothing.
+  (a pinned step argument that is a parameter, say). ``constants[l]``: bytes of the constants
+  lane l's executables hold on its devices (a jitted function keeps its own copy of the arrays
+  its program closes over), for the whole step. Buffers of unknown size count nothing.
   """
   temps = temps or {}
   kinds = kinds or {}
@@ -99,6 +102,9 @@ def program_memory(
 
   for b in pinned:
     add(b, +1)
+  for lane, nbytes in (constants or {}).items():
+    for d in lane_devices[lane] if lane != host else ():
+      live[d]["constants"] = live[d].get("constants", 0) + nbytes
   peak = {d: sum(live[d].values()) for d in devices}
   at = dict.fromkeys(devices, -1)
   breakdown = {d: dict(live[d]) for d in devices}

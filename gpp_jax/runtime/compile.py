@@ -374,12 +374,8 @@ def check_memory(c: CompiledStep, opts: Options, planned_by_user: bool) -> None:
   """Before anything runs: the step's program, its buffers sized, against the budget. A plan
   the user gave that does not fit is refused with each device's numbers; a planner's that the
   program finds over budget (its cost model was optimistic) is logged."""
-  from gpp_jax.cost.memory import program_memory
-
   limit = memory_limit(opts)
-  ex = c.executor_for(1)
-  lanes = [p.devices for p in c.staged.placements[: ex.program.num_stages]]
-  trace = program_memory(ex.program, lanes + [()], None, c.input_kinds(ex.lowered))
+  trace = c.predicted_memory()
   over = {d: n for d, n in trace.peak.items() if n > limit}
   if not over:
     return
@@ -706,6 +702,28 @@ def buffer_bytes(
   return out
 
 
+def constant_bytes(staged: Staged, fused: bool, captured: Captured) -> dict[int, int]:
+  """Per lane, bytes of the constants its executables close over (each jitted function keeps
+  a copy on its devices): the stage programs' and the pieces of the step placed there."""
+  out: dict[int, int] = {}
+
+  def add(lane: int, consts) -> None:
+    out[lane] = out.get(lane, 0) + sum(
+      int(np.prod(np.shape(c), dtype=np.int64)) * np.asarray(c).dtype.itemsize
+      for c in consts
+      if hasattr(c, "shape")
+    )
+
+  if fused:
+    add(0, captured.loss_as_traced.consts if captured.loss_as_traced is not None else [])
+  else:
+    for st in staged.staged.stages:
+      add(st.index, st.jaxpr.consts)
+  for p in staged.prog.before + staged.prog.after:
+    add(0 if fused else p.home, p.jaxpr.consts)
+  return out
+
+
 def _tree_bytes(tree: Any) -> int:
   leaves = jax.tree.leaves(tree)
   return sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize for x in leaves)
@@ -818,16 +836,28 @@ class CompiledStep:
   def measure_memory(self, leaves: Sequence[Any]) -> tuple[list[Any], Any]:
     """One step, counting the live arrays per device at every instruction boundary; returns
     its flat outputs and the ``runtime.memory.MemoryReport`` (measured beside predicted)."""
-    from gpp_jax.cost.memory import program_memory
     from gpp_jax.runtime import memory
 
     ex = self.executor_for(1)
     self.last[:] = [ex]
     kinds = self.input_kinds(ex.lowered)
     outs = ex.run([leaves], memory=kinds)[0]
+    return outs, memory.report(ex.census, self.predicted_memory(ex.temps))
+
+  def predicted_memory(self, temps: dict[int, int] | None = None) -> Any:
+    """``cost.memory.program_memory`` of one step's program (``temps``: the executables'
+    temporaries per instruction, when measured)."""
+    from gpp_jax.cost.memory import program_memory
+
+    ex = self.executor_for(1)
     lanes = [p.devices for p in self.staged.placements[: ex.program.num_stages]]
-    predicted = program_memory(ex.program, lanes + [()], ex.temps, kinds)
-    return outs, memory.report(ex.census, predicted)
+    return program_memory(
+      ex.program,
+      lanes + [()],
+      temps,
+      self.input_kinds(ex.lowered),
+      constant_bytes(self.staged, self.fused, self.captured),
+    )
 
   def run(
     self, steps_leaves: Sequence[Sequence[Any]], carry=None, measure: bool = False

@@ -7,7 +7,8 @@ it frees are dropped) adds up the bytes of every array JAX has alive on each dev
 up), plus the temporaries of the executable that ran (``memory_analysis`` of its compiled
 form). The peak per device is the largest sum; the breakdown at the peak sorts the arrays by
 what holds them (the program's buffer kinds, ``cost.memory.CATEGORIES``; arrays the step does
-not hold are "outside the step"). On GPU and TPU the device's own ``peak_bytes_in_use`` is
+not hold are "outside the step": the constants its executables keep among them, which the
+prediction counts as "constants"). On GPU and TPU the device's own ``peak_bytes_in_use`` is
 kept beside it. The prediction is ``cost.memory.program_memory`` of the same program.
 """
 

@@ -193,11 +193,7 @@ class GraphPipeline:
 
   def _memory_lines(self, c: CompiledStep) -> list[str]:
     """Peak memory per device: the program's prediction, and the last measuring step's."""
-    from gpp_jax.cost.memory import program_memory
-
-    ex = c.executor_for(1)
-    lanes = [p.devices for p in c.staged.placements[: ex.program.num_stages]]
-    predicted = program_memory(ex.program, lanes + [()], ex.temps, c.input_kinds(ex.lowered))
+    predicted = c.predicted_memory(c.executor_for(1).temps)
     measured = {d.device: d for d in self._memory.devices} if self._memory else {}
     how = "measured (measure_memory) / " if measured else ""
     lines = [f"peak memory per device ({how}predicted from the step's program):"]

@@ -1,0 +1,192 @@
+"""Memory, measured: peak bytes per device for what a user would run and for pipelines.
+
+  python benchmarks/memory.py                      # (a) and (b), medium zoo models
+  python benchmarks/memory.py --parts=peaks --models=mmt --devices=4
+
+Each configuration runs one step of the zoo model at medium size, then one memory-measuring
+step (``GraphPipeline.measure_memory``: every array alive on each device at every instruction
+boundary, plus the running executable's temporaries), each in its own process so that nothing
+another configuration left alive is counted.
+
+(a) ``peaks``: measured peak per device (max and sum over devices) and the program's
+    prediction, for plain jit on one device, jit data parallel over the devices, GPipe and 1F1B
+    on GraphPipe's stages, the PipeDream plan and the GraphPipe plan; the stashed activations
+    at the peak show whether GraphPipe's shallower DAG holds fewer for real.
+(b) ``fit``: a budget below what the plain step needs on one device (measured), the model
+    trained pipelined under it on 4 devices with ``memory_limit``, every device's measured
+    peak against the budget and the values against the one-device step; then the largest
+    micro-batch each planner fits under one budget.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("parts", ["peaks", "fit"], "which parts to run: peaks, fit")
+flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "zoo models (medium size)")
+flags.DEFINE_list("devices", ["4", "8"], "device counts for part (a)")
+flags.DEFINE_integer("batch_size", 64, "examples per step")
+flags.DEFINE_integer("microbatches", 8, "micro-batches per step")
+flags.DEFINE_string("child", None, "internal: run one configuration (JSON) and print its result")
+
+CONFIGS = ("plain jit", "jit data parallel", "gpipe", "1f1b", "pipedream", "graphpipe")
+
+
+def _run_child(cfg: dict) -> dict:
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={cfg['n']}"
+  )
+  import jax
+
+  import gpp_jax
+  from gpp_jax.experiments import zoo
+
+  run = zoo.setup(cfg["model"], "paper", **zoo.MEDIUM[cfg["model"]])
+  batch = run.batches(cfg["batch"], 1)[0]
+  devices = jax.devices()[: cfg["n"]]
+  layers = None
+  kind = cfg["config"]
+  kw: dict = dict(layer_depth=run.spec.layer_depth, memory_limit=cfg.get("limit") or "64GiB")
+  if kind in ("plain jit", "jit data parallel"):
+    graph = gpp_jax.graph_pipeline(run.train_step, num_microbatches=cfg["m"], **kw).layer_graph_for(
+      run.model, run.optimizer, batch
+    )
+    layers = tuple(graph.nodes)
+    width = 1 if kind == "plain jit" else cfg["n"]
+    plan = gpp_jax.Plan((gpp_jax.Stage(0, layers, tuple(range(width))),), (), cfg["m"])
+    pp = gpp_jax.graph_pipeline(
+      run.train_step, num_microbatches=cfg["m"], devices=devices[:width], planner=plan, **kw
+    )
+  else:
+    planner = "graphpipe" if kind in ("gpipe", "1f1b") else kind
+    schedule = kind if kind in ("gpipe", "1f1b") else None
+    pp = gpp_jax.graph_pipeline(
+      run.train_step,
+      num_microbatches=cfg["m"],
+      devices=devices,
+      planner=planner,
+      schedule=schedule,
+      **kw,
+    )
+  first = float(pp(run.model, run.optimizer, batch))
+  second = float(pp.measure_memory(run.model, run.optimizer, batch))
+  rep = pp.memory
+  devs = [d for d in rep.devices if d.measured_peak_bytes >= 1 << 20] or list(rep.devices)
+
+  def error(d) -> float:  # against what the step holds (arrays outside it are not its own)
+    held = d.measured_peak_bytes - d.breakdown.get("outside the step", 0)
+    return d.predicted_peak_bytes / max(held, 1) - 1
+
+  worst = max(devs, key=lambda d: abs(error(d)))
+  return {
+    "config": kind,
+    "stages": pp.plan.num_stages,
+    "depth": pp.plan.depth(),
+    "schedule": pp.schedule.name,
+    "max_measured": max(d.measured_peak_bytes for d in rep.devices),
+    "sum_measured": sum(d.measured_peak_bytes for d in rep.devices),
+    "max_predicted": max(d.predicted_peak_bytes for d in rep.devices),
+    "worst_error": error(worst),
+    "outside_max": max(d.breakdown.get("outside the step", 0) for d in rep.devices),
+    "stash_max": max(d.breakdown.get("stashed activations", 0) for d in rep.devices),
+    "stash_sum": sum(d.breakdown.get("stashed activations", 0) for d in rep.devices),
+    "devices": [d.to_dict() for d in rep.devices],
+    "losses": [first, second],
+  }
+
+
+def child(cfg: dict) -> dict:
+  out = subprocess.run(
+    [sys.executable, __file__, f"--child={json.dumps(cfg)}"],
+    capture_output=True,
+    text=True,
+    timeout=1800,
+  )
+  lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+  if out.returncode or not lines:
+    tail = (out.stdout + out.stderr)[-1500:]
+    return {"config": cfg["config"], "error": tail.strip().splitlines()[-1] if tail else "?"}
+  return json.loads(lines[-1][len("RESULT ") :])
+
+
+def mib(x: float) -> str:
+  return f"{x / 2**20:9.1f}"
+
+
+def peaks() -> None:
+  print("(a) peak memory per device, measured (one memory-measuring step per configuration)")
+  print(
+    "    worst err: the program's prediction against what the step holds on the device "
+    "(measured minus the arrays outside the step, last column), worst device of >= 1 MiB"
+  )
+  print(
+    f"{'model':10s} {'n':>2s} {'configuration':18s} {'stages':>6s} {'depth':>5s} "
+    f"{'max MiB':>9s} {'sum MiB':>9s} {'pred max':>9s} {'worst err':>9s} "
+    f"{'stash max':>9s} {'stash sum':>9s} {'outside':>9s}"
+  )
+  for model in FLAGS.models:
+    for n in map(int, FLAGS.devices):
+      for kind in CONFIGS:
+        r = child(dict(model=model, n=n, config=kind, batch=FLAGS.batch_size, m=FLAGS.microbatches))
+        if "error" in r:
+          print(f"{model:10s} {n:2d} {kind:18s} failed: {r['error'][:90]}")
+          continue
+        print(
+          f"{model:10s} {n:2d} {kind:18s} {r['stages']:6d} {r['depth']:5d} "
+          f"{mib(r['max_measured'])} {mib(r['sum_measured'])} {mib(r['max_predicted'])} "
+          f"{r['worst_error']:+9.1%} {mib(r['stash_max'])} {mib(r['stash_sum'])} "
+          f"{mib(r['outside_max'])}",
+          flush=True,
+        )
+
+
+def fit() -> None:
+  print("\n(b) fitting under a budget")
+  model = FLAGS.models[0]
+  plain = child(
+    dict(model=model, n=1, config="plain jit", batch=FLAGS.batch_size, m=FLAGS.microbatches)
+  )
+  if "error" in plain:
+    print(f"plain jit failed: {plain['error']}")
+    return
+  budget = int(0.7 * plain["max_measured"])
+  print(
+    f"{model}: the plain step on one device peaks at {plain['max_measured'] / 2**20:.1f} MiB; "
+    f"budget {budget / 2**20:.1f} MiB per device"
+  )
+  for planner in ("graphpipe", "pipedream", "balanced"):
+    r = child(
+      dict(
+        model=model, n=4, config=planner, batch=FLAGS.batch_size, m=FLAGS.microbatches,
+        limit=budget,
+      )
+    )  # fmt: skip
+    if "error" in r:
+      print(f"  {planner:10s} under the budget: {r['error'][:100]}")
+      continue
+    over = [d for d in r["devices"] if d["measured_peak_bytes"] > budget]
+    diff = max(abs(a - b) for a, b in zip(r["losses"], plain["losses"]))
+    print(
+      f"  {planner:10s} {r['stages']} stages, peak {r['max_measured'] / 2**20:.1f} MiB measured "
+      f"({'every device under the budget' if not over else f'{len(over)} devices over'}); "
+      f"losses of two steps vs the one-device step: max difference {diff:.1e}"
+    )
+
+
+def main(argv):
+  del argv
+  if FLAGS.child:
+    print("RESULT " + json.dumps(_run_child(json.loads(FLAGS.child))), flush=True)
+    return
+  if "peaks" in FLAGS.parts:
+    peaks()
+  if "fit" in FLAGS.parts:
+    fit()
+
+
+if __name__ == "__main__":
+  app.run(main)
