@@ -114,6 +114,8 @@ class _Builder:
     self.inputs: list[int] = []
     self.bindings: list[Binding] = []
     self._seq = 0
+    # lane -> (devices, micro-batch size) for lanes over several devices
+    self.split: dict[int, tuple[int, int]] = {}
 
   def new(
     self,
@@ -129,6 +131,9 @@ class _Builder:
       shape, dtype = tuple(int(d) for d in aval.shape), str(aval.dtype)
       if nbytes is None:
         nbytes = int(aval_bytes(aval))
+        width, mb = self.split.get(lane, (1, 0))
+        if width > 1 and shape and shape[0] == mb:  # split over the lane's devices
+          nbytes //= width
     kind = kind or _kind_of(name)
     self.buffers.append(Buffer(lane, name, shape, dtype, -1 if nbytes is None else nbytes, kind))
     self.avals.append(aval)
@@ -461,6 +466,9 @@ class StepSpec:
       one micro-batch to the next (``runtime.loss_state.state_carries``).
     reduce: per loss output, how it combines over micro-batches ("mean", "sum", "concat",
       "last"; None or missing: the default rule, see ``reduction``).
+    widths: devices per stage; a value of a stage over k devices whose leading axis is the
+      stage's micro-batch is split over them (``runtime.placement.StagePlacement.for_array``),
+      so each device holds 1/k of it.
   """
 
   staged: Any
@@ -474,6 +482,7 @@ class StepSpec:
   multi_device: tuple[bool, ...]
   carries: tuple[tuple[int, int, int], ...] = ()
   reduce: tuple[str | None, ...] = ()
+  widths: tuple[int, ...] = ()  # devices per stage (a batch-carrying value is split over them)
 
 
 def lower_fused(spec: StepSpec, num_microbatches: int = 1) -> Lowered:
@@ -495,7 +504,7 @@ def lower_fused(spec: StepSpec, num_microbatches: int = 1) -> Lowered:
       chunked = aval.update(shape=(M, aval.shape[0] // M, *aval.shape[1:]))
       c = bld.new(bld.host, f"b{i}.t0@host", chunked)
       bld.emit(Instr(Op.CHUNK, bld.host, 0, 0, (b,), (c,), arg=f"{M}:stacked"), "step")
-      dst = bld.new(0, f"b{i}.t0", chunked)
+      dst = bld.new(0, f"b{i}.t0", chunked, nbytes=int(aval_bytes(chunked)) // spec.widths[0])
       bld.send(c, dst, 0, "stacked", "step")
       bld.recv(dst, bld.host, "stacked", "step")
       reads.append(dst)
@@ -549,6 +558,9 @@ class _StepLowering:
     self.history = history
     self.sizes = list(sizes) if sizes is not None else [{} for _ in range(self.S)]
     self.bld = _Builder(self.S, sched.name, self.K)
+    for s, w in enumerate(spec.widths):
+      if w > 1:
+        self.bld.split[s] = (w, self.mb[s])
     self.J = spec.prog.jaxpr.jaxpr
     self.marker = spec.prog.marker
     self.split = spec.scan_split

@@ -495,6 +495,7 @@ def stage_step(
     reduce=tuple(r for r, qs in zip(captured.reduce, split.out_parts) for _ in qs),
     packed=tuple(len(p.devices) == 1 and not opts.remat for p in placements),
     multi_device=tuple(len(p.devices) > 1 for p in placements),
+    widths=tuple(len(p.devices) for p in placements),
     carries=tuple((s, j, k) for s, pairs in carries.items() for j, k in pairs),
   )
   if len(set(counts)) > 1:
@@ -679,7 +680,7 @@ def buffer_bytes(
       outs, res = jax.eval_shape(fns.fwd, avals[: st.num_diff], nondiff)
       pre = (res,)
     width = len(k.placement.devices)
-    sizes["res"] = _tree_bytes(res) // width
+    sizes["res"] = _per_device_bytes(res, width, k.placement.microbatch_size)
     if split_w:
       # B's contributions per output, as the lowering groups them (a trace of the split
       # backward records its structure, so a fresh copy of the stage's functions is traced).
@@ -697,7 +698,7 @@ def buffer_bytes(
       else:
         jax.eval_shape(fresh.fwd, avals[: st.num_diff], nondiff)
       _, kept = jax.eval_shape(fresh.bwd_input, *pre, cts)
-      sizes["kept"] = _tree_bytes(kept) // width
+      sizes["kept"] = _per_device_bytes(kept, width, k.placement.microbatch_size)
     out.append(sizes)
   return out
 
@@ -722,6 +723,16 @@ def constant_bytes(staged: Staged, fused: bool, captured: Captured) -> dict[int,
   for p in staged.prog.before + staged.prog.after:
     add(0 if fused else p.home, p.jaxpr.consts)
   return out
+
+
+def _per_device_bytes(tree: Any, width: int, microbatch: int) -> int:
+  """Bytes per device of ``tree`` on a stage over ``width`` devices: arrays whose leading
+  axis is the micro-batch are split over them, the rest replicated."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    n = int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize
+    total += n // width if width > 1 and x.shape and x.shape[0] == microbatch else n
+  return total
 
 
 def _tree_bytes(tree: Any) -> int:
