@@ -1,14 +1,21 @@
-"""Simulator fidelity: predicted vs measured step time of the tiny zoo models on forced CPU
-devices, after calibrating every layer's forward and backward time on the device.
+"""Fidelity and regret: every candidate plan predicted and measured side by side, on this machine.
 
-  python benchmarks/fidelity.py
+  python benchmarks/fidelity.py --models=mmt,dlrm,candle_uno --sizes=tiny,medium --devices=4,8
 
-For each model (GraphPipe plan, 8 devices, 8 micro-batches) prints the measured median step
-time and two predictions side by side:
-  devices   the simulator as the planners use it: each device computes independently;
-  host      the same schedule issued by one host thread in the driver's dispatch order, at
-            the measured host cost per action, on the machine's cores (forced CPU devices
-            share them), plus the measured host time the step spends outside the pipeline.
+For each model, size and device count, one ``graph_pipeline`` is set up as a user would
+(``planner="graphpipe"``, ``calibrate=True``): it measures the layers, the host's costs
+(``runtime.host.measure_host``) and what XLA makes of the whole step (plain jit, timed), then
+picks among its candidates by one prediction for this machine. Every candidate is then run for
+real (``--steps`` timed steps, the median) beside that prediction:
+
+  plain jit           the step jitted on one device (one-stage plan, one jitted call)
+  jit data parallel   one stage over all devices (each micro-batch split over them)
+  <planner>           each planner's pipeline (``--planners``), planned on the same calibrated
+                      layer graph
+
+and prints per candidate: measured ms, predicted ms, the error; then the planner's choice, the
+best measured candidate and the regret (measured time of the choice / best measured). With
+``--json_out`` the rows go to a JSON file too. The 2-process rows are ``benchmarks/scaling.py``.
 """
 
 import os
@@ -17,6 +24,8 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 
+import dataclasses
+import json
 import statistics
 import time
 
@@ -24,63 +33,141 @@ import jax
 from absl import app, flags
 
 import gpp_jax
-from gpp_jax.cli.reporting import host_aware_time, predicted_timeline
-from gpp_jax.cost.cluster import cpu_cluster
+from gpp_jax.errors import PlanError
 from gpp_jax.experiments import zoo
+from gpp_jax.ir import layer_graph as lg
+from gpp_jax.runtime.compile import baseline_plans, make_plan, planner_cluster, predict_seconds
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "tiny zoo models")
+flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "zoo models")
+flags.DEFINE_list("sizes", ["tiny", "medium"], "zoo sizes: tiny, medium")
+flags.DEFINE_list("devices", ["4", "8"], "forced CPU device counts")
+flags.DEFINE_list(
+  "planners", ["graphpipe", "pipedream", "piper", "bapipe", "luo", "balanced"], "planners"
+)
 flags.DEFINE_integer("batch_size", 64, "examples per step")
-flags.DEFINE_integer("microbatches", 8, "micro-batches per step")
-flags.DEFINE_integer("repeats", 10, "timed steps")
+flags.DEFINE_integer("microbatches", 4, "micro-batches per step")
+flags.DEFINE_integer("steps", 10, "timed steps (median reported)")
+flags.DEFINE_string("json_out", None, "also write the rows to this JSON file")
 
 
-def measure(model_name):
-  run = zoo.setup(model_name)
-  data = run.batches(FLAGS.batch_size, 2)
-  n = 8
-  cluster = cpu_cluster(n)
+def setup(model, size):
+  kw = zoo.MEDIUM[model] if size == "medium" else {}
+  return zoo.setup(model, "paper" if size == "medium" else "tiny", **kw)
+
+
+def measure(run, data, planner, devices) -> float:
+  """Median wall seconds of a step (the call and its results ready), as a training loop sees."""
   pp = gpp_jax.graph_pipeline(
     run.train_step,
     num_microbatches=FLAGS.microbatches,
-    devices=jax.devices()[:n],
+    devices=devices,
+    planner=planner,
+    layer_depth=run.spec.layer_depth,
+  )
+  train = pp.cached_partial(run.model, run.optimizer)
+  for i in range(3):
+    jax.block_until_ready(train(data[i % len(data)]))
+  times = []
+  for i in range(FLAGS.steps):
+    t = time.perf_counter()
+    jax.block_until_ready((train(data[i % len(data)]), jax.tree.leaves(run.model)))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def one(model, size, n):
+  run = setup(model, size)
+  data = run.batches(FLAGS.batch_size, 2)
+  devices = jax.devices()[:n]
+  pp = gpp_jax.graph_pipeline(
+    run.train_step,
+    num_microbatches=FLAGS.microbatches,
+    devices=devices,
     planner="graphpipe",
-    cluster=cluster,
     calibrate=True,
     layer_depth=run.spec.layer_depth,
   )
-  for i in range(3):
-    jax.block_until_ready(pp(run.model, run.optimizer, data[i % 2]))
-  wall, host_out, dispatch = [], [], []
-  for i in range(FLAGS.repeats):
-    t = time.perf_counter()
-    loss = pp(run.model, run.optimizer, data[i % 2])
-    t_host = time.perf_counter() - t
-    jax.block_until_ready((loss, jax.tree.leaves(run.model)))
-    wall.append(time.perf_counter() - t)
-    tl = pp.timeline
-    host_out.append(t_host - tl.total)
-    dispatch.extend(e.end - e.start for e in tl.events)
-  plain = predicted_timeline(pp, cluster).iteration_time
-  d = statistics.median(dispatch)
-  hosted = host_aware_time(
-    pp, cluster, d, statistics.median(host_out), len(os.sched_getaffinity(0))
+  t = time.perf_counter()
+  jax.block_until_ready(pp(run.model, run.optimizer, data[0]))
+  setup_s = time.perf_counter() - t
+  c = pp.compiled
+  planned, opts, B = c.planned, c.opts, c.batch_size
+  graph = planned.layer_graph
+  scaled = lg.scaled(graph, B)
+  cluster = planner_cluster(opts)
+  candidates = dict(baseline_plans(graph, B, opts))
+  for name in FLAGS.planners:
+    try:
+      candidates[name] = make_plan(graph, B, dataclasses.replace(opts, planner=name))
+    except PlanError as e:
+      print(f"  {name}: no plan ({e})")
+  rows = []
+  for name, plan in candidates.items():
+    predicted, _ = predict_seconds(plan, scaled, cluster, planned.host)
+    measured = measure(run, data, plan, devices)
+    rows.append(
+      dict(
+        candidate=name,
+        stages=plan.num_stages,
+        depth=plan.depth(),
+        measured_ms=measured * 1e3,
+        predicted_ms=predicted * 1e3,
+        error=(predicted - measured) / measured,
+      )
+    )
+  chosen = measure(run, data, pp.plan, devices)
+  best = min(rows, key=lambda r: r["measured_ms"])
+  return dict(
+    model=model,
+    size=size,
+    devices=n,
+    choice=pp.plan.planner,
+    choice_stages=pp.plan.num_stages,
+    choice_predicted_ms=planned.predicted_s * 1e3,
+    choice_measured_ms=chosen * 1e3,
+    best=best["candidate"],
+    best_ms=best["measured_ms"],
+    regret=chosen * 1e3 / best["measured_ms"],
+    fusion=graph.graph.get("fusion"),
+    setup_s=setup_s,
+    rows=rows,
   )
-  return pp.plan, statistics.median(wall), plain, hosted, d
 
 
 def main(_):
+  out = []
+  for size in FLAGS.sizes:
+    for model in FLAGS.models:
+      for n in map(int, FLAGS.devices):
+        r = one(model, size, n)
+        out.append(r)
+        print(
+          f"\n{model} {size}, {n} devices, batch {FLAGS.batch_size}, M={FLAGS.microbatches} "
+          f"(fusion {r['fusion']:.2f}, set-up {r['setup_s']:.0f} s)"
+        )
+        head = ("candidate", "stages", "measured", "predicted", "err")
+        print("  {:20s} {:>6s} {:>10s} {:>10s} {:>6s}".format(*head))
+        for row in r["rows"]:
+          print(
+            f"  {row['candidate']:20s} {row['stages']:6d} {row['measured_ms']:8.2f}ms "
+            f"{row['predicted_ms']:8.2f}ms {row['error'] * 100:+5.0f}%"
+          )
+        print(
+          f"  choice: {r['choice']} ({r['choice_stages']} stages) measured "
+          f"{r['choice_measured_ms']:.2f} ms, predicted {r['choice_predicted_ms']:.2f} ms; "
+          f"best: {r['best']} {r['best_ms']:.2f} ms; regret {r['regret']:.2f}"
+        )
+  errs = [abs(row["error"]) for r in out for row in r["rows"]]
   print(
-    f"{'model':12s} {'stages':>6s} {'depth':>5s} {'measured':>10s} {'devices':>10s} {'err':>6s} "
-    f"{'host':>10s} {'err':>6s}  host us/action"
+    f"\n{len(errs)} candidates: |error| median {statistics.median(errs) * 100:.0f}%, "
+    f"max {max(errs) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in errs)}; regret max "
+    f"{max(r['regret'] for r in out):.2f}, <= 1.05: {sum(r['regret'] <= 1.05 for r in out)}"
+    f"/{len(out)}"
   )
-  for name in FLAGS.models:
-    plan, meas, plain, hosted, d = measure(name)
-    print(
-      f"{name:12s} {plan.num_stages:6d} {plan.depth():5d} {meas * 1e3:8.1f}ms "
-      f"{plain * 1e3:8.1f}ms {abs(plain - meas) / meas * 100:5.0f}% {hosted * 1e3:8.1f}ms "
-      f"{abs(hosted - meas) / meas * 100:5.0f}%  {d * 1e6:.0f}"
-    )
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "w") as f:
+      json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def write_schedule_pngs(pipeline, cluster, run_dir: str) -> list[str]:
   graph = lg.scaled(pipeline.layer_graph, pipeline.batch_size)
   written = schedule_pngs(pipeline.plan, graph, cluster, run_dir)
   tl = pipeline.timeline
-  if written and tl is not None and tl.events:
+  if written and tl is not None and any(e.action in ("F", "B", "W") for e in tl.events):
     what = "measured" if tl.measured else "host dispatch"
     got = draw_schedule(
       tl, os.path.join(run_dir, "schedule_measured.png"), f"{pipeline.schedule.name} ({what})"
@@ -50,71 +50,33 @@ def write_schedule_pngs(pipeline, cluster, run_dir: str) -> list[str]:
   return written
 
 
-def host_aware_time(pipeline, cluster, host_cost, outside: float, cores: int) -> float:
-  """Seconds of one step as the simulator's host mode predicts it: one thread issues the
-  instructions of the step's program in order, ``host_cost[op]`` seconds each, sharing
-  ``cores`` cores with the computing (forced CPU) devices; plus ``outside`` seconds of host
-  time the step spends outside the program."""
-  from gpp_jax.cost.simulator import simulate
-
-  graph = lg.scaled(pipeline.layer_graph, pipeline.batch_size)
-  hosted = simulate(
-    pipeline.plan,
-    graph,
-    cluster,
-    schedule=pipeline.schedule,
-    program=pipeline.program,
-    host_cost=host_cost,
-    cores=cores,
-  ).iteration_time
-  return hosted + outside
-
-
-def host_costs(timeline) -> dict:
-  """Median host seconds per op of a run's dispatch timeline (``measure`` off)."""
-  from gpp_jax.ir.program import Op
-
-  per: dict[str, list[float]] = {}
-  for e in timeline.events:
-    per.setdefault(e.action, []).append(e.end - e.start)
-  return {Op(k): statistics.median(v) for k, v in per.items()}
-
-
 def step_time_summary(
-  pipeline, cluster, measured_ms: list[float], dispatch, predicted=None
+  pipeline, cluster, measured_ms: list[float], predicted=None
 ) -> dict[str, Any]:
-  """The measured step time beside the simulator's two predictions of it.
+  """The measured step time beside the one prediction the plan was chosen by.
 
-  ``devices``: every device computes independently and the host costs nothing (what planners
-  optimise). ``host``: the driver's one thread issues the actions in dispatch order at the
-  measured host cost per action, sharing the machine's cores with forced CPU devices, plus the
-  host time the step spends outside the pipeline; ``dispatch`` is ``(host seconds of one step
-  call, that step's Timeline)`` from a step run without ``measure``, or None. ``predicted``:
-  the devices-only SimResult when the caller has it already (``write_predicted_timeline``).
+  ``predicted_ms``: the planner's prediction for this machine (``Planned.predicted_s``: with
+  the host's measured costs when the layers were calibrated, else devices only);
+  ``predicted_devices_ms``: the simulator's devices-only view (every device computes
+  independently, the host costs nothing), kept for comparison; ``candidates_ms``: what else
+  was predicted (plain jit, jit data parallel, ...). ``predicted``: the devices-only
+  SimResult when the caller has it already (``write_predicted_timeline``).
   """
-  out: dict[str, Any] = {
+  planned = pipeline.compiled.planned
+  devices_ms = (predicted or predicted_timeline(pipeline, cluster)).iteration_time * 1e3
+  measured = statistics.median(measured_ms[1:] or measured_ms) if measured_ms else None
+  one = planned.predicted_s * 1e3 if planned.predicted_s is not None else devices_ms
+  return {
     # The first logged interval holds the warm-up of the first steps after compilation.
-    "measured_ms": statistics.median(measured_ms[1:] or measured_ms) if measured_ms else None,
-    "predicted_devices_ms": (predicted or predicted_timeline(pipeline, cluster)).iteration_time
-    * 1e3,
-    "predicted_host_ms": None,
-    "host_us_per_action": None,
+    "measured_ms": measured,
+    "predicted_ms": one,
+    "prediction": "host-aware" if planned.host is not None else "devices only",
+    "prediction_error": (one - measured) / measured if measured else None,
+    "predicted_devices_ms": devices_ms,
+    "candidates_ms": {k: v * 1e3 for k, v in planned.alternatives.items()},
+    "choice": planned.note or None,
     "cores": len(os.sched_getaffinity(0)),
   }
-  fused = (
-    dispatch is not None
-    and dispatch[1] is not None
-    and any(e.action == "STEP" for e in dispatch[1].events)
-  )
-  # A fused step (one stage on one device) is one jitted call: no per-action dispatch to model.
-  if dispatch is not None and dispatch[1] is not None and not dispatch[1].measured and not fused:
-    t_host, tl = dispatch
-    per_action = statistics.median(e.end - e.start for e in tl.events) if tl.events else 0.0
-    outside = max(t_host - tl.total, 0.0)
-    hosted = host_aware_time(pipeline, cluster, host_costs(tl), outside, out["cores"])
-    out["predicted_host_ms"] = hosted * 1e3
-    out["host_us_per_action"] = per_action * 1e6
-  return out
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -123,17 +85,17 @@ def format_summary(s: dict[str, Any]) -> str:
   def ms(x):
     return "n/a" if x is None else f"{x:.1f} ms"
 
+  err = s["prediction_error"]
   lines = [
-    f"step time, measured:           {ms(s['measured_ms'])} (median over the logged "
-    "intervals after the first)",
-    f"predicted, devices only:       {ms(s['predicted_devices_ms'])} (the planner's view: "
-    "devices compute independently, the host costs nothing)",
+    f"step time, measured:  {ms(s['measured_ms'])} (median over the logged intervals after "
+    "the first)",
+    f"predicted:            {ms(s['predicted_ms'])} ({s['prediction']}: the prediction the "
+    "plan was chosen by" + (f"; {err:+.0%} off" if err is not None else "") + ")",
   ]
-  if s["predicted_host_ms"] is not None:
+  if s["prediction"] != "devices only":
     lines.append(
-      f"predicted, with host dispatch: {ms(s['predicted_host_ms'])} (one driver thread at "
-      f"{s['host_us_per_action']:.0f} us per action on {s['cores']} cores, plus the host "
-      "time outside the pipeline)"
+      f"devices only:         {ms(s['predicted_devices_ms'])} (every device computing "
+      "independently, the host costing nothing)"
     )
   return "\n".join(lines)
 

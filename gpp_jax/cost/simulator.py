@@ -182,7 +182,7 @@ def simulate_times(
   static_memory: Sequence[float] | None = None,
   activation_memory: Sequence[float] | None = None,
   stage_devices: Sequence[Sequence[int]] | None = None,
-  host_dispatch: float | None = None,
+  host_dispatch: float | Mapping[Op, float] | None = None,
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
 ) -> SimResult:
@@ -202,7 +202,8 @@ def simulate_times(
       one stashed micro-batch, per stage (0 if None).
     stage_devices: devices of each stage, to report peak memory per device.
     host_dispatch: seconds the driver's single host thread spends issuing one action (F, B,
-      W, UPDATE); when set, no action starts before the host has issued it, in dispatch order.
+      W, UPDATE), or seconds per op of the lowered program (``cost.host.HostCosts``); when
+      set, no instruction starts before the host has issued it, in program order.
     cores: the host has this many cores, shared by the computing actions (forced CPU
       devices share them) and by the issuing thread while it issues an action; None for
       independent devices.
@@ -237,7 +238,9 @@ def simulate_times(
     else:
       durations.append(0.0)
   host = None
-  if host_dispatch is not None:
+  if isinstance(host_dispatch, Mapping):
+    host = dict(host_dispatch)
+  elif host_dispatch is not None:
     host = {op: float(host_dispatch) for op in (Op.F, Op.B, Op.W, Op.UPDATE)}
   return simulate_program(
     program,
@@ -423,6 +426,7 @@ def simulate(
   program: Program | None = None,
   host_cost: Mapping[Op, float] | None = None,
   cores: int | None = None,
+  host: Any = None,
 ) -> SimResult:
   """Plan + LayerGraph + Cluster -> SimResult, with times and memory from the cost model.
 
@@ -430,7 +434,9 @@ def simulate(
   executor runs) to time instead of the schedule's own lowering; each of its transfers between
   stages costs its bytes over the link between their devices, ``host_cost`` and ``cores`` as
   ``simulate_program`` takes them; memory is then the program's own (``cost.memory``: its
-  buffers' sizes and lifetimes, without the executables' temporaries).
+  buffers' sizes and lifetimes, without the executables' temporaries). ``host``: the machine's
+  ``cost.host.HostCosts`` (per-op issue costs, compute servers, the time outside the program,
+  added to the iteration time); without a program the schedule's lowering is timed with them.
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
   schedule has W actions, each stage's backward is split into B and W by the cost model's
@@ -452,6 +458,11 @@ def simulate(
       f"{plan.num_stages}; build the schedule from this plan"
     )
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
+  outside = 0.0
+  if host is not None:
+    host_cost = host.op_costs() if program is not None else host.schedule_costs()
+    cores = host.compute_servers()
+    outside = host.outside
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
   from gpp_jax.passes.weight_versions import weight_delays
 
@@ -480,8 +491,13 @@ def simulate(
       float(max((mem.peak.get(d, 0) for d in s.devices), default=0)) for s in plan.stages
     )
     peak = {int(d): float(n) for d, n in mem.peak.items()}  # type: ignore[call-overload]
-    return dataclasses.replace(res, stage_memory=stage_memory, peak_memory=peak)
-  return simulate_times(
+    return dataclasses.replace(
+      res,
+      stage_memory=stage_memory,
+      peak_memory=peak,
+      iteration_time=res.iteration_time + outside,
+    )
+  res = simulate_times(
     schedule,
     pc.forward,
     backward,
@@ -493,7 +509,34 @@ def simulate(
     activation_memory=pc.activation_memory,
     stage_devices=[s.devices for s in plan.stages],
     channels=nic_channels(plan, cluster) if shared_nic else None,
+    host_dispatch=host_cost,
+    cores=cores,
   )
+  if outside:
+    res = dataclasses.replace(res, iteration_time=res.iteration_time + outside)
+  return res
+
+
+def predict_fused(
+  plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  host: Any = None,
+  cost_model: CostModel | None = None,
+) -> float:
+  """Seconds of a one-stage plan's step, run as one jitted function (``runtime.fused``): its M
+  micro-batches' forwards and backwards (on k devices each computes 1/k of a micro-batch; with
+  ``host``, only ``host.compute_servers()`` of them at full speed at once), the gradient
+  all-reduce and update, and the host's issue and time outside the step."""
+  if plan.num_stages != 1:
+    raise ValueError(f"predict_fused takes a one-stage plan, not {plan.num_stages} stages")
+  pc = plan_costs(plan, layer_graph, cluster, cost_model)
+  k = len(plan.stages[0].devices)
+  servers = host.compute_servers() if host is not None else None
+  slowdown = k / min(servers, k) if servers else 1.0
+  compute = plan.num_microbatches * (pc.forward[0] + pc.backward[0]) * slowdown
+  issue = host.per_op.get("STEP", host.per_op.get("F", 0.0)) + host.outside if host else 0.0
+  return compute + pc.update[0] + issue
 
 
 def step_durations(

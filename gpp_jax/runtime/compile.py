@@ -19,6 +19,8 @@ and returns one typed result:
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,9 +32,17 @@ from flax import nnx
 from jax.extend import core as xc
 
 from gpp_jax.cost.cluster import as_cluster, process_cluster
+from gpp_jax.cost.host import HostCosts
+from gpp_jax.cost.simulator import predict_fused, simulate
 from gpp_jax.errors import BatchError, CaptureError, PlanError
 from gpp_jax.ir import layer_graph as lg
-from gpp_jax.ir.plan import Plan, has_mixed_microbatches, stage_microbatch_sizes, validate_plan
+from gpp_jax.ir.plan import (
+  Plan,
+  Stage,
+  has_mixed_microbatches,
+  stage_microbatch_sizes,
+  validate_plan,
+)
 from gpp_jax.ir.program import Program
 from gpp_jax.ir.schedule import Schedule
 from gpp_jax.passes.calibrate import Calibration, measure_layers
@@ -82,6 +92,7 @@ class Options:
   fuse: bool = True
   name: str = "step"
   memory_limit: int | None = None  # bytes per device; None: the device's, else the cluster's
+  min_stages: int = 1  # 2: a pipeline even where plain jit or data parallel is predicted faster
 
   def batch_positions(self, nargs: int, positional: int | None = None) -> tuple[int, ...]:
     """Positions of the batch among ``nargs`` step arguments, of which the first
@@ -307,25 +318,197 @@ class Planned:
     plan: the validated plan (stages, devices, micro-batches, schedule name).
     layer_graph: the LayerGraph planned over (calibrated times where measured).
     calibration: the measured layer times (``calibrate=True``), else None.
+    host: the host's measured costs (``calibrate=True``, one process), else None.
+    predicted_s: seconds per step predicted for the plan on this machine (with ``host``).
+    alternatives: what else was predicted: candidate name -> seconds ("pipeline": the
+      planner's plan, "plain jit", "jit data parallel").
+    note: one line saying what was chosen and why ("" for a plan the user gave).
   """
 
   plan: Plan
   layer_graph: nx.DiGraph
   calibration: Calibration | None = None
+  host: HostCosts | None = None
+  predicted_s: float | None = None
+  alternatives: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  note: str = ""
+  trial: Any = None  # the chosen plan's compiled step, when a trial compiled it already
 
 
-def plan_step(captured: Captured, opts: Options) -> Planned:
+def plan_step(
+  captured: Captured,
+  opts: Options,
+  trial: Callable[[Plan], tuple[Any, float]] | None = None,
+) -> Planned:
   """Calibrates (if asked), plans, validates; with several processes, checks that every
-  process has the same plan."""
+  process has the same plan.
+
+  What a user would run instead of a pipeline is in the plan space: a planner's plan competes
+  with plain jit on one device, jit data parallel over the devices (one-stage plans, run as
+  one jitted step) and its own plans on fewer devices, each predicted for this machine
+  (``predict_seconds`` with the host's measured costs), and the fastest is taken, unless
+  ``min_stages`` asks for a pipeline. Without calibration (layer times estimated, the host
+  not measured) the planner's plan is kept and a faster baseline only noted. A plan the user
+  gives is run as it is, with the same prediction.
+
+  When calibrating, ``trial(plan)`` compiles and times plain jit (``(compiled step, seconds)``):
+  the measured step calibrates the layer times' sum against what XLA makes of the whole
+  model (``fusion``: their ratio, applied to every candidate's compute), and if plain jit is
+  chosen its compiled step is kept (``Planned.trial``)."""
   graph = captured.layering.graph
-  calibration = None
+  calibration = host = None
   if opts.calibrate:
     calibration = calibrate(captured, opts)
     graph = calibration.apply(graph)
-  plan = make_plan(graph, captured.batch_size, opts)
+    if jax.process_count() == 1:
+      from gpp_jax.runtime.host import measure_host
+
+      host = measure_host(opts.devices)
+  B = captured.batch_size
+  plan = make_plan(graph, B, opts)
+  cluster = planner_cluster(opts)
+  given = isinstance(opts.planner, (Plan, ManualPlan))
+  candidates = {"pipeline": plan}
+  if not given:
+    candidates.update(baseline_plans(graph, B, opts))
+    if host is not None:  # where the host is the bottleneck, fewer devices can be faster
+      candidates.update(fewer_device_plans(graph, B, opts))
+    candidates = {
+      k: p for k, p in candidates.items() if k == "pipeline" or p.num_stages >= opts.min_stages
+    }
+  measured = None
+  if host is not None and trial is not None:
+    # Layers timed one call each add up to more than XLA makes of the whole model (it fuses
+    # across layers): plain jit, compiled and timed, says by how much.
+    plain = candidates.get("plain jit") or baseline_plans(graph, B, opts, (1,))["plain jit"]
+    try:
+      measured = trial(plain)
+    except PlanError:  # plain jit does not fit the memory budget
+      candidates.pop("plain jit", None)
+    if measured is not None:
+      graph = calibrate_fusion(graph, B, plain, cluster, host, measured[1])
+  choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host)
+  note = ""
+  if choice != "pipeline" and host is None:
+    # Devices-only layer estimates are not this machine's: say so, keep the planner's plan.
+    note = (
+      f"{choice} is predicted faster than {plan.planner}'s pipeline of {plan.num_stages} "
+      f"stages by the devices-only model ({predicted[choice] * 1e3:.2f} against "
+      f"{predicted['pipeline'] * 1e3:.2f} ms); calibrate=True measures this machine and "
+      "chooses by it"
+    )
+    logging.info("graph_pipeline: %s", note)
+    choice = "pipeline"
+  elif choice != "pipeline":
+    note = (
+      f"{choice} is predicted fastest on this machine: {predicted[choice] * 1e3:.2f} ms per "
+      f"step against {predicted['pipeline'] * 1e3:.2f} ms for {plan.planner}'s pipeline of "
+      f"{plan.num_stages} stages"
+    )
+    if candidates[choice].num_stages == 1:
+      note += " (min_stages=2 runs a pipeline regardless)"
+    logging.info("graph_pipeline: %s", note)
+    plan = candidates[choice]
   if jax.process_count() > 1:
     check_same_plan(plan, opts.timeout_s)
-  return Planned(plan, graph, calibration)
+  kept = measured[0] if measured is not None and choice == "plain jit" else None
+  return Planned(plan, graph, calibration, host, predicted[choice], predicted, note, kept)
+
+
+def choose_plan(
+  candidates: Mapping[str, Plan], graph: nx.DiGraph, cluster: Any, host: HostCosts | None
+) -> tuple[str, dict[str, float]]:
+  """(the name of the candidate predicted fastest, seconds predicted per candidate) over
+  ``graph`` (scaled to the batch) on ``cluster`` with the host's costs (``predict_seconds``).
+  Candidates whose predicted memory does not fit are left out, except ``"pipeline"`` (the
+  planner's own plan, which fits by construction or was asked for); on a tie it wins."""
+  predicted = {}
+  for name, p in candidates.items():
+    seconds, fits = predict_seconds(p, graph, cluster, host)
+    if fits or name == "pipeline":
+      predicted[name] = seconds
+  return min(predicted, key=lambda k: (predicted[k], k != "pipeline")), predicted
+
+
+def calibrate_fusion(
+  graph: nx.DiGraph, batch_size: int, plain: Plan, cluster: Any, host: HostCosts, seconds: float
+) -> nx.DiGraph:
+  """``graph`` with its layer times scaled so that plain jit's prediction equals its measured
+  ``seconds`` per call of its compiled step (``graph.graph["fusion"]``: the factor). The
+  host's issue of the step is not scaled (nor its time outside the step, which ``seconds``
+  leaves out); the compute keeps at least 5% of the layers' sum."""
+  scaled = lg.scaled(graph, batch_size)
+  model_s = predict_fused(plain, scaled, cluster, None)
+  issue = predict_fused(plain, scaled, cluster, host) - model_s - host.outside
+  fusion = max(seconds - issue, 0.05 * model_s) / model_s
+  return _scaled_times(graph, fusion)
+
+
+def _scaled_times(graph: nx.DiGraph, factor: float) -> nx.DiGraph:
+  out = graph.copy()
+  for n in out:
+    for k in ("time_f", "time_b"):
+      if out.nodes[n].get(k) is not None:
+        out.nodes[n][k] = out.nodes[n][k] * factor
+  out.graph["fusion"] = factor
+  return out
+
+
+def baseline_plans(
+  graph: nx.DiGraph, batch_size: int, opts: Options, widths: Sequence[int] | None = None
+) -> dict[str, Plan]:
+  """What a user would run instead: all layers as one stage on the first device (plain jit)
+  and over all devices (jit data parallel, where each micro-batch splits over them);
+  ``widths`` picks by number of devices (default: both)."""
+  layers = tuple(lg.topo_layers(graph))
+  M = opts.num_microbatches
+  out = {}
+  names = {len(opts.devices): "jit data parallel", 1: "plain jit"}
+  for k in widths or (1, len(opts.devices)):
+    name = names[k]
+    if name == "jit data parallel" and (k < 2 or (batch_size // M) % k):
+      continue
+    plan = Plan((Stage(0, layers, tuple(range(k))),), (), M, planner=name, batch_size=batch_size)
+    validate_plan(plan, graph, len(opts.devices), batch_size)
+    out[name] = plan
+  return out
+
+
+def fewer_device_plans(graph: nx.DiGraph, batch_size: int, opts: Options) -> dict[str, Plan]:
+  """The planner's plans on the first 2, 4, 8, ... of the devices (fewer than all), for a
+  machine where more devices do not compute more at once (forced CPU devices sharing the
+  host's cores) or each action's issue costs more than it saves."""
+  out: dict[str, Plan] = {}
+  n = len(opts.devices)
+  cluster = planner_cluster(opts)
+  if cluster.inter_link is not None:
+    return out
+  k = 2
+  while k < n:
+    sub = dataclasses.replace(
+      opts, devices=tuple(opts.devices[:k]), cluster=cluster.replace(num_devices=k)
+    )
+    try:
+      out[f"{opts.planner if isinstance(opts.planner, str) else 'planner'} on {k} devices"] = (
+        make_plan(graph, batch_size, sub)
+      )
+    except PlanError as e:
+      logging.info("graph_pipeline: no plan on %d devices: %s", k, e)
+    k *= 2
+  return out
+
+
+def predict_seconds(
+  plan: Plan, graph: nx.DiGraph, cluster: Any, host: HostCosts | None
+) -> tuple[float, bool]:
+  """(seconds per step on this machine, whether its predicted memory fits the cluster's
+  memory per device): a one-stage plan runs as one jitted step (``predict_fused``), a
+  pipeline as its schedule's program issued by the host (``simulate``)."""
+  res = simulate(plan, graph, cluster, host=host)
+  fits = max(res.stage_memory, default=0.0) <= cluster.memory_per_device
+  if plan.num_stages == 1:
+    return predict_fused(plan, graph, cluster, host), fits
+  return res.iteration_time, fits
 
 
 def calibrate(captured: Captured, opts: Options) -> Calibration:
@@ -885,10 +1068,33 @@ def compile_step(
 ) -> CompiledStep:
   """The compile chain, top to bottom."""
   captured = capture(pure, args, leaves, opts)
-  planned = plan_step(captured, opts)
-  staged = stage_step(
-    captured, planned, opts, lambda b: capture(pure, args, leaves, opts, microbatch_size=b)
+
+  def recapture(b: int) -> Captured:
+    return capture(pure, args, leaves, opts, microbatch_size=b)
+
+  def trial(plan: Plan) -> tuple[CompiledStep, float]:
+    given = dataclasses.replace(opts, planner=plan)
+    planned = Planned(plan, captured.layering.graph)
+    c = build_step(captured, planned, given, recapture, planned_by_user=True)
+    return c, time_step(c, leaves)
+
+  planned = plan_step(captured, opts, trial)
+  if planned.trial is not None:
+    return dataclasses.replace(planned.trial, opts=opts, planned=planned)
+  return build_step(
+    captured, planned, opts, recapture, isinstance(opts.planner, (Plan, ManualPlan))
   )
+
+
+def build_step(
+  captured: Captured,
+  planned: Planned,
+  opts: Options,
+  recapture: Callable[[int], Captured],
+  planned_by_user: bool,
+) -> CompiledStep:
+  """Stage, schedule, kernels and memory check of a captured, planned step."""
+  staged = stage_step(captured, planned, opts, recapture)
   sched = plan_schedule(planned.plan, captured.batch_size)
   fused = fuses(opts, planned.plan, sched, captured)
   kernels = build_kernels(captured, planned, staged, opts, fused)
@@ -916,8 +1122,20 @@ def compile_step(
     executors={},
     last=[],
   )
-  check_memory(compiled, opts, isinstance(opts.planner, (Plan, ManualPlan)))
+  check_memory(compiled, opts, planned_by_user)
   return compiled
+
+
+def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float:
+  """Median seconds of ``repeats`` runs of one step of ``c`` (after two to warm up); the
+  step's own host time outside its program is not in it."""
+  times = []
+  for k in range(repeats + 2):
+    t = time.perf_counter()
+    jax.block_until_ready(c.run([leaves]))
+    if k >= 2:
+      times.append(time.perf_counter() - t)
+  return statistics.median(times)
 
 
 def canonical_dtype(x) -> Any:

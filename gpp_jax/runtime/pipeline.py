@@ -65,6 +65,7 @@ class GraphPipeline:
     calibrate: bool = False,
     fuse: bool = True,
     memory_limit: int | str | None = None,
+    min_stages: int = 1,
   ):
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -87,6 +88,7 @@ class GraphPipeline:
       fuse=fuse,
       name=getattr(fn, "__name__", "step"),
       memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
+      min_stages=int(min_stages),
     )
     self._compiled: dict[Any, CompiledStep] = {}
     self._last: CompiledStep | None = None
@@ -163,6 +165,15 @@ class GraphPipeline:
     g = c.layer_graph
     where = c.plan.stage_of_layer()
     lines = [str(c.plan), ""]
+    if c.planned.note:
+      lines += [c.planned.note, ""]
+    if c.planned.predicted_s is not None:
+      how = "with the host's measured costs" if c.planned.host else "devices only"
+      alts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.planned.alternatives.items())
+      lines += [
+        f"predicted step time {c.planned.predicted_s * 1e3:.2f} ms ({how}; candidates: {alts})",
+        "",
+      ]
     if c.fused:
       lines += [
         "runs as one jitted step: one stage on one device is gradient accumulation, so the "
@@ -435,6 +446,9 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
       else the cluster preset's. Planners choose among the plans whose predicted peak fits;
       a plan given by hand (a ``Plan`` or ``manual_plan``) that does not fit is refused before
       anything runs, with each device's numbers.
+    min_stages: the plain jitted step on one device and jit data parallel over the devices are
+      candidates of every planner, taken when predicted faster than its pipeline (the choice
+      and the predictions are logged and in ``explain()``); 2 keeps the planner's pipeline.
   """
   if fn is None:
     return lambda f: GraphPipeline(f, **kwargs)

@@ -1,0 +1,147 @@
+"""Plans for the machine at hand: the host's costs in the prediction, plain jit and jit data
+parallel among the candidates, and the one prediction a plan is chosen by."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from harness import dag_model, dag_params, make_batch, max_diff, mse_step
+
+import gpp_jax
+from gpp_jax.cost.cluster import cpu_cluster
+from gpp_jax.cost.host import HostCosts
+from gpp_jax.ir import layer_graph as lg
+from gpp_jax.ir.plan import Plan, Stage
+from gpp_jax.runtime import compile as cp
+
+OPS = ("F", "B", "W", "UPDATE", "SEND", "RECV", "STEP")
+MiB = 2**20
+
+
+def host(per_op: float, parallel: float | None, outside: float = 0.0) -> HostCosts:
+  return HostCosts(
+    per_op={k: per_op for k in OPS}, outside=outside, parallel=parallel, cores=2, device="cpu:0"
+  )
+
+
+def chain(seconds: float, param_bytes: float, batch: int = 8):
+  """Two layers a -> b, each ``seconds`` forward (twice that backward) per batch."""
+  g = lg.new_layer_graph("chain", batch)
+  for name in ("a", "b"):
+    lg.add_layer(
+      g, name, flops=1e6, param_bytes=param_bytes, act_bytes=1024, time_f=seconds, time_b=2 * seconds
+    )
+  lg.add_edge(g, "a", "b", 1024)
+  return g
+
+
+def candidates(g, M: int = 4):
+  layers = tuple(lg.topo_layers(g))
+  B = g.graph["batch_size"]
+  one = lambda k, name: Plan(  # noqa: E731
+    (Stage(0, layers, tuple(range(k))),), (), M, planner=name, batch_size=B
+  )
+  two = Plan(
+    (Stage(0, ("a",), (0,)), Stage(1, ("b",), (1,))), ((0, 1),), M, planner="chain", batch_size=B
+  )
+  return {"pipeline": two, "plain jit": one(1, "plain jit"), "jit data parallel": one(2, "dp")}
+
+
+def test_dispatch_bound_model_gets_the_fused_plan():
+  """Layers of microseconds, instructions of a millisecond to issue: one jitted call wins."""
+  g = chain(20e-6, 4096)
+  name, predicted = cp.choose_plan(candidates(g), g, cpu_cluster(2), host(1e-3, 1.0))
+  assert name == "plain jit", predicted
+  assert predicted["pipeline"] > 2 * predicted["plain jit"]
+
+
+def test_compute_bound_chain_on_two_devices_gets_two_stages():
+  """Layers of 50 ms, devices that compute at once, parameters too large to all-reduce
+  cheaply: the two-stage pipeline wins over both plain jit and data parallel."""
+  g = chain(50e-3, 512 * MiB)
+  name, predicted = cp.choose_plan(candidates(g), g, cpu_cluster(2, 8 * 2**30), host(50e-6, 2.0))
+  assert name == "pipeline", predicted
+  assert predicted["pipeline"] < predicted["plain jit"]
+
+
+def test_devices_that_share_cores_do_not_pay_for_a_pipeline():
+  """The same compute-bound chain where the two devices take turns on the cores (forced CPU
+  devices on a busy host): the pipeline's concurrency is gone, plain jit wins."""
+  g = chain(50e-3, 4096)
+  name, predicted = cp.choose_plan(candidates(g), g, cpu_cluster(2), host(50e-6, 1.0))
+  assert name == "plain jit", predicted
+  # Devices-only (no host): the pipeline overlaps the two stages and is predicted faster.
+  _, devices_only = cp.choose_plan(candidates(g), g, cpu_cluster(2), None)
+  assert devices_only["pipeline"] < devices_only["plain jit"]
+
+
+@pytest.fixture(scope="module")
+def dag():
+  tx = optax.adam(1e-2)
+  params = dag_params()
+  return mse_step(dag_model, tx), params, tx.init(params), make_batch(0, 16, 5, 2)
+
+
+def test_calibrated_host_cost_is_used(dag, monkeypatch):
+  """With calibrate=True the host's measured costs (here: expensive instructions) decide:
+  the planner's pipeline loses to plain jit, the note and explain() say so, the prediction
+  kept is the host-aware one, and the step equals the plain step."""
+  from gpp_jax.runtime import host as host_mod
+
+  slow = host(5e-3, 1.0)
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices: slow)
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner="graphpipe", calibrate=True
+  )
+  out = pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  assert planned.host is slow
+  assert pp.plan.num_stages == 1 and pp.plan.planner == "plain jit"
+  assert "plain jit is predicted fastest" in planned.note and planned.note in pp.explain()
+  graph = lg.scaled(planned.layer_graph, pp.batch_size)
+  cluster = cp.planner_cluster(pp.compiled.opts)
+  seconds, _ = cp.predict_seconds(pp.plan, graph, cluster, slow)
+  assert planned.predicted_s == pytest.approx(seconds)
+  # The measured plain step calibrated the layer times (XLA's fusion of the whole model).
+  assert planned.layer_graph.graph["fusion"] > 0
+  ref = jax.jit(step)(params, opt_state, batch)
+  assert max_diff(ref, out) < 1e-5
+
+
+def test_min_stages_keeps_a_pipeline(dag, monkeypatch):
+  from gpp_jax.runtime import host as host_mod
+
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices: host(5e-3, 1.0))
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step,
+    num_microbatches=2,
+    devices=jax.devices()[:4],
+    planner="graphpipe",
+    calibrate=True,
+    min_stages=2,
+  )
+  out = pp(params, opt_state, batch)
+  # The planner's pipeline, or its pipeline on fewer devices: never a one-stage candidate.
+  assert pp.plan.num_stages >= 2
+  assert not {"plain jit", "jit data parallel"} & set(pp.compiled.planned.alternatives)
+  np.testing.assert_allclose(
+    np.asarray(out[-1]["loss"]), np.asarray(jax.jit(step)(params, opt_state, batch)[-1]["loss"]),
+    rtol=1e-5,
+  )
+
+
+def test_without_calibration_the_planner_plan_is_kept(dag):
+  """Devices-only estimates are not this machine's: a faster baseline is only noted."""
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner="graphpipe"
+  )
+  pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  assert planned.host is None and pp.plan.planner == "graphpipe"
+  assert {"pipeline", "plain jit"} <= set(planned.alternatives)
+  assert planned.predicted_s == planned.alternatives["pipeline"]
