@@ -22,7 +22,7 @@ MiB = 2**20
 
 def host(per_op: float, parallel: float | None, outside: float = 0.0) -> HostCosts:
   return HostCosts(
-    per_op={k: per_op for k in OPS}, outside=outside, parallel=parallel, cores=2, device="cpu:0"
+    per_op=dict.fromkeys(OPS, per_op), outside=outside, parallel=parallel, cores=2, device="cpu:0"
   )
 
 
@@ -31,7 +31,13 @@ def chain(seconds: float, param_bytes: float, batch: int = 8):
   g = lg.new_layer_graph("chain", batch)
   for name in ("a", "b"):
     lg.add_layer(
-      g, name, flops=1e6, param_bytes=param_bytes, act_bytes=1024, time_f=seconds, time_b=2 * seconds
+      g,
+      name,
+      flops=1e6,
+      param_bytes=param_bytes,
+      act_bytes=1024,
+      time_f=seconds,
+      time_b=2 * seconds,
     )
   lg.add_edge(g, "a", "b", 1024)
   return g
@@ -40,7 +46,7 @@ def chain(seconds: float, param_bytes: float, batch: int = 8):
 def candidates(g, M: int = 4):
   layers = tuple(lg.topo_layers(g))
   B = g.graph["batch_size"]
-  one = lambda k, name: Plan(  # noqa: E731
+  one = lambda k, name: Plan(
     (Stage(0, layers, tuple(range(k))),), (), M, planner=name, batch_size=B
   )
   two = Plan(
@@ -129,7 +135,8 @@ def test_min_stages_keeps_a_pipeline(dag, monkeypatch):
   assert pp.plan.num_stages >= 2
   assert not {"plain jit", "jit data parallel"} & set(pp.compiled.planned.alternatives)
   np.testing.assert_allclose(
-    np.asarray(out[-1]["loss"]), np.asarray(jax.jit(step)(params, opt_state, batch)[-1]["loss"]),
+    np.asarray(out[-1]["loss"]),
+    np.asarray(jax.jit(step)(params, opt_state, batch)[-1]["loss"]),
     rtol=1e-5,
   )
 

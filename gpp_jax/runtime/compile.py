@@ -32,6 +32,7 @@ from flax import nnx
 from jax.extend import core as xc
 
 from gpp_jax.cost.cluster import as_cluster, process_cluster
+from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.host import HostCosts
 from gpp_jax.cost.simulator import predict_fused, simulate
 from gpp_jax.errors import BatchError, CaptureError, PlanError
@@ -504,6 +505,8 @@ def predict_seconds(
   """(seconds per step on this machine, whether its predicted memory fits the cluster's
   memory per device): a one-stage plan runs as one jitted step (``predict_fused``), a
   pipeline as its schedule's program issued by the host (``simulate``)."""
+  if not plan.batch_size:  # a plan given without its batch: the graph's
+    plan = plan.replace(batch_size=graph.graph["batch_size"])
   res = simulate(plan, graph, cluster, host=host)
   fits = max(res.stage_memory, default=0.0) <= cluster.memory_per_device
   if plan.num_stages == 1:
@@ -555,8 +558,8 @@ def memory_limit(opts: Options, cluster: Any = None) -> int:
 
 def check_memory(c: CompiledStep, opts: Options, planned_by_user: bool) -> None:
   """Before anything runs: the step's program, its buffers sized, against the budget. A plan
-  the user gave that does not fit is refused with each device's numbers; a planner's that the
-  program finds over budget (its cost model was optimistic) is logged."""
+  that does not fit is refused with each device's numbers (a planner's too: its cost model
+  was optimistic where the program finds it over budget)."""
   limit = memory_limit(opts)
   trace = c.predicted_memory()
   over = {d: n for d, n in trace.peak.items() if n > limit}
@@ -575,9 +578,88 @@ def check_memory(c: CompiledStep, opts: Options, planned_by_user: bool) -> None:
     "(more num_microbatches), recompute activations (remat=True), or raise memory_limit to at "
     f"least {fmt(max(over.values()))}"
   )
-  if planned_by_user:
-    raise PlanError(msg)
-  logging.warning("graph_pipeline: %s", msg)
+  if not planned_by_user:
+    msg = f"{c.plan.planner}'s plan: {msg}"
+  raise PlanError(msg)
+
+
+def run_planner(p: Any, graph: nx.DiGraph, cluster: Any, batch_size: int, opts: Options) -> Plan:
+  """A named planner's or a callable's plan for ``graph`` on ``cluster``, which fits its memory
+  per device as the simulator predicts it (a planner that does not look at memory is held to
+  it here: ``PlanError`` when over)."""
+  M = opts.num_microbatches
+  if isinstance(p, str):
+    fn = get_planner(p)
+    plan = fn(
+      lg.scaled(graph, batch_size), cluster, batch_size, num_microbatches=M, **opts.planner_options
+    )
+  else:
+    plan = p(graph, cluster, batch_size, num_microbatches=M)
+  if plan.num_microbatches != M:
+    plan = plan.replace(num_microbatches=M)
+  if opts.schedule is not None:
+    plan = plan.replace(schedule=opts.schedule)
+  peak = max(simulate(plan, lg.scaled(graph, batch_size), cluster).stage_memory, default=0.0)
+  if peak > cluster.memory_per_device:
+    raise PlanError(
+      f"the plan needs {peak / 2**20:.3f} MiB on a device, more than "
+      f"{cluster.memory_per_device / 2**20:.3f} MiB"
+    )
+  return plan
+
+
+def budget_error(
+  error: PlanError, graph: nx.DiGraph, cluster: Any, batch_size: int, opts: Options, rounds: int = 8
+) -> PlanError:
+  """The planner found no plan under the memory budget: when one exists with unlimited memory,
+  an error naming the smallest budget found to fit (bisected over ``rounds`` planner runs)
+  and what takes the most memory in that plan; else ``error`` itself."""
+  from gpp_jax.runtime.memory import format_bytes as fmt
+
+  limit = cluster.memory_per_device
+
+  def attempt(budget: float) -> Plan | None:
+    try:
+      sized = cluster.replace(memory_per_device=budget)
+      return run_planner(opts.planner, graph, sized, batch_size, opts)
+    except PlanError:
+      return None
+
+  hi = 1e18
+  fitting = attempt(hi)
+  if fitting is None:
+    return error
+  res = simulate(fitting, lg.scaled(graph, batch_size), cluster)
+  lo, hi = float(limit), max(float(max(res.stage_memory, default=limit)), float(limit))
+  for _ in range(rounds):
+    if hi <= lo * 1.05:
+      break
+    mid = (lo + hi) / 2
+    got = attempt(mid)
+    if got is None:
+      lo = mid
+    else:
+      hi, fitting = mid, got
+  pc = plan_costs(fitting, lg.scaled(graph, batch_size), cluster)
+  worst = max(
+    range(fitting.num_stages), key=lambda i: pc.static_memory[i] + pc.activation_memory[i]
+  )
+  stage = fitting.stages[worst]
+  static, act = pc.static_memory[worst], pc.activation_memory[worst]
+  flight = stage.in_flight or fitting.num_microbatches
+  what = (
+    f"its parameters, gradients and optimizer state ({fmt(static)} per device)"
+    if static >= act * flight
+    else f"activations stashed for the micro-batches in flight (up to {flight} x {fmt(act)})"
+  )
+  name = opts.planner if isinstance(opts.planner, str) else "the planner"
+  return PlanError(
+    f"{name}: no plan fits memory_limit={fmt(limit)} per device on {len(opts.devices)} devices "
+    f"(batch {batch_size}, {opts.num_microbatches} micro-batches); the smallest budget found "
+    f"that fits is about {fmt(hi)} ({fitting.num_stages} stages), where stage {worst} "
+    f"({len(stage.layers)} layers from {stage.layers[0]!r}) holds the most: {what}. Raise "
+    "memory_limit, use more devices, more micro-batches (smaller ones) or remat=True"
+  )
 
 
 def make_plan(graph: nx.DiGraph, batch_size: int, opts: Options) -> Plan:
@@ -591,17 +673,12 @@ def make_plan(graph: nx.DiGraph, batch_size: int, opts: Options) -> Plan:
       plan = plan.replace(batch_size=batch_size)  # per-stage sizes are checked against it
   elif isinstance(p, ManualPlan):
     return p.resolve(graph, M, opts.schedule or "1f1b", nd, batch_size)
-  elif isinstance(p, str):
-    fn = get_planner(p)
-    plan = fn(
-      lg.scaled(graph, batch_size),
-      planner_cluster(opts),
-      batch_size,
-      num_microbatches=M,
-      **opts.planner_options,
-    )
-  elif callable(p):
-    plan = p(graph, planner_cluster(opts), batch_size, num_microbatches=M)
+  elif isinstance(p, str) or callable(p):
+    cluster = planner_cluster(opts)
+    try:
+      plan = run_planner(p, graph, cluster, batch_size, opts)
+    except PlanError as e:
+      raise budget_error(e, graph, cluster, batch_size, opts) from e
   else:
     raise TypeError(
       f"planner must be a name, a Plan, a gpp_jax.manual_plan or a callable; got {type(p).__name__}"
