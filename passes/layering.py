@@ -198,7 +198,7 @@ def _free_equations(J: xc.Jaxpr, is_param) -> list[bool]:
   for e in J.eqns:
     ins = [v for v in e.invars if isinstance(v, xc.Var)]
     from_params = [v in is_param or v in derived for v in ins]
-    weight = any(v in derived and v.aval.shape for v in ins)
+    weight = any(v in derived and getattr(v.aval, "shape", ()) for v in ins)
     free.append(not any(v in is_param for v in ins) and not (weight and not all(from_params)))
     if ins and all(from_params):
       derived.update(o for o in e.outvars if not isinstance(o, xc.DropVar))
