@@ -175,6 +175,9 @@ def layer_program(
   param_layer = {i: final[k] for i, k in first_reader.items()}
 
   graph = _annotate(closed, final, param_layer, batch_size, name)
+  _name_by_parameters(graph, param_layer, param_paths)
+  for l in graph:
+    graph.nodes[l]["free"] = all(f for f, m in zip(free, final) if m == l)
   plist = tuple(
     param_layer.get(i) if param_paths[i] is not None else None for i in range(len(J.invars))
   )
@@ -184,6 +187,29 @@ def layer_program(
     p if p is not None or param_paths[i] is None else first for i, p in enumerate(plist)
   )
   return Layering(eqn_layer=tuple(final), param_layer=plist, graph=graph)
+
+
+def _name_by_parameters(g: nx.DiGraph, param_layer, param_paths) -> None:
+  """Sets each layer's ``param_path``: where its parameters sit in the parameter tree (the
+  common prefix of their paths), e.g. ``encoder/Dense_0`` for the Linen layer
+  ``Model/Model.encode/encoder/Dense_0``; a ``#k`` sibling takes its first layer's path."""
+  owned: dict[str, list[list[str]]] = {}
+  for i, l in param_layer.items():
+    if param_paths[i]:
+      owned.setdefault(l, []).append(param_paths[i].split("/"))
+  for l, paths in owned.items():
+    common = paths[0]
+    for p in paths[1:]:
+      n = 0
+      while n < min(len(common), len(p)) and common[n] == p[n]:
+        n += 1
+      common = common[:n]
+    if common and "/".join(common) != l:
+      g.nodes[l]["param_path"] = "/".join(common)
+  for l in g:
+    base, _, k = l.partition("#")
+    if k and "param_path" not in g.nodes[l] and "param_path" in g.nodes.get(base, {}):
+      g.nodes[l]["param_path"] = f"{g.nodes[base]['param_path']}#{k}"
 
 
 def _free_equations(J: xc.Jaxpr, is_param) -> list[bool]:
