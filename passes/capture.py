@@ -8,6 +8,8 @@ flow (``cond``, ``while``, ``scan``) stay whole: they are single equations of th
 
 from __future__ import annotations
 
+import re
+
 import jax
 import networkx as nx
 import numpy as np
@@ -69,9 +71,23 @@ def host_constant(c):
     return c
 
 
+# ``jnp.einsum`` names its call after the spec ('bi,io->bo', 'BTD,NDH->BTNH', '...d,d->...').
+_EINSUM_SPEC = re.compile(r"[A-Za-z. ]*(,[A-Za-z. ]*)*(->[A-Za-z. ]*)?")
+
+
+def is_einsum_scope(name: str) -> bool:
+  """Whether a name-stack scope is the one ``jnp.einsum`` opens, named after its spec."""
+  return ("," in name or "->" in name) and _EINSUM_SPEC.fullmatch(name) is not None
+
+
 def scope_path(eqn) -> str:
-  """The equation's module path from its name stack ('Net/block0/fc'), transforms dropped."""
-  parts = [s.name for s in eqn.source_info.name_stack.stack if type(s).__name__ == "Scope"]
+  """The equation's module path from its name stack ('Net/block0/fc'), transforms and
+  ``jnp.einsum``'s spec scopes dropped."""
+  parts = [
+    s.name
+    for s in eqn.source_info.name_stack.stack
+    if type(s).__name__ == "Scope" and not is_einsum_scope(s.name)
+  ]
   return "/".join(parts)
 
 

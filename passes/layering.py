@@ -13,8 +13,10 @@ Every equation is attributed to one layer by these rules, applied in program ord
   4. Equations with no producer (they read only inputs and literals) join the layer of their
      first consumer; what is left joins the last layer.
   5. Layers must stay convex (the layer graph acyclic). An equation whose layer choice would
-     close a cycle, e.g. an output head reusing the embedding matrix, goes to a sibling layer
-     ``<layer>#2`` (``#3``, ...) instead; its parameters stay owned by the first layer.
+     close a cycle goes, when it is free of parameters (a loss term over an early module's
+     output, a weight penalty's sum), to the layer of its last input, the one every other
+     input layer reaches; otherwise, e.g. an output head reusing the embedding matrix, to a
+     sibling layer ``<layer>#2`` (``#3``, ...); its parameters stay owned by the first layer.
   6. An equation that reads only parameters (and literals) and feeds a single other layer
      moves into that layer; the parameter is then shared between the two layers.
 ``layer_depth`` truncates layer paths to their first components to make coarser layers.
@@ -126,6 +128,7 @@ def layer_program(
       desired[k] = next((desired[c] for c in consumers[k] if desired[c] is not None), fallback[k])
 
   # Rule 5: assign in program order, keeping the layer graph acyclic.
+  free = _free_equations(J, is_param)
   q = nx.DiGraph()
   final: list[str] = []
   for k, e in enumerate(J.eqns):
@@ -135,6 +138,8 @@ def layer_program(
     srcs = {final[producer[v]] for v in e.invars if isinstance(v, xc.Var) and v in producer}
     base = want.split("#")[0]
     cands = [want] + [n for n in q.nodes if n.split("#")[0] == base and n != want]
+    if free[k]:
+      cands[1:1] = [s for s in srcs if all(t == s or nx.has_path(q, t, s) for t in srcs)]
     chosen = None
     for c in cands:
       if c not in q or not any(s != c and s in q and nx.has_path(q, c, s) for s in srcs):
@@ -170,6 +175,9 @@ def layer_program(
   param_layer = {i: final[k] for i, k in first_reader.items()}
 
   graph = _annotate(closed, final, param_layer, batch_size, name)
+  _name_by_parameters(graph, param_layer, param_paths)
+  for l in graph:
+    graph.nodes[l]["free"] = all(f for f, m in zip(free, final) if m == l)
   plist = tuple(
     param_layer.get(i) if param_paths[i] is not None else None for i in range(len(J.invars))
   )
@@ -179,6 +187,48 @@ def layer_program(
     p if p is not None or param_paths[i] is None else first for i, p in enumerate(plist)
   )
   return Layering(eqn_layer=tuple(final), param_layer=plist, graph=graph)
+
+
+def _name_by_parameters(g: nx.DiGraph, param_layer, param_paths) -> None:
+  """Sets each layer's ``param_path``: where its parameters sit in the parameter tree (the
+  common prefix of their paths), e.g. ``encoder/Dense_0`` for the Linen layer
+  ``Model/Model.encode/encoder/Dense_0``; a ``#k`` sibling takes its first layer's path."""
+  owned: dict[str, list[list[str]]] = {}
+  for i, l in param_layer.items():
+    if param_paths[i]:
+      owned.setdefault(l, []).append(param_paths[i].split("/"))
+  for l, paths in owned.items():
+    common = paths[0]
+    for p in paths[1:]:
+      n = 0
+      while n < min(len(common), len(p)) and common[n] == p[n]:
+        n += 1
+      common = common[:n]
+    if common and "/".join(common) != l:
+      g.nodes[l]["param_path"] = "/".join(common)
+  for l in g:
+    base, _, k = l.partition("#")
+    if k and "param_path" not in g.nodes[l] and "param_path" in g.nodes.get(base, {}):
+      g.nodes[l]["param_path"] = f"{g.nodes[base]['param_path']}#{k}"
+
+
+def _free_equations(J: xc.Jaxpr, is_param) -> list[bool]:
+  """Whether each equation is free of parameters: it reads no parameter, and no weight derived
+  from parameters alone (a transposed tied embedding) next to an activation.
+
+  Parameter-free equations (a KL term over an encoder's output, the sum of a weight penalty,
+  the loss's final add) may join the layer holding the last of their inputs instead of
+  opening a ``#k`` sibling of an early layer."""
+  derived: set[xc.Var] = set()  # parameters and values computed from parameters alone
+  free: list[bool] = []
+  for e in J.eqns:
+    ins = [v for v in e.invars if isinstance(v, xc.Var)]
+    from_params = [v in is_param or v in derived for v in ins]
+    weight = any(v in derived and getattr(v.aval, "shape", ()) for v in ins)
+    free.append(not any(v in is_param for v in ins) and not (weight and not all(from_params)))
+    if ins and all(from_params):
+      derived.update(o for o in e.outvars if not isinstance(o, xc.DropVar))
+  return free
 
 
 def _annotate(closed, eqn_layer, param_layer, batch_size, name) -> nx.DiGraph:

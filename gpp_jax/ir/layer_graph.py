@@ -18,6 +18,11 @@ Node (layer) attributes, all for ``batch_size`` samples, forward pass only:
   param_read_bytes: float (optional)  parameter bytes the forward reads once per call whatever
                       the batch size (default: param_bytes if bytes >= param_bytes, else 0,
                       as for a sparse embedding gather).
+  param_path: str (optional)  where the layer's parameters sit in the parameter tree
+                      (``encoder/Dense_0``), when that differs from the name-stack path
+                      that names the layer (Linen: ``Model/Model.encode/encoder/Dense_0``).
+  free: bool (optional)  the layer reads no parameter: its equations only combine other
+                      layers' outputs (a loss term); a manual plan may move it next to them.
 
 Edge attributes:
   bytes: float        bytes flowing along the edge per ``batch_size`` samples.

@@ -340,9 +340,16 @@ def _check_layers(plan: Plan, layer_graph: nx.DiGraph) -> None:
   if not nx.is_directed_acyclic_graph(q):
     cyc = nx.find_cycle(q)
     s = cyc[0][0]
+    through = [
+      f"{u} -> {v} ({a} -> {b})"
+      for a, b in cyc
+      for u, v in sorted(layer_graph.edges)
+      if where[u] == a and where[v] == b
+    ]
     raise PlanError(
-      f"stage {s} is not convex: a path leaves it and re-enters it (stage cycle {cyc}). "
-      f"Move the layers between the two visits into stage {s}, or split it."
+      f"stage {s} is not convex: a path leaves it and re-enters it (stage cycle {cyc}, "
+      f"through the layer edges {through[:8]}). Move the layers between the two visits into "
+      f"stage {s}, or split it."
     )
   if set(induced) - set(plan.edges):
     raise PlanError(

@@ -160,7 +160,8 @@ class GraphPipeline:
     return dataclasses.replace(tl, stage_devices=tuple(s.devices for s in c.plan.stages))
 
   def explain(self) -> str:
-    """Stages, devices, layers and the bytes cut between stages, as text."""
+    """Stages, devices, layers and the bytes cut between stages, as text. A layer named by
+    the name stack (Linen) shows where its parameters sit in the parameter tree beside it."""
     c = self.compiled
     g = c.layer_graph
     where = c.plan.stage_of_layer()
@@ -196,6 +197,9 @@ class GraphPipeline:
         f"stage {s.index} on {devs}: {len(s.layers)} layers, {flops / 1e6:.3f} MFLOP "
         f"forward per micro-batch, {pbytes / 2**20:.3f} MiB parameters"
       )
+      for l in s.layers:
+        tree = g.nodes[l].get("param_path")
+        lines.append(f"  {l}" + (f"  (params/{tree})" if tree else ""))
     lines.append("")
     lines += self._memory_lines(c)
     lines.append("")

@@ -18,8 +18,11 @@ class ManualPlan:
 
   Attributes:
     rules: ``{prefix: stage}``. A layer goes to the stage of the longest rule that is a
-      path-component prefix of it (``"enc"`` matches ``enc`` and ``enc/fc`` but not ``encoder``
-      and not ``enc#2``; name a ``#k`` sibling layer explicitly).
+      path-component prefix of it or of its parameter-tree path (``"enc"`` matches ``enc``,
+      ``enc/fc`` and the sibling layer ``enc#2``, not ``encoder``; ``"enc#2"`` names the
+      sibling alone; a Linen layer ``Net/Net.encode/enc/Dense_0`` also matches ``"enc"`` and
+      ``"params/enc"``). Layers that read no parameter and match no rule go with the stage
+      that consumes them or that holds the last of their inputs.
     devices: ``{stage: device index or indices}``; default stage i -> device i.
     default_stage: stage of layers no rule matches (None: such layers are an error).
     microbatch_sizes: ``{stage: samples per micro-batch}`` for stages with their own size
@@ -42,30 +45,36 @@ class ManualPlan:
     """Builds and validates the Plan for ``layer_graph``."""
     assign: dict[str, int] = {}
     unmatched = []
-    for layer in topo_layers(layer_graph):
+    order = topo_layers(layer_graph)
+    for layer in order:
       best = None
       for prefix, s in self.rules.items():
-        if _matches(prefix, layer) and (best is None or len(prefix) > len(best[0])):
+        if _matches_layer(prefix, layer, layer_graph) and (
+          best is None or len(prefix) > len(best[0])
+        ):
           best = (prefix, s)
-      if best is None:
+      if best is not None:
+        assign[layer] = best[1]
+      elif not layer_graph.nodes[layer].get("free"):
         if self.default_stage is None:
           unmatched.append(layer)
           continue
         assign[layer] = self.default_stage
-      else:
-        assign[layer] = best[1]
     if unmatched:
       raise PlanError(
         f"layers {unmatched} match no rule of the manual plan; add rules for them "
         f"or set default_stage. Rules: {dict(self.rules)}. All layers: "
-        f"{topo_layers(layer_graph)}"
+        f"{_with_param_paths(order, layer_graph)}"
       )
-    unknown = [p for p in self.rules if not any(_matches(p, l) for l in layer_graph)]
+    unknown = [
+      p for p in self.rules if not any(_matches_layer(p, l, layer_graph) for l in layer_graph)
+    ]
     if unknown:
       raise PlanError(
         f"manual plan rules {unknown} match no layer of the model; known layers: "
-        f"{topo_layers(layer_graph)}"
+        f"{_with_param_paths(order, layer_graph)}"
       )
+    _place_free_layers(layer_graph, order, assign, self.default_stage)
     n = max(assign.values()) + 1
     used = sorted(set(assign.values()))
     if used != list(range(n)):
@@ -98,6 +107,58 @@ def _matches(prefix: str, layer: str) -> bool:
   p = [x for x in prefix.split("/") if x]
   l = layer.split("/")
   return l[: len(p)] == p
+
+
+def _matches_layer(prefix: str, layer: str, g: nx.DiGraph) -> bool:
+  """Whether a rule names ``layer``: a path-component prefix of its name or of its
+  parameter-tree path (``param_path``; a leading ``params/`` optional), a ``#k`` sibling
+  matching the rules of its module unless a rule names it."""
+  names = [layer]
+  tree = g.nodes[layer].get("param_path")
+  if tree:
+    names.append(tree)
+  names += [n.partition("#")[0] for n in names if "#" in n]
+  rule = prefix[len("params/") :] if prefix.startswith("params/") else prefix
+  return any(_matches(prefix, n) or _matches(rule, n) for n in names)
+
+
+def _with_param_paths(order: Sequence[str], g: nx.DiGraph) -> list[str]:
+  """Layer names for messages, each with its parameter-tree path where that differs."""
+  return [
+    f"{l} (params/{g.nodes[l]['param_path']})" if g.nodes[l].get("param_path") else l for l in order
+  ]
+
+
+def _acyclic(g: nx.DiGraph, assign: Mapping[str, int]) -> bool:
+  placed = [(u, v) for u, v in g.edges if u in assign and v in assign]
+  q = nx.DiGraph((assign[u], assign[v]) for u, v in placed if assign[u] != assign[v])
+  return nx.is_directed_acyclic_graph(q)
+
+
+def _place_free_layers(
+  g: nx.DiGraph, order: Sequence[str], assign: dict[str, int], default: int | None
+) -> None:
+  """Places the layers that read no parameter (loss terms over other layers' outputs): at the
+  stage their rule names, else with the stage that consumes them, else the stage holding the
+  last of their inputs, whichever first keeps the stage graph acyclic."""
+  free = [l for l in order if g.nodes[l].get("free")]
+  if not free or (len(assign) == len(order) and _acyclic(g, assign)):
+    return
+  ruled = {l: assign.pop(l) for l in free if l in assign}
+  rank = {l: i for i, l in enumerate(order)}
+  for l in free:
+    consumers = {assign[c] for c in g.successors(l) if c in assign}
+    inputs = sorted((p for p in g.predecessors(l) if p in assign), key=rank.__getitem__)
+    options = [ruled.get(l)]
+    options += [consumers.pop()] if len(consumers) == 1 else []
+    options += [assign[inputs[-1]]] if inputs else []
+    options += [default, 0 if not assign else max(assign.values())]
+    for s in options:
+      if s is not None and _acyclic(g, {**assign, l: s}):
+        assign[l] = s
+        break
+    else:
+      assign[l] = next(s for s in options if s is not None)
 
 
 def manual_plan(
