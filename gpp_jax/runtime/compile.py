@@ -58,6 +58,7 @@ from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.capture_step import PureStep, recording, value_and_grad_p
 from gpp_jax.runtime.executor import Executor, Kernels, StageKernels
 from gpp_jax.runtime.fused import fused_step
+from gpp_jax.runtime.input_checks import check_loss_is_pure
 from gpp_jax.runtime.loss_state import StatePair, check_state_returned, split_state, state_carries
 from gpp_jax.runtime.placement import StagePlacement, pack_limit, stage_placements, transfer
 from gpp_jax.runtime.processes import check_same_plan, exchange
@@ -178,6 +179,7 @@ def capture(
     layer_depth=opts.layer_depth,
     name=opts.name,
   )
+  check_loss_is_pure(loss, layering.eqn_layer)
   return Captured(
     out_tree=pure.out_tree[-1],
     step=step,
