@@ -27,6 +27,13 @@ def check_num_microbatches(n: Any) -> int:
   return int(n)
 
 
+def check_positive(name: str, value: Any) -> float:
+  """A setting that must be a number > 0 (``timeout_s``, ``layer_depth``)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
+    raise ValueError(f"{name} must be a number > 0; got {value!r}")
+  return float(value)
+
+
 def check_devices(devices: Iterable[Any] | None) -> tuple[Any, ...]:
   """``devices`` as a tuple of distinct JAX devices (default: ``jax.devices()``)."""
   if devices is None:

@@ -41,6 +41,7 @@ from gpp_jax.runtime.input_checks import (
   changed_arguments_error,
   check_devices,
   check_num_microbatches,
+  check_positive,
   differences,
 )
 from gpp_jax.runtime.memory import MemoryReport, format_bytes, parse_bytes
@@ -83,11 +84,11 @@ class GraphPipeline:
       if isinstance(batch_argnums, int)
       else (None if batch_argnums is None else tuple(batch_argnums)),
       remat=remat,
-      layer_depth=layer_depth,
+      layer_depth=None if layer_depth is None else int(check_positive("layer_depth", layer_depth)),
       cluster=cluster,
       measure=measure,
       planner_options=dict(planner_options or {}),
-      timeout_s=float(timeout_s),
+      timeout_s=check_positive("timeout_s", timeout_s),
       calibrate=calibrate,
       fuse=fuse,
       name=getattr(fn, "__name__", "step"),
