@@ -24,6 +24,7 @@ from test_pipeline_numerics import chain_model, chain_params
 
 import gpp_jax
 from gpp_jax.errors import BatchError, CaptureError, PlanError
+from gpp_jax.runtime.executor import StageFailure
 
 TX = OPTIMIZERS["adamw"]()
 BATCH = make_batch(0, 8, 6, 3)
@@ -214,3 +215,43 @@ def test_catalogue(env: Env, row: Row):
 
 def test_catalogue_rows_are_distinct():
   assert len({r.what for r in CATALOGUE}) == len(CATALOGUE) >= 30
+
+
+# -- run-time failures --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "op,stage,mb,where",
+  [
+    ("F", 1, 2, r"F1\.2 \(F, micro-batch 2\) on stage 1 \(l1\) on (TFRT_)?cpu:?_?1"),
+    ("B", 2, 0, r"B2\.0 \(B, micro-batch 0\) on stage 2 \(l2\) on (TFRT_)?cpu:?_?2"),
+    ("SEND", 0, 3, r"\(SEND\) on stage 0 \(l0\) on (TFRT_)?cpu:?_?0"),
+  ],
+)
+def test_a_stage_that_raises_names_where(env: Env, op, stage, mb, where):
+  """An instruction that raises: StageFailure names the action, micro-batch, stage, its layers
+  and device, keeps the exception as its cause; nothing of the step is applied, and the next
+  call runs as before."""
+  ex = env.good.compiled.executor_for(1)
+  k = next(
+    k
+    for k, ins in enumerate(ex.instrs)
+    if ins.op.name == op and ins.lane == stage and (op == "SEND" or ins.mb == mb)
+  )
+  call, frees = ex.code[k]
+  cause = RuntimeError("device lost")
+
+  def fail():
+    raise cause
+
+  ex.code[k] = (fail, frees)
+  try:
+    with pytest.raises(StageFailure, match=where) as info:
+      env.good(env.params, env.opt_state, BATCH)
+  finally:
+    ex.code[k] = (call, frees)
+  assert info.value.__cause__ is cause
+  assert "RuntimeError: device lost" in str(info.value)
+  now = jax.tree.map(np.asarray, (env.params, env.opt_state))
+  assert max_diff(now, env.snapshot) == 0.0
+  assert max_diff(env.good(env.params, env.opt_state, BATCH), env.ref) <= 1e-5
