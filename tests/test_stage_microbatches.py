@@ -149,6 +149,42 @@ def test_aux_outputs_with_per_stage_sizes():
   assert max_diff(ref[2:], out[2:]) <= TOL
 
 
+@pytest.mark.parametrize("sizes", [{0: 1}, {3: 1}, {1: 1, 2: 1}])
+def test_per_stage_size_one_for_a_linen_model(sizes):
+  """A stage at one example per micro-batch: the loss traced at batch 1 numbers its values
+  differently (a reshape fewer) but cuts into the same stages, so it runs and matches."""
+  from flax import linen as nn
+  from flax.training import train_state
+
+  class Branches(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.relu(nn.Dense(8, name="a")(x))
+      left, right = jnp.tanh(nn.Dense(8, name="b")(h)), nn.Dense(8, name="c")(h)
+      return nn.Dense(3, name="d")(jnp.concatenate([left, right], -1))
+
+  def step(state, batch):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch["x"])
+      labels = (batch["y"][:, 0] > 0).astype(jnp.int32)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    loss, grads = gpp_jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  model, batch = Branches(), make_batch(0, 8, 6, 3)
+  state = train_state.TrainState.create(
+    apply_fn=model.apply, params=model.init(jax.random.key(0), batch["x"]), tx=optax.adam(1e-2)
+  )
+  plan = gpp_jax.manual_plan(
+    {"Branches/a": 0, "Branches/b": 1, "Branches/c": 2, "Branches/d": 3}, microbatch_sizes=sizes
+  )
+  r, p, _ = compare_steps(
+    step, (state,), batch, steps=2, num_microbatches=4, devices=jax.devices()[:4], planner=plan
+  )
+  assert max_diff(r, p) <= TOL
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ from flax.errors import TraceContextError
 from jax.extend import core as xc
 
 from gpp_jax.errors import CaptureError
+from gpp_jax.runtime.input_checks import check_loss_dtype
 from gpp_jax.runtime.loss_state import (
   StatePair,
   clear_step_inputs,
@@ -186,6 +187,7 @@ def value_and_grad(fun: Callable, has_aux: bool = False, aux_reduce: Any = None)
           f"the loss function must return a scalar loss (a mean over the "
           f"batch); got shape {getattr(loss, 'shape', type(loss))}"
         )
+      check_loss_dtype(loss)
       with_p, tree = jax.tree_util.tree_flatten_with_path((loss, aux))
       out_tree.append(tree)
       reduce.extend(_reductions(aux, aux_reduce))

@@ -69,6 +69,7 @@ from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.capture_step import PureStep, recording, value_and_grad_p
 from gpp_jax.runtime.executor import Executor, Kernels, StageKernels
 from gpp_jax.runtime.fused import fused_step
+from gpp_jax.runtime.input_checks import check_loss_is_pure
 from gpp_jax.runtime.loss_state import StatePair, check_state_returned, split_state, state_carries
 from gpp_jax.runtime.placement import StagePlacement, pack_limit, stage_placements, transfer
 from gpp_jax.runtime.processes import check_same_plan, exchange
@@ -190,6 +191,7 @@ def capture(
     layer_depth=opts.layer_depth,
     name=opts.name,
   )
+  check_loss_is_pure(loss, layering.eqn_layer)
   return Captured(
     out_tree=pure.out_tree[-1],
     step=step,
@@ -787,13 +789,14 @@ def restage(
         f"than at {captured.microbatch_size}; give every stage the same micro-batch size"
       )
     try:
-      by_size[b] = stage_program(cb.loss, cb.layering.eqn_layer, cb.layering.param_layer, plan)
+      other = stage_program(cb.loss, cb.layering.eqn_layer, cb.layering.param_layer, plan)
     except PlanError as e:
       raise CaptureError(
         f"the loss traced at micro-batch size {b} has other layers than at "
         f"{captured.microbatch_size} ({e}); the model's program must not depend on the batch "
         "size to use per-stage micro-batch sizes"
       ) from e
+    by_size[b] = _numbered_like(other, staged)
   for b, other in by_size.items():
     same = (other.param_owner, other.loss_outputs, other.edges) == (
       staged.param_owner,
@@ -811,6 +814,33 @@ def restage(
   stages = tuple(by_size[b].stages[s] for s, b in enumerate(sizes))
   _check_rechunkable(stages, sizes)
   return dataclasses.replace(staged, stages=stages)
+
+
+def _numbered_like(other: StagedProgram, base: StagedProgram) -> StagedProgram:
+  """``other`` with its cut values numbered as ``base`` numbers them.
+
+  A cut value's number counts the loss's equations before it, and tracing at another batch
+  size may add or drop a reshape or broadcast (a batch of 1, say), so the numbers shift while
+  the cut stays the same. A value is the same one when the same stage produces it at the same
+  output position; the comparison in ``restage`` then checks the rest."""
+  if len(other.stages) != len(base.stages) or any(
+    len(x.outputs) != len(y.outputs) for x, y in zip(other.stages, base.stages)
+  ):
+    return other
+  pairs = zip(other.stages, base.stages)
+  new = {x.vid: y.vid for so, sb in pairs for x, y in zip(so.outputs, sb.outputs)}
+  stages = tuple(
+    dataclasses.replace(
+      st,
+      inputs=tuple(
+        dataclasses.replace(r, index=new.get(r.index, -1 - r.index)) if r.kind == "act" else r
+        for r in st.inputs
+      ),
+      outputs=tuple(dataclasses.replace(o, vid=new[o.vid]) for o in st.outputs),
+    )
+    for st in other.stages
+  )
+  return dataclasses.replace(other, stages=stages)
 
 
 def _check_rechunkable(stages: Sequence[Any], sizes: Sequence[int]) -> None:

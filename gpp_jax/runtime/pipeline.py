@@ -20,7 +20,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from gpp_jax.errors import BatchError
+from gpp_jax.errors import BatchError, GppError
 from gpp_jax.ir.plan import Plan
 from gpp_jax.ir.program import Program
 from gpp_jax.passes.calibrate import Calibration
@@ -36,6 +36,14 @@ from gpp_jax.runtime.compile import (
   compile_step,
 )
 from gpp_jax.runtime.executor import Timeline
+from gpp_jax.runtime.input_checks import (
+  argument_signature,
+  changed_arguments_error,
+  check_devices,
+  check_num_microbatches,
+  check_positive,
+  differences,
+)
 from gpp_jax.runtime.memory import MemoryReport, format_bytes, parse_bytes
 from gpp_jax.runtime.steps import carry_map, stream_reason
 
@@ -67,23 +75,21 @@ class GraphPipeline:
     memory_limit: int | str | None = None,
     min_stages: int = 1,
   ):
-    if num_microbatches < 1:
-      raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     self.fn = fn
     self.opts = Options(
-      num_microbatches=int(num_microbatches),
-      devices=tuple(devices) if devices is not None else tuple(jax.devices()),
+      num_microbatches=check_num_microbatches(num_microbatches),
+      devices=check_devices(devices),
       planner=planner,
       schedule=schedule,
       batch_argnums=(batch_argnums,)
       if isinstance(batch_argnums, int)
       else (None if batch_argnums is None else tuple(batch_argnums)),
       remat=remat,
-      layer_depth=layer_depth,
+      layer_depth=None if layer_depth is None else int(check_positive("layer_depth", layer_depth)),
       cluster=cluster,
       measure=measure,
       planner_options=dict(planner_options or {}),
-      timeout_s=float(timeout_s),
+      timeout_s=check_positive("timeout_s", timeout_s),
       calibrate=calibrate,
       fuse=fuse,
       name=getattr(fn, "__name__", "step"),
@@ -91,6 +97,7 @@ class GraphPipeline:
       min_stages=int(min_stages),
     )
     self._compiled: dict[Any, CompiledStep] = {}
+    self._signatures: list[dict[str, Any]] = []  # of the calls compiled for, to name changes
     self._last: CompiledStep | None = None
     self._memory: MemoryReport | None = None
     functools.update_wrapper(self, fn)
@@ -235,7 +242,19 @@ class GraphPipeline:
     )
     c = self._compiled.get(key)
     if c is None:
-      c = self._compiled[key] = compile_step(pure, args, leaves, self.opts)
+      signature = argument_signature(args, pure.graph_positions)
+      try:
+        c = compile_step(pure, args, leaves, self.opts)
+      except GppError:
+        raise
+      except Exception as e:
+        # A step that traced for an earlier call: say what changed since.
+        diff = differences(self._signatures[-1], signature) if self._signatures else []
+        if diff:
+          raise changed_arguments_error(diff, e) from e
+        raise
+      self._compiled[key] = c
+      self._signatures.append(signature)
     self._last = c
     return c
 

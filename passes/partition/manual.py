@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 
@@ -169,9 +171,23 @@ def manual_plan(
 ) -> ManualPlan:
   """A plan written by hand: ``{module-path prefix: stage}``, optionally stage -> device and
   stage -> micro-batch size (stages of different sizes re-chunk the batch between them)."""
+  check_microbatch_sizes(microbatch_sizes)
   return ManualPlan(
     dict(rules),
     None if devices is None else dict(devices),
     default_stage,
     None if microbatch_sizes is None else dict(microbatch_sizes),
   )
+
+
+def check_microbatch_sizes(sizes: Mapping[Any, Any] | None) -> None:
+  """A manual plan's ``{stage: samples per micro-batch}``: stage indices and sizes are ints,
+  sizes >= 1."""
+  for s, b in (sizes or {}).items():
+    if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
+      raise PlanError(f"microbatch_sizes maps stage indices (ints >= 0) to sizes; got key {s!r}")
+    if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
+      raise PlanError(
+        f"microbatch_sizes gives stage {s} {b!r} samples per micro-batch; a size is an int "
+        f">= 1 that divides the batch (leave the stage out to use batch / num_microbatches)"
+      )
