@@ -128,3 +128,22 @@ def test_plan_cli_bad_flags_print_the_message_alone(args, message):
   assert message in proc.stderr, proc.stderr
   assert "Traceback" not in proc.stderr + proc.stdout
   assert "[1/" not in proc.stderr and not proc.stdout  # stopped before planning
+
+
+def test_the_planning_program_plans_under_a_memory_limit():
+  from gpp_jax.cli.plan import compare, format_report
+
+  free = compare("mmt", preset="tiny", cluster="cpu", num_devices=4, planners=["pipedream"])
+  need = free["results"][0]["max_memory"]
+  report = compare(
+    "mmt",
+    preset="tiny",
+    cluster="cpu",
+    num_devices=4,
+    planners=["pipedream", "graphpipe"],
+    memory_limit=int(need * 0.9),
+  )
+  assert report["memory_per_device"] == int(need * 0.9)
+  for r in report["results"]:  # a plan under the budget, or the planner's no-fit error
+    assert "error" in r or r["max_memory"] <= int(need * 0.9), r
+  assert "KiB per device" in format_report(report) or "MiB per device" in format_report(report)

@@ -50,6 +50,7 @@ from gpp_jax.experiments.planner_runs import (
 )
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition import PLANNERS
+from gpp_jax.runtime.memory import format_bytes, parse_bytes
 
 FLAGS = flags.FLAGS
 DEFAULT_PLANNERS = (
@@ -85,6 +86,11 @@ def define_flags() -> None:
     None,
     "fix the number of micro-batches (default: each planner sweeps micro-batch sizes)",
   )
+  flags.DEFINE_string(
+    "memory_limit",
+    None,
+    "bytes a plan may use per device, e.g. 512MiB or 12GiB (default: the cluster preset's)",
+  )
   flags.DEFINE_string("json", None, "also write the results to this JSON file")
 
 
@@ -114,6 +120,7 @@ def prepare(
   batch_size: int | None = None,
   num_microbatches: int | None = None,
   shape: Mapping[str, Any] | None = None,
+  memory_limit: int | str | None = None,
 ) -> tuple[nx.DiGraph, Cluster, int]:
   """Checks the arguments before anything is planned and returns the model graph, the cluster
   and the mini-batch; a bad argument raises ValueError naming it and what to pass instead."""
@@ -138,7 +145,10 @@ def prepare(
       "choose"
     )
   graph = build_graph(model, preset, batch, **dict(shape or {}))
-  return graph, make_cluster(cluster, num_devices), batch
+  cl = make_cluster(cluster, num_devices)
+  if memory_limit is not None:
+    cl = cl.replace(memory_per_device=float(parse_bytes(memory_limit)))
+  return graph, cl, batch
 
 
 def compare(
@@ -151,6 +161,7 @@ def compare(
   batch_size: int | None = None,
   num_microbatches: int | None = None,
   shape: Mapping[str, Any] | None = None,
+  memory_limit: int | str | None = None,
   progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
   """Runs ``planners`` on one model and cluster; returns the configuration and one row per
@@ -167,6 +178,7 @@ def compare(
     batch_size=batch_size,
     num_microbatches=num_microbatches,
     shape=shape,
+    memory_limit=memory_limit,
   )
   rows = []
   t0 = time.perf_counter()
@@ -220,7 +232,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     f"{'search s':>8s} {'vs best':>7s}"
   )
   lines += [
-    f"Summary ({report['cluster']}, {report['memory_per_device'] / 2**30:.0f} GiB per device)",
+    f"Summary ({report['cluster']}, {format_bytes(report['memory_per_device'])} per device)",
     header,
     "-" * len(header),
   ]
@@ -273,6 +285,7 @@ def main(argv: Sequence[str]) -> None:
     planners=FLAGS.planner,
     batch_size=FLAGS.batch_size,
     num_microbatches=FLAGS.num_microbatches,
+    memory_limit=FLAGS.memory_limit,
   )
   try:  # bad flag values: the message alone, no traceback
     check_json_path(FLAGS.json)
