@@ -19,6 +19,14 @@ the values it holds against a one-device reference it computes itself.
   mode "widths": as "check", with every placement a stage can have: one device of process 0,
                 two devices of process 1 fed from it, two devices spanning both processes,
                 two devices of process 0 (so each kind of transfer crosses the processes).
+  mode "die":  the process GPP_TEST_DIE_PROCESS exits (os._exit(7)) at the point
+                GPP_TEST_DIE_AT: "setup" (before building the pipeline), "compile" (in the
+                first call, after the plan check, before compiling), "first" (when the first
+                step starts running) or "mid" (after step 2); the others step until a step
+                fails and exit 3 printing the error and the seconds since their call began.
+  mode "four-<planner>": for 4 processes (tests/test_multiprocess.py starts them), planned by
+                that planner over every device of the 4 processes; 2 steps checked against
+                jax.value_and_grad and optax on one device.
   mode "planned-<planner>": as "check", planned by that planner over the 8 devices given
                 alternately from each process (so the planner's device groups cross them).
 """
@@ -63,9 +71,39 @@ def step(params, opt_state, batch):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
+def plain_step(params, opt_state, batch):
+  def loss_fn(p):
+    return jnp.mean((model(p, batch["x"]) - batch["y"]) ** 2)
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def die(point):
+  print(f"DYING at {point} {time.time():.3f}", flush=True)
+  os._exit(7)
+
+
+def arm_death(point):
+  """Makes this process exit at ``point`` of the first call (see the "die" mode)."""
+  from gpp_jax.runtime import compile as compile_mod
+  from gpp_jax.runtime import executor as executor_mod
+
+  if point == "setup":
+    die(point)
+  if point == "compile":
+    compile_mod.build_kernels = lambda *a, **k: die(point)
+  if point == "first":
+    executor_mod.Executor.run = lambda *a, **k: die(point)
+
+
 def main():
   mode = sys.argv[1]
   timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
+  dying = mode == "die" and str(jax.process_index()) == os.environ["GPP_TEST_DIE_PROCESS"]
+  if dying:
+    arm_death(os.environ["GPP_TEST_DIE_AT"])
   ks = jax.random.split(jax.random.key(0), 4)
   with jax.default_device(jax.local_devices()[0]):
     params = {
@@ -94,6 +132,8 @@ def main():
   options = {}
   if mode == "calibrate":
     options = dict(planner="graphpipe", calibrate=True)
+  elif mode.startswith("four-"):
+    options = dict(planner=mode.split("-", 1)[1], devices=jax.devices(), min_stages=4)
   elif mode.startswith("planned-"):
     devs = jax.devices()
     alternate = [d for pair in zip(devs[:4], devs[4:]) for d in pair]
@@ -119,16 +159,20 @@ def main():
       print(f"PLANERROR process={jax.process_index()}: {e}", flush=True)
       os._exit(4)
     os._exit(0)
-  if mode == "kill":
+  if mode in ("kill", "die"):
     i = 0
     try:
       while True:
+        t = time.monotonic()
+        if dying and i == 2:
+          die("mid")
         p, o, loss = pp(p, o, batch)
         print(f"STEP {i}", flush=True)
         i += 1
     except gpp_jax.GppError as e:
-      print(f"FAILED: {e}", flush=True)
+      print(f"FAILED after {time.monotonic() - t:.1f} s in the call: {e}", flush=True)
       os._exit(3)
+  t = time.monotonic()
   if mode == "stream":  # run_steps under pipedream-async vs one call per step
     batches = [jax.tree.map(lambda a, k=k: a * (1 + 0.1 * k), batch) for k in range(4)]
     one = gpp_jax.graph_pipeline(
@@ -145,10 +189,10 @@ def main():
     pp = many
   else:
     dev0 = jax.local_devices()[0]
-    ref = jax.jit(step)
+    ref = jax.jit(plain_step if mode.startswith("four-") else step)
     rp, ro = jax.device_put((params, tx.init(params)), dev0)
     rb = jax.device_put(batch, dev0)
-    for _ in range(3):
+    for _ in range(2 if mode.startswith("four-") else 3):
       p, o, loss = pp(p, o, batch)
       rp, ro, rloss = ref(rp, ro, rb)
   diffs, checked = [], 0
@@ -163,12 +207,13 @@ def main():
       checked += 1
   # A planner may leave a process without stages; the manual plan gives each some.
   ok = max(diffs, default=0.0) <= 1e-5 and (
-    checked > 0 or mode == "calibrate" or mode.startswith("planned-")
+    checked > 0 or mode == "calibrate" or mode.startswith(("planned-", "four-"))
   )
   print(
     f"RESULT process={jax.process_index()} checked={checked} maxdiff={max(diffs, default=0.0):.3g} "
     f"edges={sorted(pp.plan.edges)} plan={pp.plan.fingerprint()[:12]} "
-    f"devices={[tuple(pp.devices[d].id for d in st.devices) for st in pp.plan.stages]}",
+    f"devices={[tuple(pp.devices[d].id for d in st.devices) for st in pp.plan.stages]} "
+    f"seconds={time.monotonic() - t:.1f}",
     flush=True,
   )
   sys.stdout.flush()

@@ -100,17 +100,16 @@ def _run_and_interrupt(sig):
 def test_killing_a_process_fails_the_other_with_a_clear_message():
   rc, out, elapsed = _run_and_interrupt(signal.SIGKILL)
   assert rc == 3, out[-3000:]
-  assert "FAILED: the pipelined step failed on process 0 of 2" in out, out[-3000:]
-  assert "the peer process has died" in out
+  assert "s in the call: process 1 of 2 was lost (a transfer with it broke" in out, out[-3000:]
+  assert "this is process 0, stopping after waiting" in out
   assert elapsed < 60
 
 
 def test_stalled_peer_times_out_with_a_clear_message():
   rc, out, elapsed = _run_and_interrupt(signal.SIGSTOP)
   assert rc == 3, out[-3000:]
-  assert "FAILED: the pipelined step did not finish within 10 s on process 0 of 2" in out, out[
-    -3000:
-  ]
+  assert "the pipelined step did not finish within 10." in out, out[-3000:]
+  assert "(timeout_s=10) on process 0 of 2" in out, out[-3000:]
   assert "peer process has died or stalls" in out
   assert elapsed < 60
 
@@ -184,7 +183,8 @@ def test_a_process_that_never_sets_up_fails_the_others_after_the_timeout():
   assert r.returncode != 0, out[-3000:]
   failed = [l for l in out.splitlines() if l.startswith("[0] FAILED: ")]
   assert len(failed) == 1, out[-3000:]
-  assert "process 1 did not report its plan within 4 s" in failed[0], failed
+  assert "process 1 did not report its plan after waiting 4." in failed[0], failed
+  assert "(timeout 4 s;" in failed[0], failed
 
 
 def test_train_program_runs_an_nnx_model_over_two_processes_for_several_steps():
@@ -244,3 +244,118 @@ def test_plans_the_planners_choose_run_over_two_processes(planner):
     .split()
   ]
   assert min(ids) < 2048 <= max(ids), results
+
+
+def _run_until_a_death(point, dying, launcher=False):
+  """Starts 2 "die" workers (process ``dying`` exits at ``point``, default settings);
+  returns (the survivor's exit code, its output, seconds from the death to its exit)."""
+  env = {"GPP_TEST_DIE_AT": point, "GPP_TEST_DIE_PROCESS": str(dying)}
+  if launcher:
+    e = dict(os.environ, **env)
+    e.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
+    cmd += ["--platform=cpu", "--", "python", WORKER, "die", "300"]
+    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    survivor = procs[0]
+  else:
+    port = free_port()
+    procs = [
+      subprocess.Popen(
+        [sys.executable, WORKER, "die", "300"],
+        env=dict(_env(i, port), **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+      )
+      for i in range(2)
+    ]
+    survivor = procs[1 - dying]
+  lines: list[list[str]] = [[] for _ in procs]
+  died_at: list[float] = []
+
+  def pump(i, p):
+    for raw in p.stdout:
+      line = raw.decode(errors="replace")
+      lines[i].append(line)
+      if "DYING at" in line:
+        died_at.append(time.monotonic())
+
+  import threading
+
+  pumps = [threading.Thread(target=pump, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+  for t in pumps:
+    t.start()
+  try:
+    survivor.wait(timeout=240)
+    ended = time.monotonic()
+    for t in pumps:
+      t.join(timeout=10)
+    out = "".join(lines[procs.index(survivor)])
+    assert died_at, out[-3000:]
+    return survivor.returncode, out, ended - died_at[0]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+
+
+@pytest.mark.parametrize(
+  "point,dying",
+  [("setup", 1), ("compile", 1), ("first", 1), ("first", 0), ("mid", 1), ("mid", 0)],
+)
+def test_a_peer_dying_ends_the_survivor_within_a_minute_naming_it(point, dying):
+  rc, out, elapsed = _run_until_a_death(point, dying)
+  print(f"{point} dying={dying}: survivor exit {rc} {elapsed:.1f} s after the death")
+  assert rc != 0, out[-3000:]
+  assert elapsed < 60, out[-3000:]
+  failed = [l for l in out.splitlines() if "FAILED after" in l]
+  if dying == 0 and not failed:
+    # Process 0 runs JAX's coordination service: its death makes JAX abort the others at
+    # once (a fraction of a second, before the watch's next poll), with its own message.
+    assert "the leader task was preempted/died" in out, out[-3000:]
+    return
+  if dying == 0:  # a send to it broke first (not yet named: see BUILD_NOTES)
+    assert "Connection reset by peer" in failed[0] or "was lost" in failed[0], failed
+    return
+  if not failed:
+    # Blocked inside JAX (a cross-process transfer being issued): the watch logs the loss,
+    # with the silence it measured, and JAX's heartbeat timeout aborts the process.
+    assert f"process {dying} of 2 was lost (it sent no heartbeat for 2" in out, out[-3000:]
+    return
+  assert len(failed) == 1, out[-3000:]
+  assert f"process {dying} of 2 was lost" in failed[0], failed
+  call_s = float(failed[0].split("FAILED after ")[1].split()[0])
+  waited = float(failed[0].split("after waiting ")[1].split()[0])
+  assert waited <= call_s + 0.5, failed  # the time measured, never the 300 s configured
+  assert "300" not in failed[0], failed
+
+
+@pytest.mark.parametrize("point", ["first", "mid"])
+def test_a_peer_dying_under_the_launcher_ends_the_run_naming_it(point):
+  rc, out, elapsed = _run_until_a_death(point, 1, launcher=True)
+  print(f"{point} under the launcher: exit {rc} {elapsed:.1f} s after the death")
+  assert rc != 0, out[-3000:]
+  assert elapsed < 60, out[-3000:]
+  assert "process 1 exited with code 7" in out, out[-3000:]
+
+
+def test_four_processes_run_a_planned_pipeline_equal_to_one_device():
+  """4 processes of 2 CPU devices (sharing this machine's cores): a plan over all 8 devices
+  ends 2 steps where jax.value_and_grad and optax on one device end."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=4", "--devices_per_process=2"]
+  cmd += ["--platform=cpu", "--nopin", "--", "python", WORKER, "four-balanced", "120"]
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out[-3000:]  # each process exits 1 if a value it holds differs
+  results = [l for l in out.splitlines() if "] RESULT process=" in l]
+  assert len(results) == 4, out[-3000:]
+  assert max(float(l.split("maxdiff=")[1].split()[0]) for l in results) <= 1e-5, results
+  assert len({l.split("plan=")[1].split()[0] for l in results}) == 1, results
+  assert sum(int(l.split("checked=")[1].split()[0]) for l in results) >= 13, results
+  ids = results[0].split("devices=")[1].split(" seconds=")[0]
+  processes = {
+    int(x) // 2048
+    for x in ids.strip("[]() ").replace("(", " ").replace(")", " ").replace(",", " ").split()
+  }
+  assert len(processes) >= 2, results  # stages cross processes (balanced used 2 of the 4)

@@ -207,15 +207,20 @@ def launch(
   pumps = [threading.Thread(target=pump, args=(i, p), daemon=True) for i, p in enumerate(procs)]
   for t in pumps:
     t.start()
-  code, failed_at = 0, None
+  code, failed_at, started = 0, None, time.monotonic()
   while any(p.poll() is None for p in procs):
-    for p in procs:
+    for i, p in enumerate(procs):
       rc = p.poll()
       if rc is not None and rc != 0 and code == 0:
         code, failed_at = rc, time.monotonic()
+        _say(
+          f"process {i} exited with code {rc} after {failed_at - started:.1f} s; the others "
+          f"are stopped if still running in {grace_s:g} s"
+        )
     if failed_at is not None and time.monotonic() - failed_at > grace_s:
-      for p in procs:
+      for i, p in enumerate(procs):
         if p.poll() is None:
+          _say(f"process {i} still runs {time.monotonic() - failed_at:.1f} s later: killed")
           p.kill()
     time.sleep(0.1)
   for t in pumps:
@@ -224,6 +229,11 @@ def launch(
     if code == 0 and p.returncode:
       code = p.returncode
   return code
+
+
+def _say(message: str) -> None:
+  sys.stdout.write(f"gpp_jax.launch: {message}\n")
+  sys.stdout.flush()
 
 
 def _pinner(cores):

@@ -38,6 +38,7 @@ import numpy as np
 from gpp_jax.errors import GppError, ScheduleError
 from gpp_jax.ir.program import Instr, Op
 from gpp_jax.passes.lowering import Lowered
+from gpp_jax.runtime import liveness
 from gpp_jax.runtime.placement import (
   StagePlacement,
   new_send_epoch,
@@ -153,13 +154,23 @@ def wait_for(values, timeout_s: float) -> None:
     done.set()
 
   threading.Thread(target=block, daemon=True, name="gpp-wait").start()
-  if not done.wait(timeout_s):
-    raise GppError(
-      f"the pipelined step did not finish within {timeout_s:.0f} s on process "
-      f"{jax.process_index()} of {jax.process_count()}: a peer process has died or "
-      "stalls (its activations or gradients never arrived). Check the other "
-      "processes' logs; raise timeout_s if steps are legitimately this slow."
-    )
+  with liveness.waiting("the pipelined step's results") as wait:
+    while not done.wait(min(1.0, max(0.0, timeout_s - (time.monotonic() - wait.since)))):
+      liveness.check(wait)
+      if time.monotonic() - wait.since >= timeout_s:
+        raise GppError(
+          f"the pipelined step did not finish within {time.monotonic() - wait.since:.1f} s "
+          f"(timeout_s={timeout_s:g}) on process {jax.process_index()} of "
+          f"{jax.process_count()}: a peer process has died or stalls (its activations or "
+          "gradients never arrived). Check the other processes' logs; raise timeout_s if "
+          "steps are legitimately this slow."
+        )
+    if failure and jax.process_count() > 1:
+      # A broken transfer: give the watch a moment to name the peer that went away.
+      live = liveness.current()
+      if live is not None:
+        live.name_the_lost("a transfer with it broke")
+      liveness.check(wait)
   if failure:
     where = f"process {jax.process_index()} of {jax.process_count()}"
     if jax.process_count() > 1:

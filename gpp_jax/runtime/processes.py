@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from absl import logging
 
 from gpp_jax.errors import GppError, PlanError
 from gpp_jax.ir.plan import Plan
+from gpp_jax.runtime import liveness
 
 ENV_COORDINATOR = "GPP_COORDINATOR"
 ENV_NUM_PROCESSES = "GPP_NUM_PROCESSES"
@@ -36,6 +38,7 @@ def initialize(
   transfer_address: str | None = None,
   cpu_devices: int | None = None,
   initialization_timeout: int = 120,
+  heartbeat_timeout_s: float = 20.0,
 ) -> None:
   """Starts ``jax.distributed`` for a pipelined run.
 
@@ -47,6 +50,10 @@ def initialize(
       (JAX's ``jax_cross_host_transfer_socket_address``); required when stages of one pipeline
       live on different processes.
     cpu_devices: force this many CPU devices in this process (local development and tests).
+    heartbeat_timeout_s: a peer process silent this long is lost: waits of the pipeline raise
+      ``PeerLost`` naming it (see ``gpp_jax.runtime.liveness``). JAX's own coordination service
+      is given twice this (plus 5 s) before it aborts the processes that remain, so a process
+      that died anywhere ends the others within about that time.
   """
   if cpu_devices is not None:
     jax.config.update("jax_platforms", "cpu")
@@ -58,7 +65,19 @@ def initialize(
     kwargs = dict(
       coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
     )
-  jax.distributed.initialize(initialization_timeout=initialization_timeout, **kwargs)
+  jax.distributed.initialize(
+    initialization_timeout=initialization_timeout,
+    heartbeat_timeout_seconds=int(2 * heartbeat_timeout_s + 5),
+    **kwargs,
+  )
+  from jax._src import distributed as jax_distributed  # the coordination service client
+
+  liveness.start(
+    jax_distributed.global_state.client,
+    jax.process_index(),
+    jax.process_count(),
+    heartbeat_timeout_s,
+  )
   logging.info(
     "process %d of %d: %d local devices, %d global",
     jax.process_index(),
@@ -100,33 +119,47 @@ def exchange(topic: str, value: str, timeout_s: float) -> list[str]:
   if client is None:
     raise GppError("several processes but no jax.distributed client: call initialize() first")
   n = next(_EXCHANGES.setdefault(topic, itertools.count()))
-  me, deadline_ms = jax.process_index(), int(timeout_s * 1e3)
+  me = jax.process_index()
   client.key_value_set(f"gpp_jax/{topic}/{n}/{me}", value)
+  with liveness.waiting(f"every process's {topic}") as wait:
 
-  def failed(what: str, e: Exception) -> GppError:
-    reason = str(e).split("\n")[0][:200]
-    return GppError(
-      f"{what} within {timeout_s:.0f} s (this is process {me}): a process failed or stalls "
-      f"before the pipeline's first step, or the coordination service on process 0 has gone; "
-      f"see the other processes' logs ({type(e).__name__}: {reason})"
-    )
+    def failed(what: str, e: Exception) -> GppError:
+      reason = str(e).split("\n")[0][:200]
+      return GppError(
+        f"{what} after waiting {time.monotonic() - wait.since:.1f} s (timeout {timeout_s:g} "
+        f"s; this is process {me}): a process failed or stalls before the pipeline's first "
+        f"step, or the coordination service on process 0 has gone; see the other processes' "
+        f"logs ({type(e).__name__}: {reason})"
+      )
 
-  out = []
-  for p in range(jax.process_count()):
-    if p == me:
-      out.append(value)
-      continue
+    out = []
+    for p in range(jax.process_count()):
+      if p == me:
+        out.append(value)
+        continue
+      out.append(_get(client, f"gpp_jax/{topic}/{n}/{p}", wait, timeout_s, failed, p, topic))
+    # Everyone has read everything before anyone acts on it (a process that raises and exits
+    # takes the coordination service with it when it is process 0).
     try:
-      out.append(client.blocking_key_value_get(f"gpp_jax/{topic}/{n}/{p}", deadline_ms))
-    except Exception as e:  # the client raises its runtime's error type
-      raise failed(f"process {p} did not report its {topic}", e) from e
-  # Everyone has read everything before anyone acts on it (a process that raises and exits
-  # takes the coordination service with it when it is process 0).
-  try:
-    client.wait_at_barrier(f"gpp_jax/{topic}/{n}", deadline_ms)
-  except Exception as e:
-    raise failed(f"the processes did not all read the {topic}", e) from e
+      left = timeout_s - (time.monotonic() - wait.since)
+      client.wait_at_barrier(f"gpp_jax/{topic}/{n}", max(1, int(left * 1e3)))
+    except Exception as e:
+      liveness.check(wait)
+      raise failed(f"the processes did not all read the {topic}", e) from e
   return out
+
+
+def _get(client, key: str, wait, timeout_s: float, failed, p: int, topic: str) -> str:
+  """The value at ``key``, polled in slices of at most a second so that a lost peer noticed by
+  ``liveness`` ends the wait; ``failed`` builds the error after ``timeout_s``."""
+  while True:
+    left = timeout_s - (time.monotonic() - wait.since)
+    try:
+      return client.blocking_key_value_get(key, max(1, int(min(left, 1.0) * 1e3)))
+    except Exception as e:  # the client raises its runtime's error type
+      liveness.check(wait)
+      if left <= 1.0 or "DEADLINE_EXCEEDED" not in str(e):
+        raise failed(f"process {p} did not report its {topic}", e) from e
 
 
 def check_same_plan(plan: Plan, timeout_s: float = 300.0) -> None:
