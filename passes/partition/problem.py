@@ -1,0 +1,168 @@
+"""The planning contract: one ``PlanningProblem`` built once, and the ``Planner`` protocol.
+
+A planning problem is what every planner starts from: the validated LayerGraph and its
+per-layer costs, the Cluster (its ``memory_per_device`` is the memory budget), the mini-batch
+size, the cost model, the schedule family the plan names and the micro-batch sizes a planner
+may choose from. ``PlanningProblem.build`` makes it from what users pass (a device count
+becomes a ``cpu_cluster``; the batch defaults to the LayerGraph's).
+
+A planner is any callable ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None,
+**options) -> Plan`` (``Planner``): a user's function passed as ``planner=`` qualifies. The
+built-in planners are ``ProblemPlanner`` objects: their ``plan(problem, options)`` takes the
+problem and a frozen options dataclass, and calling them with the keyword form builds both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+import networkx as nx
+
+from gpp_jax.cost.cluster import Cluster, as_cluster
+from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
+from gpp_jax.ir.layer_graph import validate_layer_graph
+from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.plan_assembly import MAX_MICROBATCHES, microbatch_sizes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanningProblem:
+  """What a planner is asked: plan ``layer_graph`` for ``cluster`` at ``batch_size``.
+
+  Attributes:
+    layer_graph: the validated LayerGraph with costs.
+    cluster: the Cluster; ``memory_per_device`` is the memory budget.
+    batch_size: the mini-batch size.
+    cost_model: the CostModel planners price stages with.
+    costs: per-layer costs of ``layer_graph`` (``cost_model.layer_costs``).
+    schedule: the schedule generator the plans name ("1f1b", "graph-1f1b", "gpipe", ...).
+    num_microbatches: fixed M (micro-batch = batch / M), or None to sweep sizes.
+    max_microbatches: a sweep skips sizes needing more micro-batches than this.
+  """
+
+  layer_graph: nx.DiGraph
+  cluster: Cluster
+  batch_size: int
+  cost_model: CostModel
+  costs: LayerCosts
+  schedule: str = "1f1b"
+  num_microbatches: int | None = None
+  max_microbatches: int | None = MAX_MICROBATCHES
+
+  @classmethod
+  def build(
+    cls,
+    layer_graph: nx.DiGraph,
+    cluster: Cluster | int | None = None,
+    batch_size: int | None = None,
+    *,
+    cost_model: CostModel | None = None,
+    schedule: str = "1f1b",
+    num_microbatches: int | None = None,
+    max_microbatches: int | None = MAX_MICROBATCHES,
+  ) -> PlanningProblem:
+    """The problem from what a user passes: a device count becomes a ``cpu_cluster``, the
+    batch defaults to the LayerGraph's ``batch_size``, the cost model to the default one."""
+    validate_layer_graph(layer_graph)
+    return cls(
+      layer_graph=layer_graph,
+      cluster=as_cluster(cluster),
+      batch_size=int(batch_size or layer_graph.graph["batch_size"]),
+      cost_model=cost_model or DEFAULT_COST_MODEL,
+      costs=layer_costs(layer_graph),
+      schedule=schedule,
+      num_microbatches=num_microbatches,
+      max_microbatches=max_microbatches,
+    )
+
+  @property
+  def memory_limit(self) -> float:
+    """Bytes per device a plan may use."""
+    return float(self.cluster.memory_per_device)
+
+  @property
+  def num_devices(self) -> int:
+    return self.cluster.num_devices
+
+  def microbatch_sizes(self) -> list[int]:
+    """The micro-batch sizes a planner may choose from (``plan_assembly.microbatch_sizes``)."""
+    return microbatch_sizes(self.batch_size, self.num_microbatches, self.max_microbatches)
+
+  def inputs(self) -> tuple[Cluster, CostModel, int, LayerCosts]:
+    """(cluster, cost model, batch size, layer costs): the four values planners price with."""
+    return self.cluster, self.cost_model, self.batch_size, self.costs
+
+
+@runtime_checkable
+class Planner(Protocol):
+  """Anything that plans: ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None,
+  **options) -> Plan``. Users' functions passed as ``planner=`` are Planners."""
+
+  def __call__(
+    self,
+    layer_graph: nx.DiGraph,
+    cluster: Any = None,
+    batch_size: int | None = None,
+    *,
+    num_microbatches: int | None = None,
+    **options: Any,
+  ) -> Plan: ...
+
+
+Options = TypeVar("Options")
+
+# The keyword arguments that make the problem rather than a planner's options.
+PROBLEM_KEYWORDS = ("cost_model", "schedule", "max_microbatches")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemPlanner(Generic[Options]):
+  """A built-in planner: ``plan(problem, options)`` with a frozen options dataclass.
+
+  Calling it with the keyword form (``Planner``) builds the ``PlanningProblem`` (from
+  ``cost_model``, ``schedule``, ``max_microbatches`` and ``num_microbatches``) and the options
+  (every other keyword, checked against the options' fields) and runs ``plan``.
+  """
+
+  name: str
+  options_type: type[Options]
+  run: Callable[[PlanningProblem, Options], Plan]
+  doc: str = ""
+
+  def options(self, **kw: Any) -> Options:
+    names = {f.name for f in dataclasses.fields(self.options_type)}  # type: ignore[arg-type]
+    bad = sorted(set(kw) - names)
+    if bad:
+      raise TypeError(
+        f"{self.name}: unknown option(s) {bad}; the options are {sorted(names)} and "
+        f"{list(PROBLEM_KEYWORDS)}"
+      )
+    return self.options_type(**kw)
+
+  def plan(self, problem: PlanningProblem, options: Options | None = None) -> Plan:
+    return self.run(problem, options if options is not None else self.options_type())
+
+  def __call__(
+    self,
+    layer_graph: nx.DiGraph,
+    cluster: Cluster | int | None = None,
+    batch_size: int | None = None,
+    *,
+    num_microbatches: int | None = None,
+    **kw: Any,
+  ) -> Plan:
+    problem_kw = {k: kw.pop(k) for k in PROBLEM_KEYWORDS if k in kw}
+    problem = PlanningProblem.build(
+      layer_graph, cluster, batch_size, num_microbatches=num_microbatches, **problem_kw
+    )
+    return self.plan(problem, self.options(**kw))
+
+
+def planner_name(planner: Planner | str) -> str:
+  """A planner's name: its registry name, else the callable's ``__name__``."""
+  if isinstance(planner, str):
+    return planner
+  name = getattr(planner, "name", None) or getattr(planner, "__name__", None)
+  return str(name or type(planner).__name__)
