@@ -50,6 +50,7 @@ class PlanningProblem:
   schedule: str = "1f1b"
   num_microbatches: int | None = None
   max_microbatches: int | None = MAX_MICROBATCHES
+  memo: dict = dataclasses.field(default_factory=dict, repr=False)  # work planners share
 
   @classmethod
   def build(
@@ -158,6 +159,15 @@ class ProblemPlanner(Generic[Options]):
       layer_graph, cluster, batch_size, num_microbatches=num_microbatches, **problem_kw
     )
     return self.plan(problem, self.options(**kw))
+
+
+def device_unit(num_devices: int, grid: int | None) -> int:
+  """The smallest power of two u with at most ``grid`` slots of u devices (1 for None): the
+  DPs count devices in such slots, so their tables do not grow with the cluster."""
+  u = 1
+  while grid is not None and num_devices // u > grid:
+    u *= 2
+  return u
 
 
 def planner_name(planner: Planner | str) -> str:

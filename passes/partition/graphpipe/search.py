@@ -21,7 +21,12 @@ from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
 from gpp_jax.passes.partition.graphpipe.dp import MinMaxDP, Stages
 from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode
-from gpp_jax.passes.partition.pipedream import chain_candidates, pipedream_plan
+from gpp_jax.passes.partition.pipedream import (
+  PIPEDREAM,
+  PipeDreamOptions,
+  chain_candidates,
+  chain_tables,
+)
 from gpp_jax.passes.partition.plan_assembly import (
   MAX_MICROBATCHES,
   assemble_plan,
@@ -30,7 +35,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   no_plan_error,
   predict,
 )
-from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
+from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner, device_unit
 from gpp_jax.passes.partition.refine import polish
 from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose
 
@@ -64,14 +69,6 @@ def sp_tree(sp: SPDecomposition, costs: LayerCosts) -> SPTreeNode:
     edge_map.setdefault(u, []).append((v, nbytes))
     edge_map.setdefault(("in", v), []).append((u, nbytes))
   return SPTreeNode(sp.root, costs, incident, {}, edge_map)
-
-
-def device_unit(num_devices: int, grid: int | None) -> int:
-  """The smallest power of two u with at most ``grid`` slots of u devices (1 for None)."""
-  u = 1
-  while grid is not None and num_devices // u > grid:
-    u *= 2
-  return u
 
 
 def microbatch_context(
@@ -326,7 +323,8 @@ def _priced(problem: PlanningProblem) -> tuple[Cluster, CostModel, LayerCosts]:
 
 def chain_seed_plans(problem: PlanningProblem, sizes: list[int]) -> list[Plan]:
   """A chain of stages is a stage DAG too: the chain DP's optima over the topological order
-  (without ordering edges), so GraphPipe's plan space visibly contains the sequential one."""
+  (without ordering edges), so GraphPipe's plan space visibly contains the sequential one.
+  The chain DP's tables are PipeDream's (shared through the problem)."""
   return chain_candidates(
     problem.layer_graph,
     problem.cluster,
@@ -339,6 +337,8 @@ def chain_seed_plans(problem: PlanningProblem, sizes: list[int]) -> list[Plan]:
     sweep=False,
     planner="graphpipe",
     sequential=False,
+    unit=device_unit(problem.num_devices, PipeDreamOptions().device_grid),
+    tables=chain_tables(problem),
   )
 
 
@@ -365,17 +365,7 @@ def seeded(problem: PlanningProblem, opts: GraphPipeOptions, best: Plan) -> tupl
   too; GraphPipe's plan is never slower than them. Returns the plan and the simulations."""
   seeds = list(opts.seed_plans)
   if opts.chain_plans:
-    seeds.append(
-      pipedream_plan(
-        problem.layer_graph,
-        problem.cluster,
-        problem.batch_size,
-        num_microbatches=problem.num_microbatches,
-        cost_model=problem.cost_model,
-        schedule=problem.schedule,
-        max_microbatches=problem.max_microbatches,
-      )
-    )
+    seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions()))
   n = 0
   for seed in seeds:
     for plan in as_graphpipe(seed, problem.layer_graph, *_priced(problem)):
