@@ -7,15 +7,18 @@ may choose from. ``PlanningProblem.build`` makes it from what users pass (a devi
 becomes a ``cpu_cluster``; the batch defaults to the LayerGraph's).
 
 A planner is any callable ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None,
-**options) -> Plan`` (``Planner``): a user's function passed as ``planner=`` qualifies. The
-built-in planners are ``ProblemPlanner`` objects: their ``plan(problem, options)`` takes the
-problem and a frozen options dataclass, and calling them with the keyword form builds both.
+**options) -> Plan`` (``Planner``): a user's function passed as ``planner=`` qualifies. Every
+registered planner (``passes.partition.PLANNERS``) also has ``plan(problem, options)``:
+``ProblemPlanner`` (GraphPipe, PipeDream) takes the problem and a frozen options dataclass
+(calling it with the keyword form builds both); ``KeywordPlanner`` adapts a planner written in
+the keyword form, a user's included (``as_planner``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import networkx as nx
@@ -142,8 +145,16 @@ class ProblemPlanner(Generic[Options]):
       )
     return self.options_type(**kw)
 
-  def plan(self, problem: PlanningProblem, options: Options | None = None) -> Plan:
-    return self.run(problem, options if options is not None else self.options_type())
+  def plan(
+    self, problem: PlanningProblem, options: Options | Mapping[str, Any] | None = None
+  ) -> Plan:
+    """The plan for ``problem`` under ``options`` (the dataclass, or its fields as a mapping;
+    None: the defaults)."""
+    if options is None:
+      options = self.options_type()
+    elif isinstance(options, Mapping):
+      options = self.options(**options)
+    return self.run(problem, options)
 
   def __call__(
     self,
@@ -168,6 +179,65 @@ def device_unit(num_devices: int, grid: int | None) -> int:
   while grid is not None and num_devices // u > grid:
     u *= 2
   return u
+
+
+@dataclasses.dataclass(frozen=True)
+class KeywordPlanner:
+  """A planner written in the keyword form (``Planner``), e.g. a user's function, with the
+  same ``plan(problem, options)`` as ``ProblemPlanner``: the problem's cost model, schedule
+  and micro-batch limit are passed to it where its signature takes them."""
+
+  name: str
+  fn: Callable[..., Plan]
+
+  def accepts(self) -> set[str] | None:
+    """The keyword names ``fn`` takes (None: any, it has ``**kwargs``)."""
+    try:
+      params = inspect.signature(self.fn).parameters.values()
+    except (TypeError, ValueError):
+      return set()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+      return None
+    return {p.name for p in params}
+
+  def plan(self, problem: PlanningProblem, options: Mapping[str, Any] | None = None) -> Plan:
+    names = self.accepts()
+    given = {
+      "cost_model": problem.cost_model,
+      "schedule": problem.schedule,
+      "max_microbatches": problem.max_microbatches,
+    }
+    kw = {k: v for k, v in given.items() if names is None or k in names}
+    return self.fn(
+      problem.layer_graph,
+      problem.cluster,
+      problem.batch_size,
+      num_microbatches=problem.num_microbatches,
+      **{**kw, **(options or {})},
+    )
+
+  def __call__(self, *args: Any, **kw: Any) -> Plan:
+    return self.fn(*args, **kw)
+
+
+RegisteredPlanner = ProblemPlanner | KeywordPlanner
+
+
+def as_planner(planner: str | Planner) -> RegisteredPlanner:
+  """A planner name (``passes.partition.PLANNERS``), a registered planner, or any callable in
+  the keyword form (a user's planner) -> an object with ``plan(problem, options)``."""
+  if isinstance(planner, str):
+    from gpp_jax.passes.partition import get_planner
+
+    return get_planner(planner)
+  if isinstance(planner, (ProblemPlanner, KeywordPlanner)):
+    return planner
+  if not callable(planner):
+    raise TypeError(
+      f"a planner is a name or a callable (layer_graph, cluster, batch_size, *, "
+      f"num_microbatches=None, **options) -> Plan; got {type(planner).__name__}"
+    )
+  return KeywordPlanner(planner_name(planner), planner)
 
 
 def planner_name(planner: Planner | str) -> str:
