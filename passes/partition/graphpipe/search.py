@@ -253,16 +253,50 @@ class DPRuns:
     dp = MinMaxDP(ctx, self.opts.serialise, self.opts.max_depth, cap / self.problem.batch_size)
     return dp if dp.frontier(self.root) else None
 
-  def stages(self, dp: MinMaxDP, depth: int) -> Stages:
-    """The strategy at the root's frontier point ``depth``, device counts in devices."""
+  def stages(self, dp: MinMaxDP, depth: int) -> list[Stages]:
+    """The strategy at the root's frontier point ``depth`` (device counts in devices), and,
+    when it leaves devices idle, the same stages with the idle devices handed out
+    (``hand_out``)."""
     u = dp.ctx.unit
-    return [(ls, d * u) for ls, d in dp.stages(self.root, dp.K, depth)]
+    stages = [(ls, d * u) for ls, d in dp.stages(self.root, dp.K, depth)]
+    filled = hand_out(stages, dp.ctx, self.problem)
+    return [stages] if filled == stages else [stages, filled]
 
   def lower_bound(self, ctx: MicrobatchContext) -> float:
     """B * the TPS of perfect balance over all devices (no transfers, no all-reduce)."""
     p = self.problem
     per_layer = [min(d * ctx.tsum[d][l] for d in ctx.dps) for l in range(len(p.costs))]
     return p.batch_size * sum(per_layer) / (p.num_devices * ctx.b)
+
+
+def hand_out(stages: Stages, ctx: MicrobatchContext, problem: PlanningProblem) -> Stages:
+  """The DP's strategy with its idle devices handed out: the min-max DP leaves devices idle
+  once the bottleneck cannot improve, and a local search that adds devices to one stage at a
+  time cannot see the gain when several stages are equally slow; here, repeatedly, the stage
+  with the largest time per sample (compute and update, at its device count) that has a
+  larger device count (of ``ctx.dps``) within the idle devices and faster there takes it."""
+  params = problem.costs.param_bytes
+
+  def tps(ls: list[int], d: int) -> float:
+    return float(ctx.tsum[d][ls].sum()) / ctx.b + ctx.upd(float(params[ls].sum()), d) / ctx.B
+
+  out = list(stages)
+  idle = problem.num_devices - sum(d for _, d in out)
+  while idle > 0:
+    best = None
+    for i, (ls, d) in enumerate(out):
+      up = next((d2 for d2 in ctx.dps if d2 > d), None)
+      if up is None or up - d > idle:
+        continue
+      now = tps(ls, d)
+      if tps(ls, up) < now and (best is None or now > best[0]):
+        best = (now, i, up)
+    if best is None:
+      break
+    _, i, up = best
+    idle -= up - out[i][1]
+    out[i] = (out[i][0], up)
+  return out
 
 
 def sweep_sizes(runs: DPRuns, sizes: list[int], cands: Candidates) -> list[SizeResult]:
@@ -285,13 +319,15 @@ def sweep_sizes(runs: DPRuns, sizes: list[int], cands: Candidates) -> list[SizeR
     front = frontier_candidates(dp, runs.root, opts.frontier_eps)
     rest = [c for c in front if c[1] != depth]
     per_size.append(SizeResult(front[0][0] * b, b, dp, t_star, rest))
-    cands.consider(b, t_star, depth, runs.stages(dp, depth))
+    for stages in runs.stages(dp, depth):
+      cands.consider(b, t_star, depth, stages)
   per_size.sort(key=lambda r: (r.estimate, r.b))
   for r in per_size:
     if B * r.t_star > cands.bound(opts.prune):
       continue
     for _, depth, t in r.frontier[: opts.simulate_top]:
-      cands.consider(r.b, t, depth, runs.stages(r.dp, depth))
+      for stages in runs.stages(r.dp, depth):
+        cands.consider(r.b, t, depth, stages)
   return per_size
 
 
@@ -315,7 +351,8 @@ def no_replication(runs: DPRuns, cands: Candidates) -> None:
       for _, depth, t in frontier_candidates(dp, runs.root, runs.opts.frontier_eps)[
         : runs.opts.simulate_top
       ]:
-        cands.consider(b, t, depth, runs.stages(dp, depth))
+        for stages in runs.stages(dp, depth):
+          cands.consider(b, t, depth, stages)
 
 
 def _priced(problem: PlanningProblem) -> tuple[Cluster, CostModel, LayerCosts]:
