@@ -182,6 +182,7 @@ class Candidates:
     self.problem = problem
     self.best: Plan | None = None
     self.evaluated: list[Plan] = []
+    self.handed: list[Plan] = []
     self.seen: set = set()
     self.simulated = 0
 
@@ -189,13 +190,30 @@ class Candidates:
     """``prune`` times the best simulated iteration time (inf before the first plan)."""
     return math.inf if self.best is None else prune * self.best.predicted["iteration_time"]
 
-  def consider(self, b: int, t: float, depth: int, stages: Stages) -> None:
-    """Simulates the DP's strategy (stages of layer indices, device counts) at micro-batch b."""
+  def consider(
+    self, b: int, t: float, depth: int, stages: Stages, ctx: MicrobatchContext | None = None
+  ) -> None:
+    """Simulates the DP's strategy (stages of layer indices, device counts) at micro-batch b;
+    with ``ctx``, also the strategy with its idle devices handed out (``hand_out``), kept
+    apart in ``handed`` (it joins after the polish, so the polish sees what it saw before)."""
+    info = {"tps_target": float(t), "dp_entry_depth": depth}
+    if self.first_time(b, stages):
+      self.add(self.assemble(b, stages, info))
+    if ctx is None:
+      return
+    filled = hand_out(stages, ctx, self.problem)
+    if filled != stages and self.first_time(b, filled):
+      self.simulated += 1
+      plan = self.assemble(b, filled, {**info, "idle_handed_out": True})
+      if plan.predicted["memory_ok"]:
+        self.handed.append(plan)
+
+  def first_time(self, b: int, stages: Stages) -> bool:
     key = (b, tuple(sorted((tuple(sorted(ls)), d) for ls, d in stages)))
     if key in self.seen:
-      return
+      return False
     self.seen.add(key)
-    self.add(self.assemble(b, stages, {"tps_target": float(t), "dp_entry_depth": depth}))
+    return True
 
   def assemble(self, b: int, stages: Stages, info: dict[str, Any]) -> Plan:
     p = self.problem
@@ -253,14 +271,10 @@ class DPRuns:
     dp = MinMaxDP(ctx, self.opts.serialise, self.opts.max_depth, cap / self.problem.batch_size)
     return dp if dp.frontier(self.root) else None
 
-  def stages(self, dp: MinMaxDP, depth: int) -> list[Stages]:
-    """The strategy at the root's frontier point ``depth`` (device counts in devices), and,
-    when it leaves devices idle, the same stages with the idle devices handed out
-    (``hand_out``)."""
+  def stages(self, dp: MinMaxDP, depth: int) -> Stages:
+    """The strategy at the root's frontier point ``depth`` (device counts in devices)."""
     u = dp.ctx.unit
-    stages = [(ls, d * u) for ls, d in dp.stages(self.root, dp.K, depth)]
-    filled = hand_out(stages, dp.ctx, self.problem)
-    return [stages] if filled == stages else [stages, filled]
+    return [(ls, d * u) for ls, d in dp.stages(self.root, dp.K, depth)]
 
   def lower_bound(self, ctx: MicrobatchContext) -> float:
     """B * the TPS of perfect balance over all devices (no transfers, no all-reduce)."""
@@ -319,15 +333,13 @@ def sweep_sizes(runs: DPRuns, sizes: list[int], cands: Candidates) -> list[SizeR
     front = frontier_candidates(dp, runs.root, opts.frontier_eps)
     rest = [c for c in front if c[1] != depth]
     per_size.append(SizeResult(front[0][0] * b, b, dp, t_star, rest))
-    for stages in runs.stages(dp, depth):
-      cands.consider(b, t_star, depth, stages)
+    cands.consider(b, t_star, depth, runs.stages(dp, depth), dp.ctx)
   per_size.sort(key=lambda r: (r.estimate, r.b))
   for r in per_size:
     if B * r.t_star > cands.bound(opts.prune):
       continue
     for _, depth, t in r.frontier[: opts.simulate_top]:
-      for stages in runs.stages(r.dp, depth):
-        cands.consider(r.b, t, depth, stages)
+      cands.consider(r.b, t, depth, runs.stages(r.dp, depth), r.dp.ctx)
   return per_size
 
 
@@ -351,8 +363,7 @@ def no_replication(runs: DPRuns, cands: Candidates) -> None:
       for _, depth, t in frontier_candidates(dp, runs.root, runs.opts.frontier_eps)[
         : runs.opts.simulate_top
       ]:
-        for stages in runs.stages(dp, depth):
-          cands.consider(b, t, depth, stages)
+        cands.consider(b, t, depth, runs.stages(dp, depth), dp.ctx)
 
 
 def _priced(problem: PlanningProblem) -> tuple[Cluster, CostModel, LayerCosts]:
@@ -382,20 +393,30 @@ def chain_seed_plans(problem: PlanningProblem, sizes: list[int]) -> list[Plan]:
 
 def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates, sizes) -> Plan:
   """Phase 4: the DP's objective is a proxy; the best plans are polished by local search on
-  the simulated time (device counts, layer moves, splits and merges, per micro-batch size)."""
+  the simulated time (device counts, layer moves, splits and merges, per micro-batch size).
+  Then the best strategy with its idle devices handed out, polished on its own (a quarter of
+  the budget), where it beats the polished plan unpolished."""
   if not opts.polish_plans:
-    return min(cands.evaluated, key=lambda p: p.predicted["iteration_time"])
-  return polish(
-    cands.evaluated,
-    problem.layer_graph,
-    problem.cluster,
-    cost_model=problem.cost_model,
-    costs=problem.costs,
-    refine_sizes=opts.refine_sizes,
-    refine_within=opts.refine_within,
-    max_evals=opts.refine_evals,
-    microbatch_sizes=sizes,
-  )
+    return min(cands.evaluated + cands.handed, key=lambda p: p.predicted["iteration_time"])
+
+  def run(plans: list[Plan], refine_sizes: int, max_evals: int) -> Plan:
+    return polish(
+      plans,
+      problem.layer_graph,
+      problem.cluster,
+      cost_model=problem.cost_model,
+      costs=problem.costs,
+      refine_sizes=refine_sizes,
+      refine_within=opts.refine_within,
+      max_evals=max_evals,
+      microbatch_sizes=sizes,
+    )
+
+  best = run(cands.evaluated, opts.refine_sizes, opts.refine_evals)
+  handed = min(cands.handed, key=lambda p: p.predicted["iteration_time"], default=None)
+  if handed is not None and handed.predicted["iteration_time"] < best.predicted["iteration_time"]:
+    best = better(best, run([handed], 1, max(1, opts.refine_evals // 4)))
+  return best
 
 
 def seeded(problem: PlanningProblem, opts: GraphPipeOptions, best: Plan) -> tuple[Plan, int]:
