@@ -21,6 +21,15 @@ seconds, and, last, the issue's targets checked against the numbers.
 
 ``docs/results.md`` includes ``docs/planner_fidelity.md`` when the reproduction regenerates it.
 
+``--scaling``: search seconds and peak resident memory of each planner alone (as
+``python -m gpp_jax.plan --planner=NAME`` runs it) on each model at 32-1,024 devices, one
+subprocess per run (``ru_maxrss`` of the child), with the simulated throughput of its plan.
+``--tree=PATH`` runs the planners of another checkout of the repository (e.g. a ``git
+worktree`` of an earlier commit), to compare before and after on the same machine:
+
+  python benchmarks/planners.py --scaling --json=/tmp/after.json
+  python benchmarks/planners.py --scaling --tree=/tmp/plan_before --json=/tmp/before.json
+
 The mini-batch grows with the device count (``--per_device_batch``), as the paper sizes
 mini-batches "close to the memory limit"; the paper's exact sizes are not recoverable.
 """
@@ -61,6 +70,92 @@ flags.DEFINE_list(
 flags.DEFINE_integer(
   "piper_max_devices", 64, "Run Piper only up to this many devices (its DP grows with them)."
 )
+flags.DEFINE_bool("scaling", False, "Search time and peak memory per planner, one process each.")
+flags.DEFINE_list(
+  "scaling_devices", ["32", "64", "128", "256", "512", "1024"], "Device counts for --scaling."
+)
+flags.DEFINE_list(
+  "scaling_planners",
+  ["graphpipe", "pipedream", "pipedream-published", "piper-published", "bapipe", "luo"],
+  "Planners for --scaling.",
+)
+flags.DEFINE_string("tree", "", "--scaling: the repository checkout whose planners run.")
+flags.DEFINE_integer("timeout", 600, "--scaling: seconds before a run is stopped.")
+
+# One --scaling run in a fresh interpreter: gpp_jax (and its passes and models folders) from
+# the checkout ``root``, then the planner's search time and the process's peak memory.
+CHILD = """
+import importlib.util, json, os, resource, sys, time
+root, model, k, name = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+folders = {"gpp_jax": "gpp_jax", "gpp_jax.passes": "passes", "gpp_jax.models": "models"}
+
+class Tree:
+  @classmethod
+  def find_spec(cls, fullname, path=None, target=None):
+    if fullname not in folders:
+      return None
+    d = os.path.join(root, folders[fullname])
+    return importlib.util.spec_from_file_location(
+      fullname, os.path.join(d, "__init__.py"), submodule_search_locations=[d])
+
+sys.meta_path.insert(0, Tree)
+from gpp_jax.cost.cluster import v100_cluster
+from gpp_jax.experiments.planner_runs import PER_DEVICE_BATCH, build_graph, run_planner
+batch = PER_DEVICE_BATCH[model] * k
+graph = build_graph(model, "paper", batch)
+row = run_planner(name, graph, v100_cluster(k), batch)
+row["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(row))
+"""
+
+
+def scaling_run(root: str, model: str, k: int, name: str) -> dict:
+  """One planner on one model and device count in a subprocess (see ``CHILD``)."""
+  import subprocess
+
+  cmd = [sys.executable, "-c", CHILD, root, model, str(k), name]
+  row: dict[str, Any] = {"model": model, "devices": k, "planner": name}
+  t0 = time.perf_counter()
+  try:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout, cwd="/")
+  except subprocess.TimeoutExpired:
+    return {**row, "error": f"over {FLAGS.timeout} s", "seconds": time.perf_counter() - t0}
+  if out.returncode != 0:
+    return {**row, "error": out.stderr.strip().splitlines()[-1:], "seconds": 0.0}
+  return {**row, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def scaling(models: list[str]) -> None:
+  """``--scaling``: the table of search seconds, peak MB and throughput per planner."""
+  import os
+
+  root = os.path.abspath(FLAGS.tree or os.path.join(os.path.dirname(__file__), ".."))
+  print(f"planners of {root}")
+  print(
+    f"{'model':10s} {'dev':>5s} {'planner':20s} {'search s':>9s} {'peak MB':>8s} "
+    f"{'samples/s':>10s} {'stages':>6s}"
+  )
+  rows = []
+  for model in models:
+    for k in map(int, FLAGS.scaling_devices):
+      for name in FLAGS.scaling_planners:
+        r = scaling_run(root, model, k, name)
+        rows.append(r)
+        if "error" in r:
+          print(
+            f"{model:10s} {k:5d} {name:20s} {r['seconds']:9.2f} {'-':>8s} {str(r['error'])[:40]}",
+            flush=True,
+          )
+        else:
+          print(
+            f"{model:10s} {k:5d} {name:20s} {r['seconds']:9.2f} {r['maxrss_mb']:8.0f} "
+            f"{r['throughput']:10.1f} {r['stages']:6d}",
+            flush=True,
+          )
+        if FLAGS.json:
+          with open(FLAGS.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
 
 # (column, planner, options); the published ones first.
 BASELINES: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -203,6 +298,9 @@ def markdown(rows: list[dict], command: str, note: str = "") -> str:
 
 def main(argv):
   del argv
+  if FLAGS.scaling:
+    scaling(FLAGS.models)
+    return
   if FLAGS.from_json:
     rows = []
     for path in FLAGS.from_json:

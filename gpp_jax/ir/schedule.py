@@ -24,6 +24,8 @@ samples: several smaller ones, or the one bigger one containing it (``dependenci
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
@@ -177,6 +179,21 @@ def dependencies(
     yield Action("B", s, m)
 
 
+_TRUSTED = contextvars.ContextVar("trusted_schedule_generators", default=False)
+
+
+@contextlib.contextmanager
+def trusted_generators():
+  """Within this context ``validate_schedule`` checks nothing: the planners' inner loops build
+  thousands of schedules with the project's own generators (whose output the schedule tests
+  validate), and the runtime validates the schedule it executes outside the context."""
+  token = _TRUSTED.set(True)
+  try:
+    yield
+  finally:
+    _TRUSTED.reset(token)
+
+
 def validate_schedule(sched: Schedule) -> None:
   """Raises ScheduleError unless ``sched`` is complete, ordered, and runs without deadlock.
 
@@ -191,6 +208,8 @@ def validate_schedule(sched: Schedule) -> None:
   names the missing or misplaced action and shows the schedule grid with the offending action
   marked.
   """
+  if _TRUSTED.get():
+    return
   g = sched.stage_graph()
   if not nx.is_directed_acyclic_graph(g):
     raise ScheduleError(f"stage graph has a cycle {nx.find_cycle(g)}")

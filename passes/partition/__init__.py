@@ -1,8 +1,10 @@
 """Partitioners (planners): LayerGraph (+ Cluster) -> Plan.
 
-``PLANNERS`` maps a planner name to a function with the common signature
-``planner(layer_graph, cluster, batch_size, *, num_microbatches=None, **options) -> Plan``.
-``cluster`` is a ``gpp_jax.cost.cluster.Cluster`` or a device count (a ``cpu_cluster``).
+``PLANNERS`` maps a planner name to a planner (``problem.Planner``): callable with the common
+signature ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None, **options) ->
+Plan`` (``cluster`` a ``gpp_jax.cost.cluster.Cluster`` or a device count, a ``cpu_cluster``),
+and with ``plan(problem, options)`` on a ``problem.PlanningProblem`` built once. A user's
+planner in the keyword form is a Planner too (``problem.as_planner`` adapts it).
 
   graphpipe   stage DAG: series-parallel DP + binary search on time per sample (GraphPipe)
   pipedream   chain of replicated stages over the linearised graph (PipeDream)
@@ -22,32 +24,60 @@ al., SOSP 2019 (arXiv:1806.03377); Piper, Tarnawski et al., NeurIPS 2021; BaPipe
 Training", IEEE INFOCOM 2022 (arXiv:2204.10562).
 """
 
-from collections.abc import Callable
-
-from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.balanced import balanced_plan
 from gpp_jax.passes.partition.bapipe import bapipe_plan
 from gpp_jax.passes.partition.exhaustive import exhaustive_plan
 from gpp_jax.passes.partition.graphpipe import graphpipe_plan
+from gpp_jax.passes.partition.graphpipe.search import GRAPHPIPE, GraphPipeOptions
 from gpp_jax.passes.partition.luo import luo_plan
-from gpp_jax.passes.partition.pipedream import pipedream_plan
+from gpp_jax.passes.partition.pipedream import PIPEDREAM, PipeDreamOptions, pipedream_plan
 from gpp_jax.passes.partition.piper import piper_plan
+from gpp_jax.passes.partition.problem import (
+  KeywordPlanner,
+  Planner,
+  PlanningProblem,
+  ProblemPlanner,
+  RegisteredPlanner,
+  as_planner,
+)
 from gpp_jax.passes.partition.stage_microbatches import graphpipe_stage_microbatch_plan
 
-PLANNERS: dict[str, Callable[..., Plan]] = {
-  "balanced": balanced_plan,
-  "graphpipe": graphpipe_plan,
-  "pipedream": pipedream_plan,
-  "piper": piper_plan,
-  "bapipe": bapipe_plan,
-  "luo": luo_plan,
-  "exhaustive": exhaustive_plan,
-  "graphpipe-stage-mb": graphpipe_stage_microbatch_plan,
+PLANNERS: dict[str, RegisteredPlanner] = {
+  "balanced": KeywordPlanner("balanced", balanced_plan),
+  "graphpipe": GRAPHPIPE,
+  "pipedream": PIPEDREAM,
+  "piper": KeywordPlanner("piper", piper_plan),
+  "bapipe": KeywordPlanner("bapipe", bapipe_plan),
+  "luo": KeywordPlanner("luo", luo_plan),
+  "exhaustive": KeywordPlanner("exhaustive", exhaustive_plan),
+  "graphpipe-stage-mb": KeywordPlanner("graphpipe-stage-mb", graphpipe_stage_microbatch_plan),
 }
 SEQUENTIAL_PLANNERS = ("pipedream", "piper", "bapipe", "luo")
 
 
-def get_planner(name: str):
+__all__ = [
+  "PLANNERS",
+  "SEQUENTIAL_PLANNERS",
+  "GraphPipeOptions",
+  "KeywordPlanner",
+  "PipeDreamOptions",
+  "Planner",
+  "PlanningProblem",
+  "ProblemPlanner",
+  "as_planner",
+  "balanced_plan",
+  "bapipe_plan",
+  "exhaustive_plan",
+  "get_planner",
+  "graphpipe_plan",
+  "graphpipe_stage_microbatch_plan",
+  "luo_plan",
+  "pipedream_plan",
+  "piper_plan",
+]
+
+
+def get_planner(name: str) -> RegisteredPlanner:
   try:
     return PLANNERS[name]
   except KeyError:

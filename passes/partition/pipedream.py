@@ -30,8 +30,10 @@ Selection (``selection=``):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -43,58 +45,66 @@ from gpp_jax.passes.partition.plan_assembly import (
   MAX_MICROBATCHES,
   assemble_plan,
   data_parallel_degrees,
-  microbatch_sizes,
   no_plan_error,
-  planner_inputs,
 )
+from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner, device_unit
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.refine import polish
 
 
 def chain_dp(
-  rc: RangeCosts, K: int, M: int, mem_cap: float, replicate: bool = True
+  rc: RangeCosts, K: int, M: int, mem_cap: float, replicate: bool = True, unit: int = 1
 ) -> tuple[np.ndarray, list]:
-  """The PipeDream DP table A[i, m, s] over ranges of ``rc`` (see the module docstring)."""
+  """The PipeDream DP table A[i, m, s] over ranges of ``rc`` (see the module docstring), with
+  devices counted in slots of ``unit`` (m slots = m * unit devices; stages take multiples of
+  ``unit``); ``A[0, -1, s]`` is the optimum with s stages on the whole cluster."""
   n = rc.n
-  S = min(K, n)
-  A = np.full((n + 1, K + 1, S + 1), math.inf)
+  Ks = K // unit
+  S = min(Ks, n)
+  A = np.full((n + 1, Ks + 1, S + 1), math.inf)
   A[n, :, 0] = 0.0
-  dps = rc.dps if replicate else [1]
+  dps = [d for d in (rc.dps if replicate else [1]) if d % unit == 0 and d <= K]
   s_in = np.minimum(np.arange(1, S + 1), M)  # in-flight of the stage s-th from the end
   for i in range(n - 1, -1, -1):
     for d in dps:
-      if d > K:
-        break
+      u = d // unit
       T = rc.tps(d)[i, i + 1 :]  # (L,) for j = i+1..n
       mem = (
         rc.cm.static_memory(rc.params[i, i + 1 :])[:, None]
         + rc.saved[i, i + 1 :][:, None] * rc.b / d * s_in[None, :]
       )  # (L, S)
       ok = mem <= mem_cap
-      sub = A[i + 1 :, : K + 1 - d, :S]  # (L, K+1-d, S): A[j, m-d, s-1]
+      sub = A[i + 1 :, : Ks + 1 - u, :S]  # (L, Ks+1-u, S): A[j, m-u, s-1]
       val = np.maximum(T[:, None, None], sub)
-      val = np.where(ok[:, None, :], val, math.inf).min(axis=0)  # (K+1-d, S)
-      A[i, d:, 1:] = np.minimum(A[i, d:, 1:], val)
+      val = np.where(ok[:, None, :], val, math.inf).min(axis=0)  # (Ks+1-u, S)
+      A[i, u:, 1:] = np.minimum(A[i, u:, 1:], val)
     A[i] = np.minimum.accumulate(A[i], axis=0)
   return A, dps
 
 
 def chain_reconstruct(
-  rc: RangeCosts, A: np.ndarray, dps: list, K: int, M: int, mem_cap: float, s: int
+  rc: RangeCosts,
+  A: np.ndarray,
+  dps: list,
+  K: int,
+  M: int,
+  mem_cap: float,
+  s: int,
+  unit: int = 1,
 ) -> list[tuple[int, int, int]]:
   """Stages (i, j, d) of the DP optimum that uses ``s`` stages on at most K devices."""
   out = []
-  i, m = 0, K
-  target = A[0, K, s]
+  i, m = 0, K // unit
+  target = A[0, m, s]
   while i < rc.n:
     while m > 0 and A[i, m - 1, s] <= target:
       m -= 1
     found = None
     for d in dps:
-      if d > m:
+      if d > m * unit:
         break
       for j in range(i + 1, rc.n + 1):
-        rest = A[j, m - d, s - 1]
+        rest = A[j, m - d // unit, s - 1]
         v = max(rc.tps(d)[i, j], rest)
         mem = rc.cm.static_memory(rc.params[i, j]) + rc.saved[i, j] * rc.b / d * min(s, M)
         if v <= target * (1 + 1e-9) and mem <= mem_cap:
@@ -106,9 +116,78 @@ def chain_reconstruct(
       raise AssertionError("PipeDream reconstruction lost the optimum")
     j, d = found
     out.append((i, j, d))
-    i, m, s = j, m - d, s - 1
+    i, m, s = j, m - d // unit, s - 1
     target = A[i, m, s] if i < rc.n else 0.0
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeDreamOptions:
+  """PipeDream's options (the problem itself is a ``PlanningProblem``).
+
+  Attributes:
+    replicate: allow data-parallel stages (PipeDream's replication); False gives the
+      straight pipeline (``--straight_pipeline``).
+    simulate_top: how many (micro-batch, stage count) optima, ranked by the estimate
+      (M + S - 1) * TPS * b, are simulated; at the two best micro-batch sizes the best
+      max(simulate_top, 8) stage counts are simulated too, with and without replication; the
+      fastest plan wins after ``refine.polish``.
+    selection: "published" (PipeDream's objective alone) or "simulated" (see the module
+      docstring).
+    device_grid: the DP counts devices in slots of u devices, u the smallest power of two
+      with at most this many slots (None: single devices; up to ``device_grid`` devices the
+      DP sees every count); the polish then moves single devices.
+  """
+
+  replicate: bool = True
+  simulate_top: int = 6
+  selection: str = "simulated"
+  device_grid: int | None = 64
+
+
+def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
+  """PipeDream: PlanningProblem -> sequential Plan (see the module docstring)."""
+  if opts.selection not in SELECTIONS:
+    raise ValueError(f"pipedream: selection must be one of {SELECTIONS}, got {opts.selection!r}")
+  t0 = time.perf_counter()
+  sizes = problem.microbatch_sizes()
+  unit = device_unit(problem.num_devices, opts.device_grid)
+  if opts.selection == "published":
+    plan = published_chain(problem, sizes, replicate=opts.replicate, unit=unit)
+  else:
+    evaluated = chain_candidates(
+      problem.layer_graph,
+      problem.cluster,
+      problem.batch_size,
+      sizes,
+      cost_model=problem.cost_model,
+      costs=problem.costs,
+      schedule=problem.schedule,
+      replicate=opts.replicate,
+      simulate_top=opts.simulate_top,
+      unit=unit,
+      tables=chain_tables(problem),
+    )
+    if not evaluated:
+      raise no_plan_error("pipedream", problem.layer_graph, problem.cluster, problem.batch_size)
+    plan = polish(
+      evaluated,
+      problem.layer_graph,
+      problem.cluster,
+      cost_model=problem.cost_model,
+      costs=problem.costs,
+      microbatch_sizes=sizes,
+    )
+  pred = dict(plan.predicted)
+  pred["search"] = {
+    "seconds": time.perf_counter() - t0,
+    "microbatch_sizes": sizes,
+    "device_unit": unit,
+  }
+  return plan.replace(predicted=pred)
+
+
+PIPEDREAM = ProblemPlanner("pipedream", PipeDreamOptions, pipedream_search)
 
 
 def pipedream_plan(
@@ -119,87 +198,49 @@ def pipedream_plan(
   num_microbatches: int | None = None,
   cost_model: CostModel | None = None,
   schedule: str = "1f1b",
-  replicate: bool = True,
   max_microbatches: int | None = MAX_MICROBATCHES,
-  simulate_top: int = 6,
-  selection: str = "simulated",
+  **options: Any,
 ) -> Plan:
-  """PipeDream: LayerGraph + Cluster -> sequential Plan (see the module docstring).
-
-  Args:
-    layer_graph, cluster, batch_size, num_microbatches: as for every planner.
-    cost_model: the CostModel.
-    schedule: the schedule generator the plan names.
-    replicate: allow data-parallel stages (PipeDream's replication); False gives the
-      straight pipeline (``--straight_pipeline``).
-    max_microbatches: skip micro-batch sizes needing more micro-batches than this.
-    simulate_top: how many (micro-batch, stage count) optima, ranked by the estimate
-      (M + S - 1) * TPS * b, are simulated; at the two best micro-batch sizes the best
-      max(simulate_top, 8) stage counts are simulated too, with and without replication; the
-      fastest plan wins after ``refine.polish``.
-    selection: "published" (PipeDream's objective alone) or "simulated" (see the module
-      docstring).
-  """
-  if selection not in SELECTIONS:
-    raise ValueError(f"pipedream: selection must be one of {SELECTIONS}, got {selection!r}")
-  t0 = time.perf_counter()
-  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
-  sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
-  if selection == "published":
-    plan = published_chain(
-      layer_graph,
-      cluster,
-      B,
-      sizes,
-      cost_model=cm,
-      costs=costs,
-      schedule=schedule,
-      replicate=replicate,
-    )
-    pred = dict(plan.predicted)
-    pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
-    return plan.replace(predicted=pred)
-  evaluated = chain_candidates(
+  """PipeDream: LayerGraph + Cluster -> sequential Plan: builds the ``PlanningProblem`` and
+  runs ``pipedream_search`` with ``PipeDreamOptions(**options)``."""
+  return PIPEDREAM(
     layer_graph,
     cluster,
-    B,
-    sizes,
-    cost_model=cm,
-    costs=costs,
+    batch_size,
+    num_microbatches=num_microbatches,
+    cost_model=cost_model,
     schedule=schedule,
-    replicate=replicate,
-    simulate_top=simulate_top,
+    max_microbatches=max_microbatches,
+    **options,
   )
-  if not evaluated:
-    raise no_plan_error("pipedream", layer_graph, cluster, B)
-  best = polish(evaluated, layer_graph, cluster, cost_model=cm, costs=costs, microbatch_sizes=sizes)
-  pred = dict(best.predicted)
-  pred["search"] = {"seconds": time.perf_counter() - t0, "microbatch_sizes": sizes}
-  return best.replace(predicted=pred)
+
+
+def chain_tables(problem: PlanningProblem) -> dict:
+  """The chain DP tables of a problem, shared by the planners that use them (keyed by
+  micro-batch size, replication and device unit)."""
+  return problem.memo.setdefault("chain_tables", {})
 
 
 SELECTIONS = ("simulated", "published")
 
 
 def published_chain(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  B: int,
-  sizes: list[int],
-  *,
-  cost_model: CostModel,
-  costs: LayerCosts,
-  schedule: str = "1f1b",
-  replicate: bool = True,
+  problem: PlanningProblem, sizes: list[int], *, replicate: bool = True, unit: int = 1
 ) -> Plan:
   """PipeDream as published: per micro-batch size the DP's smallest bottleneck (ties: fewer
   stages), across sizes the smallest (M + s - 1) * TPS * b; no simulation ranking, no polish."""
+  layer_graph, cluster, B, costs = (
+    problem.layer_graph,
+    problem.cluster,
+    problem.batch_size,
+    problem.costs,
+  )
   K = cluster.num_devices
   best = None
   for b in sizes:
-    rc = RangeCosts(costs, cost_model, cluster, b, B, data_parallel_degrees(b, K))
-    A, dps = chain_dp(rc, K, B // b, cluster.memory_per_device, replicate)
-    vals = [(float(A[0, K, s]), s) for s in range(1, A.shape[2]) if math.isfinite(A[0, K, s])]
+    rc = RangeCosts(costs, problem.cost_model, cluster, b, B, data_parallel_degrees(b, K))
+    A, dps = chain_dp(rc, K, B // b, cluster.memory_per_device, replicate, unit)
+    vals = [(float(A[0, -1, s]), s) for s in range(1, A.shape[2]) if math.isfinite(A[0, -1, s])]
     if not vals:
       continue
     v, s = min(vals)
@@ -209,7 +250,7 @@ def published_chain(
   if best is None:
     raise no_plan_error("pipedream", layer_graph, cluster, B)
   _, b, s, v, rc, A, dps = best
-  ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s)
+  ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s, unit)
   plan = assemble_plan(
     layer_graph,
     cluster,
@@ -217,9 +258,9 @@ def published_chain(
     microbatch=b,
     batch_size=B,
     planner="pipedream",
-    schedule=schedule,
+    schedule=problem.schedule,
     sequential=True,
-    cost_model=cost_model,
+    cost_model=problem.cost_model,
     costs=costs,
     info={"bottleneck_tps": v, "selection": "published"},
   )
@@ -242,30 +283,35 @@ def chain_candidates(
   sweep: bool = True,
   planner: str = "pipedream",
   sequential: bool = True,
+  unit: int = 1,
+  tables: dict | None = None,
 ) -> list[Plan]:
   """The simulated PipeDream DP optima within memory (see ``pipedream_plan``), unpolished;
   ``sweep=False`` skips simulating every stage count at the two best micro-batch sizes.
 
   With ``sequential=False`` the plans keep only the edges tensors flow along (a chain of
   stages is also a stage DAG, whose stages without a data edge between them may overlap).
+  The DP counts devices in slots of ``unit``; ``tables`` (default: a new dict) keeps its
+  tables, so planners of the same problem can share them.
   """
   cm = cost_model
   K = cluster.num_devices
-  tables = {}
+  tables = {} if tables is None else tables
 
   def table(b: int, rep: bool):
-    if (b, rep) not in tables:
+    key = (b, rep, unit)
+    if key not in tables:
       rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
-      tables[(b, rep)] = (rc,) + chain_dp(rc, K, B // b, cluster.memory_per_device, rep)
-    return tables[(b, rep)]
+      tables[key] = (rc,) + chain_dp(rc, K, B // b, cluster.memory_per_device, rep, unit)
+    return tables[key]
 
   def candidates(b: int, rep: bool):
     _rc, A, _dps = table(b, rep)
     M = B // b
     return [
-      ((M + s - 1) * float(A[0, K, s]) * b, b, s, rep)
+      ((M + s - 1) * float(A[0, -1, s]) * b, b, s, rep)
       for s in range(1, A.shape[2])
-      if math.isfinite(A[0, K, s])
+      if math.isfinite(A[0, -1, s])
     ]
 
   evaluated: list[Plan] = []
@@ -276,7 +322,7 @@ def chain_candidates(
       return
     done.add((b, s, rep))
     rc, A, dps = table(b, rep)
-    ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s)
+    ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s, unit)
     stages = [(costs.layers[i:j], d) for i, j, d in ranges]
     plan = assemble_plan(
       layer_graph,
@@ -289,7 +335,7 @@ def chain_candidates(
       sequential=sequential,
       cost_model=cm,
       costs=costs,
-      info={"bottleneck_tps": float(A[0, K, s])},
+      info={"bottleneck_tps": float(A[0, -1, s])},
     )
     if plan.predicted["memory_ok"]:
       evaluated.append(plan)

@@ -15,7 +15,11 @@ from gpp_jax.passes.partition.range_costs import RangeCosts
 
 @dataclasses.dataclass
 class MicrobatchContext:
-  """Everything fixed for one micro-batch size: device choices and per-layer times."""
+  """Everything fixed for one micro-batch size: device choices and per-layer times.
+
+  The DP counts devices in slots of ``unit`` devices (``K`` slots): a stage on ``dps[j]``
+  devices takes ``slots[j] = dps[j] // unit`` of them. On large clusters the unit keeps the
+  DP's tables (slots x depths) small; the polish then moves single devices."""
 
   b: int
   B: int
@@ -30,11 +34,16 @@ class MicrobatchContext:
   cluster: Cluster
   costs: LayerCosts
   block_cache: dict = dataclasses.field(default_factory=dict)
-  n_dps: list = dataclasses.field(default_factory=list)  # k -> how many dps are <= k
+  n_dps: list = dataclasses.field(default_factory=list)  # k slots -> how many stages fit
   node_time: dict = dataclasses.field(default_factory=dict)
+  unit: int = 1
+  slots: list[int] = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
-    self.n_dps = [sum(1 for d in self.dps if d <= k) for k in range(self.K + 1)]
+    if any(d % self.unit for d in self.dps):
+      raise ValueError(f"device counts {self.dps} are not multiples of the unit {self.unit}")
+    self.slots = [d // self.unit for d in self.dps]
+    self.n_dps = [sum(1 for d in self.slots if d <= k) for k in range(self.K + 1)]
 
   def upd(self, params: float, d: int) -> float:
     c = self.cluster

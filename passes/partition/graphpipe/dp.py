@@ -225,7 +225,7 @@ class MinMaxDP(SerialisedRuns):
     for p in self.block_ends(node, i):
       tps, _, params, saved = ctx.block(node, i, p)
       rest = self.S(node, p, D).val if node.kind == "series" else self.base(D).val
-      for j, d in enumerate(ctx.dps):
+      for j, d in enumerate(ctx.slots):
         if d > self.K:
           break
         ok = self.fits(params, saved)[j]
@@ -269,7 +269,7 @@ class MinMaxDP(SerialisedRuns):
       for p in self.block_ends(node, i):
         tps, _, params, saved = ctx.block(node, i, p)
         rest = self.P(node, p, D).val
-        for j, d in enumerate(ctx.dps):
+        for j, d in enumerate(ctx.slots):
           if d > self.K:
             break
           if not self.fits(params, saved)[j, D + 1]:
@@ -304,7 +304,7 @@ class MinMaxDP(SerialisedRuns):
           break
         for e1 in self.breakpoints(rest):
           x, arg = self.conv(rest[:, e1 : e1 + 1], self.P(c, a, e1).val)
-          for j, d in enumerate(ctx.dps):
+          for j, d in enumerate(ctx.slots):
             if d > self.K:
               break
             ok = self.fits(params, saved)[j]
@@ -331,7 +331,7 @@ class MinMaxDP(SerialisedRuns):
           if DT >= self.E:
             continue
           x, arg = self.conv(rest[:, e1 : e1 + 1], self.P(c, a, DT).val)
-          for j, d in enumerate(ctx.dps):
+          for j, d in enumerate(ctx.slots):
             if d > self.K:
               break
             if not self.fits(params, saved)[j, DT]:

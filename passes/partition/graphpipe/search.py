@@ -1,6 +1,7 @@
-"""GraphPipe's search: for every micro-batch size, one min-max DP run gives the depth / TPS
-frontier; the best frontier plans are simulated; then the no-replication variant, the chain
-seeds and the polish; the planner entry point ``graphpipe_plan``."""
+"""GraphPipe's search, phase by phase: the SP decomposition, one min-max DP run per micro-batch
+size (its depth / TPS frontier, the best frontier plans simulated), the no-replication
+variant, the chain seeds, the polish and the seed plans; ``graphpipe_search`` runs them in
+order on a ``PlanningProblem``; ``graphpipe_plan`` is the keyword entry point."""
 
 from __future__ import annotations
 
@@ -18,19 +19,23 @@ from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
-from gpp_jax.passes.partition.graphpipe.dp import MinMaxDP
+from gpp_jax.passes.partition.graphpipe.dp import MinMaxDP, Stages
 from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode
-from gpp_jax.passes.partition.pipedream import chain_candidates, pipedream_plan
+from gpp_jax.passes.partition.pipedream import (
+  PIPEDREAM,
+  PipeDreamOptions,
+  chain_candidates,
+  chain_tables,
+)
 from gpp_jax.passes.partition.plan_assembly import (
   MAX_MICROBATCHES,
   assemble_plan,
   better,
   data_parallel_degrees,
-  microbatch_sizes,
   no_plan_error,
-  planner_inputs,
   predict,
 )
+from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner, device_unit
 from gpp_jax.passes.partition.refine import polish
 from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose
 
@@ -48,6 +53,7 @@ class SearchStats:
   candidates: int
   simulated: int
   best_tps: float
+  device_unit: int = 1
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -66,10 +72,18 @@ def sp_tree(sp: SPDecomposition, costs: LayerCosts) -> SPTreeNode:
 
 
 def microbatch_context(
-  b: int, B: int, dps: list[int], cluster: Cluster, cm: CostModel, costs: LayerCosts
+  b: int,
+  B: int,
+  dps: list[int],
+  cluster: Cluster,
+  cm: CostModel,
+  costs: LayerCosts,
+  unit: int = 1,
 ) -> MicrobatchContext:
   """What one DP run holds fixed: micro-batch b of a batch B, the device counts a stage may
-  take, per-layer times at b / d samples per device; transfers on the slowest link."""
+  take (those of ``dps`` that are multiples of ``unit``), per-layer times at b / d samples per
+  device; transfers on the slowest link; devices counted in slots of ``unit``."""
+  dps = [d for d in dps if d % unit == 0]
   tsum = {}
   for d in dps:
     tf, tb = cm.layer_times(costs, cluster.device, b / d)
@@ -79,8 +93,9 @@ def microbatch_context(
     b=b,
     B=B,
     M=B // b,
-    K=cluster.num_devices,
+    K=cluster.num_devices // unit,
     dps=dps,
+    unit=unit,
     tsum=tsum,
     mem_cap=cluster.memory_per_device,
     p2p_alpha=link.alpha,
@@ -106,42 +121,15 @@ def frontier_candidates(
   return sorted(((M + e - 1) * t, e, t) for e, t in kept)
 
 
-def graphpipe_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int | None = None,
-  batch_size: int | None = None,
-  *,
-  num_microbatches: int | None = None,
-  cost_model: CostModel | None = None,
-  schedule: str = "1f1b",
-  powers_of_two: bool = False,
-  max_microbatches: int | None = MAX_MICROBATCHES,
-  simulate_top: int = 4,
-  frontier_eps: float = 5e-3,
-  prune: float = 1.25,
-  replication_variant: bool = True,
-  refine_sizes: int = 4,
-  refine_within: float = 1.1,
-  refine_evals: int = 200,
-  chain_seeds: bool = True,
-  serialise: bool = True,
-  chain_plans: bool = True,
-  seed_plans: Sequence[Plan] = (),
-  polish_plans: bool = True,
-  max_depth: int | None = None,
-  schedules: tuple[str, ...] = (),
-) -> Plan:
-  """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class GraphPipeOptions:
+  """GraphPipe's search options (the problem itself is a ``PlanningProblem``).
 
-  Args:
-    layer_graph: the LayerGraph with costs.
-    cluster: a Cluster, or a device count (a ``cpu_cluster``).
-    batch_size: mini-batch size (default: the graph's batch size).
-    num_microbatches: fix M (micro-batch = batch / M) instead of sweeping powers of two.
-    cost_model: the CostModel (default: Adam fp32, "sum" TPS).
-    schedule: the schedule generator the plan names ("1f1b", "graph-1f1b" or "gpipe").
+  Attributes:
     powers_of_two: restrict per-stage device counts to powers of two.
-    max_microbatches: skip micro-batch sizes that would need more micro-batches than this.
+    device_grid: the DP counts devices in slots of u devices, u the smallest power of two
+      with at most this many slots (None: single devices); the polish then moves single
+      devices. Up to ``device_grid`` devices the DP sees every count.
     simulate_top: how many frontier plans per micro-batch size (best estimates first) are
       simulated.
     frontier_eps: a deeper frontier point is a candidate only where its TPS is more than this
@@ -150,215 +138,402 @@ def graphpipe_plan(
       iteration time so far (t* its smallest feasible TPS).
     replication_variant: at the two best micro-batch sizes, also search without data
       parallelism inside stages.
-    refine_sizes: how many micro-batch sizes (best first) get their best plan polished by
-      ``refine.refine_plan`` (layer moves, splits and merges against the simulator), among
-      those whose best plan is within ``refine_within`` times the best simulated time.
-    refine_evals: at most this many simulations for the polish, in all.
+    refine_sizes, refine_within, refine_evals: the polish (``refine.polish``) refines the
+      best plan of the ``refine_sizes`` best micro-batch sizes within ``refine_within`` times
+      the best simulated time, with at most ``refine_evals`` simulations in all.
     chain_seeds: add the chain DP's plans (PipeDream's DP over the topological order, without
-      ordering edges) to the candidates before polishing.
+      ordering edges) to the candidates before polishing (None: only when ``chain_plans`` is
+      off, since PipeDream's polished plan starts from the same DP optima).
     serialise: let the DP solve children of a series or parallel node as one sequential
-      pipeline (``serialised.py``). It costs most of the DP's time on graphs with many
-      layers; switching it off is faster but loses plans that cut across branch boundaries
-      (7% above the exhaustive optimum on one of the planner tests' graphs).
-    chain_plans: take PipeDream's polished plan (``pipedream_plan``, simulated selection) as
-      a candidate, with and without its ordering edges, so GraphPipe's plan is never slower
-      than the polished PipeDream plan.
-    seed_plans: finished plans of other planners for the same graph, cluster and batch (for
-      instance the polished sequential baselines); they join the candidates after the polish,
-      so the plan returned is at least as fast as each of them.
-    polish_plans: run the polish (False: the fastest simulated candidate as it is, to measure
-      what the search alone finds).
-    max_depth: the deepest entry depth (stages on the longest path) the DP considers
-      (default: the device count, i.e. no limit); a smaller one makes the DP cheaper.
+      pipeline (``serialised.py``); off is faster but loses plans that cut across branches.
+    chain_plans: take PipeDream's polished plan as a candidate, with and without its
+      ordering edges, so GraphPipe's plan is never slower than it.
+    seed_plans: finished plans of other planners for the same problem; they join the
+      candidates after the polish.
+    polish_plans: run the polish (False: the fastest simulated candidate as it is).
+    max_depth: the deepest entry depth the DP considers (default: no limit).
     schedules: other schedule generators (e.g. ``("zero-bubble",)``) the best plan is also
-      simulated with; the plan keeps the fastest within memory. Zero-bubble is simulated with
-      the backward split into B and W (``PlanCosts.weight_fraction``) under the memory bound
-      the device memory allows (``plan_assembly.memory_bound``).
+      simulated with; the plan keeps the fastest within memory.
   """
+
+  powers_of_two: bool = False
+  device_grid: int | None = 32
+  simulate_top: int = 4
+  frontier_eps: float = 5e-3
+  prune: float = 1.25
+  replication_variant: bool = True
+  refine_sizes: int = 4
+  refine_within: float = 1.1
+  refine_evals: int = 200
+  chain_seeds: bool | None = None
+  serialise: bool = True
+  chain_plans: bool = True
+  seed_plans: Sequence[Plan] = ()
+  polish_plans: bool = True
+  max_depth: int | None = None
+  schedules: tuple[str, ...] = ()
+
+
+class Candidates:
+  """The simulated plans of one search: the best so far, those within memory, and the stage
+  choices already simulated (each is simulated once)."""
+
+  def __init__(self, problem: PlanningProblem):
+    self.problem = problem
+    self.best: Plan | None = None
+    self.evaluated: list[Plan] = []
+    self.handed: list[Plan] = []
+    self.seen: set = set()
+    self.simulated = 0
+
+  def bound(self, prune: float) -> float:
+    """``prune`` times the best simulated iteration time (inf before the first plan)."""
+    return math.inf if self.best is None else prune * self.best.predicted["iteration_time"]
+
+  def consider(
+    self, b: int, t: float, depth: int, stages: Stages, ctx: MicrobatchContext | None = None
+  ) -> None:
+    """Simulates the DP's strategy (stages of layer indices, device counts) at micro-batch b;
+    with ``ctx``, also the strategy with its idle devices handed out (``hand_out``), kept
+    apart in ``handed`` (it joins after the polish, so the polish sees what it saw before)."""
+    info = {"tps_target": float(t), "dp_entry_depth": depth}
+    if self.first_time(b, stages):
+      self.add(self.assemble(b, stages, info))
+    if ctx is None:
+      return
+    filled = hand_out(stages, ctx, self.problem)
+    if filled != stages and self.first_time(b, filled):
+      self.simulated += 1
+      plan = self.assemble(b, filled, {**info, "idle_handed_out": True})
+      if plan.predicted["memory_ok"]:
+        self.handed.append(plan)
+
+  def first_time(self, b: int, stages: Stages) -> bool:
+    key = (b, tuple(sorted((tuple(sorted(ls)), d) for ls, d in stages)))
+    if key in self.seen:
+      return False
+    self.seen.add(key)
+    return True
+
+  def assemble(self, b: int, stages: Stages, info: dict[str, Any]) -> Plan:
+    p = self.problem
+    return assemble_plan(
+      p.layer_graph,
+      p.cluster,
+      [([p.costs.layers[l] for l in ls], d) for ls, d in stages],
+      microbatch=b,
+      batch_size=p.batch_size,
+      planner="graphpipe",
+      schedule=p.schedule,
+      cost_model=p.cost_model,
+      costs=p.costs,
+      info=info,
+    )
+
+  def add(self, plan: Plan) -> None:
+    self.simulated += 1
+    self.best = better(self.best, plan)
+    if plan.predicted["memory_ok"]:
+      self.evaluated.append(plan)
+
+
+@dataclasses.dataclass
+class SizeResult:
+  """One micro-batch size's DP run: its best estimate, t* and the other frontier points."""
+
+  estimate: float
+  b: int
+  dp: MinMaxDP
+  t_star: float
+  frontier: list[tuple[float, int, float]]
+
+
+class DPRuns:
+  """Runs the min-max DP for micro-batch contexts of one problem (phase 1 of the search)."""
+
+  def __init__(self, problem: PlanningProblem, opts: GraphPipeOptions, root: SPTreeNode):
+    self.problem, self.opts, self.root = problem, opts, root
+    self.unit = device_unit(problem.num_devices, opts.device_grid)
+    self.runs = 0
+
+  def context(self, b: int, dps: list[int]) -> MicrobatchContext:
+    p = self.problem
+    return microbatch_context(
+      b, p.batch_size, dps, p.cluster, p.cost_model, p.costs, unit=self.unit
+    )
+
+  def run(self, ctx: MicrobatchContext, cap: float) -> MinMaxDP | None:
+    """The DP's tables for ``ctx``; strategies whose bottleneck alone (B * TPS) is above
+    ``cap`` (``prune`` times the best simulated time) are dropped early."""
+    if not ctx.dps:
+      return None
+    self.runs += 1
+    dp = MinMaxDP(ctx, self.opts.serialise, self.opts.max_depth, cap / self.problem.batch_size)
+    return dp if dp.frontier(self.root) else None
+
+  def stages(self, dp: MinMaxDP, depth: int) -> Stages:
+    """The strategy at the root's frontier point ``depth`` (device counts in devices)."""
+    u = dp.ctx.unit
+    return [(ls, d * u) for ls, d in dp.stages(self.root, dp.K, depth)]
+
+  def lower_bound(self, ctx: MicrobatchContext) -> float:
+    """B * the TPS of perfect balance over all devices (no transfers, no all-reduce)."""
+    p = self.problem
+    per_layer = [min(d * ctx.tsum[d][l] for d in ctx.dps) for l in range(len(p.costs))]
+    return p.batch_size * sum(per_layer) / (p.num_devices * ctx.b)
+
+
+def hand_out(stages: Stages, ctx: MicrobatchContext, problem: PlanningProblem) -> Stages:
+  """The DP's strategy with its idle devices handed out: the min-max DP leaves devices idle
+  once the bottleneck cannot improve, and a local search that adds devices to one stage at a
+  time cannot see the gain when several stages are equally slow; here, repeatedly, the stage
+  with the largest time per sample (compute and update, at its device count) that has a
+  larger device count (of ``ctx.dps``) within the idle devices and faster there takes it."""
+  params = problem.costs.param_bytes
+
+  def tps(ls: list[int], d: int) -> float:
+    return float(ctx.tsum[d][ls].sum()) / ctx.b + ctx.upd(float(params[ls].sum()), d) / ctx.B
+
+  out = list(stages)
+  idle = problem.num_devices - sum(d for _, d in out)
+  while idle > 0:
+    best = None
+    for i, (ls, d) in enumerate(out):
+      up = next((d2 for d2 in ctx.dps if d2 > d), None)
+      if up is None or up - d > idle:
+        continue
+      now = tps(ls, d)
+      if tps(ls, up) < now and (best is None or now > best[0]):
+        best = (now, i, up)
+    if best is None:
+      break
+    _, i, up = best
+    idle -= up - out[i][1]
+    out[i] = (out[i][0], up)
+  return out
+
+
+def sweep_sizes(runs: DPRuns, sizes: list[int], cands: Candidates) -> list[SizeResult]:
+  """Phases 1 and 2: one DP run per micro-batch size (largest first) gives its depth / TPS
+  frontier, the plan at t* simulated at once (a size whose perfect-balance bound is already
+  ``prune`` times the best simulated time is skipped); then, most promising sizes first,
+  the best frontier plans of each size whose bottleneck alone is not clearly slower."""
+  opts = runs.opts
+  B = runs.problem.batch_size
+  per_size = []
+  for b in sorted(sizes, reverse=True):
+    dps = data_parallel_degrees(b, runs.problem.num_devices, opts.powers_of_two)
+    ctx = runs.context(b, dps)
+    if not ctx.dps or runs.lower_bound(ctx) > cands.bound(opts.prune):
+      continue
+    dp = runs.run(ctx, cands.bound(opts.prune))
+    if dp is None:
+      continue
+    depth, t_star = dp.frontier(runs.root)[-1]
+    front = frontier_candidates(dp, runs.root, opts.frontier_eps)
+    rest = [c for c in front if c[1] != depth]
+    per_size.append(SizeResult(front[0][0] * b, b, dp, t_star, rest))
+    cands.consider(b, t_star, depth, runs.stages(dp, depth), dp.ctx)
+  per_size.sort(key=lambda r: (r.estimate, r.b))
+  for r in per_size:
+    if B * r.t_star > cands.bound(opts.prune):
+      continue
+    for _, depth, t in r.frontier[: opts.simulate_top]:
+      cands.consider(r.b, t, depth, runs.stages(r.dp, depth), r.dp.ctx)
+  return per_size
+
+
+def no_replication(runs: DPRuns, cands: Candidates) -> None:
+  """Phase 3: the TPS objective spreads a stage's gradient all-reduce over the iteration, but
+  it runs after the stage's last backward; at the two best micro-batch sizes, search again
+  with one slot of the DP's device unit per stage (deeper, all-pipeline plans) and let the
+  simulator decide."""
+  sizes: list[int] = []
+  for plan in sorted(cands.evaluated, key=lambda p: p.predicted["iteration_time"]):
+    b = plan.stages[0].microbatch_size
+    assert b is not None  # assemble_plan sets every stage's micro-batch size
+    if b in sizes:
+      continue
+    sizes.append(b)
+    if len(sizes) > 2:
+      break
+    ctx = runs.context(b, [runs.unit])
+    dp = runs.run(ctx, cands.bound(runs.opts.prune))
+    if dp is not None:
+      for _, depth, t in frontier_candidates(dp, runs.root, runs.opts.frontier_eps)[
+        : runs.opts.simulate_top
+      ]:
+        cands.consider(b, t, depth, runs.stages(dp, depth), dp.ctx)
+
+
+def _priced(problem: PlanningProblem) -> tuple[Cluster, CostModel, LayerCosts]:
+  return problem.cluster, problem.cost_model, problem.costs
+
+
+def chain_seed_plans(problem: PlanningProblem, sizes: list[int]) -> list[Plan]:
+  """A chain of stages is a stage DAG too: the chain DP's optima over the topological order
+  (without ordering edges), so GraphPipe's plan space visibly contains the sequential one.
+  The chain DP's tables are PipeDream's (shared through the problem)."""
+  return chain_candidates(
+    problem.layer_graph,
+    problem.cluster,
+    problem.batch_size,
+    sizes,
+    cost_model=problem.cost_model,
+    costs=problem.costs,
+    schedule=problem.schedule,
+    simulate_top=3,
+    sweep=False,
+    planner="graphpipe",
+    sequential=False,
+    unit=device_unit(problem.num_devices, PipeDreamOptions().device_grid),
+    tables=chain_tables(problem),
+  )
+
+
+def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates, sizes) -> Plan:
+  """Phase 4: the DP's objective is a proxy; the best plans are polished by local search on
+  the simulated time (device counts, layer moves, splits and merges, per micro-batch size).
+  Then the best strategy with its idle devices handed out, polished on its own (a quarter of
+  the budget), where it beats the polished plan unpolished."""
+  if not opts.polish_plans:
+    return min(cands.evaluated + cands.handed, key=lambda p: p.predicted["iteration_time"])
+
+  def run(plans: list[Plan], refine_sizes: int, max_evals: int) -> Plan:
+    return polish(
+      plans,
+      problem.layer_graph,
+      problem.cluster,
+      cost_model=problem.cost_model,
+      costs=problem.costs,
+      refine_sizes=refine_sizes,
+      refine_within=opts.refine_within,
+      max_evals=max_evals,
+      microbatch_sizes=sizes,
+    )
+
+  best = run(cands.evaluated, opts.refine_sizes, opts.refine_evals)
+  handed = min(cands.handed, key=lambda p: p.predicted["iteration_time"], default=None)
+  if handed is not None and handed.predicted["iteration_time"] < best.predicted["iteration_time"]:
+    best = better(best, run([handed], 1, max(1, opts.refine_evals // 4)))
+  return best
+
+
+def seeded(problem: PlanningProblem, opts: GraphPipeOptions, best: Plan) -> tuple[Plan, int]:
+  """Phase 5: the polished sequential plans (PipeDream's, and ``seed_plans``) are stage DAGs
+  too; GraphPipe's plan is never slower than them. Returns the plan and the simulations."""
+  seeds = list(opts.seed_plans)
+  if opts.chain_plans:
+    seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions()))
+  n = 0
+  for seed in seeds:
+    for plan in as_graphpipe(seed, problem.layer_graph, *_priced(problem)):
+      n += 1
+      best = better(best, plan)
+  return best, n
+
+
+def other_schedules(problem: PlanningProblem, names: Sequence[str], best: Plan) -> Plan:
+  """The best plan simulated with the other schedule generators; the fastest within memory."""
+  for name in names:
+    if name != best.schedule:
+      alt = predict(
+        best.replace(schedule=name),
+        problem.layer_graph,
+        problem.cluster,
+        cost_model=problem.cost_model,
+        costs=problem.costs,
+        idle=best.predicted.get("idle_devices", ()),
+      )
+      best = better(best, alt.replace(predicted={**best.predicted, **alt.predicted}))
+  return best
+
+
+def graphpipe_search(problem: PlanningProblem, opts: GraphPipeOptions) -> Plan:
+  """GraphPipe: PlanningProblem -> Plan with a stage DAG (see the package docstring)."""
   t0 = time.perf_counter()
-  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
-  sp = sp_decompose(layer_graph)
+  sp = sp_decompose(problem.layer_graph)
+  sizes = problem.microbatch_sizes()
+  cands = Candidates(problem)
   old_limit = sys.getrecursionlimit()
   sys.setrecursionlimit(max(old_limit, 20000))
   try:
-    root = sp_tree(sp, costs)
-    sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
-    # Phase 1: one DP run per micro-batch size (largest first) gives its depth / TPS frontier;
-    # the plan at the smallest TPS t* is simulated at once, and a size whose perfect-balance
-    # bound alone is clearly slower than the best simulated plan is skipped.
-    per_size = []
-    best: Plan | None = None
-    evaluated: list[Plan] = []
-    seen: set = set()
-    n_cands = n_sims = runs = 0
-
-    def consider(b, t, depth, stages):
-      nonlocal best, n_sims
-      key = (b, tuple(sorted((tuple(sorted(ls)), d) for ls, d in stages)))
-      if key in seen:
-        return
-      seen.add(key)
-      n_sims += 1
-      plan = assemble_plan(
-        layer_graph,
-        cluster,
-        [([costs.layers[l] for l in ls], d) for ls, d in stages],
-        microbatch=b,
-        batch_size=B,
-        planner="graphpipe",
-        schedule=schedule,
-        cost_model=cm,
-        costs=costs,
-        info={"tps_target": float(t), "dp_entry_depth": depth},
-      )
-      best = better(best, plan)
-      if plan.predicted["memory_ok"]:
-        evaluated.append(plan)
-
-    def context(b: int, dps: list[int]) -> MicrobatchContext:
-      return microbatch_context(b, B, dps, cluster, cm, costs)
-
-    def run_dp(ctx: MicrobatchContext) -> MinMaxDP | None:
-      # Strategies whose bottleneck alone (B * TPS) is ``prune`` times the best simulated
-      # time are not wanted (the sweep skips such sizes too): the DP drops them early.
-      nonlocal runs
-      runs += 1
-      cap = math.inf if best is None else prune * best.predicted["iteration_time"] / B
-      dp = MinMaxDP(ctx, serialise, max_depth, cap)
-      return dp if dp.frontier(root) else None
-
-    for b in sorted(sizes, reverse=True):
-      dps = data_parallel_degrees(b, cluster.num_devices, powers_of_two)
-      ctx = context(b, dps)
-      tsum = ctx.tsum
-      lo = sum(min(d * tsum[d][l] for d in dps) for l in range(len(costs))) / (ctx.K * b)
-      if best is not None and B * lo > prune * best.predicted["iteration_time"]:
-        continue
-      dp = run_dp(ctx)
-      if dp is not None:
-        depth, t_star = dp.frontier(root)[-1]
-        cands = frontier_candidates(dp, root, frontier_eps)
-        per_size.append((cands[0][0] * b, b, dp, t_star, [c for c in cands if c[1] != depth]))
-        consider(b, t_star, depth, dp.stages(root, ctx.K, depth))
-    # Phase 2: most promising sizes first; skip a size whose bottleneck alone (B * t*) is
-    # clearly slower than the best simulated plan; simulate the best frontier plans of the rest.
-    per_size.sort(key=lambda x: x[:2])
-    best_tps = min((x[3] for x in per_size), default=math.inf)
-    for _, b, dp, t_star, cands in per_size:
-      if best is not None and B * t_star > prune * best.predicted["iteration_time"]:
-        continue
-      n_cands += len(cands)
-      for _, depth, t in cands[:simulate_top]:
-        consider(b, t, depth, dp.stages(root, dp.K, depth))
-    # Phase 3: the TPS objective spreads a stage's gradient all-reduce over the iteration,
-    # but it runs after the stage's last backward; at the best micro-batch sizes, also search
-    # without data parallelism (deeper, all-pipeline plans) and let the simulator decide.
-    if replication_variant and cluster.num_devices > 1:
-      top = sorted(evaluated, key=lambda p: p.predicted["iteration_time"])
-      sizes_done = []
-      for plan in top:
-        mb = plan.stages[0].microbatch_size
-        assert mb is not None  # assemble_plan sets every stage's micro-batch size
-        if mb in sizes_done:
-          continue
-        sizes_done.append(mb)
-        if len(sizes_done) > 2:
-          break
-        dp = run_dp(context(mb, [1]))
-        if dp is not None:
-          for _, depth, t in frontier_candidates(dp, root, frontier_eps)[:simulate_top]:
-            consider(mb, t, depth, dp.stages(root, dp.K, depth))
+    runs = DPRuns(problem, opts, sp_tree(sp, problem.costs))
+    per_size = sweep_sizes(runs, sizes, cands)
+    if opts.replication_variant and problem.num_devices > 1:
+      no_replication(runs, cands)
   finally:
     sys.setrecursionlimit(old_limit)
-  if best is None or not best.predicted.get("memory_ok", True):
+  if cands.best is None or not cands.best.predicted.get("memory_ok", True):
     raise no_plan_error(
-      "graphpipe", layer_graph, cluster, B, "every micro-batch size exceeds device memory"
+      "graphpipe",
+      problem.layer_graph,
+      problem.cluster,
+      problem.batch_size,
+      "every micro-batch size exceeds device memory",
     )
   t_dp = time.perf_counter() - t0
-  # A chain of stages is a stage DAG too: the chain DP's optima over the topological order
-  # join the candidates, so GraphPipe's plan space visibly contains the sequential one.
   t1 = time.perf_counter()
-  if chain_seeds:
-    chains = chain_candidates(
-      layer_graph,
-      cluster,
-      B,
-      sizes,
-      cost_model=cm,
-      costs=costs,
-      schedule=schedule,
-      simulate_top=3,
-      sweep=False,
-      planner="graphpipe",
-      sequential=False,
-    )
-    evaluated += chains
-    n_sims += len(chains)
+  if opts.chain_seeds or (opts.chain_seeds is None and not opts.chain_plans):
+    for plan in chain_seed_plans(problem, sizes):
+      cands.add(plan)
   t_seeds = time.perf_counter() - t1
-  # Phase 4: the DP's objective is a proxy; polish the best plans by local search on the
-  # simulated time (device counts, layer moves, splits and merges, per micro-batch size).
   t1 = time.perf_counter()
-  if not polish_plans:
-    best = min(evaluated, key=lambda p: p.predicted["iteration_time"])
-  else:
-    best = polish(
-      evaluated,
-      layer_graph,
-      cluster,
-      cost_model=cm,
-      costs=costs,
-      refine_sizes=refine_sizes,
-      refine_within=refine_within,
-      max_evals=refine_evals,
-      microbatch_sizes=sizes,
-    )
+  best = polished(problem, opts, cands, sizes)
   t_polish = time.perf_counter() - t1
-  # Phase 5: the polished sequential plans are stage DAGs too; GraphPipe is never below them.
   t1 = time.perf_counter()
-  seeds = list(seed_plans)
-  if chain_plans:
-    seeds.append(
-      pipedream_plan(
-        layer_graph,
-        cluster,
-        B,
-        num_microbatches=num_microbatches,
-        cost_model=cm,
-        schedule=schedule,
-        max_microbatches=max_microbatches,
-      )
-    )
-  for seed in seeds:
-    for plan in as_graphpipe(seed, layer_graph, cluster, cm, costs):
-      n_sims += 1
-      best = better(best, plan)
+  best, n_seeded = seeded(problem, opts, best)
   t_seeds += time.perf_counter() - t1
   stats = SearchStats(
     seconds=time.perf_counter() - t0,
     dp_seconds=t_dp,
     seeds_seconds=t_seeds,
     polish_seconds=t_polish,
-    dp_runs=runs,
+    dp_runs=runs.runs,
     microbatch_sizes=tuple(sizes),
-    candidates=n_cands,
-    simulated=n_sims,
-    best_tps=float(best_tps),
+    candidates=sum(len(r.frontier) for r in per_size),
+    simulated=cands.simulated + n_seeded,
+    best_tps=float(min((r.t_star for r in per_size), default=math.inf)),
+    device_unit=runs.unit,
   )
-  for name in schedules:
-    if name != best.schedule:
-      alt = predict(
-        best.replace(schedule=name),
-        layer_graph,
-        cluster,
-        cost_model=cm,
-        costs=costs,
-        idle=best.predicted.get("idle_devices", ()),
-      )
-      best = better(best, alt.replace(predicted={**best.predicted, **alt.predicted}))
+  best = other_schedules(problem, opts.schedules, best)
   pred = dict(best.predicted)
   pred["search"] = stats.to_dict()
   pred["sp_ordering_edges"] = len(sp.added_edges)
   return best.replace(predicted=pred)
+
+
+GRAPHPIPE = ProblemPlanner("graphpipe", GraphPipeOptions, graphpipe_search)
+
+
+def graphpipe_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  schedule: str = "1f1b",
+  max_microbatches: int | None = MAX_MICROBATCHES,
+  **options: Any,
+) -> Plan:
+  """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the package docstring).
+
+  Builds the ``PlanningProblem`` (a device count as ``cluster`` is a ``cpu_cluster``; the
+  batch defaults to the graph's; ``num_microbatches`` fixes M instead of sweeping sizes;
+  ``schedule`` is the generator the plan names) and runs ``graphpipe_search`` with
+  ``GraphPipeOptions(**options)``.
+  """
+  return GRAPHPIPE(
+    layer_graph,
+    cluster,
+    batch_size,
+    num_microbatches=num_microbatches,
+    cost_model=cost_model,
+    schedule=schedule,
+    max_microbatches=max_microbatches,
+    **options,
+  )
 
 
 def as_graphpipe(

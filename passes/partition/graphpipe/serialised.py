@@ -39,7 +39,7 @@ class SerialisedRuns:
     inflight = np.minimum(np.arange(E), M)
     # Stages [j, j2) whose transfer-free TPS is above the cap on every device count are never
     # used; that bound grows with j2, so each j needs only the j2 below a limit.
-    fast = np.stack([rc.bound(d) for d in ctx.dps if d <= K]).min(axis=0) <= self.cap
+    fast = np.stack([rc.bound(d) for d in ctx.dps]).min(axis=0) <= self.cap
     f = np.full((L + 1, K + 1, E), math.inf)
     f[L, :, D:] = 0.0
     for j in range(L - 1, -1, -1):
@@ -58,7 +58,7 @@ class SerialisedRuns:
       )
       ok = mem <= mem_cap
       best = np.full((K + 1, E), math.inf)
-      for di, d in enumerate(ctx.dps):
+      for di, d in enumerate(ctx.slots):
         if d > K:
           break
         rest = f[j + 1 : hi, : K + 1 - d, lo - 1 : top]  # (w, K + 1 - d, top - lo + 1)
@@ -81,7 +81,7 @@ class SerialisedRuns:
   def chain_stages(
     self, node: SPTreeNode, i: int, k: int, e: int, D: int
   ) -> list[tuple[list[int], int]]:
-    """The stages behind ``serial(node, i, D)[k, e]``."""
+    """The stages behind ``serial(node, i, D)[k, e]`` (device counts in slots)."""
     ctx = self.ctx
     rc = ctx.linear(node)
     f = self.chain(node, D)
@@ -90,16 +90,16 @@ class SerialisedRuns:
     while j < rc.n:
       target = f[j, k, e] * (1 + 1e-12)
       step = None
-      for d in ctx.dps:
-        if d > k:
+      for d, s in zip(ctx.dps, ctx.slots):
+        if s > k:
           break
         t2 = rc.tps(d)[j, j + 1 :]
         for j2 in range(j + 1, rc.n + 1):
-          if t2[j2 - j - 1] > target or f[j2, k - d, e - 1] > target:
+          if t2[j2 - j - 1] > target or f[j2, k - s, e - 1] > target:
             continue
           mem = ctx.mem(float(rc.params[j, j2]), float(rc.saved[j, j2]), d, e)
           if mem <= ctx.cluster.memory_per_device:
-            step = (j2, d)
+            step = (j2, s)
             break
         if step:
           break

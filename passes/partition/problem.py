@@ -1,0 +1,248 @@
+"""The planning contract: one ``PlanningProblem`` built once, and the ``Planner`` protocol.
+
+A planning problem is what every planner starts from: the validated LayerGraph and its
+per-layer costs, the Cluster (its ``memory_per_device`` is the memory budget), the mini-batch
+size, the cost model, the schedule family the plan names and the micro-batch sizes a planner
+may choose from. ``PlanningProblem.build`` makes it from what users pass (a device count
+becomes a ``cpu_cluster``; the batch defaults to the LayerGraph's).
+
+A planner is any callable ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None,
+**options) -> Plan`` (``Planner``): a user's function passed as ``planner=`` qualifies. Every
+registered planner (``passes.partition.PLANNERS``) also has ``plan(problem, options)``:
+``ProblemPlanner`` (GraphPipe, PipeDream) takes the problem and a frozen options dataclass
+(calling it with the keyword form builds both); ``KeywordPlanner`` adapts a planner written in
+the keyword form, a user's included (``as_planner``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+import networkx as nx
+
+from gpp_jax.cost.cluster import Cluster, as_cluster
+from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
+from gpp_jax.ir.layer_graph import validate_layer_graph
+from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.plan_assembly import MAX_MICROBATCHES, microbatch_sizes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanningProblem:
+  """What a planner is asked: plan ``layer_graph`` for ``cluster`` at ``batch_size``.
+
+  Attributes:
+    layer_graph: the validated LayerGraph with costs.
+    cluster: the Cluster; ``memory_per_device`` is the memory budget.
+    batch_size: the mini-batch size.
+    cost_model: the CostModel planners price stages with.
+    costs: per-layer costs of ``layer_graph`` (``cost_model.layer_costs``).
+    schedule: the schedule generator the plans name ("1f1b", "graph-1f1b", "gpipe", ...).
+    num_microbatches: fixed M (micro-batch = batch / M), or None to sweep sizes.
+    max_microbatches: a sweep skips sizes needing more micro-batches than this.
+  """
+
+  layer_graph: nx.DiGraph
+  cluster: Cluster
+  batch_size: int
+  cost_model: CostModel
+  costs: LayerCosts
+  schedule: str = "1f1b"
+  num_microbatches: int | None = None
+  max_microbatches: int | None = MAX_MICROBATCHES
+  memo: dict = dataclasses.field(default_factory=dict, repr=False)  # work planners share
+
+  @classmethod
+  def build(
+    cls,
+    layer_graph: nx.DiGraph,
+    cluster: Cluster | int | None = None,
+    batch_size: int | None = None,
+    *,
+    cost_model: CostModel | None = None,
+    schedule: str = "1f1b",
+    num_microbatches: int | None = None,
+    max_microbatches: int | None = MAX_MICROBATCHES,
+  ) -> PlanningProblem:
+    """The problem from what a user passes: a device count becomes a ``cpu_cluster``, the
+    batch defaults to the LayerGraph's ``batch_size``, the cost model to the default one."""
+    validate_layer_graph(layer_graph)
+    return cls(
+      layer_graph=layer_graph,
+      cluster=as_cluster(cluster),
+      batch_size=int(batch_size or layer_graph.graph["batch_size"]),
+      cost_model=cost_model or DEFAULT_COST_MODEL,
+      costs=layer_costs(layer_graph),
+      schedule=schedule,
+      num_microbatches=num_microbatches,
+      max_microbatches=max_microbatches,
+    )
+
+  @property
+  def memory_limit(self) -> float:
+    """Bytes per device a plan may use."""
+    return float(self.cluster.memory_per_device)
+
+  @property
+  def num_devices(self) -> int:
+    return self.cluster.num_devices
+
+  def microbatch_sizes(self) -> list[int]:
+    """The micro-batch sizes a planner may choose from (``plan_assembly.microbatch_sizes``)."""
+    return microbatch_sizes(self.batch_size, self.num_microbatches, self.max_microbatches)
+
+  def inputs(self) -> tuple[Cluster, CostModel, int, LayerCosts]:
+    """(cluster, cost model, batch size, layer costs): the four values planners price with."""
+    return self.cluster, self.cost_model, self.batch_size, self.costs
+
+
+@runtime_checkable
+class Planner(Protocol):
+  """Anything that plans: ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None,
+  **options) -> Plan``. Users' functions passed as ``planner=`` are Planners."""
+
+  def __call__(
+    self,
+    layer_graph: nx.DiGraph,
+    cluster: Any = None,
+    batch_size: int | None = None,
+    *,
+    num_microbatches: int | None = None,
+    **options: Any,
+  ) -> Plan: ...
+
+
+Options = TypeVar("Options")
+
+# The keyword arguments that make the problem rather than a planner's options.
+PROBLEM_KEYWORDS = ("cost_model", "schedule", "max_microbatches")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemPlanner(Generic[Options]):
+  """A built-in planner: ``plan(problem, options)`` with a frozen options dataclass.
+
+  Calling it with the keyword form (``Planner``) builds the ``PlanningProblem`` (from
+  ``cost_model``, ``schedule``, ``max_microbatches`` and ``num_microbatches``) and the options
+  (every other keyword, checked against the options' fields) and runs ``plan``.
+  """
+
+  name: str
+  options_type: type[Options]
+  run: Callable[[PlanningProblem, Options], Plan]
+  doc: str = ""
+
+  def options(self, **kw: Any) -> Options:
+    names = {f.name for f in dataclasses.fields(self.options_type)}  # type: ignore[arg-type]
+    bad = sorted(set(kw) - names)
+    if bad:
+      raise TypeError(
+        f"{self.name}: unknown option(s) {bad}; the options are {sorted(names)} and "
+        f"{list(PROBLEM_KEYWORDS)}"
+      )
+    return self.options_type(**kw)
+
+  def plan(
+    self, problem: PlanningProblem, options: Options | Mapping[str, Any] | None = None
+  ) -> Plan:
+    """The plan for ``problem`` under ``options`` (the dataclass, or its fields as a mapping;
+    None: the defaults)."""
+    if options is None:
+      options = self.options_type()
+    elif isinstance(options, Mapping):
+      options = self.options(**options)
+    return self.run(problem, options)
+
+  def __call__(
+    self,
+    layer_graph: nx.DiGraph,
+    cluster: Cluster | int | None = None,
+    batch_size: int | None = None,
+    *,
+    num_microbatches: int | None = None,
+    **kw: Any,
+  ) -> Plan:
+    problem_kw = {k: kw.pop(k) for k in PROBLEM_KEYWORDS if k in kw}
+    problem = PlanningProblem.build(
+      layer_graph, cluster, batch_size, num_microbatches=num_microbatches, **problem_kw
+    )
+    return self.plan(problem, self.options(**kw))
+
+
+def device_unit(num_devices: int, grid: int | None) -> int:
+  """The smallest power of two u with at most ``grid`` slots of u devices (1 for None): the
+  DPs count devices in such slots, so their tables do not grow with the cluster."""
+  u = 1
+  while grid is not None and num_devices // u > grid:
+    u *= 2
+  return u
+
+
+@dataclasses.dataclass(frozen=True)
+class KeywordPlanner:
+  """A planner written in the keyword form (``Planner``), e.g. a user's function, with the
+  same ``plan(problem, options)`` as ``ProblemPlanner``: the problem's cost model, schedule
+  and micro-batch limit are passed to it where its signature takes them."""
+
+  name: str
+  fn: Callable[..., Plan]
+
+  def accepts(self) -> set[str] | None:
+    """The keyword names ``fn`` takes (None: any, it has ``**kwargs``)."""
+    try:
+      params = inspect.signature(self.fn).parameters.values()
+    except (TypeError, ValueError):
+      return set()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+      return None
+    return {p.name for p in params}
+
+  def plan(self, problem: PlanningProblem, options: Mapping[str, Any] | None = None) -> Plan:
+    names = self.accepts()
+    given = {
+      "cost_model": problem.cost_model,
+      "schedule": problem.schedule,
+      "max_microbatches": problem.max_microbatches,
+    }
+    kw = {k: v for k, v in given.items() if names is None or k in names}
+    return self.fn(
+      problem.layer_graph,
+      problem.cluster,
+      problem.batch_size,
+      num_microbatches=problem.num_microbatches,
+      **{**kw, **(options or {})},
+    )
+
+  def __call__(self, *args: Any, **kw: Any) -> Plan:
+    return self.fn(*args, **kw)
+
+
+RegisteredPlanner = ProblemPlanner | KeywordPlanner
+
+
+def as_planner(planner: str | Planner) -> RegisteredPlanner:
+  """A planner name (``passes.partition.PLANNERS``), a registered planner, or any callable in
+  the keyword form (a user's planner) -> an object with ``plan(problem, options)``."""
+  if isinstance(planner, str):
+    from gpp_jax.passes.partition import get_planner
+
+    return get_planner(planner)
+  if isinstance(planner, (ProblemPlanner, KeywordPlanner)):
+    return planner
+  if not callable(planner):
+    raise TypeError(
+      f"a planner is a name or a callable (layer_graph, cluster, batch_size, *, "
+      f"num_microbatches=None, **options) -> Plan; got {type(planner).__name__}"
+    )
+  return KeywordPlanner(planner_name(planner), planner)
+
+
+def planner_name(planner: Planner | str) -> str:
+  """A planner's name: its registry name, else the callable's ``__name__``."""
+  if isinstance(planner, str):
+    return planner
+  name = getattr(planner, "name", None) or getattr(planner, "__name__", None)
+  return str(name or type(planner).__name__)
