@@ -26,11 +26,17 @@ import sys
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("parts", ["peaks", "fit"], "which parts to run: peaks, fit")
+flags.DEFINE_list(
+  "parts", ["peaks", "fit", "microbatch"], "which parts to run: peaks, fit, microbatch"
+)
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "zoo models (medium size)")
 flags.DEFINE_list("devices", ["4", "8"], "device counts for part (a)")
 flags.DEFINE_integer("batch_size", 64, "examples per step")
 flags.DEFINE_integer("microbatches", 8, "micro-batches per step")
+flags.DEFINE_string(
+  "mb_budget", "2GiB", "part (c): the budget per device the largest micro-batch is found under"
+)
+flags.DEFINE_integer("mb_devices", 16, "part (c): V100s of the simulated cluster")
 flags.DEFINE_string("child", None, "internal: run one configuration (JSON) and print its result")
 
 CONFIGS = ("plain jit", "jit data parallel", "gpipe", "1f1b", "pipedream", "graphpipe")
@@ -177,6 +183,41 @@ def fit() -> None:
     )
 
 
+def largest_microbatch() -> None:
+  """(c) The paper's models on a simulated V100 cluster: for each planner, the largest
+  micro-batch (fewest micro-batches of the mini-batch) whose plan fits ``--mb_budget``."""
+  from gpp_jax.cli.plan import compare, default_batch_size
+  from gpp_jax.runtime.memory import format_bytes, parse_bytes
+
+  budget = parse_bytes(FLAGS.mb_budget)
+  n = FLAGS.mb_devices
+  print(
+    f"\n(c) largest micro-batch that fits {format_bytes(budget)} per device, paper models on "
+    f"{n} simulated V100s (planner predictions, nothing run)"
+  )
+  planners = ["graphpipe", "pipedream", "piper", "bapipe", "luo"]
+  print(f"{'model':12s} {'batch':>6s} " + " ".join(f"{p:>10s}" for p in planners))
+  for model in FLAGS.models:
+    B = default_batch_size(model, n)
+    best = {}
+    for p in planners:
+      best[p] = None
+      for M in sorted({B // b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if B % b == 0}):
+        if M < 1 or B % M:
+          continue
+        r = compare(
+          model, cluster="v100", num_devices=n, planners=[p], num_microbatches=M,
+          memory_limit=budget,
+        )["results"][0]  # fmt: skip
+        if "error" not in r:
+          best[p] = B // M
+          break
+    print(
+      f"{model:12s} {B:6d} " + " ".join(f"{best[p] if best[p] else '-':>10}" for p in planners),
+      flush=True,
+    )
+
+
 def main(argv):
   del argv
   if FLAGS.child:
@@ -186,6 +227,8 @@ def main(argv):
     peaks()
   if "fit" in FLAGS.parts:
     fit()
+  if "microbatch" in FLAGS.parts:
+    largest_microbatch()
 
 
 if __name__ == "__main__":
