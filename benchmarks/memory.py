@@ -199,7 +199,7 @@ def largest_microbatch() -> None:
   print(f"{'model':12s} {'batch':>6s} " + " ".join(f"{p:>10s}" for p in planners))
   for model in FLAGS.models:
     B = default_batch_size(model, n)
-    best = {}
+    best: dict[str, int | None] = {}
     for p in planners:
       best[p] = None
       for M in sorted({B // b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if B % b == 0}):
