@@ -97,7 +97,7 @@ def test_calibrated_host_cost_is_used(dag, monkeypatch):
   from gpp_jax.runtime import host as host_mod
 
   slow = host(5e-3, 1.0)
-  monkeypatch.setattr(host_mod, "measure_host", lambda devices: slow)
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: slow)
   step, params, opt_state, batch = dag
   pp = gpp_jax.graph_pipeline(
     step, num_microbatches=2, devices=jax.devices()[:4], planner="graphpipe", calibrate=True
@@ -120,7 +120,7 @@ def test_calibrated_host_cost_is_used(dag, monkeypatch):
 def test_min_stages_keeps_a_pipeline(dag, monkeypatch):
   from gpp_jax.runtime import host as host_mod
 
-  monkeypatch.setattr(host_mod, "measure_host", lambda devices: host(5e-3, 1.0))
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: host(5e-3, 1.0))
   step, params, opt_state, batch = dag
   pp = gpp_jax.graph_pipeline(
     step,

@@ -191,6 +191,20 @@ def test_nnx_cached_partial_snippet():
   assert int(optimizer.step[...]) == 3
 
 
+def test_memory_snippet():
+  ns = _run(_snippet("def train_step(model, optimizer, batch)"), _imports())
+  model, optimizer = _nnx_fresh(NNXNet)
+  ref_model, ref_opt = _nnx_fresh(NNXNet)
+  batch = _batch()
+  ns = _run(
+    _snippet("train_step.measure_memory("),
+    {**ns, "model": model, "optimizer": optimizer, "batch": batch},
+  )
+  assert abs(float(ns["loss"]) - float(_nnx_reference(ref_model, ref_opt, batch))) <= TOL
+  report = ns["train_step"].memory
+  assert report is not None and all(d.measured_peak_bytes > 0 for d in report.devices)
+
+
 def test_manual_plan_snippet():
   ns = _run(
     _snippet("devices={0: [0, 1]"), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)}

@@ -95,6 +95,8 @@ class Options:
   name: str = "step"
   memory_limit: int | None = None  # bytes per device; None: the device's, else the cluster's
   min_stages: int = 1  # 2: a pipeline even where plain jit or data parallel is predicted faster
+  # devices -> their host's HostCosts (``runtime.host.measure_host``), measured when calibrating
+  host_probe: Callable[[Sequence[Any]], HostCosts] | None = None
 
   def batch_positions(self, nargs: int, positional: int | None = None) -> tuple[int, ...]:
     """Positions of the batch among ``nargs`` step arguments, of which the first
@@ -363,10 +365,8 @@ def plan_step(
   if opts.calibrate:
     calibration = calibrate(captured, opts)
     graph = calibration.apply(graph)
-    if jax.process_count() == 1:
-      from gpp_jax.runtime.host import measure_host
-
-      host = measure_host(opts.devices)
+    if jax.process_count() == 1 and opts.host_probe is not None:
+      host = opts.host_probe(opts.devices)
   B = captured.batch_size
   plan = make_plan(graph, B, opts)
   cluster = planner_cluster(opts)

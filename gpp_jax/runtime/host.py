@@ -39,13 +39,14 @@ def measure_parallel(devices: Sequence[Any], size: int = 192, reps: int = 5) -> 
 
 
 @functools.lru_cache(maxsize=8)
-def _measure(devices: tuple[Any, ...], repeats: int) -> HostCosts:
+def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> HostCosts:
   import jax
   import jax.numpy as jnp
   import numpy as np
   import optax
 
-  import gpp_jax
+  from gpp_jax.passes.partition.manual import manual_plan
+  from gpp_jax.runtime.capture_step import value_and_grad
 
   n = min(4, len(devices))
   widths = [6, 8, 8, 8, 3]
@@ -66,9 +67,7 @@ def _measure(devices: tuple[Any, ...], repeats: int) -> HostCosts:
   tx = optax.adam(1e-3)
 
   def step(params, opt_state, batch):
-    loss, grads = gpp_jax.value_and_grad(lambda p: jnp.mean((model(p, batch[0]) - batch[1]) ** 2))(
-      params
-    )
+    loss, grads = value_and_grad(lambda p: jnp.mean((model(p, batch[0]) - batch[1]) ** 2))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -77,11 +76,11 @@ def _measure(devices: tuple[Any, ...], repeats: int) -> HostCosts:
     rng.normal(size=(16, widths[-1])).astype(np.float32),
   )
   stages = {f"l{k}": k * n // 4 for k in range(4)}
-  pp = gpp_jax.graph_pipeline(
+  pp = graph_pipeline(
     step,
     num_microbatches=4,
     devices=list(devices[:n]),
-    planner=gpp_jax.manual_plan(stages),
+    planner=manual_plan(stages),
     fuse=False,
   )
   p, o = params, tx.init(params)
@@ -110,9 +109,11 @@ def _measure(devices: tuple[Any, ...], repeats: int) -> HostCosts:
   )
 
 
-def measure_host(devices: Sequence[Any], repeats: int = 7) -> HostCosts:
+def measure_host(devices: Sequence[Any], graph_pipeline: Any, repeats: int = 7) -> HostCosts:
   """``HostCosts`` of this process driving ``devices``: a small pipeline over up to four of
   them runs a few steps through the executor (its per-instruction dispatch timeline gives the
   per-op costs) and, on CPU devices, a matrix chain on each of them measures how many compute
-  at once (``measure_parallel``). Seconds in all; measured once per process and devices."""
-  return _measure(tuple(devices), repeats)
+  at once (``measure_parallel``). Seconds in all; measured once per process and devices.
+  ``graph_pipeline``: the decorator that builds the small pipeline (``runtime.pipeline``'s,
+  passed in so that this module does not import the runtime that calls it)."""
+  return _measure(tuple(devices), repeats, graph_pipeline)

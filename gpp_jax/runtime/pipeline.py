@@ -95,6 +95,7 @@ class GraphPipeline:
       name=getattr(fn, "__name__", "step"),
       memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
       min_stages=int(min_stages),
+      host_probe=_probe_host,
     )
     self._compiled: dict[Any, CompiledStep] = {}
     self._signatures: list[dict[str, Any]] = []  # of the calls compiled for, to name changes
@@ -392,6 +393,14 @@ class GraphPipeline:
     (assigning new values to their Variables is fine); see ``runtime.cached.CachedStep``.
     """
     return CachedStep(self, cached_args)
+
+
+def _probe_host(devices) -> Any:
+  """The host's costs of driving ``devices`` (``runtime.host.measure_host``, with this module's
+  decorator for its small pipeline)."""
+  from gpp_jax.runtime import host
+
+  return host.measure_host(devices, graph_pipeline)
 
 
 def _one_device_message(device) -> str:

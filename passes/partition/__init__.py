@@ -4,7 +4,7 @@
 signature ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None, **options) ->
 Plan`` (``cluster`` a ``gpp_jax.cost.cluster.Cluster`` or a device count, a ``cpu_cluster``),
 and with ``plan(problem, options)`` on a ``problem.PlanningProblem`` built once. A user's
-planner in the keyword form is a Planner too (``problem.as_planner`` adapts it).
+planner in the keyword form is a Planner too (``as_planner`` adapts it).
 
   graphpipe   stage DAG: series-parallel DP + binary search on time per sample (GraphPipe)
   pipedream   chain of replicated stages over the linearised graph (PipeDream)
@@ -38,7 +38,7 @@ from gpp_jax.passes.partition.problem import (
   PlanningProblem,
   ProblemPlanner,
   RegisteredPlanner,
-  as_planner,
+  as_registered,
 )
 from gpp_jax.passes.partition.stage_microbatches import graphpipe_stage_microbatch_plan
 
@@ -75,6 +75,14 @@ __all__ = [
   "pipedream_plan",
   "piper_plan",
 ]
+
+
+def as_planner(planner: str | Planner) -> RegisteredPlanner:
+  """A planner name (``PLANNERS``), a registered planner, or any callable in the keyword form
+  (a user's planner) -> an object with ``plan(problem, options)``."""
+  if isinstance(planner, str):
+    return get_planner(planner)
+  return as_registered(planner)
 
 
 def get_planner(name: str) -> RegisteredPlanner:

@@ -11,7 +11,7 @@ A planner is any callable ``planner(layer_graph, cluster, batch_size, *, num_mic
 registered planner (``passes.partition.PLANNERS``) also has ``plan(problem, options)``:
 ``ProblemPlanner`` (GraphPipe, PipeDream) takes the problem and a frozen options dataclass
 (calling it with the keyword form builds both); ``KeywordPlanner`` adapts a planner written in
-the keyword form, a user's included (``as_planner``).
+the keyword form, a user's included (``as_registered``; ``passes.partition.as_planner``).
 """
 
 from __future__ import annotations
@@ -223,13 +223,9 @@ class KeywordPlanner:
 RegisteredPlanner = ProblemPlanner | KeywordPlanner
 
 
-def as_planner(planner: str | Planner) -> RegisteredPlanner:
-  """A planner name (``passes.partition.PLANNERS``), a registered planner, or any callable in
-  the keyword form (a user's planner) -> an object with ``plan(problem, options)``."""
-  if isinstance(planner, str):
-    from gpp_jax.passes.partition import get_planner
-
-    return get_planner(planner)
+def as_registered(planner: Planner) -> RegisteredPlanner:
+  """A registered planner, or any callable in the keyword form (a user's planner) -> an object
+  with ``plan(problem, options)`` (``passes.partition.as_planner`` also takes a name)."""
   if isinstance(planner, (ProblemPlanner, KeywordPlanner)):
     return planner
   if not callable(planner):
