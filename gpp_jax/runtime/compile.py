@@ -358,8 +358,9 @@ def plan_step(
 
   When calibrating, ``trial(plan)`` compiles and times plain jit (``(compiled step, seconds)``):
   the measured step calibrates the layer times' sum against what XLA makes of the whole
-  model (``fusion``: their ratio, applied to every candidate's compute), and if plain jit is
-  chosen its compiled step is kept (``Planned.trial``)."""
+  model (``fusion``: their ratio, applied to the one-stage candidates, which XLA compiles as
+  one program; a pipeline's stages are compiled apart, as the layers were timed), and if
+  plain jit is chosen its compiled step is kept (``Planned.trial``)."""
   graph = captured.layering.graph
   calibration = host = None
   if opts.calibrate:
@@ -436,15 +437,17 @@ def choose_plan(
 def calibrate_fusion(
   graph: nx.DiGraph, batch_size: int, plain: Plan, cluster: Any, host: HostCosts, seconds: float
 ) -> nx.DiGraph:
-  """``graph`` with its layer times scaled so that plain jit's prediction equals its measured
-  ``seconds`` per call of its compiled step (``graph.graph["fusion"]``: the factor). The
+  """``graph`` with ``graph.graph["fusion"]``: the factor by which its layer times scale so
+  that plain jit's prediction equals its measured ``seconds`` per call of its compiled step
+  (``predict_seconds`` applies it to one-stage plans). The
   host's issue of the step is not scaled (nor its time outside the step, which ``seconds``
   leaves out); the compute keeps at least 5% of the layers' sum."""
   scaled = lg.scaled(graph, batch_size)
   model_s = predict_fused(plain, scaled, cluster, None)
   issue = predict_fused(plain, scaled, cluster, host) - model_s - host.outside
-  fusion = max(seconds - issue, 0.05 * model_s) / model_s
-  return _scaled_times(graph, fusion)
+  out = graph.copy()
+  out.graph["fusion"] = max(seconds - issue, 0.05 * model_s) / model_s
+  return out
 
 
 def _scaled_times(graph: nx.DiGraph, factor: float) -> nx.DiGraph:
@@ -453,7 +456,7 @@ def _scaled_times(graph: nx.DiGraph, factor: float) -> nx.DiGraph:
     for k in ("time_f", "time_b"):
       if out.nodes[n].get(k) is not None:
         out.nodes[n][k] = out.nodes[n][k] * factor
-  out.graph["fusion"] = factor
+  out.graph.pop("fusion", None)  # applied
   return out
 
 
@@ -506,13 +509,15 @@ def predict_seconds(
 ) -> tuple[float, bool]:
   """(seconds per step on this machine, whether its predicted memory fits the cluster's
   memory per device): a one-stage plan runs as one jitted step (``predict_fused``), a
-  pipeline as its schedule's program issued by the host (``simulate``)."""
+  pipeline as its schedule's program issued by the host (``simulate``); ``graph.graph
+  ["fusion"]``, where measured, scales a one-stage plan's compute (``calibrate_fusion``)."""
   if not plan.batch_size:  # a plan given without its batch: the graph's
     plan = plan.replace(batch_size=graph.graph["batch_size"])
   res = simulate(plan, graph, cluster, host=host)
   fits = max(res.stage_memory, default=0.0) <= cluster.memory_per_device
   if plan.num_stages == 1:
-    return predict_fused(plan, graph, cluster, host), fits
+    fused = _scaled_times(graph, graph.graph["fusion"]) if "fusion" in graph.graph else graph
+    return predict_fused(plan, fused, cluster, host), fits
   return res.iteration_time, fits
 
 
