@@ -187,7 +187,8 @@ def largest_microbatch() -> None:
   """(c) The paper's models on a simulated V100 cluster: for each planner, the largest
   micro-batch (fewest micro-batches of the mini-batch) whose plan fits ``--mb_budget``."""
   from gpp_jax.cli.plan import compare, default_batch_size
-  from gpp_jax.runtime.memory import format_bytes, parse_bytes
+  from gpp_jax.cost.memory import format_bytes
+  from gpp_jax.runtime.memory import parse_bytes
 
   budget = parse_bytes(FLAGS.mb_budget)
   n = FLAGS.mb_devices

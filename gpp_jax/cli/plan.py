@@ -38,6 +38,7 @@ import networkx as nx
 from absl import app, flags
 
 from gpp_jax.cost.cluster import Cluster, make_cluster
+from gpp_jax.cost.memory import format_bytes
 from gpp_jax.experiments import model_graphs
 from gpp_jax.experiments.planner_runs import (
   MODEL_LABELS,
@@ -50,7 +51,7 @@ from gpp_jax.experiments.planner_runs import (
 )
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition import PLANNERS
-from gpp_jax.runtime.memory import format_bytes, parse_bytes
+from gpp_jax.runtime.memory import parse_bytes
 
 FLAGS = flags.FLAGS
 DEFAULT_PLANNERS = (

@@ -20,6 +20,15 @@ from collections.abc import Hashable, Mapping, Sequence
 
 from gpp_jax.ir.program import Op, Program
 
+
+def format_bytes(n: float) -> str:
+  """``1.5 GiB``, ``12.0 MiB``, ``3.2 KiB``, ``512 B``."""
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= size:
+      return f"{n / size:.1f} {unit}"
+  return f"{int(n)} B"
+
+
 # Transfers from the host lane whose destination is the caller's own array when it is already
 # placed (the step's arguments: parameters, optimizer state), not a new one.
 _ALIASING_SENDS = ("input", "param")

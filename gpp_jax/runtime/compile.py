@@ -572,7 +572,7 @@ def check_memory(c: CompiledStep, opts: Options, planned_by_user: bool) -> None:
   over = {d: n for d, n in trace.peak.items() if n > limit}
   if not over:
     return
-  from gpp_jax.runtime.memory import format_bytes as fmt
+  from gpp_jax.cost.memory import format_bytes as fmt
 
   lines = []
   for d, n in sorted(over.items(), key=lambda kv: -kv[1]):
@@ -621,7 +621,7 @@ def budget_error(
   """The planner found no plan under the memory budget: when one exists with unlimited memory,
   an error naming the smallest budget found to fit (bisected over ``rounds`` planner runs)
   and what takes the most memory in that plan; else ``error`` itself."""
-  from gpp_jax.runtime.memory import format_bytes as fmt
+  from gpp_jax.cost.memory import format_bytes as fmt
 
   limit = cluster.memory_per_device
 

@@ -53,14 +53,6 @@ def parse_bytes(value: int | float | str) -> int:
   return int(n * units[unit])
 
 
-def format_bytes(n: float) -> str:
-  """``1.5 GiB``, ``12.0 MiB``, ``3.2 KiB``, ``512 B``."""
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if abs(n) >= size:
-      return f"{n / size:.1f} {unit}"
-  return f"{int(n)} B"
-
-
 def device_bytes(x: jax.Array) -> dict[Any, int]:
   """Bytes ``x`` holds on each of this process's devices."""
   sharding = x.sharding

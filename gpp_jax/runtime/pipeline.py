@@ -20,6 +20,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from gpp_jax.cost.memory import format_bytes
 from gpp_jax.errors import BatchError, GppError
 from gpp_jax.ir.plan import Plan
 from gpp_jax.ir.program import Program
@@ -44,7 +45,7 @@ from gpp_jax.runtime.input_checks import (
   check_positive,
   differences,
 )
-from gpp_jax.runtime.memory import MemoryReport, format_bytes, parse_bytes
+from gpp_jax.runtime.memory import MemoryReport, parse_bytes
 from gpp_jax.runtime.steps import carry_map, stream_reason
 
 

@@ -26,6 +26,7 @@ from gpp_jax.cost.cost_model import (
   layer_costs,
   plan_costs,
 )
+from gpp_jax.cost.memory import format_bytes
 from gpp_jax.cost.simulator import SimResult, simulate
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import validate_layer_graph
@@ -343,17 +344,13 @@ def better(a: Plan | None, b: Plan | None) -> Plan | None:
   return b if key(b) < key(a) else a
 
 
-def _size(n: float) -> str:
-  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
-
-
 def no_plan_error(
   planner: str, layer_graph: nx.DiGraph, cluster: Cluster, batch_size: int, why: str = ""
 ) -> PlanError:
   return PlanError(
     f"{planner}: no plan fits {layer_graph.graph.get('name', 'the model')} (batch "
     f"{batch_size}) on {cluster.num_devices} devices with "
-    f"{_size(cluster.memory_per_device)} each{': ' + why if why else ''}; "
+    f"{format_bytes(cluster.memory_per_device)} each{': ' + why if why else ''}; "
     "use more devices, a smaller batch, or devices with more memory"
   )
 
