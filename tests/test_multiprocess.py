@@ -236,6 +236,7 @@ def test_plans_the_planners_choose_run_over_two_processes(planner):
     int(x)
     for x in results[0]
     .split("devices=")[1]
+    .split(" seconds=")[0]
     .replace("(", " ")
     .replace(")", " ")
     .replace(",", " ")

@@ -409,7 +409,7 @@ def _main(argv: list[str]) -> None:
   after_step(start)
   # Open for the whole run (closed after the last step); lines are flushed as they are written.
   metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w") if main_process else None  # noqa: SIM115
-  t_log, samples = time.perf_counter(), 0
+  t_log, samples, measuring = time.perf_counter(), 0, False
   step_ms: list[float] = []
   for step in range(start + 1, FLAGS.steps + 1):  # step ``start`` (compilation) ran above
     last = step == FLAGS.steps
@@ -419,8 +419,10 @@ def _main(argv: list[str]) -> None:
     if step == start + 1 and FLAGS.measure_memory and not last and not _MULTIPROCESS:
       # In the first logged interval, which the step time leaves out (warm-up).
       loss = pp.measure_memory(model, optimizer, batch)
+      measuring = True
     else:
       loss = train(batch)
+      measuring = measuring or pp.measure
     samples += FLAGS.batch_size
     if step % FLAGS.log_every == 0 or last:
       value = reporting.fetch(loss)
@@ -431,7 +433,7 @@ def _main(argv: list[str]) -> None:
         "samples_per_s": samples / dt,
         "step_ms": dt / max(samples // FLAGS.batch_size, 1) * 1e3,
       }
-      if not (last and pp.measure):  # the measured step blocks per action: slower
+      if not measuring:  # a measuring step blocks per action or walks the arrays: slower
         step_ms.append(rec["step_ms"])
       logging.info(
         "step %d/%d loss %s  %.1f samples/s  %.1f ms/step",
@@ -444,7 +446,7 @@ def _main(argv: list[str]) -> None:
       if metrics:
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
-      t_log, samples = time.perf_counter(), 0
+      t_log, samples, measuring = time.perf_counter(), 0, False
     after_step(step)
   if main_process:
     assert metrics is not None
