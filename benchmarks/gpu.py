@@ -49,7 +49,7 @@ flags.DEFINE_integer(
   "whose plain step takes at least --target_ms (at most 256)",
 )
 flags.DEFINE_float("target_ms", 40.0, "plain step time the automatic batch size aims at")
-flags.DEFINE_list("stages", ["1", "4"], "stage counts (one device per stage; skipped beyond the devices)")
+flags.DEFINE_list("stages", ["1", "4"], "stage counts (a device each; skipped beyond the devices)")
 flags.DEFINE_list("microbatches", ["4", "8"], "micro-batch counts")
 flags.DEFINE_integer("repeats", 20, "timed steps per configuration (median reported)")
 flags.DEFINE_integer("warmup", 4, "untimed steps per configuration (compilation, first steps)")
@@ -182,7 +182,7 @@ def main(_):
   devices = jax.devices(device.platform)
   configs: list[tuple[str, int, int]] = [("chosen", 0, int(FLAGS.microbatches[0]))]
   for S in map(int, FLAGS.stages):
-    if S > len(devices):
+    if len(devices) < S:
       print(f"{S} stages: skipped, {len(devices)} {device.platform} device(s) (one per stage)")
       continue
     configs += [("stages", S, M) for M in map(int, FLAGS.microbatches)]
