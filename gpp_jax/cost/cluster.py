@@ -357,6 +357,16 @@ def process_cluster(devices: Sequence[Any], memory_per_device: float = 4 * GiB) 
   )
 
 
+def devices_cluster(devices: Sequence[Any]) -> Cluster:
+  """The cluster preset of the given JAX devices: GPUs the ``cuda`` preset (H100s), anything
+  else ``process_cluster`` (forced CPU devices, one node per process). Layer times are
+  replaced by measured ones when calibrating; the preset still prices the optimizer update
+  and the transfers, so a GPU priced as a CPU would look a hundred times slower at both."""
+  if devices and all(getattr(d, "platform", None) == "gpu" for d in devices):
+    return cuda_cluster(len(devices))
+  return process_cluster(devices)
+
+
 CLUSTER_PRESETS = ("cpu", "cuda", "v100")
 """The cluster presets by name: forced CPU devices, H100 GPUs, the GraphPipe paper's V100s."""
 

@@ -31,7 +31,7 @@ from absl import logging
 from flax import nnx
 from jax.extend import core as xc
 
-from gpp_jax.cost.cluster import as_cluster, process_cluster
+from gpp_jax.cost.cluster import as_cluster, devices_cluster
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.host import HostCosts
 from gpp_jax.cost.simulator import predict_fused, simulate
@@ -404,10 +404,14 @@ def plan_step(
     logging.info("graph_pipeline: %s", note)
     choice = "pipeline"
   elif choice != "pipeline":
+    theirs = (
+      f"pipeline of {plan.num_stages} stages"
+      if plan.num_stages > 1
+      else f"one stage of {plan.num_microbatches} micro-batches"
+    )
     note = (
       f"{choice} is predicted fastest on this machine: {predicted[choice] * 1e3:.2f} ms per "
-      f"step against {predicted['pipeline'] * 1e3:.2f} ms for {plan.planner}'s pipeline of "
-      f"{plan.num_stages} stages"
+      f"step against {predicted['pipeline'] * 1e3:.2f} ms for {plan.planner}'s {theirs}"
     )
     if candidates[choice].num_stages == 1:
       note += " (min_stages=2 runs a pipeline regardless)"
@@ -460,21 +464,23 @@ def _scaled_times(graph: nx.DiGraph, factor: float) -> nx.DiGraph:
   return out
 
 
+BASELINES = ("plain jit", "jit data parallel")  # what a user would run instead of a pipeline
+
+
 def baseline_plans(
   graph: nx.DiGraph, batch_size: int, opts: Options, widths: Sequence[int] | None = None
 ) -> dict[str, Plan]:
-  """What a user would run instead: all layers as one stage on the first device (plain jit)
-  and over all devices (jit data parallel, where each micro-batch splits over them);
-  ``widths`` picks by number of devices (default: both)."""
+  """What a user would run instead, the whole batch in one call (one micro-batch): all
+  layers as one stage on the first device (plain jit) and over all devices (jit data parallel,
+  the batch split over them); ``widths`` picks by number of devices (default: both)."""
   layers = tuple(lg.topo_layers(graph))
-  M = opts.num_microbatches
   out = {}
-  names = {len(opts.devices): "jit data parallel", 1: "plain jit"}
+  names = {len(opts.devices): BASELINES[1], 1: BASELINES[0]}
   for k in widths or (1, len(opts.devices)):
     name = names[k]
-    if name == "jit data parallel" and (k < 2 or (batch_size // M) % k):
+    if name == "jit data parallel" and (k < 2 or batch_size % k):
       continue
-    plan = Plan((Stage(0, layers, tuple(range(k))),), (), M, planner=name, batch_size=batch_size)
+    plan = Plan((Stage(0, layers, tuple(range(k))),), (), 1, planner=name, batch_size=batch_size)
     validate_plan(plan, graph, len(opts.devices), batch_size)
     out[name] = plan
   return out
@@ -539,10 +545,8 @@ def planner_cluster(opts: Options) -> Any:
   memory per device the budget (``memory_limit``)."""
   if opts.cluster is not None:
     cluster = as_cluster(opts.cluster)
-  elif jax.process_count() > 1:
-    cluster = process_cluster(list(opts.devices))
   else:
-    cluster = as_cluster(len(opts.devices))
+    cluster = devices_cluster(list(opts.devices))
   return cluster.replace(memory_per_device=float(memory_limit(opts, cluster)))
 
 
@@ -559,7 +563,9 @@ def memory_limit(opts: Options, cluster: Any = None) -> int:
   if reported:
     return min(reported)
   if cluster is None:
-    cluster = as_cluster(opts.cluster if opts.cluster is not None else len(opts.devices))
+    cluster = (
+      as_cluster(opts.cluster) if opts.cluster is not None else devices_cluster(opts.devices)
+    )
   return int(cluster.memory_per_device)
 
 
@@ -675,6 +681,8 @@ def make_plan(graph: nx.DiGraph, batch_size: int, opts: Options) -> Plan:
   p = opts.planner
   nd = len(opts.devices)
   if isinstance(p, Plan):
+    if p.planner in BASELINES:  # the whole batch at once, as it was chosen
+      M = p.num_microbatches
     plan = p if p.num_microbatches == M else p.replace(num_microbatches=M)
     if has_mixed_microbatches(plan) and plan.batch_size != batch_size:
       plan = plan.replace(batch_size=batch_size)  # per-stage sizes are checked against it
@@ -1181,21 +1189,30 @@ def compile_step(
   """The compile chain, top to bottom."""
   captured = capture(pure, args, leaves, opts)
 
-  def recapture(b: int) -> Captured:
-    return capture(pure, args, leaves, opts, microbatch_size=b)
+  def build(planned: Planned, o: Options, by_user: bool) -> CompiledStep:
+    # A baseline runs the whole batch at once (one micro-batch): traced again at its size.
+    M = planned.plan.num_microbatches
+    cap = captured
+    if M != o.num_microbatches:
+      o = dataclasses.replace(o, num_microbatches=M)
+      cap = capture(pure, args, leaves, o)
+
+    def recapture(b: int) -> Captured:
+      return capture(pure, args, leaves, o, microbatch_size=b)
+
+    return build_step(cap, planned, o, recapture, by_user)
 
   def trial(plan: Plan) -> tuple[CompiledStep, float]:
-    given = dataclasses.replace(opts, planner=plan)
-    planned = Planned(plan, captured.layering.graph)
-    c = build_step(captured, planned, given, recapture, planned_by_user=True)
+    c = build(Planned(plan, captured.layering.graph), dataclasses.replace(opts, planner=plan), True)
     return c, time_step(c, leaves)
 
   planned = plan_step(captured, opts, trial)
-  if planned.trial is not None:
-    return dataclasses.replace(planned.trial, opts=opts, planned=planned)
-  return build_step(
-    captured, planned, opts, recapture, isinstance(opts.planner, (Plan, ManualPlan))
-  )
+  if planned.trial is not None:  # its options: the user's, at the trial's micro-batches
+    kept = planned.trial
+    return dataclasses.replace(
+      kept, opts=dataclasses.replace(kept.opts, planner=opts.planner), planned=planned
+    )
+  return build(planned, opts, isinstance(opts.planner, (Plan, ManualPlan)))
 
 
 def build_step(
