@@ -1193,7 +1193,7 @@ def compile_step(
     # A baseline runs the whole batch at once (one micro-batch): traced again at its size.
     M = planned.plan.num_microbatches
     cap = captured
-    if M != o.num_microbatches:
+    if o.num_microbatches != M:
       o = dataclasses.replace(o, num_microbatches=M)
       cap = capture(pure, args, leaves, o)
 
