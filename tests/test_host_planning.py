@@ -152,3 +152,50 @@ def test_without_calibration_the_planner_plan_is_kept(dag):
   assert planned.host is None and pp.plan.planner == "graphpipe"
   assert {"pipeline", "plain jit"} <= set(planned.alternatives)
   assert planned.predicted_s == planned.alternatives["pipeline"]
+
+
+def test_one_stage_runs_the_whole_batch_at_once(dag):
+  """A planner's one-stage plan is gradient accumulation: where the whole batch fits, plain
+  jit runs it in one call (the step a user had, value for value); a plan the user gives is
+  run as it is, and a saved baseline plan keeps its one micro-batch."""
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:1], planner="graphpipe"
+  )
+  out = pp(params, opt_state, batch)
+  assert pp.plan.planner == "plain jit" and pp.plan.num_microbatches == 1, pp.plan
+  assert "gradient accumulation over 2 micro-batches" in pp.compiled.planned.note
+  ref = jax.jit(step)(params, opt_state, batch)
+  assert max_diff(ref, out) < 1e-6
+  # The simulator times the fused step's one instruction as the prediction does.
+  from gpp_jax.cli import reporting
+  from gpp_jax.cost.simulator import predict_fused
+
+  cluster = cp.planner_cluster(pp.compiled.opts)
+  timed = reporting.predicted_timeline(pp, cluster).iteration_time
+  graph = lg.scaled(pp.layer_graph, pp.batch_size)
+  assert timed > 0 and timed == pytest.approx(predict_fused(pp.plan, graph, cluster))
+  again = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:1], planner=pp.plan
+  )
+  assert max_diff(ref, again(params, opt_state, batch)) < 1e-6
+  assert again.plan == pp.plan
+  given = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:1], planner=gpp_jax.manual_plan({"": 0})
+  )
+  given(params, opt_state, batch)
+  assert given.plan.num_microbatches == 2 and given.compiled.planned.note == ""
+
+
+def test_gpus_are_planned_with_the_cuda_preset():
+  """The cluster a planner gets follows the devices: on GPUs the H100 preset (a CPU's memory
+  bandwidth would price a GPU's optimizer update a hundred times too slow)."""
+  from types import SimpleNamespace
+
+  from gpp_jax.cost.cluster import devices_cluster
+
+  gpus = [SimpleNamespace(platform="gpu", process_index=0, id=i) for i in range(2)]
+  assert devices_cluster(gpus).name == "h100x2"
+  cpus = jax.devices()[:2]
+  assert devices_cluster(cpus) == cpu_cluster(2)
+  assert devices_cluster(gpus).device.memory_bandwidth > 50 * devices_cluster(cpus).device.memory_bandwidth

@@ -357,6 +357,8 @@ def simulate_program(
       actions.append(ActionTime(op.value, i.stage, i.mb, start, end))
     elif op is UPDATE:
       actions.append(ActionTime("UPDATE", i.stage, -1 if one_step else i.mb, start, end))
+    elif op is Op.STEP:  # a fused step: every micro-batch and the update in one call
+      actions.append(ActionTime("STEP", i.stage, -1, start, end))
   if num_microbatches is None:
     forwards = [sum(a.kind == "F" and a.stage == s for a in actions) for s in range(S)]
     num_microbatches = max(forwards, default=0) // max(program.steps, 1)
@@ -369,7 +371,7 @@ def _result(name, S, M, actions, transfers, stat, actm, devs) -> SimResult:
   events: list[list[tuple[float, int]]] = [[] for _ in range(S)]
   split_w = any(a.kind == "W" for a in actions)
   for at in actions:
-    if at.kind in ("F", "B", "W"):
+    if at.kind in ("F", "B", "W", "STEP"):
       busy[at.stage] += at.end - at.start
     if at.kind == "F":
       events[at.stage].append((at.start, 1))
@@ -601,7 +603,7 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
     ev.append({"ph": "M", "name": "thread_name", "pid": s, "tid": 0, "args": {"name": "compute"}})
   links = result.num_stages
   ev.append({"ph": "M", "name": "process_name", "pid": links, "args": {"name": "transfers"}})
-  colors = {"F": "good", "B": "bad", "W": "terrible", "UPDATE": "generic_work"}
+  colors = {"F": "good", "B": "bad", "W": "terrible", "UPDATE": "generic_work", "STEP": "good"}
   for a in result.actions:
     name = f"{a.kind}{a.stage}" if a.kind == "UPDATE" else f"{a.kind}{a.stage}.{a.microbatch}"
     ev.append(

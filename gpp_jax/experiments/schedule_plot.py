@@ -18,7 +18,7 @@ from typing import Any
 
 from gpp_jax.experiments.plotting import pyplot, save
 
-COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "UPDATE": "#8c8c8c"}
+COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "UPDATE": "#8c8c8c", "STEP": "#4c72b0"}
 
 
 def _spans(timeline: Any) -> list[tuple[str, int, int, float, float]]:

@@ -381,7 +381,8 @@ def plan_step(
       k: p for k, p in candidates.items() if k == "pipeline" or p.num_stages >= opts.min_stages
     }
   measured = None
-  if host is not None and trial is not None:
+  # The plain step, timed, calibrates one-stage predictions (a given pipeline needs none).
+  if host is not None and trial is not None and (not given or plan.num_stages == 1):
     # Layers timed one call each add up to more than XLA makes of the whole model (it fuses
     # across layers): plain jit, compiled and timed, says by how much.
     plain = candidates.get("plain jit") or baseline_plans(graph, B, opts, (1,))["plain jit"]
@@ -417,6 +418,23 @@ def plan_step(
       note += " (min_stages=2 runs a pipeline regardless)"
     logging.info("graph_pipeline: %s", note)
     plan = candidates[choice]
+  if choice == "pipeline" and plan.num_stages == 1 and plan.num_microbatches > 1 and not given:
+    # One stage is gradient accumulation: the same devices take the whole batch at once
+    # faster (larger products, fewer calls), where it fits.
+    same = [
+      k
+      for k in BASELINES
+      if k in predicted and candidates[k].stages[0].devices == plan.stages[0].devices
+    ]
+    if same:
+      choice = same[0]
+      note = (
+        f"{plan.planner}'s plan is one stage, gradient accumulation over "
+        f"{plan.num_microbatches} micro-batches: {choice} runs the whole batch at once instead, "
+        "as it fits the memory budget (a smaller memory_limit keeps the micro-batches)"
+      )
+      logging.info("graph_pipeline: %s", note)
+      plan = candidates[choice]
   if jax.process_count() > 1:
     check_same_plan(plan, opts.timeout_s)
   kept = measured[0] if measured is not None and choice == "plain jit" else None
@@ -1189,18 +1207,22 @@ def compile_step(
   """The compile chain, top to bottom."""
   captured = capture(pure, args, leaves, opts)
 
+  # One capture per micro-batch size: a step traced again at a size JAX has seen may come
+  # from its trace cache without running the Python that records the loss.
+  captures = {captured.microbatch_size: captured}
+
   def build(planned: Planned, o: Options, by_user: bool) -> CompiledStep:
     # A baseline runs the whole batch at once (one micro-batch): traced again at its size.
     M = planned.plan.num_microbatches
-    cap = captured
     if o.num_microbatches != M:
       o = dataclasses.replace(o, num_microbatches=M)
-      cap = capture(pure, args, leaves, o)
 
     def recapture(b: int) -> Captured:
-      return capture(pure, args, leaves, o, microbatch_size=b)
+      if b not in captures:
+        captures[b] = capture(pure, args, leaves, o, microbatch_size=b)
+      return captures[b]
 
-    return build_step(cap, planned, o, recapture, by_user)
+    return build_step(recapture(captured.batch_size // M), planned, o, recapture, by_user)
 
   def trial(plan: Plan) -> tuple[CompiledStep, float]:
     c = build(Planned(plan, captured.layering.graph), dataclasses.replace(opts, planner=plan), True)
