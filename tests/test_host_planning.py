@@ -198,4 +198,5 @@ def test_gpus_are_planned_with_the_cuda_preset():
   assert devices_cluster(gpus).name == "h100x2"
   cpus = jax.devices()[:2]
   assert devices_cluster(cpus) == cpu_cluster(2)
-  assert devices_cluster(gpus).device.memory_bandwidth > 50 * devices_cluster(cpus).device.memory_bandwidth
+  gpu_bw = devices_cluster(gpus).device.memory_bandwidth
+  assert gpu_bw > 50 * devices_cluster(cpus).device.memory_bandwidth
