@@ -418,23 +418,6 @@ def plan_step(
       note += " (min_stages=2 runs a pipeline regardless)"
     logging.info("graph_pipeline: %s", note)
     plan = candidates[choice]
-  if choice == "pipeline" and plan.num_stages == 1 and plan.num_microbatches > 1 and not given:
-    # One stage is gradient accumulation: the same devices take the whole batch at once
-    # faster (larger products, fewer calls), where it fits.
-    same = [
-      k
-      for k in BASELINES
-      if k in predicted and candidates[k].stages[0].devices == plan.stages[0].devices
-    ]
-    if same:
-      choice = same[0]
-      note = (
-        f"{plan.planner}'s plan is one stage, gradient accumulation over "
-        f"{plan.num_microbatches} micro-batches: {choice} runs the whole batch at once instead, "
-        "as it fits the memory budget (a smaller memory_limit keeps the micro-batches)"
-      )
-      logging.info("graph_pipeline: %s", note)
-      plan = candidates[choice]
   if jax.process_count() > 1:
     check_same_plan(plan, opts.timeout_s)
   kept = measured[0] if measured is not None and choice == "plain jit" else None
