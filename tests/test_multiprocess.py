@@ -12,7 +12,8 @@ from gpp_jax.cli.launch import free_port
 from gpp_jax.runtime import processes as dist
 
 WORKER = os.path.join(os.path.dirname(__file__), "mp_worker.py")
-pytestmark = pytest.mark.slow
+# One xdist worker runs them in turn (--dist loadgroup): each starts 2-4 processes already.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("processes")]
 
 
 def _env(i, port):
