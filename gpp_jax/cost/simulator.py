@@ -312,7 +312,7 @@ def simulate_program(
   transfers: list[TransferTime] = []
   one_step = program.steps == 1
   SEND, RECV, kinds = Op.SEND, Op.RECV, _TRANSFER_KINDS
-  F, B, W, UPDATE = Op.F, Op.B, Op.W, Op.UPDATE
+  F, B, W, UPDATE, STEP = Op.F, Op.B, Op.W, Op.UPDATE, Op.STEP
   for i, dur in zip(instrs, durations):
     op = i.op
     issued = 0.0
@@ -357,7 +357,7 @@ def simulate_program(
       actions.append(ActionTime(op.value, i.stage, i.mb, start, end))
     elif op is UPDATE:
       actions.append(ActionTime("UPDATE", i.stage, -1 if one_step else i.mb, start, end))
-    elif op is Op.STEP:  # a fused step: every micro-batch and the update in one call
+    elif op is STEP:  # a fused step: every micro-batch and the update in one call
       actions.append(ActionTime("STEP", i.stage, -1, start, end))
   if num_microbatches is None:
     forwards = [sum(a.kind == "F" and a.stage == s for a in actions) for s in range(S)]

@@ -223,7 +223,9 @@ def _trace(pure: PureStep, leaves: Sequence[Any], batch_idx: Sequence[int], size
     for i, x in enumerate(leaves)
   ]
   with recording() as recs:
-    step = jax.make_jaxpr(pure.fn)(*abstract)
+    # A fresh function each time: make_jaxpr caches traces by function, and a cached trace
+    # runs none of the Python that records the loss.
+    step = jax.make_jaxpr(lambda *a: pure.fn(*a))(*abstract)
   if not recs:
     raise CaptureError(
       "the step never calls gpp_jax.value_and_grad; replace "
@@ -1190,8 +1192,7 @@ def compile_step(
   """The compile chain, top to bottom."""
   captured = capture(pure, args, leaves, opts)
 
-  # One capture per micro-batch size: a step traced again at a size JAX has seen may come
-  # from its trace cache without running the Python that records the loss.
+  # One capture per micro-batch size: the trial's and the final build's trace the step once.
   captures = {captured.microbatch_size: captured}
 
   def build(planned: Planned, o: Options, by_user: bool) -> CompiledStep:
