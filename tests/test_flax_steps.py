@@ -146,6 +146,14 @@ def test_cached_partial_equals_the_full_call_and_sees_new_values(devices, monkey
   assert len(traversals) == 2
   assert max_diff(nnx.state((m1, o1)), nnx.state((m2, o2))) == 0.0
   assert int(o2.step[...]) == 5
+  # Replaced by a value of another dtype (written, say, by a restore): the full path again,
+  # though every other Variable still holds what the last call wrote.
+  for m in (m1, m2):
+    m.mid.bias.set_value(jnp.full((16,), 0.25, jnp.bfloat16))
+  assert float(full(m1, o1, _batch(22, n=8))) == float(fast(_batch(22, n=8)))
+  assert len(traversals) == 3
+  assert m2.mid.bias[...].dtype == m1.mid.bias[...].dtype
+  assert max_diff(nnx.state((m1, o1)), nnx.state((m2, o2))) == 0.0
 
 
 def test_plain_pytree_dropout_matches_gradient_accumulation():

@@ -321,11 +321,19 @@ class Executor:
       self.instrs.append(ins)
       self.positions.append(k)
       self.code.append((_RULES[ins.op](self, ins), tuple(self.where[b] for b in ins.frees)))
-    self.last_timeline: Timeline | None = None
+    self._timeline: Timeline | Callable[[], Timeline] | None = None
     self.history = history if history is not None else []
     self.census: Any = None  # the last memory-measuring run's (``runtime.memory.Census``)
     self.temps: dict[int, int] = {}  # instruction -> its executable's temporaries (measured)
     self._temp_cache: dict = {}
+
+  @property
+  def last_timeline(self) -> Timeline | None:
+    """The last run's per-instruction times (built when first asked for: a step of a few
+    hundred instructions should not pay for objects nobody reads)."""
+    if callable(self._timeline):
+      self._timeline = self._timeline()
+    return self._timeline
 
   # ------------------------------------------------------------------ helpers for the rules
   def _slot(self, b: int) -> tuple[list[Any], int]:
@@ -425,6 +433,7 @@ class Executor:
     t0 = time.perf_counter()
     try:
       self.bind(steps_leaves)
+      events: list[TimelineEvent] | Callable[[], list[TimelineEvent]]
       if measure:
         events = self._run_threaded(t0)
       elif memory is not None:
@@ -439,7 +448,11 @@ class Executor:
         lane.buffers[:] = [None] * len(lane.buffers)
     if self.multiprocess:
       wait_for(outs, self.timeout_s)
-    self.last_timeline = Timeline(events, time.perf_counter() - t0, measure)
+    total = time.perf_counter() - t0
+    if callable(events):
+      self._timeline = lambda: Timeline(events(), total, measure)
+    else:
+      self._timeline = Timeline(events, total, measure)
     lw = self.lowered
     if lw.versions:
       keep = max(lw.delays or (0,))
@@ -447,7 +460,7 @@ class Executor:
       self.history[:] = (kept + self.history)[:keep]
     return [[outs[k] for k in ks] for ks in lw.step_outputs]
 
-  def _run_in_order(self, t0: float) -> list[TimelineEvent]:
+  def _run_in_order(self, t0: float) -> Callable[[], list[TimelineEvent]]:
     code = self.code
     stamps = [0.0] * (len(code) + 1)
     perf = time.perf_counter
@@ -465,7 +478,8 @@ class Executor:
         f"the pipelined step failed at instruction {k} of {len(code)}, {self.describe(ins)}: "
         f"{type(e).__name__}: {e}"
       ) from e
-    return [
+    instrs = self.instrs
+    return lambda: [
       TimelineEvent(
         ins.op.value,
         ins.stage if ins.stage >= 0 else ins.lane,
@@ -473,7 +487,7 @@ class Executor:
         stamps[k] - t0,
         stamps[k + 1] - t0,
       )
-      for k, ins in enumerate(self.instrs)
+      for k, ins in enumerate(instrs)
     ]
 
   def _run_counting_memory(self, t0: float, kinds: Mapping[int, str]) -> list[TimelineEvent]:
@@ -582,9 +596,18 @@ def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
   else:
     sharding = place.replicated
   if ins.lane == ex.program.host:  # what the caller passed: each process has its own copy
+    # Most arguments are last step's outputs, already where they go: an equal sharding on a
+    # committed array says so in a microsecond, where ``place_input``'s general test takes a
+    # few (a few hundred arguments a step). Equal means equally decided on every process only
+    # for one device, or in one process.
+    quick = jax.process_count() == 1 or len(sharding.device_set) == 1
 
     def send_input():
-      dst_lst[di] = place_input(src_lst[si], sharding)
+      x = src_lst[si]
+      if quick and isinstance(x, jax.Array) and x.committed and x.sharding == sharding:
+        dst_lst[di] = x
+      else:
+        dst_lst[di] = place_input(x, sharding)
 
     return send_input
 
