@@ -36,7 +36,7 @@ import numpy as np
 from jax.extend import core as xc
 
 from gpp_jax.errors import BatchError, CaptureError, ScheduleError
-from gpp_jax.ir.program import Buffer, Instr, Op, Program, validate_program
+from gpp_jax.ir.program import Buffer, Instr, Op, Program, format_indices, validate_program
 from gpp_jax.ir.schedule import Action, Schedule, dispatch_order, overlapping
 from gpp_jax.passes.costs import aval_bytes
 
@@ -469,6 +469,8 @@ class StepSpec:
     widths: devices per stage; a value of a stage over k devices whose leading axis is the
       stage's micro-batch is split over them (``runtime.placement.StagePlacement.for_array``),
       so each device holds 1/k of it.
+    donated: the flat step arguments (``donate_argnums``) whose arrays the fused step consumes
+      (``lower_fused``; a pipeline's program does not donate them).
   """
 
   staged: Any
@@ -483,10 +485,12 @@ class StepSpec:
   carries: tuple[tuple[int, int, int], ...] = ()
   reduce: tuple[str | None, ...] = ()
   widths: tuple[int, ...] = ()  # devices per stage (a batch-carrying value is split over them)
+  donated: tuple[int, ...] = ()  # flat step arguments the fused step consumes (donate_argnums)
 
 
 def lower_fused(spec: StepSpec, num_microbatches: int = 1) -> Lowered:
-  """The step as one executable on stage 0's devices: every argument put there, one STEP.
+  """The step as one executable on stage 0's devices: every argument put there, one STEP
+  (arg ``donate=<reads>``: the reads it consumes, as ``format_indices`` writes them).
 
   On several devices (jit data parallel) each batch array is first cut into its micro-batches
   stacked along a new leading axis (``CHUNK`` with arg ``M:stacked`` on the host lane) and put
@@ -511,7 +515,8 @@ def lower_fused(spec: StepSpec, num_microbatches: int = 1) -> Lowered:
       continue
     reads.append(bld.on(b, 0, "input", queue="step"))
   outs = tuple(bld.new(0, f"out{k}", getattr(v, "aval", None)) for k, v in enumerate(J.outvars))
-  bld.emit(Instr(Op.STEP, 0, 0, 0, tuple(reads), outs), "step")
+  arg = f"donate={format_indices(spec.donated)}" if spec.donated else ""
+  bld.emit(Instr(Op.STEP, 0, 0, 0, tuple(reads), outs, arg=arg), "step")
   program = bld.finish(outs, [["step"], []])
   return Lowered(
     program, tuple(bld.avals), tuple(bld.bindings), (tuple(range(len(outs))),), counts=(1,)

@@ -116,6 +116,12 @@ flags.DEFINE_bool(
   "measure the memory of one step (the second; live arrays per device at every instruction) "
   "and write it to summary.json and the measured trace",
 )
+flags.DEFINE_bool(
+  "donate",
+  True,
+  "the step consumes the model's and optimizer's old arrays (graph_pipeline donate_argnums): "
+  "where it runs as one executable, XLA writes the new state in place of the old",
+)
 flags.DEFINE_string(
   "checkpoint_dir",
   None,
@@ -361,6 +367,7 @@ def _main(argv: list[str]) -> None:
     min_stages=FLAGS.min_stages,
     layer_depth=run.spec.layer_depth,
     memory_limit=FLAGS.memory_limit,
+    donate_argnums=(0, 1) if FLAGS.donate else (),
   )
   label = "plan" if FLAGS.plan else FLAGS.planner
   run_dir = FLAGS.run_dir or os.path.join(

@@ -8,7 +8,7 @@ passes, placed where the step left them) count for the whole step, since the cal
 them; outputs count from their write to the end; and the instruction running holds its
 executable's temporaries (``temps``, from ``jax.stages.Compiled.memory_analysis`` when known).
 A backward donates the gradient sums it updates (``passes.staging``), so the new sums take the
-old ones' place.
+old ones' place; a fused step consumes the arguments of ``donate_argnums`` the same way.
 The peak per device is the largest sum over the walk. ``runtime.memory`` measures the same
 quantity on the devices, at the same instruction boundaries.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 
-from gpp_jax.ir.program import Op, Program
+from gpp_jax.ir.program import Op, Program, step_donates
 
 
 def format_bytes(n: float) -> str:
@@ -118,12 +118,14 @@ def program_memory(
   at = dict.fromkeys(devices, -1)
   breakdown = {d: dict(live[d]) for d in devices}
   for k, ins in enumerate(program.instrs):
-    # A backward donates the gradient sums it reads: the new sums take their memory.
-    donated = (
-      {b for b in ins.frees if program.buffers[b].kind == "acc"}
-      if ins.op in (Op.B, Op.W)
-      else set()
-    )
+    # A backward donates the gradient sums it reads: the new sums take their memory; a fused
+    # step the arguments given by donate_argnums (the caller's arrays, or their placed copies).
+    if ins.op in (Op.B, Op.W):
+      donated = {b for b in ins.frees if program.buffers[b].kind == "acc"}
+    elif ins.op is Op.STEP:
+      donated = {ins.reads[i] for i in step_donates(ins)}
+    else:
+      donated = set()
     for b in donated:
       add(b, -1)
     for b in ins.writes:

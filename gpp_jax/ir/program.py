@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from gpp_jax.errors import ScheduleError
@@ -70,7 +71,7 @@ class Op(enum.Enum):
   STACK = "STACK"  # slices stacked into one array
   # The step around the pipeline.
   PIECE = "PIECE"  # a piece of the train step (passes.step_split; arg: its index)
-  STEP = "STEP"  # the whole step as one executable (a plan of one stage on one device)
+  STEP = "STEP"  # the whole step as one executable (one stage; arg donate=<reads> it consumes)
 
 
 # Ops that compute on their lane's devices (the rest move or mark values).
@@ -417,3 +418,28 @@ class _Checker:
         k = written[b]
         leak = f"buffer {self.name(b)} is never freed and is no output: a leaked buffer"
         self.fail(None if k < 0 else k, leak)
+
+
+def format_indices(idx: Sequence[int]) -> str:
+  """``0-447.450``: sorted indices as dot-separated runs (``parse_indices`` reads it back)."""
+  runs: list[list[int]] = []
+  for i in sorted(idx):
+    if runs and i == runs[-1][1] + 1:
+      runs[-1][1] = i
+    else:
+      runs.append([i, i])
+  return ".".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def parse_indices(text: str) -> tuple[int, ...]:
+  out: list[int] = []
+  for part in filter(None, text.split(".")):
+    a, _, b = part.partition("-")
+    out.extend(range(int(a), int(b or a) + 1))
+  return tuple(out)
+
+
+def step_donates(ins: Instr) -> tuple[int, ...]:
+  """Positions among a STEP's reads that it consumes (donates to its executable)."""
+  head, _, rest = ins.arg.partition("=")
+  return parse_indices(rest) if ins.op is Op.STEP and head == "donate" else ()

@@ -95,6 +95,7 @@ class Options:
   name: str = "step"
   memory_limit: int | None = None  # bytes per device; None: the device's, else the cluster's
   min_stages: int = 1  # 2: a pipeline even where plain jit or data parallel is predicted faster
+  donate_argnums: tuple[int, ...] = ()  # arguments whose arrays the fused step may consume
   # devices -> their host's HostCosts (``runtime.host.measure_host``), measured when calibrating
   host_probe: Callable[[Sequence[Any]], HostCosts] | None = None
 
@@ -129,6 +130,7 @@ class Captured:
     nparam: parameters of the captured loss.
     batch_size, microbatch_size: examples per step and per micro-batch (as traced).
     batch_leaves: the flat step arguments that are batch arrays (traced at micro-batch size).
+    donated: the flat step arguments of ``donate_argnums`` (``donated_leaves``).
     reduce: per loss output, how it combines over micro-batches (``value_and_grad``'s
       ``aux_reduce``; None: the default rule).
     loss_as_traced: the loss at micro-batch size before the scan split (the fused step's).
@@ -147,6 +149,7 @@ class Captured:
   microbatch_size: int
   batch_leaves: tuple[int, ...] = ()
   reduce: tuple[str | None, ...] = ()
+  donated: tuple[int, ...] = ()
   loss_as_traced: xc.ClosedJaxpr | None = None
 
   @property
@@ -208,6 +211,7 @@ def capture(
     microbatch_size=mb,
     batch_leaves=tuple(batch_idx),
     reduce=rec.reduce,
+    donated=donated_leaves(pure, args, opts),
     loss_as_traced=traced_loss,
   )
 
@@ -290,6 +294,39 @@ def batch_leaves(
       f"batch size divisible by {M} or a num_microbatches that divides {B}"
     )
   return batch_idx, B
+
+
+def donated_leaves(pure: PureStep, args: Sequence[Any], opts: Options) -> tuple[int, ...]:
+  """The flat step arguments of the arguments at ``opts.donate_argnums``: every array of a
+  pytree there, and of an NNX object there its Variables' values (a Variable two objects
+  share belongs to the first)."""
+  if not opts.donate_argnums:
+    return ()
+  npos = pure.num_positional if pure.num_positional >= 0 else len(args)
+  donate = set()
+  for a in opts.donate_argnums:
+    if not -npos <= a < npos:
+      raise ValueError(
+        f"donate_argnums {opts.donate_argnums} out of range for {npos} positional arguments"
+      )
+    donate.add(a % npos)
+  out: list[int] = []
+  gpos = pure.graph_positions
+  offset = 0
+  if gpos:
+    _, state = nnx.split(tuple(args[i] for i in gpos))
+    for k, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
+      if gpos[path[0].key] in donate:
+        out.append(k)
+      offset = k + 1
+  for i, a in enumerate(args):
+    if i in gpos:
+      continue
+    n = len(jax.tree.leaves(a))
+    if i in donate:
+      out.extend(range(offset, offset + n))
+    offset += n
+  return tuple(out)
 
 
 def input_roles(marker, nparam: int, batch_vars: set, state, module_state) -> tuple:
@@ -770,6 +807,7 @@ def stage_step(
     state=state,
     batch_size=B,
     batch_leaves=captured.batch_leaves,
+    donated=captured.donated,
     reduce=tuple(r for r, qs in zip(captured.reduce, split.out_parts) for _ in qs),
     packed=tuple(len(p.devices) == 1 and not opts.remat for p in placements),
     multi_device=tuple(len(p.devices) > 1 for p in placements),
@@ -959,6 +997,7 @@ def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Op
       captured.microbatch_size,
       captured.reduce,
       stacked=len(staged.placements[0].devices) > 1,
+      donate=staged.spec.donated,
     )
   return Kernels(stages, pieces, fused_fn)
 
@@ -1266,17 +1305,24 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
   step's own host time outside its program is not in it. Arrays among ``leaves`` are placed
   where the step keeps them first: on the first call a model's arrays are not yet where a
   training loop's later steps find them (the step's own outputs), and moving them every run
-  would be timed as the step."""
+  would be timed as the step. A step that consumes arguments (``donate_argnums``) gets fresh
+  copies of them for every run, made before the clock starts: the caller's arrays survive."""
   home = c.staged.placements[0].devices[0] if c.staged.placements else None
   if home is not None:
     leaves = [
       jax.device_put(x, home) if isinstance(x, jax.Array) and x.is_fully_addressable else x
       for x in leaves
     ]
+  donated = set(c.staged.spec.donated) if c.fused else set()
   times = []
   for k in range(repeats + 2):
+    run = [
+      jax.device_put(x, may_alias=False) if i in donated and isinstance(x, jax.Array) else x
+      for i, x in enumerate(leaves)
+    ]
+    jax.block_until_ready(run)
     t = time.perf_counter()
-    jax.block_until_ready(c.run([leaves]))
+    jax.block_until_ready(c.run([run]))
     if k >= 2:
       times.append(time.perf_counter() - t)
   return statistics.median(times)

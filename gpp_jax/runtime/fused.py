@@ -97,10 +97,11 @@ def fused_step(
   microbatch_size: int,
   reduce: Sequence[str | None] = (),
   stacked: bool = False,
+  donate: Sequence[int] = (),
 ) -> Callable[..., list[Any]]:
   """The jitted step ``(*step input leaves) -> [*step outputs]`` of a one-stage plan
   (``stacked``: its batch arrays come as micro-batches along a leading axis, split over the
-  devices of a data-parallel stage)."""
+  devices of a data-parallel stage; ``donate``: the leaves whose buffers it consumes)."""
   J = prog.jaxpr.jaxpr
   marker = prog.marker
   vag = _accumulated_value_and_grad(loss, roles, num_microbatches, microbatch_size, reduce, stacked)
@@ -127,4 +128,4 @@ def fused_step(
     run(after)
     return [read(a) for a in J.outvars]
 
-  return jax.jit(step)
+  return jax.jit(step, donate_argnums=tuple(donate))

@@ -75,6 +75,7 @@ class GraphPipeline:
     fuse: bool = True,
     memory_limit: int | str | None = None,
     min_stages: int = 1,
+    donate_argnums: int | Sequence[int] = (),
   ):
     self.fn = fn
     self.opts = Options(
@@ -96,6 +97,9 @@ class GraphPipeline:
       name=getattr(fn, "__name__", "step"),
       memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
       min_stages=int(min_stages),
+      donate_argnums=(donate_argnums,)
+      if isinstance(donate_argnums, int)
+      else tuple(int(a) for a in donate_argnums),
       host_probe=_probe_host,
     )
     self._compiled: dict[Any, CompiledStep] = {}
@@ -482,6 +486,14 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
     min_stages: the plain jitted step on one device and jit data parallel over the devices are
       candidates of every planner, taken when predicted faster than its pipeline (the choice
       and the predictions are logged and in ``explain()``); 2 keeps the planner's pipeline.
+    donate_argnums: positions of arguments whose arrays the step may consume, as
+      ``jax.jit``'s: every array of a pytree there, and of an NNX object its Variables' values
+      (the Variables then hold the step's new values). Where the step runs as one executable
+      (plain jit, jit data parallel, a fused one-stage plan) XLA writes the new state into
+      the donated buffers: no second copy of the state, and on a GPU no time spent allocating
+      one (see BUILD_NOTES, GPUs). The caller must not read
+      a donated array afterwards (JAX raises: deleted); a pipeline of several stages does not
+      consume them.
   """
   if fn is None:
     return lambda f: GraphPipeline(f, **kwargs)
