@@ -5,8 +5,8 @@
       --vocab_size=512 --batch_size=16 --repeats=3        # a smoke run anywhere
 
 Prints, measured side by side in one run:
-  * the plain jitted step (the undecorated zoo step as one ``jax.jit``, state donated): step time
-    and model FLOP utilisation (MFU);
+  * the plain jitted step (the undecorated zoo step as one ``jax.jit``, state donated unless
+    --nodonate): step time and model FLOP utilisation (MFU);
   * what ``graph_pipeline`` chooses on the platform's devices (GraphPipe with measured layers
     and host: on one device, the fused step or gradient accumulation), then for 1 and 4
     stages of consecutive blocks, one device each (skipped beyond the devices there are),
@@ -18,7 +18,8 @@ Prints, measured side by side in one run:
 Model FLOPs per step are counted in closed form: 6 x tokens x (matmul parameters: blocks and
 the output head) plus the attention scores and values, 12 x layers x seq x hidden per token
 (the causal mask's zeros counted, as in the PaLM MFU convention). MFU divides them by the step
-time and by the device's peak for the dtype (``gpp_jax.cluster.H100_PEAK_FLOPS`` on an H100).
+time and by the device's peak for the dtype (``gpp_jax.cluster.H100_PEAK_FLOPS`` on an H100 or
+H200).
 """
 
 import functools
@@ -54,6 +55,12 @@ flags.DEFINE_list("microbatches", ["4", "8"], "micro-batch counts")
 flags.DEFINE_integer("repeats", 20, "timed steps per configuration (median reported)")
 flags.DEFINE_integer("warmup", 4, "untimed steps per configuration (compilation, first steps)")
 flags.DEFINE_string("json_out", None, "also write the results as JSON here")
+flags.DEFINE_bool(
+  "donate",
+  True,
+  "the plain step donates its state (jax.jit donate_argnums) and the pipelined steps their "
+  "model and optimizer (graph_pipeline donate_argnums); --nodonate: neither, as nnx.jit",
+)
 
 
 def consecutive_stages(S: int, num_layers: int):
@@ -74,7 +81,7 @@ def model_flops(cfg, batch_size: int) -> float:
 
 
 def peak_flops(device, dtype: str) -> float | None:
-  if "H100" in device.device_kind:
+  if "H100" in device.device_kind or "H200" in device.device_kind:  # the same Hopper die
     return H100_PEAK_FLOPS[dtype]
   return None
 
@@ -96,11 +103,12 @@ def new_run(seed=0):
 
 
 def plain_step(run, device):
-  """The undecorated step as one jitted function over the split NNX state (donated)."""
+  """The undecorated step as one jitted function over the split NNX state (donated unless
+  --nodonate)."""
   graphdef, state = nnx.split((run.model, run.optimizer))
   state = jax.device_put(state, device)
 
-  @functools.partial(jax.jit, donate_argnums=0)
+  @functools.partial(jax.jit, donate_argnums=0 if FLAGS.donate else ())
   def step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
     loss = run.train_step(model, optimizer, batch)
@@ -134,6 +142,7 @@ def main(_):
   device = jax.devices(FLAGS.platform)[0] if FLAGS.platform else jax.devices()[0]
   print(
     f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, dtype {FLAGS.dtype}"
+    f", state {'donated' if FLAGS.donate else 'not donated'}"
   )
   ref_run = new_run()
   cfg = ref_run.config
@@ -168,6 +177,7 @@ def main(_):
     "device": device.device_kind,
     "jax": jax.__version__,
     "dtype": FLAGS.dtype,
+    "donate": FLAGS.donate,
     "config": {
       k: getattr(cfg, k)
       for k in ("hidden", "num_layers", "num_heads", "ffn", "seq_len", "vocab_size")
@@ -196,11 +206,15 @@ def main(_):
       planner="graphpipe" if kind == "chosen" else consecutive_stages(S, cfg.num_layers),
       calibrate=kind == "chosen",
       layer_depth=run.spec.layer_depth,
+      donate_argnums=(0, 1) if FLAGS.donate else (),
     )
-    data = run.batches(b, 2)  # host batches: the pipeline splits them into micro-batches
+    data = batches_of(run, b)  # the same placed batches as the plain step's
     # As a training loop calls it: the NNX objects' traversal cached (``cached_partial``).
     step = pp.cached_partial(run.model, run.optimizer)
-    call = lambda batch, step=step, run=run: (step(batch), nnx.state(run.model))
+    _, state = nnx.split((run.model, run.optimizer))
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    # Waits for the new state as well as the loss (a pipeline's updates may finish last).
+    call = lambda batch, step=step, vs=variables: (step(batch), [v.get_raw_value() for v in vs])
     t, t_host = time_steps(call, data, FLAGS.repeats, FLAGS.warmup)
     # Ratios side by side: the plain step again, right after, against drift.
     t_plain2, _ = time_steps(plain, batches_of(ref_run, b), max(FLAGS.repeats // 2, 3), 1)
