@@ -2,6 +2,8 @@
 options dataclasses, the DP's device unit, and plan quality bounded by the earlier search."""
 
 import dataclasses
+import inspect
+import re
 
 import jax
 import pytest
@@ -18,10 +20,15 @@ from gpp_jax.passes.partition import (
   PlanningProblem,
   ProblemPlanner,
   as_planner,
+  balanced_plan,
+  bapipe_plan,
+  exhaustive_plan,
   graphpipe_plan,
+  luo_plan,
+  piper_plan,
 )
 from gpp_jax.passes.partition.plan_assembly import assemble_plan
-from gpp_jax.passes.partition.problem import device_unit
+from gpp_jax.passes.partition.problem import PROBLEM_KEYWORDS, device_unit
 from gpp_jax.runtime.compile import Options, make_plan
 
 FIXTURES = {
@@ -138,3 +145,58 @@ def test_the_dp_counts_devices_in_slots_on_large_clusters():
   plan = graphpipe_plan(g, v100_cluster(64), 512)
   assert plan.predicted["search"]["device_unit"] == 2
   assert sum(len(s.devices) for s in plan.stages) + len(plan.predicted["idle_devices"]) == 64
+
+
+# The built-in planners; PLANNERS may also hold planners users registered themselves.
+BUILT_IN = (
+  "balanced",
+  "graphpipe",
+  "pipedream",
+  "piper",
+  "bapipe",
+  "luo",
+  "exhaustive",
+  "graphpipe-stage-mb",
+)
+# Keyword forms with their options spelled out, and keywords to check them with.
+KEYWORD_FORMS = {
+  "balanced": (balanced_plan, {"num_stages": 3, "schedule": "gpipe"}),
+  "piper": (piper_plan, {"selection": "published", "simulate_top": 2}),
+  "bapipe": (bapipe_plan, {"modes": ("gpipe",), "max_microbatches": 8}),
+  "luo": (luo_plan, {"orders": ("1f1b", "gpipe"), "simulate_top": 2}),
+  "exhaustive": (exhaustive_plan, {"max_layers": 9}),
+}
+
+
+def test_every_built_in_planner_takes_a_problem_and_frozen_options():
+  assert set(BUILT_IN) <= set(PLANNERS)
+  for name in BUILT_IN:
+    p = PLANNERS[name]
+    assert isinstance(p, ProblemPlanner) and p.name == name, name
+    assert p.options_type.__dataclass_params__.frozen, name
+    with pytest.raises(TypeError, match=f"^{re.escape(name)}: unknown option"):
+      p.options(no_such_option=1)
+  for name, (fn, _) in KEYWORD_FORMS.items():
+    # The keyword form's defaults are the options'.
+    params = inspect.signature(fn).parameters
+    for field in dataclasses.fields(PLANNERS[name].options_type):
+      assert params[field.name].default == field.default, (name, field.name)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["defaults", "options"])
+@pytest.mark.parametrize("name", ["balanced", "piper", "bapipe", "luo"])
+def test_the_problem_form_plans_as_the_keyword_form(name, given):
+  make, k, batch = FIXTURES["candle3_v100x8"]
+  g = make()
+  fn, kw = KEYWORD_FORMS[name]
+  kw = kw if given else {}
+  problem = PlanningProblem.build(
+    g, v100_cluster(k), batch, **{key: v for key, v in kw.items() if key in PROBLEM_KEYWORDS}
+  )
+  planner = PLANNERS[name]
+  opts = planner.options(**{key: v for key, v in kw.items() if key not in PROBLEM_KEYWORDS})
+  a = planner.plan(problem, opts)
+  b = fn(g, v100_cluster(k), batch, **kw)
+  assert a.stages == b.stages and a.edges == b.edges and a.schedule == b.schedule
+  assert a.num_microbatches == b.num_microbatches
+  assert a.predicted.get("iteration_time") == b.predicted.get("iteration_time")

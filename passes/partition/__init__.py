@@ -3,8 +3,10 @@
 ``PLANNERS`` maps a planner name to a planner (``problem.Planner``): callable with the common
 signature ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None, **options) ->
 Plan`` (``cluster`` a ``gpp_jax.cost.cluster.Cluster`` or a device count, a ``cpu_cluster``),
-and with ``plan(problem, options)`` on a ``problem.PlanningProblem`` built once. A user's
-planner in the keyword form is a Planner too (``as_planner`` adapts it).
+and with ``plan(problem, options)`` on a ``problem.PlanningProblem`` built once. Every
+built-in planner is a ``problem.ProblemPlanner`` whose options are a frozen dataclass
+(``PiperOptions``, ...); a user's planner in the keyword form is a Planner too (``as_planner``
+adapts it).
 
   graphpipe   stage DAG: series-parallel DP + binary search on time per sample (GraphPipe)
   pipedream   chain of replicated stages over the linearised graph (PipeDream)
@@ -24,14 +26,14 @@ al., SOSP 2019 (arXiv:1806.03377); Piper, Tarnawski et al., NeurIPS 2021; BaPipe
 Training", IEEE INFOCOM 2022 (arXiv:2204.10562).
 """
 
-from gpp_jax.passes.partition.balanced import balanced_plan
-from gpp_jax.passes.partition.bapipe import bapipe_plan
-from gpp_jax.passes.partition.exhaustive import exhaustive_plan
+from gpp_jax.passes.partition.balanced import BALANCED, BalancedOptions, balanced_plan
+from gpp_jax.passes.partition.bapipe import BAPIPE, BaPipeOptions, bapipe_plan
+from gpp_jax.passes.partition.exhaustive import EXHAUSTIVE, ExhaustiveOptions, exhaustive_plan
 from gpp_jax.passes.partition.graphpipe import graphpipe_plan
 from gpp_jax.passes.partition.graphpipe.search import GRAPHPIPE, GraphPipeOptions
-from gpp_jax.passes.partition.luo import luo_plan
+from gpp_jax.passes.partition.luo import LUO, LuoOptions, luo_plan
 from gpp_jax.passes.partition.pipedream import PIPEDREAM, PipeDreamOptions, pipedream_plan
-from gpp_jax.passes.partition.piper import piper_plan
+from gpp_jax.passes.partition.piper import PIPER, PiperOptions, piper_plan
 from gpp_jax.passes.partition.problem import (
   KeywordPlanner,
   Planner,
@@ -40,17 +42,21 @@ from gpp_jax.passes.partition.problem import (
   RegisteredPlanner,
   as_registered,
 )
-from gpp_jax.passes.partition.stage_microbatches import graphpipe_stage_microbatch_plan
+from gpp_jax.passes.partition.stage_microbatches import (
+  GRAPHPIPE_STAGE_MB,
+  StageMicrobatchOptions,
+  graphpipe_stage_microbatch_plan,
+)
 
 PLANNERS: dict[str, RegisteredPlanner] = {
-  "balanced": KeywordPlanner("balanced", balanced_plan),
+  "balanced": BALANCED,
   "graphpipe": GRAPHPIPE,
   "pipedream": PIPEDREAM,
-  "piper": KeywordPlanner("piper", piper_plan),
-  "bapipe": KeywordPlanner("bapipe", bapipe_plan),
-  "luo": KeywordPlanner("luo", luo_plan),
-  "exhaustive": KeywordPlanner("exhaustive", exhaustive_plan),
-  "graphpipe-stage-mb": KeywordPlanner("graphpipe-stage-mb", graphpipe_stage_microbatch_plan),
+  "piper": PIPER,
+  "bapipe": BAPIPE,
+  "luo": LUO,
+  "exhaustive": EXHAUSTIVE,
+  "graphpipe-stage-mb": GRAPHPIPE_STAGE_MB,
 }
 SEQUENTIAL_PLANNERS = ("pipedream", "piper", "bapipe", "luo")
 
@@ -58,12 +64,18 @@ SEQUENTIAL_PLANNERS = ("pipedream", "piper", "bapipe", "luo")
 __all__ = [
   "PLANNERS",
   "SEQUENTIAL_PLANNERS",
+  "BaPipeOptions",
+  "BalancedOptions",
+  "ExhaustiveOptions",
   "GraphPipeOptions",
   "KeywordPlanner",
+  "LuoOptions",
   "PipeDreamOptions",
+  "PiperOptions",
   "Planner",
   "PlanningProblem",
   "ProblemPlanner",
+  "StageMicrobatchOptions",
   "as_planner",
   "balanced_plan",
   "bapipe_plan",

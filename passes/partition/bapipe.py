@@ -16,6 +16,7 @@ repository's reading of it (recorded in BUILD_NOTES.md):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -29,10 +30,9 @@ from gpp_jax.passes.partition.plan_assembly import (
   MAX_MICROBATCHES,
   assemble_plan,
   better,
-  microbatch_sizes,
   no_plan_error,
-  planner_inputs,
 )
+from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
 from gpp_jax.passes.partition.range_costs import RangeCosts
 
 MODES = ("1f1b", "gpipe")
@@ -69,32 +69,28 @@ def balanced_ranges(
   return float(P[S, 0]), out
 
 
-def bapipe_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int | None = None,
-  batch_size: int | None = None,
-  *,
-  num_microbatches: int | None = None,
-  cost_model: CostModel | None = None,
-  modes: tuple[str, ...] = MODES,
-  max_microbatches: int | None = MAX_MICROBATCHES,
-  simulate_top: int = 8,
-) -> Plan:
-  """BaPipe: LayerGraph + Cluster -> sequential Plan (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class BaPipeOptions:
+  """BaPipe's options (the problem itself is a ``PlanningProblem``; its ``schedule`` is not
+  used: the plan names the mode that won).
 
-  Args:
-    layer_graph, cluster, batch_size, num_microbatches: as for every planner.
-    cost_model: the CostModel.
+  Attributes:
     modes: schedule modes to explore (default "1f1b" and "gpipe"; ALL_MODES adds "zero-bubble").
-    max_microbatches: skip micro-batch sizes needing more micro-batches than this.
     simulate_top: how many ranked candidates are simulated.
   """
-  t0 = time.perf_counter()
-  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
+
+  modes: tuple[str, ...] = MODES
+  simulate_top: int = 8
+
+
+def ranked_candidates(problem: PlanningProblem, modes: tuple[str, ...]) -> list[tuple]:
+  """Every balanced partition within memory, (estimate, b, r, S, mode, ranges, TPS) over
+  micro-batch sizes, replications, stage counts and modes, best estimate first."""
+  cluster, cm, B, costs = problem.inputs()
   K = cluster.num_devices
   n = len(costs)
   found = []
-  for b in microbatch_sizes(B, num_microbatches, max_microbatches):
+  for b in problem.microbatch_sizes():
     M = B // b
     reps = [r for r in range(1, K + 1) if b % r == 0 and K % r == 0]
     rc = RangeCosts(costs, cm, cluster, b, B, reps)
@@ -107,8 +103,17 @@ def bapipe_plan(
           tps, ranges = got
           found.append(((M + S - 1) * tps * b, b, r, S, mode, ranges, tps))
   found.sort(key=lambda c: c[:5])
+  return found
+
+
+def bapipe_search(problem: PlanningProblem, opts: BaPipeOptions) -> Plan:
+  """BaPipe: PlanningProblem -> sequential Plan (see the module docstring)."""
+  t0 = time.perf_counter()
+  layer_graph = problem.layer_graph
+  cluster, cm, B, costs = problem.inputs()
+  found = ranked_candidates(problem, opts.modes)
   best = None
-  for _est, b, r, _S, mode, ranges, tps in found[:simulate_top]:
+  for _est, b, r, _S, mode, ranges, tps in found[: opts.simulate_top]:
     stages = [(costs.layers[i:j], r) for i, j in ranges]
     plan = assemble_plan(
       layer_graph,
@@ -129,3 +134,32 @@ def bapipe_plan(
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "candidates": len(found)}
   return best.replace(predicted=pred)
+
+
+BAPIPE = ProblemPlanner("bapipe", BaPipeOptions, bapipe_search)
+
+
+def bapipe_plan(
+  layer_graph: nx.DiGraph,
+  cluster: Cluster | int | None = None,
+  batch_size: int | None = None,
+  *,
+  num_microbatches: int | None = None,
+  cost_model: CostModel | None = None,
+  modes: tuple[str, ...] = MODES,
+  max_microbatches: int | None = MAX_MICROBATCHES,
+  simulate_top: int = 8,
+) -> Plan:
+  """BaPipe: LayerGraph + Cluster -> sequential Plan: builds the ``PlanningProblem``
+  (``cost_model``, ``num_microbatches``, ``max_microbatches``) and runs ``bapipe_search``
+  with the other keywords as ``BaPipeOptions``."""
+  return BAPIPE(
+    layer_graph,
+    cluster,
+    batch_size,
+    num_microbatches=num_microbatches,
+    cost_model=cost_model,
+    max_microbatches=max_microbatches,
+    modes=modes,
+    simulate_top=simulate_top,
+  )

@@ -10,24 +10,25 @@ ground truth the tests hold the other planners against; a cheap lower bound per 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
 import networkx as nx
 
-from gpp_jax.cost.cluster import Cluster, as_cluster
-from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, layer_costs
+from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import CostModel
 from gpp_jax.errors import PlanError
-from gpp_jax.ir.layer_graph import topo_layers, validate_layer_graph
+from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.plan_assembly import (
   MAX_MICROBATCHES,
   assemble_plan,
   better,
   data_parallel_degrees,
-  microbatch_sizes,
   no_plan_error,
 )
+from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
 
 
 def acyclic_partitions(layer_graph: nx.DiGraph) -> list[list[list[str]]]:
@@ -57,6 +58,96 @@ def acyclic_partitions(layer_graph: nx.DiGraph) -> list[list[list[str]]]:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ExhaustiveOptions:
+  """The exhaustive search's options (the problem itself is a ``PlanningProblem``).
+
+  Attributes:
+    max_layers, max_devices: PlanError for a graph of more layers or a cluster of more devices
+      (the number of partitions grows like the Bell number of the layer count).
+  """
+
+  max_layers: int = 8
+  max_devices: int = 8
+
+
+def exhaustive_search(problem: PlanningProblem, opts: ExhaustiveOptions) -> Plan:
+  """Exhaustive search: PlanningProblem -> the fastest plan (see the module docstring)."""
+  t0 = time.perf_counter()
+  layer_graph, cluster = problem.layer_graph, problem.cluster
+  n = layer_graph.number_of_nodes()
+  K = cluster.num_devices
+  if n > opts.max_layers or opts.max_devices < K:
+    raise PlanError(
+      f"exhaustive search is for small problems (at most {opts.max_layers} layers and "
+      f"{opts.max_devices} devices), got {n} layers on {K} devices; use graphpipe, "
+      "or raise max_layers / max_devices knowing the cost grows like Bell(n)"
+    )
+  parts = acyclic_partitions(layer_graph)
+  best: Plan | None = None
+  simulated = 0
+  for b in problem.microbatch_sizes():
+    best, count = best_at_size(problem, parts, b, best)
+    simulated += count
+  if best is None or not best.predicted.get("memory_ok", True):
+    raise no_plan_error("exhaustive", layer_graph, cluster, problem.batch_size)
+  pred = dict(best.predicted)
+  pred["search"] = {
+    "seconds": time.perf_counter() - t0,
+    "partitions": len(parts),
+    "simulated": simulated,
+  }
+  return best.replace(predicted=pred)
+
+
+def best_at_size(
+  problem: PlanningProblem, parts: list[list[list[str]]], b: int, best: Plan | None
+) -> tuple[Plan | None, int]:
+  """The faster of ``best`` and every plan at micro-batch size ``b`` (partitions ``parts``,
+  every device count per stage), and how many plans were simulated: a plan whose busiest
+  stage's compute alone is no faster than ``best`` (within memory) is not."""
+  cluster, cm, B, costs = problem.inputs()
+  K = cluster.num_devices
+  M = B // b
+  dps = data_parallel_degrees(b, K)
+  times = {}
+  for d in dps:
+    tf, tb = cm.layer_times(costs, cluster.device, b / d)
+    times[d] = tf + tb
+  simulated = 0
+  for blocks in parts:
+    if len(blocks) > K:
+      continue
+    idx = [[costs.index[l] for l in bl] for bl in blocks]
+    for counts in itertools.product(dps, repeat=len(blocks)):
+      if sum(counts) > K:
+        continue
+      bound = max(M * float(times[d][ix].sum()) for d, ix in zip(counts, idx))
+      if (
+        best is not None
+        and best.predicted["memory_ok"]
+        and bound >= best.predicted["iteration_time"]
+      ):
+        continue
+      plan = assemble_plan(
+        problem.layer_graph,
+        cluster,
+        list(zip(blocks, counts)),
+        microbatch=b,
+        batch_size=B,
+        planner="exhaustive",
+        schedule=problem.schedule,
+        cost_model=cm,
+        costs=costs,
+      )
+      simulated += 1
+      best = better(best, plan)
+  return best, simulated
+
+
+EXHAUSTIVE = ProblemPlanner("exhaustive", ExhaustiveOptions, exhaustive_search)
+
+
 def exhaustive_plan(
   layer_graph: nx.DiGraph,
   cluster: Cluster | int | None = None,
@@ -70,64 +161,15 @@ def exhaustive_plan(
   max_microbatches: int | None = MAX_MICROBATCHES,
 ) -> Plan:
   """Exhaustive search (see the module docstring); for at most ``max_layers`` layers and
-  ``max_devices`` devices."""
-  t0 = time.perf_counter()
-  validate_layer_graph(layer_graph)
-  cluster = as_cluster(cluster)
-  n = layer_graph.number_of_nodes()
-  K = cluster.num_devices
-  if n > max_layers or max_devices < K:
-    raise PlanError(
-      f"exhaustive search is for small problems (at most {max_layers} layers and "
-      f"{max_devices} devices), got {n} layers on {K} devices; use graphpipe, "
-      "or raise max_layers / max_devices knowing the cost grows like Bell(n)"
-    )
-  cm = cost_model or DEFAULT_COST_MODEL
-  B = int(batch_size or layer_graph.graph["batch_size"])
-  costs = layer_costs(layer_graph)
-  parts = acyclic_partitions(layer_graph)
-  best: Plan | None = None
-  simulated = 0
-  for b in microbatch_sizes(B, num_microbatches, max_microbatches):
-    M = B // b
-    dps = data_parallel_degrees(b, K)
-    times = {}
-    for d in dps:
-      tf, tb = cm.layer_times(costs, cluster.device, b / d)
-      times[d] = tf + tb
-    for blocks in parts:
-      if len(blocks) > K:
-        continue
-      idx = [[costs.index[l] for l in bl] for bl in blocks]
-      for counts in itertools.product(dps, repeat=len(blocks)):
-        if sum(counts) > K:
-          continue
-        bound = max(M * float(times[d][ix].sum()) for d, ix in zip(counts, idx))
-        if (
-          best is not None
-          and best.predicted["memory_ok"]
-          and bound >= best.predicted["iteration_time"]
-        ):
-          continue
-        plan = assemble_plan(
-          layer_graph,
-          cluster,
-          list(zip(blocks, counts)),
-          microbatch=b,
-          batch_size=B,
-          planner="exhaustive",
-          schedule=schedule,
-          cost_model=cm,
-          costs=costs,
-        )
-        simulated += 1
-        best = better(best, plan)
-  if best is None or not best.predicted.get("memory_ok", True):
-    raise no_plan_error("exhaustive", layer_graph, cluster, B)
-  pred = dict(best.predicted)
-  pred["search"] = {
-    "seconds": time.perf_counter() - t0,
-    "partitions": len(parts),
-    "simulated": simulated,
-  }
-  return best.replace(predicted=pred)
+  ``max_devices`` devices. Builds the ``PlanningProblem`` and runs ``exhaustive_search``."""
+  return EXHAUSTIVE(
+    layer_graph,
+    cluster,
+    batch_size,
+    num_microbatches=num_microbatches,
+    cost_model=cost_model,
+    schedule=schedule,
+    max_microbatches=max_microbatches,
+    max_layers=max_layers,
+    max_devices=max_devices,
+  )

@@ -26,6 +26,7 @@ micro-batch) and two stage counts per r: S = min(devices / r, layers) and half o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -39,10 +40,9 @@ from gpp_jax.passes.partition.plan_assembly import (
   MAX_MICROBATCHES,
   assemble_plan,
   better,
-  microbatch_sizes,
   no_plan_error,
-  planner_inputs,
 )
+from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
 from gpp_jax.passes.partition.range_costs import RangeCosts
 
 ORDERS = ("1f1b", "graph-1f1b", "gpipe")
@@ -117,6 +117,77 @@ def _mapped_partition(
   return best
 
 
+@dataclasses.dataclass(frozen=True)
+class LuoOptions:
+  """Luo et al.'s options (the problem itself is a ``PlanningProblem``; its ``schedule`` is
+  not used: the plan names the order that won).
+
+  Attributes:
+    orders: micro-batch processing orders (schedule generators) to choose from (ALL_ORDERS adds
+      "zero-bubble" to the default three).
+    simulate_top: how many partitions (best estimates first) are simulated in every order.
+  """
+
+  orders: tuple[str, ...] = ORDERS
+  simulate_top: int = 4
+
+
+def mapped_candidates(problem: PlanningProblem) -> list[tuple]:
+  """The best mapped partition, (estimate, b, r, S, ranges), of every micro-batch size,
+  replication r and stage count tried (see the module docstring), best estimate first."""
+  cluster, cm, B, costs = problem.inputs()
+  K = cluster.num_devices
+  n = len(costs)
+  cross = _crossing(costs, n)
+  found = []
+  for b in problem.microbatch_sizes():
+    M = B // b
+    reps = [r for r in range(1, K + 1) if b % r == 0]
+    rc = RangeCosts(costs, cm, cluster, b, B, reps)
+    for r in reps:
+      for S in sorted({min(K // r, n), max(1, min(K // r, n) // 2)}):
+        got = _mapped_partition(rc, cross, cluster, r, S, M)
+        if got is not None:
+          found.append((got[0], b, r, S, got[1]))
+  found.sort(key=lambda c: c[:4])
+  return found
+
+
+def luo_search(problem: PlanningProblem, opts: LuoOptions) -> Plan:
+  """Luo et al.: PlanningProblem -> sequential Plan (see the module docstring)."""
+  t0 = time.perf_counter()
+  layer_graph = problem.layer_graph
+  cluster, cm, B, costs = problem.inputs()
+  found = mapped_candidates(problem)
+  best = None
+  for est, b, r, _S, ranges in found[: opts.simulate_top]:
+    stages = [(costs.layers[i:j], r) for i, j in ranges]
+    for mode in opts.orders:
+      plan = assemble_plan(
+        layer_graph,
+        cluster,
+        stages,
+        microbatch=b,
+        batch_size=B,
+        planner="luo",
+        schedule=mode,
+        sequential=True,
+        device_order=list(range(cluster.num_devices)),
+        cost_model=cm,
+        costs=costs,
+        info={"estimate": est, "replicas": r},
+      )
+      best = better(best, plan)
+  if best is None or not best.predicted.get("memory_ok", True):
+    raise no_plan_error("luo", layer_graph, cluster, B)
+  pred = dict(best.predicted)
+  pred["search"] = {"seconds": time.perf_counter() - t0, "candidates": len(found)}
+  return best.replace(predicted=pred)
+
+
+LUO = ProblemPlanner("luo", LuoOptions, luo_search)
+
+
 def luo_plan(
   layer_graph: nx.DiGraph,
   cluster: Cluster | int | None = None,
@@ -128,53 +199,16 @@ def luo_plan(
   max_microbatches: int | None = MAX_MICROBATCHES,
   simulate_top: int = 4,
 ) -> Plan:
-  """Luo et al.: LayerGraph + Cluster -> sequential Plan (see the module docstring).
-
-  Args:
-    layer_graph, cluster, batch_size, num_microbatches: as for every planner.
-    cost_model: the CostModel.
-    orders: micro-batch processing orders (schedule generators) to choose from (ALL_ORDERS adds
-      "zero-bubble" to the default three).
-    max_microbatches: skip micro-batch sizes needing more micro-batches than this.
-    simulate_top: how many partitions (best estimates first) are simulated in every order.
-  """
-  t0 = time.perf_counter()
-  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
-  K = cluster.num_devices
-  n = len(costs)
-  cross = _crossing(costs, n)
-  found = []
-  for b in microbatch_sizes(B, num_microbatches, max_microbatches):
-    M = B // b
-    reps = [r for r in range(1, K + 1) if b % r == 0]
-    rc = RangeCosts(costs, cm, cluster, b, B, reps)
-    for r in reps:
-      for S in sorted({min(K // r, n), max(1, min(K // r, n) // 2)}):
-        got = _mapped_partition(rc, cross, cluster, r, S, M)
-        if got is not None:
-          found.append((got[0], b, r, S, got[1]))
-  found.sort(key=lambda c: c[:4])
-  best = None
-  for est, b, r, _S, ranges in found[:simulate_top]:
-    stages = [(costs.layers[i:j], r) for i, j in ranges]
-    for mode in orders:
-      plan = assemble_plan(
-        layer_graph,
-        cluster,
-        stages,
-        microbatch=b,
-        batch_size=B,
-        planner="luo",
-        schedule=mode,
-        sequential=True,
-        device_order=list(range(K)),
-        cost_model=cm,
-        costs=costs,
-        info={"estimate": est, "replicas": r},
-      )
-      best = better(best, plan)
-  if best is None or not best.predicted.get("memory_ok", True):
-    raise no_plan_error("luo", layer_graph, cluster, B)
-  pred = dict(best.predicted)
-  pred["search"] = {"seconds": time.perf_counter() - t0, "candidates": len(found)}
-  return best.replace(predicted=pred)
+  """Luo et al.: LayerGraph + Cluster -> sequential Plan: builds the ``PlanningProblem``
+  (``cost_model``, ``num_microbatches``, ``max_microbatches``) and runs ``luo_search`` with
+  the other keywords as ``LuoOptions``."""
+  return LUO(
+    layer_graph,
+    cluster,
+    batch_size,
+    num_microbatches=num_microbatches,
+    cost_model=cost_model,
+    max_microbatches=max_microbatches,
+    orders=orders,
+    simulate_top=simulate_top,
+  )

@@ -44,6 +44,7 @@ raises PlanError, which is how Piper fails on DLRM and CANDLE-Uno in the GraphPi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -60,10 +61,9 @@ from gpp_jax.passes.partition.plan_assembly import (
   assemble_plan,
   better,
   data_parallel_degrees,
-  microbatch_sizes,
   no_plan_error,
-  planner_inputs,
 )
+from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.refine import polish
 
@@ -301,6 +301,127 @@ def _reconstruct(pairs, pr: _Pricing, dp, dps, costs: LayerCosts, K, M, s, targe
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class PiperOptions:
+  """Piper's options (the problem itself is a ``PlanningProblem``).
+
+  Attributes:
+    selection: "published" (Piper's objective alone: smallest bottleneck TPS per micro-batch
+      size, no simulation ranking, no polish) or "simulated" (the best estimates simulated,
+      then polished); see the module docstring.
+    max_downsets, max_pairs: state limits; PlanError beyond them (``max_downsets`` is the
+      authors' ``IDEALS_LIMIT``).
+    simulate_top: how many (micro-batch, stage count) optima are simulated.
+  """
+
+  selection: str = "simulated"
+  max_downsets: int = IDEALS_LIMIT
+  max_pairs: int = 50_000_000
+  simulate_top: int = 6
+
+
+def chain_bounds(problem: PlanningProblem, sizes: list[int]) -> dict[int, np.ndarray]:
+  """Per micro-batch size, PipeDream's DP optimum for each stage count over a topological
+  order: its stages are downset differences priced the same way, so Piper's optimum at that
+  size is at most the smallest."""
+  cluster, cm, B, costs = problem.inputs()
+  K = cluster.num_devices
+  out = {}
+  for b in sizes:
+    rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
+    A, _ = chain_dp(rc, K, B // b, cluster.memory_per_device)
+    out[b] = A[0, K, 1:]
+  return out
+
+
+def dp_optima(
+  problem: PlanningProblem,
+  opts: PiperOptions,
+  pairs: DownsetPairs,
+  sizes: list[int],
+  bounds: dict[int, np.ndarray] | None,
+) -> list:
+  """The DP optima (estimate, b, s, bottleneck, dp, dps, pricing) worth simulating, best
+  estimate first: at each micro-batch size one per stage count (published: the smallest
+  bottleneck only), over the pairs whose stage TPS is within the size's bound (``bounds``
+  None: no bound)."""
+  cluster, cm, B, costs = problem.inputs()
+  K = cluster.num_devices
+  S = min(K, len(costs.layers))
+  full = len(pairs.sets) - 1
+  published = opts.selection == "published"
+  keep = 1 if published else opts.simulate_top
+  out: list = []
+  for b in sizes:
+    M = B // b
+    dps = data_parallel_degrees(b, K)
+    U = float(np.min(bounds[b], initial=math.inf)) if bounds is not None else math.inf
+    if not published:
+      U *= SIMULATED_BOUND
+    pr = _Pricing(pairs, costs, cm, cluster, b, B, dps)
+    dp = _piper_dp(pairs, pr, dps, K, S, M, U * (1 + 1e-9))
+    vals = [(float(dp[full, K, s]), s) for s in range(1, S + 1)]
+    vals = [(v, s) for v, s in vals if math.isfinite(v)]
+    if published and vals:
+      vals = [min(vals)]  # the objective: smallest bottleneck (ties: fewer stages)
+    out += [((M + s - 1) * v * b, b, s, v, dp, dps, pr) for v, s in vals]
+    # Keep only the candidates that can still be chosen (each holds its size's DP table).
+    out.sort(key=lambda c: c[:3])
+    del out[keep:]
+  return out
+
+
+def piper_search(problem: PlanningProblem, opts: PiperOptions) -> Plan:
+  """Piper: PlanningProblem -> sequential Plan over downset differences (see the module
+  docstring)."""
+  if opts.selection not in SELECTIONS:
+    raise ValueError(f"piper: selection must be one of {SELECTIONS}, got {opts.selection!r}")
+  t0 = time.perf_counter()
+  layer_graph = problem.layer_graph
+  cluster, cm, B, costs = problem.inputs()
+  pairs = DownsetPairs(layer_graph, costs, opts.max_downsets, opts.max_pairs)
+  sizes = problem.microbatch_sizes()
+  bounds = chain_bounds(problem, sizes)
+  t_prep = time.perf_counter() - t0
+  found = dp_optima(problem, opts, pairs, sizes, bounds)
+  if not found:  # a bound below every Piper plan (it cannot be, but stay exact)
+    found = dp_optima(problem, opts, pairs, sizes, None)
+  plans = []
+  best = None
+  for _est, b, s, v, dp, dps, pr in found:
+    stages = _reconstruct(pairs, pr, dp, dps, costs, cluster.num_devices, B // b, s, v)
+    plan = assemble_plan(
+      layer_graph,
+      cluster,
+      stages,
+      microbatch=b,
+      batch_size=B,
+      planner="piper",
+      schedule=problem.schedule,
+      sequential=True,
+      cost_model=cm,
+      costs=costs,
+      info={"bottleneck_tps": v, "downsets": len(pairs.sets), "selection": opts.selection},
+    )
+    best = better(best, plan)
+    plans.append(plan)
+  if best is None or not best.predicted.get("memory_ok", True):
+    raise no_plan_error("piper", layer_graph, cluster, B)
+  if opts.selection != "published":
+    best = polish(plans, layer_graph, cluster, cost_model=cm, costs=costs, microbatch_sizes=sizes)
+  pred = dict(best.predicted)
+  pred["search"] = {
+    "seconds": time.perf_counter() - t0,
+    "pairs_seconds": t_prep,
+    "downsets": len(pairs.sets),
+    "pairs": pairs.num_pairs,
+  }
+  return best.replace(predicted=pred)
+
+
+PIPER = ProblemPlanner("piper", PiperOptions, piper_search)
+
+
 def piper_plan(
   layer_graph: nx.DiGraph,
   cluster: Cluster | int | None = None,
@@ -315,94 +436,20 @@ def piper_plan(
   max_microbatches: int | None = MAX_MICROBATCHES,
   simulate_top: int = 6,
 ) -> Plan:
-  """Piper: LayerGraph + Cluster -> sequential Plan over downset differences.
-
-  Args:
-    layer_graph, cluster, batch_size, num_microbatches: as for every planner.
-    cost_model: the CostModel.
-    schedule: the schedule generator the plan names.
-    selection: "published" (Piper's objective alone: smallest bottleneck TPS per micro-batch
-      size, no simulation ranking, no polish) or "simulated" (the best estimates simulated,
-      then polished); see the module docstring.
-    max_downsets, max_pairs: state limits; PlanError beyond them (``max_downsets`` is the
-      authors' ``IDEALS_LIMIT``).
-    max_microbatches: skip micro-batch sizes needing more micro-batches than this.
-    simulate_top: how many (micro-batch, stage count) optima are simulated.
-  """
-  if selection not in SELECTIONS:
-    raise ValueError(f"piper: selection must be one of {SELECTIONS}, got {selection!r}")
-  t0 = time.perf_counter()
-  cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
-  K = cluster.num_devices
-  pairs = DownsetPairs(layer_graph, costs, max_downsets, max_pairs)
-  D = len(pairs.sets)
-  n = len(costs.layers)
-  full = D - 1
-  S = min(K, n)
-  sizes = microbatch_sizes(B, num_microbatches, max_microbatches)
-  published = selection == "published"
-  # Upper bounds from PipeDream's DP over a topological order (a Piper plan too).
-  chains = {}
-  for b in sizes:
-    rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
-    A, _ = chain_dp(rc, K, B // b, cluster.memory_per_device)
-    chains[b] = A[0, K, 1:]
-  t_prep = time.perf_counter() - t0
-
-  keep = 1 if published else simulate_top
-
-  def run(bounded: bool) -> list:
-    out: list = []
-    for b in sizes:
-      M = B // b
-      dps = data_parallel_degrees(b, K)
-      # Piper's optimum at this size is at most PipeDream's (same pricing, a subset of plans).
-      U = float(np.min(chains[b], initial=math.inf)) if bounded else math.inf
-      if not published:
-        U *= SIMULATED_BOUND
-      pr = _Pricing(pairs, costs, cm, cluster, b, B, dps)
-      dp = _piper_dp(pairs, pr, dps, K, S, M, U * (1 + 1e-9))
-      vals = [(float(dp[full, K, s]), s) for s in range(1, S + 1)]
-      vals = [(v, s) for v, s in vals if math.isfinite(v)]
-      if published and vals:
-        vals = [min(vals)]  # the objective: smallest bottleneck (ties: fewer stages)
-      out += [((M + s - 1) * v * b, b, s, v, dp, dps, pr) for v, s in vals]
-      # Keep only the candidates that can still be chosen (each holds its size's DP table).
-      out.sort(key=lambda c: c[:3])
-      del out[keep:]
-    return out
-
-  found = run(True)
-  if not found:
-    found = run(False)  # a bound below every Piper plan (it cannot be, but stay exact)
-  plans = []
-  best = None
-  for _est, b, s, v, dp, dps, pr in found:
-    stages = _reconstruct(pairs, pr, dp, dps, costs, K, B // b, s, v)
-    plan = assemble_plan(
-      layer_graph,
-      cluster,
-      stages,
-      microbatch=b,
-      batch_size=B,
-      planner="piper",
-      schedule=schedule,
-      sequential=True,
-      cost_model=cm,
-      costs=costs,
-      info={"bottleneck_tps": v, "downsets": D, "selection": selection},
-    )
-    best = better(best, plan)
-    plans.append(plan)
-  if best is None or not best.predicted.get("memory_ok", True):
-    raise no_plan_error("piper", layer_graph, cluster, B)
-  if not published:
-    best = polish(plans, layer_graph, cluster, cost_model=cm, costs=costs, microbatch_sizes=sizes)
-  pred = dict(best.predicted)
-  pred["search"] = {
-    "seconds": time.perf_counter() - t0,
-    "pairs_seconds": t_prep,
-    "downsets": D,
-    "pairs": pairs.num_pairs,
-  }
-  return best.replace(predicted=pred)
+  """Piper: LayerGraph + Cluster -> sequential Plan over downset differences: builds the
+  ``PlanningProblem`` (``cost_model``, ``schedule``, ``num_microbatches``,
+  ``max_microbatches``) and runs ``piper_search`` with the other keywords as
+  ``PiperOptions``."""
+  return PIPER(
+    layer_graph,
+    cluster,
+    batch_size,
+    num_microbatches=num_microbatches,
+    cost_model=cost_model,
+    schedule=schedule,
+    max_microbatches=max_microbatches,
+    selection=selection,
+    max_downsets=max_downsets,
+    max_pairs=max_pairs,
+    simulate_top=simulate_top,
+  )

@@ -9,9 +9,9 @@ becomes a ``cpu_cluster``; the batch defaults to the LayerGraph's).
 A planner is any callable ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None,
 **options) -> Plan`` (``Planner``): a user's function passed as ``planner=`` qualifies. Every
 registered planner (``passes.partition.PLANNERS``) also has ``plan(problem, options)``:
-``ProblemPlanner`` (GraphPipe, PipeDream) takes the problem and a frozen options dataclass
-(calling it with the keyword form builds both); ``KeywordPlanner`` adapts a planner written in
-the keyword form, a user's included (``as_registered``; ``passes.partition.as_planner``).
+``ProblemPlanner`` (every built-in planner) takes the problem and a frozen options dataclass
+(calling it with the keyword form builds both); ``KeywordPlanner`` adapts a user's planner
+written in the keyword form (``as_registered``; ``passes.partition.as_planner``).
 """
 
 from __future__ import annotations

@@ -19,13 +19,14 @@ import dataclasses
 
 import networkx as nx
 
-from gpp_jax.cost.cluster import Cluster, as_cluster
+from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts, layer_costs
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan, stage_microbatch_counts, validate_plan
 from gpp_jax.passes.inflight import inflight_chunks
-from gpp_jax.passes.partition.graphpipe import graphpipe_plan
+from gpp_jax.passes.partition.graphpipe.search import GraphPipeOptions, graphpipe_search
 from gpp_jax.passes.partition.plan_assembly import better, predict
+from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
 from gpp_jax.passes.schedules import PER_STAGE_COUNTS
 
 
@@ -90,6 +91,38 @@ def assign_stage_microbatches(
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class StageMicrobatchOptions(GraphPipeOptions):
+  """The graphpipe-stage-mb planner's options: GraphPipe's (``GraphPipeOptions``, for the plan
+  it starts from) and the per-stage search's (the problem itself is a ``PlanningProblem``).
+
+  Attributes:
+    max_evals: at most this many simulations in the coordinate descent.
+  """
+
+  max_evals: int = 64
+
+
+def graphpipe_stage_microbatch_search(
+  problem: PlanningProblem, opts: StageMicrobatchOptions
+) -> Plan:
+  """GraphPipe's plan, then per-stage micro-batch sizes (``assign_stage_microbatches``)."""
+  plan = graphpipe_search(problem, opts)
+  return assign_stage_microbatches(
+    plan,
+    problem.layer_graph,
+    problem.cluster,
+    cost_model=problem.cost_model,
+    costs=problem.costs,
+    max_evals=opts.max_evals,
+  )
+
+
+GRAPHPIPE_STAGE_MB = ProblemPlanner(
+  "graphpipe-stage-mb", StageMicrobatchOptions, graphpipe_stage_microbatch_search
+)
+
+
 def graphpipe_stage_microbatch_plan(
   layer_graph: nx.DiGraph,
   cluster: Cluster | int,
@@ -99,9 +132,14 @@ def graphpipe_stage_microbatch_plan(
   max_evals: int = 64,
   **options,
 ) -> Plan:
-  """GraphPipe's plan, then per-stage micro-batch sizes (``assign_stage_microbatches``)."""
-  cl = as_cluster(cluster)
-  plan = graphpipe_plan(layer_graph, cl, batch_size, num_microbatches=num_microbatches, **options)
-  return assign_stage_microbatches(
-    plan, layer_graph, cl, cost_model=options.get("cost_model"), max_evals=max_evals
+  """GraphPipe's plan, then per-stage micro-batch sizes: builds the ``PlanningProblem`` and
+  runs ``graphpipe_stage_microbatch_search`` with ``StageMicrobatchOptions`` (``options``:
+  ``cost_model``, ``schedule``, ``max_microbatches`` and GraphPipe's options)."""
+  return GRAPHPIPE_STAGE_MB(
+    layer_graph,
+    cluster,
+    batch_size,
+    num_microbatches=num_microbatches,
+    max_evals=max_evals,
+    **options,
   )
