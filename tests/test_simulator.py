@@ -286,3 +286,63 @@ def test_host_dispatch_mode_limits():
   n = sum(len(l) for l in sched.lanes)
   slow = simulate_times(sched, [tf] * S, [tb] * S, host_dispatch=10.0)
   assert slow.iteration_time >= n * 10.0
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+  stage_dags(),
+  st.integers(1, 5),
+  st.sampled_from(["gpipe", "1f1b", "graph-1f1b", "zero-bubble", "2bw"]),
+  st.lists(st.floats(0.0, 3.0), min_size=24, max_size=24),
+  st.booleans(),
+  st.integers(1, 3),
+)
+def test_the_planners_fast_path_times_the_lowered_program(dag, M, name, xs, mixed, steps):
+  """``simulate_times`` without a host runs on the schedule itself (what planners simulate
+  hundreds of times); it must equal the lowered program's simulation action by action and
+  transfer by transfer: every generator, per-action times, transfers, per-stage micro-batch
+  counts, streams of several steps."""
+  from gpp_jax.cost import simulator as sim
+  from gpp_jax.passes.schedules import PER_STAGE_COUNTS, stream_schedule
+
+  n, edges = dag
+  counts = [M * (1 + (s % 2)) for s in range(n)] if mixed and name in PER_STAGE_COUNTS else None
+  sched = make_schedule(name, n, edges, M, counts=counts)
+  if steps > 1 and counts is None:
+    sched = stream_schedule(sched, steps)
+  per = sched.stage_counts
+  fwd = [[xs[(s + m) % 24] for m in range(per[s] * steps)] for s in range(n)]
+  bwd = [[xs[(3 * s + m + 5) % 24] for m in range(per[s] * steps)] for s in range(n)]
+  wgt = [xs[(s + 11) % 24] for s in range(n)]
+  kw = dict(
+    weight=wgt,
+    update=[xs[(s + 7) % 24] for s in range(n)],
+    activation_transfer={e: xs[(e[0] + 2 * e[1]) % 24] for e in edges},
+    cotangent_transfer={e: xs[(e[1] + 3 * e[0] + 1) % 24] / 2 for e in edges},
+    static_memory=[10.0 * s for s in range(n)],
+    activation_memory=[1.0 + s for s in range(n)],
+    stage_devices=[(s,) for s in range(n)],
+  )
+  fast = simulate_times(sched, fwd, bwd, **kw)
+  tf, tb, tw = (sim._per_action(t, "x", n) for t in (fwd, bwd, wgt))
+  program = sim.lowered_schedule(sched)
+  durations = []
+  for i in program.instrs:
+    if i.op.value in ("F", "B", "W"):
+      durations.append({"F": tf, "B": tb, "W": tw}[i.op.value](i.stage, i.mb))
+    elif i.op.value == "SEND":
+      x = kw["activation_transfer"] if i.arg == "act" else kw["cotangent_transfer"]
+      durations.append(x.get((i.lane, i.peer) if i.arg == "act" else (i.peer, i.lane), 0.0))
+    elif i.op.value == "UPDATE":
+      durations.append(kw["update"][i.stage])
+    else:
+      durations.append(0.0)
+  slow = sim.simulate_program(
+    program,
+    durations,
+    static_memory=kw["static_memory"],
+    activation_memory=kw["activation_memory"],
+    stage_devices=kw["stage_devices"],
+    num_microbatches=sched.num_microbatches,
+  )
+  assert fast == slow

@@ -39,7 +39,7 @@ import networkx as nx
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts, plan_costs
 from gpp_jax.ir.program import Instr, Op, Program
-from gpp_jax.ir.schedule import Action, Schedule
+from gpp_jax.ir.schedule import Action, Schedule, overlapping
 
 Times = float | Sequence[float] | Mapping[int, float]
 
@@ -188,7 +188,9 @@ def simulate_times(
 ) -> SimResult:
   """Schedule + explicit times -> SimResult: the schedule's lowered program
   (``passes.lowering.lower_schedule``: one activation and one cotangent per stage edge and
-  micro-batch) timed by ``simulate_program``.
+  micro-batch) timed by ``simulate_program``. Without a host, cores or shared channels (the
+  devices-only model the planners search with) the same times come from the schedule itself,
+  without lowering it (``_simulate_lanes``, held equal to the program's by the tests).
 
   Args:
     schedule: the schedule to execute (validated by the caller or by its generator).
@@ -218,6 +220,19 @@ def simulate_times(
   up = list(update) if update is not None else [0.0] * S
   act_x = dict(activation_transfer or {})
   cot_x = dict(cotangent_transfer if cotangent_transfer is not None else act_x)
+  if host_dispatch is None and cores is None and not channels:
+    timed = _simulate_lanes(schedule, tf, tb, tw, up, act_x, cot_x)
+    if timed is not None:  # else a deadlock: the program's lowering names it
+      S = schedule.num_stages
+      return _result(
+        schedule.name,
+        S,
+        schedule.num_microbatches,
+        *timed,
+        list(static_memory) if static_memory is not None else [0.0] * S,
+        list(activation_memory) if activation_memory is not None else [0.0] * S,
+        tuple(tuple(d) for d in stage_devices) if stage_devices is not None else ((),) * S,
+      )
   program = lowered_schedule(schedule)
   F, B, W, SEND = Op.F, Op.B, Op.W, Op.SEND
   durations = []
@@ -253,6 +268,134 @@ def simulate_times(
     stage_devices=stage_devices,
     num_microbatches=schedule.num_microbatches,
   )
+
+
+def _simulate_lanes(
+  sched: Schedule,
+  tf: Callable[[int, int], float],
+  tb: Callable[[int, int], float],
+  tw: Callable[[int, int], float],
+  up: Sequence[float],
+  act_x: Mapping[tuple[int, int], float],
+  cot_x: Mapping[tuple[int, int], float],
+) -> tuple[list[ActionTime], list[TransferTime]] | None:
+  """What ``simulate_program`` finds for the schedule's lowered program when no host issues
+  it and every transfer has its own channel, computed on the schedule itself: the planners
+  simulate hundreds of candidate schedules, and lowering each into buffers and instructions
+  cost most of their search. One pass in the dispatch order (``ir.schedule.dispatch_order``,
+  the order the lowering emits): an action starts when its lane is free and its inputs have
+  arrived (a RECV holds its lane until then, which is the same), a transfer when its sender
+  has finished and its channel (kind, sender, receiver) is free. The actions and transfers
+  come out in the program's order; ``tests/test_simulator.py`` holds the two paths equal.
+  Returns None when the lanes deadlock."""
+  S = sched.num_stages
+  counts = sched.stage_counts
+  steps = max(sched.steps, 1)
+  edges = sorted(set(sched.edges))
+  # Per edge (u, v): when each chunk's activation reaches v (indexed by u's chunks) and each
+  # cotangent reaches u (by v's chunks); None until sent.
+  act = {e: [None] * (counts[e[0]] * steps) for e in edges}
+  cot = {e: [None] * (counts[e[1]] * steps) for e in edges}
+  f_in: list[list[tuple[int, list]]] = [[] for _ in range(S)]
+  b_in: list[list[tuple[int, list]]] = [[] for _ in range(S)]
+  # Per stage, what its F / B sends: (receiver, arrivals, seconds, the channel's free time).
+  f_out: list[list[tuple[int, list, float, list[float]]]] = [[] for _ in range(S)]
+  b_out: list[list[tuple[int, list, float, list[float]]]] = [[] for _ in range(S)]
+  for u, v in edges:
+    f_in[v].append((u, act[(u, v)]))
+    f_out[u].append((v, act[(u, v)], act_x.get((u, v), 0.0), [0.0]))
+  for u, v in edges:  # the cotangents, in the order the program sends them
+    b_in[u].append((v, cot[(u, v)]))
+    b_out[v].append((u, cot[(u, v)], cot_x.get((u, v), 0.0), [0.0]))
+  lanes = [
+    list(lane) if any(x.kind == "UPDATE" for x in lane) else [*lane, Action("UPDATE", s)]
+    for s, lane in enumerate(sched.lanes)
+  ]
+  mixed = len(set(counts)) > 1
+
+  def chunks(s: int, m: int, other: int) -> range:
+    if not mixed:
+      return range(m, m + 1)
+    t, lm = divmod(m, counts[s])
+    base = t * counts[other]
+    r = overlapping(lm, counts[s], counts[other])
+    return range(base + r.start, base + r.stop)
+
+  done_f = [[False] * (counts[s] * steps) for s in range(S)]
+  done_b = [[False] * (counts[s] * steps) for s in range(S)]
+  lane_free = [0.0] * S
+  actions: list[ActionTime] = []
+  transfers: list[TransferTime] = []
+  one_step = sched.steps == 1
+  pos = [0] * S
+  # What a lane's blocked head waits for (a list and an index): checked first when the round
+  # comes back to the lane, so a lane still blocked costs one lookup.
+  waits: list[tuple[list, int] | None] = [None] * S
+  left = sum(map(len, lanes))
+  while left:
+    progressed = False
+    for s in range(S):
+      lane = lanes[s]
+      w = waits[s]
+      if w is not None:
+        if w[0][w[1]] is None or w[0][w[1]] is False:
+          continue
+        waits[s] = None
+      n = len(lane)
+      while pos[s] < n:
+        a = lane[pos[s]]
+        kind, m = a.kind, a.microbatch
+        start = lane_free[s]
+        if kind == "F" or kind == "B":
+          if kind == "B" and not done_f[s][m]:
+            waits[s] = (done_f[s], m)
+            break
+          blocked = None
+          for o, arrived in f_in[s] if kind == "F" else b_in[s]:
+            for k in chunks(s, m, o) if mixed else (m,):
+              t = arrived[k]
+              if t is None:
+                blocked = (arrived, k)
+                break
+              if t > start:
+                start = t
+            if blocked is not None:
+              break
+          if blocked is not None:
+            waits[s] = blocked
+            break
+          if kind == "F":
+            end = start + tf(s, m)
+            done_f[s][m] = True
+            actions.append(ActionTime("F", s, m, start, end))
+            for c, arrivals, x, chan in f_out[s]:
+              t0 = end if end > chan[0] else chan[0]
+              chan[0] = arrivals[m] = t1 = t0 + x
+              transfers.append(TransferTime("activation", s, c, m, t0, t1))
+          else:
+            end = start + tb(s, m)
+            done_b[s][m] = True
+            actions.append(ActionTime("B", s, m, start, end))
+            for p, arrivals, x, chan in b_out[s]:
+              t0 = end if end > chan[0] else chan[0]
+              chan[0] = arrivals[m] = t1 = t0 + x
+              transfers.append(TransferTime("cotangent", s, p, m, t0, t1))
+        elif kind == "W":
+          if not done_b[s][m]:
+            waits[s] = (done_b[s], m)
+            break
+          end = start + tw(s, m)
+          actions.append(ActionTime("W", s, m, start, end))
+        else:
+          end = start + float(up[s])
+          actions.append(ActionTime("UPDATE", s, -1 if one_step else m, start, end))
+        lane_free[s] = end
+        pos[s] += 1
+        left -= 1
+        progressed = True
+    if not progressed:
+      return None
+  return actions, transfers
 
 
 @functools.lru_cache(maxsize=512)
