@@ -316,7 +316,8 @@ def test_a_peer_dying_ends_the_survivor_within_a_minute_naming_it(point, dying):
     assert "the leader task was preempted/died" in out, out[-3000:]
     return
   if dying == 0:  # a send to it broke first (not yet named: see BUILD_NOTES)
-    assert "Connection reset by peer" in failed[0] or "was lost" in failed[0], failed
+    broken = ("Connection reset by peer", "Socket closed", "was lost")  # as the race falls
+    assert any(b in failed[0] for b in broken), failed
     return
   if not failed:
     # Blocked inside JAX (a cross-process transfer being issued): the watch logs the loss,
