@@ -318,6 +318,8 @@ def test_a_peer_dying_ends_the_survivor_within_a_minute_naming_it(point, dying):
   if dying == 0:  # a send to it broke first (not yet named: see BUILD_NOTES)
     broken = ("Connection reset by peer", "Socket closed", "was lost")  # as the race falls
     assert any(b in failed[0] for b in broken), failed
+    if "was lost" not in failed[0]:  # the transfer names the processes it joins
+      assert "between processes 0, 1" in failed[0], failed
     return
   if not failed:
     # Blocked inside JAX (a cross-process transfer being issued): the watch logs the loss,

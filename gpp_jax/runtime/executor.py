@@ -393,7 +393,17 @@ class Executor:
       where = f"stage {ins.lane} ({layers}) on {k.placement}"
     mb = f", micro-batch {ins.mb}" if ins.op in (Op.F, Op.B, Op.W) else ""
     step = f", step {ins.mb}" if ins.op is Op.UPDATE else ""
-    return f"{ins.label()} ({ins.op.name}{mb}{step}) on {where}"
+    peer = ""
+    if ins.op is Op.SEND and 0 <= ins.peer < len(self.kernels.stages):
+      place = self.kernels.stages[ins.peer].placement
+      peer = f" to stage {ins.peer} on {place}"
+      if self.multiprocess:  # which processes the transfer joins (one of them may be gone)
+        ends = [self.kernels.stages[ins.peer].placement.devices]
+        if ins.lane != P.host:
+          ends.insert(0, self.kernels.stages[ins.lane].placement.devices)
+        procs = sorted({d.process_index for devs in ends for d in devs})
+        peer += f", between processes {', '.join(map(str, procs))}"
+    return f"{ins.label()} ({ins.op.name}{mb}{step}) on {where}{peer}"
 
   # ------------------------------------------------------------------ running
   def bind(self, steps_leaves: Sequence[Sequence[Any]]) -> None:
