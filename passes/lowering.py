@@ -37,7 +37,13 @@ from jax.extend import core as xc
 
 from gpp_jax.errors import BatchError, CaptureError, ScheduleError
 from gpp_jax.ir.program import Buffer, Instr, Op, Program, format_indices, validate_program
-from gpp_jax.ir.schedule import Action, Schedule, dispatch_order, overlapping
+from gpp_jax.ir.schedule import (
+  Action,
+  Schedule,
+  chunk_range,
+  dispatch_order,
+  lanes_with_updates,
+)
 from gpp_jax.passes.costs import aval_bytes
 
 # Roles of the loss's non-parameter inputs (``GraphPipeline``'s capture decides them).
@@ -298,17 +304,6 @@ class _Builder:
     return program
 
 
-def _lanes_with_updates(sched: Schedule) -> list[list[Action]]:
-  """The lanes, each ending with an UPDATE (added to a one-step lane that has none)."""
-  lanes = []
-  for s, lane in enumerate(sched.lanes):
-    out = list(lane)
-    if not any(a.kind == "UPDATE" for a in lane):
-      out.append(Action("UPDATE", s))
-    lanes.append(out)
-  return lanes
-
-
 def _group(sched: Schedule, a: Action) -> tuple:
   if a.kind == "UPDATE":
     return ("UPDATE", a.stage, sched.step_of(a))
@@ -350,7 +345,7 @@ def lower_schedule(sched: Schedule) -> Program:
   g = sched.stage_graph()
   preds = [sorted(g.predecessors(s)) for s in range(S)]
   succs = [sorted(g.successors(s)) for s in range(S)]
-  lanes = _lanes_with_updates(sched)
+  lanes = lanes_with_updates(sched)
   if any(len(a) != len(b) for a, b in zip(lanes, sched.lanes)):
     sched = dataclasses.replace(sched, lanes=tuple(map(tuple, lanes)))
   order = dispatch_order(sched)
@@ -365,12 +360,6 @@ def lower_schedule(sched: Schedule) -> Program:
   def new(lane: int) -> int:
     buffers.append(anon[lane])
     return len(buffers) - 1
-
-  def chunks(s: int, m: int, other: int) -> range:
-    t, lm = divmod(m, counts[s])
-    base = t * counts[other]
-    r = overlapping(lm, counts[s], counts[other])
-    return range(base + r.start, base + r.stop)
 
   def arrive(key: tuple, s: int, src: int, kind: str, m: int, uses: int) -> int:
     """The buffer ``key`` sent to s: received (before its first reader), freed by its last."""
@@ -400,7 +389,7 @@ def lower_schedule(sched: Schedule) -> Program:
       reads = [
         arrive(("a", p, s, k), s, p, "act", m, uses(s, p))
         for p in preds[s]
-        for k in chunks(s, m, p)
+        for k in chunk_range(counts, s, m, p)
       ]
       res = keyed[("res", s, m)] = new(s)
       out = new(s)
@@ -417,7 +406,9 @@ def lower_schedule(sched: Schedule) -> Program:
     elif a.kind == "B":
       res = keyed[("res", s, m)]
       cts = [
-        arrive(("c", c, s, k), s, c, "ct", m, uses(s, c)) for c in succs[s] for k in chunks(s, m, c)
+        arrive(("c", c, s, k), s, c, "ct", m, uses(s, c))
+        for c in succs[s]
+        for k in chunk_range(counts, s, m, c)
       ]
       ict = new(s)
       frees = last_read(cts)
@@ -975,7 +966,7 @@ class _StepLowering:
   # ------------------------------------------------------------------ the whole
   def run(self) -> Lowered:
     bld, sched, prog = self.bld, self.sched, self.spec.prog
-    lanes = _lanes_with_updates(sched)
+    lanes = lanes_with_updates(sched)
     for t in range(self.K):
       self.bind_inputs(t)
       self.pieces(t, prog.before)

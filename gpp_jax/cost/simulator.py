@@ -39,7 +39,7 @@ import networkx as nx
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts, plan_costs
 from gpp_jax.ir.program import Instr, Op, Program
-from gpp_jax.ir.schedule import Action, Schedule, overlapping
+from gpp_jax.ir.schedule import Action, Schedule, chunk_range, lanes_with_updates
 
 Times = float | Sequence[float] | Mapping[int, float]
 
@@ -307,22 +307,11 @@ def _simulate_lanes(
   for u, v in edges:  # the cotangents, in the order the program sends them
     b_in[u].append((v, cot[(u, v)]))
     b_out[v].append((u, cot[(u, v)], cot_x.get((u, v), 0.0), [0.0]))
-  lanes = [
-    list(lane) if any(x.kind == "UPDATE" for x in lane) else [*lane, Action("UPDATE", s)]
-    for s, lane in enumerate(sched.lanes)
-  ]
+  lanes = lanes_with_updates(sched)
   mixed = len(set(counts)) > 1
-
-  def chunks(s: int, m: int, other: int) -> range:
-    if not mixed:
-      return range(m, m + 1)
-    t, lm = divmod(m, counts[s])
-    base = t * counts[other]
-    r = overlapping(lm, counts[s], counts[other])
-    return range(base + r.start, base + r.stop)
-
-  done_f = [[False] * (counts[s] * steps) for s in range(S)]
-  done_b = [[False] * (counts[s] * steps) for s in range(S)]
+  # Per stage, which micro-batches' F / B have run (None: not yet).
+  done_f: list[list[bool | None]] = [[None] * (counts[s] * steps) for s in range(S)]
+  done_b: list[list[bool | None]] = [[None] * (counts[s] * steps) for s in range(S)]
   lane_free = [0.0] * S
   actions: list[ActionTime] = []
   transfers: list[TransferTime] = []
@@ -338,7 +327,7 @@ def _simulate_lanes(
       lane = lanes[s]
       w = waits[s]
       if w is not None:
-        if w[0][w[1]] is None or w[0][w[1]] is False:
+        if w[0][w[1]] is None:
           continue
         waits[s] = None
       n = len(lane)
@@ -347,12 +336,12 @@ def _simulate_lanes(
         kind, m = a.kind, a.microbatch
         start = lane_free[s]
         if kind == "F" or kind == "B":
-          if kind == "B" and not done_f[s][m]:
+          if kind == "B" and done_f[s][m] is None:
             waits[s] = (done_f[s], m)
             break
           blocked = None
           for o, arrived in f_in[s] if kind == "F" else b_in[s]:
-            for k in chunks(s, m, o) if mixed else (m,):
+            for k in chunk_range(counts, s, m, o) if mixed else (m,):
               t = arrived[k]
               if t is None:
                 blocked = (arrived, k)
@@ -364,24 +353,17 @@ def _simulate_lanes(
           if blocked is not None:
             waits[s] = blocked
             break
-          if kind == "F":
-            end = start + tf(s, m)
-            done_f[s][m] = True
-            actions.append(ActionTime("F", s, m, start, end))
-            for c, arrivals, x, chan in f_out[s]:
-              t0 = end if end > chan[0] else chan[0]
-              chan[0] = arrivals[m] = t1 = t0 + x
-              transfers.append(TransferTime("activation", s, c, m, t0, t1))
-          else:
-            end = start + tb(s, m)
-            done_b[s][m] = True
-            actions.append(ActionTime("B", s, m, start, end))
-            for p, arrivals, x, chan in b_out[s]:
-              t0 = end if end > chan[0] else chan[0]
-              chan[0] = arrivals[m] = t1 = t0 + x
-              transfers.append(TransferTime("cotangent", s, p, m, t0, t1))
+          fwd = kind == "F"
+          end = start + (tf if fwd else tb)(s, m)
+          (done_f if fwd else done_b)[s][m] = True
+          actions.append(ActionTime(kind, s, m, start, end))
+          what = "activation" if fwd else "cotangent"
+          for o, arrivals, x, chan in (f_out if fwd else b_out)[s]:
+            t0 = end if end > chan[0] else chan[0]
+            chan[0] = arrivals[m] = t1 = t0 + x
+            transfers.append(TransferTime(what, s, o, m, t0, t1))
         elif kind == "W":
-          if not done_b[s][m]:
+          if done_b[s][m] is None:
             waits[s] = (done_b[s], m)
             break
           end = start + tw(s, m)

@@ -152,6 +152,26 @@ def overlapping(m: int, count: int, other: int) -> range:
   return range(m * other // count, -(-(m + 1) * other // count))
 
 
+def chunk_range(counts: Sequence[int], s: int, m: int, other: int) -> range:
+  """``overlapping`` for micro-batches numbered over several steps: the chunks of stage
+  ``other`` (``counts[other]`` per step) that overlap chunk ``m`` of stage ``s``."""
+  t, lm = divmod(m, counts[s])
+  base = t * counts[other]
+  r = overlapping(lm, counts[s], counts[other])
+  return range(base + r.start, base + r.stop)
+
+
+def lanes_with_updates(sched: Schedule) -> list[list[Action]]:
+  """The lanes, each ending with an UPDATE (added to a one-step lane that has none)."""
+  lanes = []
+  for s, lane in enumerate(sched.lanes):
+    out = list(lane)
+    if not any(a.kind == "UPDATE" for a in lane):
+      out.append(Action("UPDATE", s))
+    lanes.append(out)
+  return lanes
+
+
 def dependencies(
   a: Action, g: nx.DiGraph, split_w: bool = False, counts: Sequence[int] | None = None
 ) -> Iterable[Action]:

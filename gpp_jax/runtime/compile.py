@@ -266,17 +266,10 @@ def batch_leaves(
     if pure.graph_positions
     else 0
   )
-  batch_idx: list[int] = []
-  offset = nstate
-  for i, a in enumerate(args):
-    if i in pure.graph_positions:
-      if i in bpos:
-        raise CaptureError(f"argument {i} is an NNX object, not a batch; set batch_argnums")
-      continue
-    n = len(jax.tree.leaves(a))
+  for i in pure.graph_positions:
     if i in bpos:
-      batch_idx.extend(range(offset, offset + n))
-    offset += n
+      raise CaptureError(f"argument {i} is an NNX object, not a batch; set batch_argnums")
+  batch_idx = [k for i, r in _other_arg_leaves(pure, args, nstate).items() if i in bpos for k in r]
   if not batch_idx:
     raise BatchError(
       f"the batch arguments {bpos} hold no arrays; pass the batch there or set batch_argnums"
@@ -312,21 +305,27 @@ def donated_leaves(pure: PureStep, args: Sequence[Any], opts: Options) -> tuple[
     donate.add(a % npos)
   out: list[int] = []
   gpos = pure.graph_positions
-  offset = 0
+  nstate = 0
   if gpos:
     _, state = nnx.split(tuple(args[i] for i in gpos))
-    for k, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
-      if gpos[path[0].key] in donate:
-        out.append(k)
-      offset = k + 1
-  for i, a in enumerate(args):
-    if i in gpos:
-      continue
-    n = len(jax.tree.leaves(a))
-    if i in donate:
-      out.extend(range(offset, offset + n))
-    offset += n
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    out = [k for k, path in enumerate(paths) if gpos[path[0].key] in donate]
+    nstate = len(paths)
+  out += [k for i, r in _other_arg_leaves(pure, args, nstate).items() if i in donate for k in r]
   return tuple(out)
+
+
+def _other_arg_leaves(pure: PureStep, args: Sequence[Any], nstate: int) -> dict[int, range]:
+  """The flat step arguments of each argument that is not an NNX object, in argument order:
+  the flat arguments are the ``nstate`` leaves of the NNX objects' state, then these."""
+  out: dict[int, range] = {}
+  offset = nstate
+  for i, a in enumerate(args):
+    if i not in pure.graph_positions:
+      n = len(jax.tree.leaves(a))
+      out[i] = range(offset, offset + n)
+      offset += n
+  return out
 
 
 def input_roles(marker, nparam: int, batch_vars: set, state, module_state) -> tuple:
