@@ -26,6 +26,7 @@ validated with ``validate_schedule``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -80,8 +81,20 @@ def inflight_counts(
     num_microbatches: with uniform sizes, caps every count at M (a stage never holds more
       micro-batches than there are).
   """
+  sizes = None if microbatch_sizes is None else tuple(int(x) for x in microbatch_sizes)
+  return _inflight_counts(num_stages, tuple(map(tuple, edges)), sizes, num_microbatches)
+
+
+@functools.lru_cache(maxsize=4096)
+def _inflight_counts(
+  num_stages: int,
+  edges: tuple[tuple[int, int], ...],
+  microbatch_sizes: tuple[int, ...] | None,
+  num_microbatches: int | None,
+) -> InFlight:
+  """``inflight_counts``, kept for the stage graphs a planner sees again and again."""
   g = _stage_graph(num_stages, edges)
-  b = [1] * num_stages if microbatch_sizes is None else [int(x) for x in microbatch_sizes]
+  b = [1] * num_stages if microbatch_sizes is None else list(microbatch_sizes)
   if len(b) != num_stages or any(x < 1 for x in b):
     raise ValueError(f"need one positive micro-batch size per stage, got {microbatch_sizes}")
   N = [0] * num_stages

@@ -24,6 +24,7 @@ stale-weight generators refuse counts that differ.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 from gpp_jax.errors import ScheduleError
@@ -62,6 +63,13 @@ def gpipe(
   return sched
 
 
+@functools.lru_cache(maxsize=1024)
+def stage_actions(kind: str, stage: int, count: int) -> tuple[Action, ...]:
+  """``kind`` actions of ``stage`` for micro-batches 0..count-1 (the same objects every time:
+  planners build thousands of schedules over the same stages)."""
+  return tuple(Action(kind, stage, m) for m in range(count))
+
+
 def one_f_one_b(
   num_stages: int,
   edges: Sequence[tuple[int, int]],
@@ -82,14 +90,11 @@ def one_f_one_b(
   for s in range(num_stages):
     M = num_microbatches if cs is None else cs[s]
     w = max(1, min(L[s], M))
-    lane = [Action("F", s, m) for m in range(w)]
-    f, b = w, 0
-    while b < M:
-      lane.append(Action("B", s, b))
-      b += 1
-      if f < M:
-        lane.append(Action("F", s, f))
-        f += 1
+    fs, bs = stage_actions("F", s, M), stage_actions("B", s, M)
+    lane = list(fs[:w])  # warm-up, then B(i) F(w + i) in turn, then the last backwards
+    for i in range(M - w):
+      lane += (bs[i], fs[w + i])
+    lane += bs[M - w :]
     if update:
       lane.append(Action("UPDATE", s))
     lanes.append(tuple(lane))

@@ -1,5 +1,6 @@
 """Simulator, in-flight counts, the graph-1F1B schedule and the series-parallel pass."""
 
+import dataclasses
 import json
 
 import networkx as nx
@@ -346,3 +347,6 @@ def test_the_planners_fast_path_times_the_lowered_program(dag, M, name, xs, mixe
     num_microbatches=sched.num_microbatches,
   )
   assert fast == slow
+  # What planners ask for: the same times, bubbles and memory without the records.
+  lean = simulate_times(sched, fwd, bwd, timeline=False, **kw)
+  assert lean == dataclasses.replace(fast, actions=(), transfers=())

@@ -32,7 +32,7 @@ import functools
 import json
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import networkx as nx
 
@@ -44,9 +44,8 @@ from gpp_jax.ir.schedule import Action, Schedule, chunk_range, lanes_with_update
 Times = float | Sequence[float] | Mapping[int, float]
 
 
-@dataclasses.dataclass(frozen=True)
-class ActionTime:
-  """When one action ran."""
+class ActionTime(NamedTuple):
+  """When one action ran (a named tuple: planners build thousands per simulation)."""
 
   kind: str
   stage: int
@@ -59,8 +58,7 @@ class ActionTime:
     return Action(self.kind, self.stage, self.microbatch)
 
 
-@dataclasses.dataclass(frozen=True)
-class TransferTime:
+class TransferTime(NamedTuple):
   """When one transfer ran: ``kind`` is "activation" (src -> dst) or "cotangent" (src -> dst,
   flowing against the stage edge dst -> src)."""
 
@@ -116,6 +114,8 @@ class SimResult:
 
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
+    d["actions"] = [a._asdict() for a in self.actions]
+    d["transfers"] = [t._asdict() for t in self.transfers]
     d["peak_memory"] = {str(k): v for k, v in self.peak_memory.items()}
     return d
 
@@ -185,6 +185,7 @@ def simulate_times(
   host_dispatch: float | Mapping[Op, float] | None = None,
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
+  timeline: bool = True,
 ) -> SimResult:
   """Schedule + explicit times -> SimResult: the schedule's lowered program
   (``passes.lowering.lower_schedule``: one activation and one cotangent per stage edge and
@@ -212,6 +213,9 @@ def simulate_times(
     channels: maps a transfer (kind, src, dst) to the channel it queues on; transfers
       mapped to the same key share it one after another (a node's network interface).
       Unmapped transfers (the default for all) each have their own channel.
+    timeline: False leaves the result's ``actions`` and ``transfers`` empty (the times,
+      bubbles and memory are the same): what a planner needs of each of its candidates,
+      without building thousands of records it does not read.
   """
   S = schedule.num_stages
   tf = _per_action(forward, "forward", S)
@@ -221,10 +225,9 @@ def simulate_times(
   act_x = dict(activation_transfer or {})
   cot_x = dict(cotangent_transfer if cotangent_transfer is not None else act_x)
   if host_dispatch is None and cores is None and not channels:
-    timed = _simulate_lanes(schedule, tf, tb, tw, up, act_x, cot_x)
+    timed = _simulate_lanes(schedule, forward, backward, weight, up, act_x, cot_x, timeline)
     if timed is not None:  # else a deadlock: the program's lowering names it
-      S = schedule.num_stages
-      return _result(
+      return _summary(
         schedule.name,
         S,
         schedule.num_microbatches,
@@ -257,7 +260,7 @@ def simulate_times(
     host = dict(host_dispatch)
   elif host_dispatch is not None:
     host = {op: float(host_dispatch) for op in (Op.F, Op.B, Op.W, Op.UPDATE)}
-  return simulate_program(
+  res = simulate_program(
     program,
     durations,
     host_cost=host,
@@ -268,17 +271,31 @@ def simulate_times(
     stage_devices=stage_devices,
     num_microbatches=schedule.num_microbatches,
   )
+  return res if timeline else dataclasses.replace(res, actions=(), transfers=())
+
+
+def _stage_times(times: Any, S: int, lengths: Sequence[int]) -> list[list[float]]:
+  """Per stage, the seconds of each of its micro-batches' actions (``_per_action``'s forms)."""
+  out = []
+  for s in range(S):
+    t = times[s] if times is not None else 0.0
+    if isinstance(t, (int, float)):
+      out.append([float(t)] * lengths[s])
+    else:
+      out.append([float(t[m]) for m in range(lengths[s])])
+  return out
 
 
 def _simulate_lanes(
   sched: Schedule,
-  tf: Callable[[int, int], float],
-  tb: Callable[[int, int], float],
-  tw: Callable[[int, int], float],
+  forward: Any,
+  backward: Any,
+  weight: Any,
   up: Sequence[float],
   act_x: Mapping[tuple[int, int], float],
   cot_x: Mapping[tuple[int, int], float],
-) -> tuple[list[ActionTime], list[TransferTime]] | None:
+  timeline: bool = True,
+) -> tuple[float, list[ActionTime], list[TransferTime], list[float], list[list]] | None:
   """What ``simulate_program`` finds for the schedule's lowered program when no host issues
   it and every transfer has its own channel, computed on the schedule itself: the planners
   simulate hundreds of candidate schedules, and lowering each into buffers and instructions
@@ -287,15 +304,18 @@ def _simulate_lanes(
   arrived (a RECV holds its lane until then, which is the same), a transfer when its sender
   has finished and its channel (kind, sender, receiver) is free. The actions and transfers
   come out in the program's order; ``tests/test_simulator.py`` holds the two paths equal.
-  Returns None when the lanes deadlock."""
+  Returns (iteration time, actions, transfers (both empty unless ``timeline``), busy seconds
+  per stage, memory events per stage as ``_result`` counts them), or None when the lanes
+  deadlock."""
   S = sched.num_stages
   counts = sched.stage_counts
   steps = max(sched.steps, 1)
+  lengths = [c * steps for c in counts]
   edges = sorted(set(sched.edges))
   # Per edge (u, v): when each chunk's activation reaches v (indexed by u's chunks) and each
   # cotangent reaches u (by v's chunks); None until sent.
-  act = {e: [None] * (counts[e[0]] * steps) for e in edges}
-  cot = {e: [None] * (counts[e[1]] * steps) for e in edges}
+  act = {e: [None] * lengths[e[0]] for e in edges}
+  cot = {e: [None] * lengths[e[1]] for e in edges}
   f_in: list[list[tuple[int, list]]] = [[] for _ in range(S)]
   b_in: list[list[tuple[int, list]]] = [[] for _ in range(S)]
   # Per stage, what its F / B sends: (receiver, arrivals, seconds, the channel's free time).
@@ -308,13 +328,23 @@ def _simulate_lanes(
     b_in[u].append((v, cot[(u, v)]))
     b_out[v].append((u, cot[(u, v)], cot_x.get((u, v), 0.0), [0.0]))
   lanes = lanes_with_updates(sched)
+  tf = _stage_times(forward, S, lengths)
+  tb = _stage_times(backward, S, lengths)
+  tw = _stage_times(weight, S, lengths)
   mixed = len(set(counts)) > 1
   # Per stage, which micro-batches' F / B have run (None: not yet).
-  done_f: list[list[bool | None]] = [[None] * (counts[s] * steps) for s in range(S)]
-  done_b: list[list[bool | None]] = [[None] * (counts[s] * steps) for s in range(S)]
+  done_f: list[list[bool | None]] = [[None] * n for n in lengths]
+  done_b: list[list[bool | None]] = [[None] * n for n in lengths]
   lane_free = [0.0] * S
-  actions: list[ActionTime] = []
-  transfers: list[TransferTime] = []
+  busy = [0.0] * S
+  # Per stage, (time, +1) where a stash is taken, and (time, -1) where a B or a W frees it:
+  # a W frees it when the schedule splits backwards (``_result``).
+  events: list[list[tuple[float, int]]] = [[] for _ in range(S)]
+  b_frees: list[list[tuple[float, int]]] = [[] for _ in range(S)]
+  w_frees: list[list[tuple[float, int]]] = [[] for _ in range(S)]
+  actions: list[tuple] = []
+  transfers: list[tuple] = []
+  last = 0.0
   one_step = sched.steps == 1
   pos = [0] * S
   # What a lane's blocked head waits for (a list and an index): checked first when the round
@@ -324,23 +354,27 @@ def _simulate_lanes(
   while left:
     progressed = False
     for s in range(S):
-      lane = lanes[s]
       w = waits[s]
       if w is not None:
         if w[0][w[1]] is None:
           continue
         waits[s] = None
+      lane = lanes[s]
       n = len(lane)
-      while pos[s] < n:
-        a = lane[pos[s]]
+      p = pos[s]
+      start = free = lane_free[s]
+      ev = events[s]
+      while p < n:
+        a = lane[p]
         kind, m = a.kind, a.microbatch
-        start = lane_free[s]
+        start = free
         if kind == "F" or kind == "B":
-          if kind == "B" and done_f[s][m] is None:
+          fwd = kind == "F"
+          if not fwd and done_f[s][m] is None:
             waits[s] = (done_f[s], m)
             break
           blocked = None
-          for o, arrived in f_in[s] if kind == "F" else b_in[s]:
+          for o, arrived in f_in[s] if fwd else b_in[s]:
             for k in chunk_range(counts, s, m, o) if mixed else (m,):
               t = arrived[k]
               if t is None:
@@ -353,31 +387,55 @@ def _simulate_lanes(
           if blocked is not None:
             waits[s] = blocked
             break
-          fwd = kind == "F"
-          end = start + (tf if fwd else tb)(s, m)
-          (done_f if fwd else done_b)[s][m] = True
-          actions.append(ActionTime(kind, s, m, start, end))
-          what = "activation" if fwd else "cotangent"
+          end = start + (tf if fwd else tb)[s][m]
+          busy[s] += end - start
+          if fwd:
+            done_f[s][m] = True
+            ev.append((start, 1))
+            what = "activation"
+          else:
+            done_b[s][m] = True
+            b_frees[s].append((end, -1))
+            what = "cotangent"
+          if timeline:
+            actions.append((kind, s, m, start, end))
           for o, arrivals, x, chan in (f_out if fwd else b_out)[s]:
             t0 = end if end > chan[0] else chan[0]
             chan[0] = arrivals[m] = t1 = t0 + x
-            transfers.append(TransferTime(what, s, o, m, t0, t1))
+            if timeline:
+              transfers.append((what, s, o, m, t0, t1))
         elif kind == "W":
           if done_b[s][m] is None:
             waits[s] = (done_b[s], m)
             break
-          end = start + tw(s, m)
-          actions.append(ActionTime("W", s, m, start, end))
+          end = start + tw[s][m]
+          busy[s] += end - start
+          w_frees[s].append((end, -1))
+          if timeline:
+            actions.append(("W", s, m, start, end))
         else:
           end = start + float(up[s])
-          actions.append(ActionTime("UPDATE", s, -1 if one_step else m, start, end))
-        lane_free[s] = end
-        pos[s] += 1
+          if timeline:
+            actions.append(("UPDATE", s, -1 if one_step else m, start, end))
+        if end > last:
+          last = end
+        free = end
+        p += 1
         left -= 1
         progressed = True
+      lane_free[s] = free
+      pos[s] = p
     if not progressed:
       return None
-  return actions, transfers
+  frees = w_frees if any(w_frees) else b_frees
+  new = tuple.__new__
+  return (
+    last,
+    [new(ActionTime, a) for a in actions],
+    [new(TransferTime, t) for t in transfers],
+    busy,
+    [e + f for e, f in zip(events, frees)],
+  )
 
 
 @functools.lru_cache(maxsize=512)
@@ -491,7 +549,6 @@ def simulate_program(
 
 
 def _result(name, S, M, actions, transfers, stat, actm, devs) -> SimResult:
-  T = max((a.end for a in actions), default=0.0)
   busy = [0.0] * S
   events: list[list[tuple[float, int]]] = [[] for _ in range(S)]
   split_w = any(a.kind == "W" for a in actions)
@@ -502,12 +559,21 @@ def _result(name, S, M, actions, transfers, stat, actm, devs) -> SimResult:
       events[at.stage].append((at.start, 1))
     elif at.kind == ("W" if split_w else "B"):
       events[at.stage].append((at.end, -1))
+  T = max((a.end for a in actions), default=0.0)
+  return _summary(name, S, M, T, actions, transfers, busy, events, stat, actm, devs)
+
+
+def _summary(name, S, M, T, actions, transfers, busy, events, stat, actm, devs) -> SimResult:
+  """The SimResult of a timeline: ``T`` its end, ``busy`` seconds of F, B, W (or STEP) per
+  stage, ``events`` per stage (time, +1) where a micro-batch's stash is taken (its F starts)
+  and (time, -1) where it is freed (its B, or W if the schedule splits B, ends)."""
   peak = []
   for ev in events:
     cur = best = 0
-    for _, d in sorted(ev, key=lambda e: (e[0], e[1])):  # frees before allocations at ties
+    for _, d in sorted(ev):  # frees before allocations at ties
       cur += d
-      best = max(best, cur)
+      if cur > best:
+        best = cur
     peak.append(best)
   mem = [stat[s] + peak[s] * actm[s] for s in range(S)]
   per_dev: dict[int, float] = {}
@@ -554,6 +620,7 @@ def simulate(
   host_cost: Mapping[Op, float] | None = None,
   cores: int | None = None,
   host: Any = None,
+  timeline: bool = True,
 ) -> SimResult:
   """Plan + LayerGraph + Cluster -> SimResult, with times and memory from the cost model.
 
@@ -573,7 +640,8 @@ def simulate(
   memory includes the ``d(s)`` older versions of its weights it keeps. By default every stage
   pair has a link of its own; ``shared_nic=True`` makes the transfers that cross nodes into one
   node (by the receiving stage's first device) queue on that node's one inbound interface
-  (``nic_channels``).
+  (``nic_channels``). ``timeline=False`` leaves out the result's actions and transfers, as
+  ``simulate_times`` does (without a program).
   """
   if schedule is None:
     from gpp_jax.passes.schedules import plan_schedule
@@ -638,6 +706,7 @@ def simulate(
     channels=nic_channels(plan, cluster) if shared_nic else None,
     host_dispatch=host_cost,
     cores=cores,
+    timeline=timeline,
   )
   if outside:
     res = dataclasses.replace(res, iteration_time=res.iteration_time + outside)

@@ -279,7 +279,15 @@ def predict(
     sched = _schedule(
       plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, bound
     )
-  res = simulate(plan, layer_graph, cluster, schedule=sched, cost_model=cost_model, costs=costs)
+  res = simulate(
+    plan,
+    layer_graph,
+    cluster,
+    schedule=sched,
+    cost_model=cost_model,
+    costs=costs,
+    timeline=False,
+  )
   return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
 
 
