@@ -562,7 +562,7 @@ class _StepLowering:
     self.split = spec.scan_split
     self.nparam = self.split.num_params  # parameters of the captured loss
     self.nloss = len(self.split.out_parts)
-    self.split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
+    self.split_w = sched.splits_backward
     self.out_pos = {o.vid: (s.index, k) for s in st.stages for k, o in enumerate(s.outputs)}
     # (stage, loss input) -> the stage output that carries it to the next micro-batch.
     self.carries = {(s, j): k for s, j, k in spec.carries}

@@ -151,7 +151,7 @@ def stream_schedule(sched: Schedule, steps: int) -> Schedule:
     )
   counts = sched.stage_counts
   delays = weight_delays(sched)
-  split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
+  split_w = sched.splits_backward
   lanes: list[list[Action]] = []
   if delays is None or split_w:
     for s, lane in enumerate(sched.lanes):

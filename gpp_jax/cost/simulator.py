@@ -362,55 +362,68 @@ def _simulate_lanes(
       lane = lanes[s]
       n = len(lane)
       p = pos[s]
-      start = free = lane_free[s]
-      ev = events[s]
+      free = lane_free[s]
+      took, b_freed, w_freed = events[s], b_frees[s], w_frees[s]
+      ran_f, ran_b = done_f[s], done_b[s]
+      work = busy[s]
       while p < n:
         a = lane[p]
         kind, m = a.kind, a.microbatch
         start = free
         if kind == "F" or kind == "B":
           fwd = kind == "F"
-          if not fwd and done_f[s][m] is None:
-            waits[s] = (done_f[s], m)
+          if not fwd and ran_f[m] is None:
+            waits[s] = (ran_f, m)
             break
           blocked = None
           for o, arrived in f_in[s] if fwd else b_in[s]:
-            for k in chunk_range(counts, s, m, o) if mixed else (m,):
-              t = arrived[k]
+            if mixed:
+              for k in chunk_range(counts, s, m, o):
+                t = arrived[k]
+                if t is None:
+                  blocked = (arrived, k)
+                  break
+                if t > start:
+                  start = t
+              if blocked is not None:
+                break
+            else:
+              t = arrived[m]
               if t is None:
-                blocked = (arrived, k)
+                blocked = (arrived, m)
                 break
               if t > start:
                 start = t
-            if blocked is not None:
-              break
           if blocked is not None:
             waits[s] = blocked
             break
-          end = start + (tf if fwd else tb)[s][m]
-          busy[s] += end - start
           if fwd:
-            done_f[s][m] = True
-            ev.append((start, 1))
+            end = start + tf[s][m]
+            ran_f[m] = True
+            took.append((start, 1))
+            outs = f_out[s]
             what = "activation"
           else:
-            done_b[s][m] = True
-            b_frees[s].append((end, -1))
+            end = start + tb[s][m]
+            ran_b[m] = True
+            b_freed.append((end, -1))
+            outs = b_out[s]
             what = "cotangent"
+          work += end - start
           if timeline:
             actions.append((kind, s, m, start, end))
-          for o, arrivals, x, chan in (f_out if fwd else b_out)[s]:
+          for o, arrivals, x, chan in outs:
             t0 = end if end > chan[0] else chan[0]
             chan[0] = arrivals[m] = t1 = t0 + x
             if timeline:
               transfers.append((what, s, o, m, t0, t1))
         elif kind == "W":
-          if done_b[s][m] is None:
-            waits[s] = (done_b[s], m)
+          if ran_b[m] is None:
+            waits[s] = (ran_b, m)
             break
           end = start + tw[s][m]
-          busy[s] += end - start
-          w_frees[s].append((end, -1))
+          work += end - start
+          w_freed.append((end, -1))
           if timeline:
             actions.append(("W", s, m, start, end))
         else:
@@ -423,6 +436,7 @@ def _simulate_lanes(
         p += 1
         left -= 1
         progressed = True
+      busy[s] = work
       lane_free[s] = free
       pos[s] = p
     if not progressed:
@@ -601,7 +615,7 @@ def split_backward(
 ) -> tuple[list[float], list[float] | None]:
   """Per-stage (B, W) seconds: the whole backward and no W unless the schedule has W actions;
   then W is ``weight_fraction`` of the backward and B the rest."""
-  if not any(a.kind == "W" for lane in schedule.lanes for a in lane):
+  if not schedule.splits_backward:
     return list(backward), None
   weight = [b * f for b, f in zip(backward, weight_fraction)]
   return [b - w for b, w in zip(backward, weight)], weight

@@ -85,6 +85,11 @@ class Schedule:
   def num_stages(self) -> int:
     return len(self.lanes)
 
+  @functools.cached_property
+  def splits_backward(self) -> bool:
+    """Whether the lanes split backwards into B and W (a W action anywhere)."""
+    return any(a.kind == "W" for lane in self.lanes for a in lane)
+
   @property
   def stage_counts(self) -> tuple[int, ...]:
     """Micro-batches per stage (``counts``, or M for every stage)."""
@@ -166,7 +171,7 @@ def lanes_with_updates(sched: Schedule) -> list[list[Action]]:
   lanes = []
   for s, lane in enumerate(sched.lanes):
     out = list(lane)
-    if not any(a.kind == "UPDATE" for a in lane):
+    if not (lane and lane[-1].kind == "UPDATE") and not any(a.kind == "UPDATE" for a in lane):
       out.append(Action("UPDATE", s))
     lanes.append(out)
   return lanes
@@ -248,7 +253,7 @@ def validate_schedule(sched: Schedule) -> None:
         f"stages {i} and {j} are connected but run {counts[i]} and {counts[j]} micro-batches; "
         "along an edge one count must divide the other so that chunks line up"
       )
-  split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
+  split_w = sched.splits_backward
   has_update = any(a.kind == "UPDATE" for lane in sched.lanes for a in lane)
   K = sched.steps
   if K < 1:

@@ -1156,7 +1156,7 @@ class CompiledStep:
         lowered = lower_fused(self.staged.spec, self.opts.num_microbatches)
       else:
         sched = self.schedule if steps == 1 else stream_schedule(self.schedule, steps)
-        split_w = any(a.kind == "W" for lane in sched.lanes for a in lane)
+        split_w = sched.splits_backward
         lowered = lower_step(
           self.staged.spec,
           sched,

@@ -118,28 +118,66 @@ def refine_plan(
 
   cm = cost_model or DEFAULT_COST_MODEL
   M = B // mb
-  per_layer: dict[int, np.ndarray] = {}
+  per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # device count -> layer times
+  stage_times: dict[tuple[tuple[str, ...], int], tuple[float, float]] = {}  # F, B seconds
+  # Whether a stage's last backward is followed by its predecessors' (not so when the
+  # schedule splits W off the backward: the chain back is shorter than the whole backward).
+  drains = plan.schedule != "zero-bubble"
 
-  def bound(stages: Stages) -> float:
-    """A lower bound on the iteration time: the busiest stage's compute, all micro-batches."""
+  def stage_order(stages: Stages) -> tuple[list[int], list[list[int]]] | None:
+    """A topological order of the stage graph and each stage's predecessors, None if it has
+    a cycle (a sequential plan is a chain in its own order)."""
+    n = len(stages)
+    if sequential:
+      return list(range(n)), [[i - 1] if i else [] for i in range(n)]
+    where = {l: i for i, (ls, _) in enumerate(stages) for l in ls}
+    preds: list[set[int]] = [set() for _ in range(n)]
+    for u, v in layer_graph.edges:
+      su, sv = where[u], where[v]
+      if su != sv:
+        preds[sv].add(su)
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for v, ps in enumerate(preds):
+      for u in ps:
+        succs[u].append(v)
+    waiting = [len(ps) for ps in preds]
+    order = [i for i in range(n) if not waiting[i]]
+    for u in order:  # Kahn's algorithm: ``order`` grows while it is walked
+      for v in succs[u]:
+        waiting[v] -= 1
+        if not waiting[v]:
+          order.append(v)
+    return (order, [list(ps) for ps in preds]) if len(order) == n else None
+
+  def bound(stages: Stages, order: list[int], preds: list[list[int]]) -> float:
+    """A lower bound on the iteration time: some stage's M forwards and backwards, after the
+    forwards of micro-batch 0 on the longest path to it, and before the backwards of the last
+    micro-batch on the longest path back from it (transfers and updates left out)."""
+    fwd, bwd = [], []
+    for stage in stages:
+      fb = stage_times.get(stage)
+      if fb is None:
+        ls, d = stage
+        t = per_layer.get(d)
+        if t is None:
+          t = per_layer[d] = cm.layer_times(costs, cluster.device, mb / d)
+        idx = [costs.index[l] for l in ls]
+        fb = stage_times[stage] = (float(t[0][idx].sum()), float(t[1][idx].sum()))
+      fwd.append(fb[0])
+      bwd.append(fb[1])
+    fill = [0.0] * len(stages)
+    drain = [0.0] * len(stages)
     worst = 0.0
-    for ls, d in stages:
-      t = per_layer.get(d)
-      if t is None:
-        tf, tb = cm.layer_times(costs, cluster.device, mb / d)
-        t = per_layer[d] = tf + tb
-      worst = max(worst, M * float(t[[costs.index[l] for l in ls]].sum()))
+    for s in order:
+      for p in preds[s]:
+        fill[s] = max(fill[s], fill[p] + fwd[p])
+        if drains:
+          drain[s] = max(drain[s], drain[p] + bwd[p])
+      worst = max(worst, fill[s] + M * (fwd[s] + bwd[s]) + drain[s])
     return worst
 
   def key(stages: Stages):
     return tuple(stages) if sequential or not partition else frozenset(stages)
-
-  def acyclic(stages: Stages) -> bool:
-    where = {l: i for i, (ls, _) in enumerate(stages) for l in ls}
-    q = nx.DiGraph()
-    q.add_nodes_from(range(len(stages)))
-    q.add_edges_from((where[u], where[v]) for u, v in layer_graph.edges if where[u] != where[v])
-    return nx.is_directed_acyclic_graph(q)
 
   def splits(d: int, spare: int):
     """Device counts (d1, d2) for the two halves of a stage on d devices."""
@@ -269,10 +307,11 @@ def refine_plan(
       if k in seen or sum(d for _, d in cand) > K:
         continue
       seen.add(k)
-      if partition and not sequential and not acyclic(cand):
+      graph = stage_order(cand)
+      if graph is None:  # a cycle between stages
         continue
       target = (best or plan).predicted["iteration_time"] * (1 - 1e-4)
-      if bound(cand) >= target:
+      if bound(cand, *graph) >= target:
         continue
       if budget[0] <= 0:
         break

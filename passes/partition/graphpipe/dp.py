@@ -65,6 +65,25 @@ class Table:
     if split is not None:
       self.split[m] = split[m]
 
+  def offer_each(
+    self, cands: np.ndarray, choices: list[tuple[Any, ...]], splits: np.ndarray | None = None
+  ):
+    """``offer`` of ``cands[i]`` with ``choices[i]`` (and ``splits[i]``) for i in order, in
+    one pass: per cell the first candidate attaining their minimum, where it is strictly
+    better than the cell."""
+    if not len(choices):
+      return
+    best = cands.min(axis=0)
+    m = best < self.val
+    if not m.any():
+      return
+    first = cands.argmin(axis=0)
+    self.val[m] = best[m]
+    self.cid[m] = len(self.choices) + first[m]
+    self.choices.extend(choices)
+    if splits is not None:
+      self.split[m] = np.take_along_axis(splits, first[None], axis=0)[0][m]
+
   def close(self, cap: float = math.inf) -> Table:
     """Make ``val`` monotone (at most k devices, depth at most e): a cell takes the value of a
     cell with fewer devices or a shallower depth when that is no worse; ``src`` records it.
@@ -113,6 +132,12 @@ class MinMaxDP(SerialisedRuns):
     self._conv_idx = np.clip(k[:, None] - k[None, :], 0, None)
     self._conv_bad = k[None, :] > k[:, None]
     self._depths = np.arange(self.E)
+    # A stage on slots[j] devices in front of a table: its rows k come from rows k - slots[j]
+    # of the table (none where k < slots[j]).
+    slots = np.asarray([d for d in ctx.slots if d <= self.K], dtype=np.int64)
+    self._nslots = len(slots)
+    self._shift = np.clip(k[None, :] - slots[:, None], 0, None)
+    self._short = k[None, :] < slots[:, None]
     self._base: dict[int, Table] = {}
     self._fits: dict[tuple[float, float], np.ndarray] = {}
 
@@ -171,6 +196,17 @@ class MinMaxDP(SerialisedRuns):
     cand[:, ~ok] = math.inf
     return cand
 
+  def in_front_each(self, tps: list[float], ok: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """``in_front`` for the stage on each device count of ``ctx.slots`` within K (stacked):
+    ``tps[j]`` its TPS, ``ok[j]`` the depths where it fits."""
+    n = self._nslots
+    cand = np.empty((n, self.K + 1, self.E))
+    cand[:, :, 0] = math.inf
+    np.maximum(np.asarray(tps[:n])[:, None, None], rest[self._shift][:, :, :-1], out=cand[:, :, 1:])
+    cand[self._short] = math.inf
+    cand[~np.broadcast_to(ok[:n, None, :], cand.shape)] = math.inf
+    return cand
+
   def base(self, D: int) -> Table:
     """The empty sub-problem in context D: bottleneck 0 at depth D, any device count."""
     t = self._base.get(D)
@@ -225,11 +261,10 @@ class MinMaxDP(SerialisedRuns):
     for p in self.block_ends(node, i):
       tps, _, params, saved = ctx.block(node, i, p)
       rest = self.S(node, p, D).val if node.kind == "series" else self.base(D).val
-      for j, d in enumerate(ctx.slots):
-        if d > self.K:
-          break
-        ok = self.fits(params, saved)[j]
-        t.offer(self.in_front(tps[j], ok, rest, d), ("block", p, d))
+      t.offer_each(
+        self.in_front_each(tps, self.fits(params, saved), rest),
+        [("block", p, d) for d in ctx.slots[: self._nslots]],
+      )
 
   def S(self, node: SPTreeNode, i: int, D: int) -> Table:
     """Children [i, n) of a series node in context D."""
