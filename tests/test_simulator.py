@@ -350,3 +350,38 @@ def test_the_planners_fast_path_times_the_lowered_program(dag, M, name, xs, mixe
   # What planners ask for: the same times, bubbles and memory without the records.
   lean = simulate_times(sched, fwd, bwd, timeline=False, **kw)
   assert lean == dataclasses.replace(fast, actions=(), transfers=())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+  stage_dags(),
+  st.integers(1, 6),
+  st.sampled_from(["gpipe", "1f1b", "graph-1f1b", "zero-bubble", "2bw"]),
+  st.lists(st.floats(0.0, 3.0), min_size=18, max_size=18),
+)
+def test_the_polish_bound_is_below_every_schedule(dag, M, name, xs):
+  """The polish skips a candidate whose ``pipeline_lower_bound`` is not below the time to
+  beat; it must not exceed the simulated iteration time of any generator's schedule (W split
+  off by zero-bubble: no drain term), whatever the transfers and updates."""
+  from gpp_jax.passes.partition.refine import pipeline_lower_bound, topological_order
+
+  n, edges = dag
+  sched = make_schedule(name, n, edges, M)
+  fwd, bwd = xs[:n], xs[6 : 6 + n]
+  split = sched.splits_backward
+  weight = [b / 3 for b in bwd] if split else None
+  res = simulate_times(
+    sched,
+    fwd,
+    [b - w for b, w in zip(bwd, weight)] if weight else bwd,
+    weight=weight,
+    update=xs[12 : 12 + n],
+    activation_transfer={e: xs[12 + (e[0] + e[1]) % 6] for e in edges},
+  )
+  preds = [[u for u, v in edges if v == s] for s in range(n)]
+  order = topological_order(preds)
+  assert order is not None and sorted(order) == list(range(n))
+  bound = pipeline_lower_bound(fwd, bwd, order, preds, M, drains=not split)
+  assert bound <= res.iteration_time * (1 + 1e-12) + 1e-12
+  # A cycle has no order.
+  assert topological_order([[2], [0], [1]]) is None

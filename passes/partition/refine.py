@@ -20,7 +20,7 @@ more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import networkx as nx
 import numpy as np
@@ -136,23 +136,11 @@ def refine_plan(
       su, sv = where[u], where[v]
       if su != sv:
         preds[sv].add(su)
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for v, ps in enumerate(preds):
-      for u in ps:
-        succs[u].append(v)
-    waiting = [len(ps) for ps in preds]
-    order = [i for i in range(n) if not waiting[i]]
-    for u in order:  # Kahn's algorithm: ``order`` grows while it is walked
-      for v in succs[u]:
-        waiting[v] -= 1
-        if not waiting[v]:
-          order.append(v)
-    return (order, [list(ps) for ps in preds]) if len(order) == n else None
+    order = topological_order(preds)
+    return (order, [list(ps) for ps in preds]) if order is not None else None
 
   def bound(stages: Stages, order: list[int], preds: list[list[int]]) -> float:
-    """A lower bound on the iteration time: some stage's M forwards and backwards, after the
-    forwards of micro-batch 0 on the longest path to it, and before the backwards of the last
-    micro-batch on the longest path back from it (transfers and updates left out)."""
+    """``pipeline_lower_bound`` of the stages at their device counts."""
     fwd, bwd = [], []
     for stage in stages:
       fb = stage_times.get(stage)
@@ -165,16 +153,7 @@ def refine_plan(
         fb = stage_times[stage] = (float(t[0][idx].sum()), float(t[1][idx].sum()))
       fwd.append(fb[0])
       bwd.append(fb[1])
-    fill = [0.0] * len(stages)
-    drain = [0.0] * len(stages)
-    worst = 0.0
-    for s in order:
-      for p in preds[s]:
-        fill[s] = max(fill[s], fill[p] + fwd[p])
-        if drains:
-          drain[s] = max(drain[s], drain[p] + bwd[p])
-      worst = max(worst, fill[s] + M * (fwd[s] + bwd[s]) + drain[s])
-    return worst
+    return pipeline_lower_bound(fwd, bwd, order, preds, M, drains)
 
   def key(stages: Stages):
     return tuple(stages) if sequential or not partition else frozenset(stages)
@@ -324,6 +303,52 @@ def refine_plan(
     assert best_stages is not None  # set together with best
     plan, current = best, best_stages
   return plan
+
+
+def topological_order(preds: Sequence[Iterable[int]]) -> list[int] | None:
+  """The stages in an order where each comes after its predecessors (``preds[s]``), or None
+  when the stage graph has a cycle (Kahn's algorithm)."""
+  n = len(preds)
+  succs: list[list[int]] = [[] for _ in range(n)]
+  waiting = [0] * n
+  for v, ps in enumerate(preds):
+    for u in ps:
+      succs[u].append(v)
+      waiting[v] += 1
+  order = [s for s in range(n) if not waiting[s]]
+  for u in order:  # ``order`` grows while it is walked
+    for v in succs[u]:
+      waiting[v] -= 1
+      if not waiting[v]:
+        order.append(v)
+  return order if len(order) == n else None
+
+
+def pipeline_lower_bound(
+  forward: Sequence[float],
+  backward: Sequence[float],
+  order: Sequence[int],
+  preds: Sequence[Sequence[int]],
+  num_microbatches: int,
+  drains: bool = True,
+) -> float:
+  """A lower bound on the iteration time of any schedule of the stage graph (stages in a
+  topological ``order``, ``preds`` per stage) whose stages take ``forward[s]`` and
+  ``backward[s]`` seconds per micro-batch: some stage runs its M forwards and backwards one
+  after another, its first forward after micro-batch 0's forwards along the longest path to
+  it, and (``drains``) the last micro-batch's backwards along the longest path back from it
+  after its last backward. Transfers and updates only add to it. ``drains=False`` for
+  schedules that split W off the backward (the way back is then shorter)."""
+  fill = [0.0] * len(forward)
+  drain = [0.0] * len(forward)
+  worst = 0.0
+  for s in order:
+    for p in preds[s]:
+      fill[s] = max(fill[s], fill[p] + forward[p])
+      if drains:
+        drain[s] = max(drain[s], drain[p] + backward[p])
+    worst = max(worst, fill[s] + num_microbatches * (forward[s] + backward[s]) + drain[s])
+  return worst
 
 
 def spend_idle_devices(
