@@ -28,7 +28,13 @@ import numpy as np
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
 from gpp_jax.ir.plan import Plan
-from gpp_jax.passes.partition.plan_assembly import assemble_plan, better, data_parallel_degrees
+from gpp_jax.ir.schedule import trusted_generators
+from gpp_jax.passes.partition.plan_assembly import (
+  assemble_plan,
+  better,
+  data_parallel_degrees,
+  schedule_for,
+)
 
 # ``plan.predicted`` entries that describe the prediction itself (recomputed on every move);
 # the rest (search statistics, the planner's own notes) is carried over.
@@ -120,9 +126,10 @@ def refine_plan(
   M = B // mb
   per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # device count -> layer times
   stage_times: dict[tuple[tuple[str, ...], int], tuple[float, float]] = {}  # F, B seconds
-  # Whether a stage's last backward is followed by its predecessors' (not so when the
-  # schedule splits W off the backward: the chain back is shorter than the whole backward).
-  drains = plan.schedule != "zero-bubble"
+  # Whether a stage's last backward is followed by its predecessors' whole backwards (not so
+  # when the schedule splits W off the backward: the way back is B alone).
+  with trusted_generators():
+    drains = not schedule_for(plan).splits_backward
 
   def stage_order(stages: Stages) -> tuple[list[int], list[list[int]]] | None:
     """A topological order of the stage graph and each stage's predecessors, None if it has

@@ -65,12 +65,9 @@ class Table:
     if split is not None:
       self.split[m] = split[m]
 
-  def offer_each(
-    self, cands: np.ndarray, choices: list[tuple[Any, ...]], splits: np.ndarray | None = None
-  ):
-    """``offer`` of ``cands[i]`` with ``choices[i]`` (and ``splits[i]``) for i in order, in
-    one pass: per cell the first candidate attaining their minimum, where it is strictly
-    better than the cell."""
+  def offer_each(self, cands: np.ndarray, choices: list[tuple[Any, ...]]):
+    """``offer`` of ``cands[i]`` with ``choices[i]`` for i in order, in one pass: per cell the
+    first candidate attaining their minimum, where it is strictly better than the cell."""
     if not len(choices):
       return
     best = cands.min(axis=0)
@@ -81,8 +78,6 @@ class Table:
     self.val[m] = best[m]
     self.cid[m] = len(self.choices) + first[m]
     self.choices.extend(choices)
-    if splits is not None:
-      self.split[m] = np.take_along_axis(splits, first[None], axis=0)[0][m]
 
   def close(self, cap: float = math.inf) -> Table:
     """Make ``val`` monotone (at most k devices, depth at most e): a cell takes the value of a
