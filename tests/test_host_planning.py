@@ -196,3 +196,29 @@ def test_gpus_are_planned_with_the_cuda_preset():
   assert devices_cluster(cpus) == cpu_cluster(2)
   gpu_bw = devices_cluster(gpus).device.memory_bandwidth
   assert gpu_bw > 50 * devices_cluster(cpus).device.memory_bandwidth
+
+
+def test_host_costs_json_round_trips_with_and_without_spmd():
+  import json
+
+  with_spmd = HostCosts(per_op={"F": 1e-4}, parallel=1.5, cores=2, spmd={2: 2.5, 4: 6.0})
+  back = HostCosts.from_json(with_spmd.to_json())
+  assert back == with_spmd and back.spmd_factor(4) == 6.0
+  without = HostCosts(per_op={"F": 1e-4}, parallel=None)
+  assert HostCosts.from_json(without.to_json()) == without
+  # HostCosts saved before the field existed still load.
+  old = json.loads(with_spmd.to_json())
+  del old["spmd"]
+  assert HostCosts.from_json(json.dumps(old)).spmd is None
+
+
+def test_measure_spmd_on_forced_cpu_devices():
+  """A factor per width, no better than perfect division; none for one device."""
+  import math
+
+  from gpp_jax.runtime.host import measure_spmd
+
+  factors = measure_spmd(jax.devices()[:2], reps=2)
+  assert set(factors) == {2}
+  assert math.isfinite(factors[2]) and 1.0 <= factors[2] < 1e3
+  assert measure_spmd(jax.devices()[:1]) == {}
