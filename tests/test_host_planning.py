@@ -198,6 +198,68 @@ def test_gpus_are_planned_with_the_cuda_preset():
   assert gpu_bw > 50 * devices_cluster(cpus).device.memory_bandwidth
 
 
+def spmd_host(factors, parallel: float | None = 1.0) -> HostCosts:
+  """No issue costs, nothing outside the step: only the compute and the update are left."""
+  return HostCosts(per_op=dict.fromkeys(OPS, 0.0), parallel=parallel, cores=2, spmd=factors)
+
+
+def test_spmd_factor_scales_the_fused_step_over_several_devices():
+  """Jit data parallel over k devices computes its 1/k share times the measured factor for k
+  (in place of k over the devices that compute at once, which the factor already includes);
+  plain jit on one device is not scaled."""
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import predict_fused
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  plans = candidates(g)
+  dp = plans["jit data parallel"]
+  update = plan_costs(dp, g, cluster).update[0]
+  compute = predict_fused(dp, g, cluster, None) - update  # the devices-only 1/k share
+  for f in (1.0, 3.0, 7.5):
+    seconds = predict_fused(dp, g, cluster, spmd_host({2: f, 4: 2 * f}))
+    assert seconds - update == pytest.approx(f * compute)
+  # Not measured: k over the compute servers, as before (2 devices, 1 server: twice).
+  seconds = predict_fused(dp, g, cluster, spmd_host(None))
+  assert seconds - update == pytest.approx(2 * compute)
+  plain = plans["plain jit"]
+  assert predict_fused(plain, g, cluster, spmd_host({2: 5.0})) == pytest.approx(
+    predict_fused(plain, g, cluster, spmd_host(None))
+  )
+  # Widths between the measured ones are interpolated, wider ones take the widest's.
+  h = spmd_host({2: 2.0, 8: 14.0})
+  assert [h.spmd_factor(k) for k in (1, 2, 4, 8, 16)] == pytest.approx([1, 2, 6, 14, 14])
+  assert spmd_host(None).spmd_factor(2) is None and spmd_host(None).spmd_factor(1) == 1.0
+
+
+def test_spmd_factor_prices_a_stage_over_several_devices():
+  """A pipeline stage over 2 devices computes its forward and backward times the factor for
+  2 devices under the host-aware model; a stage on one device and the devices-only model
+  (no host: what planners search with) are unchanged."""
+  from gpp_jax.cost.simulator import simulate
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  plan = Plan(
+    (Stage(0, ("a",), (0, 1)), Stage(1, ("b",), (2,))), ((0, 1),), 4, planner="x", batch_size=8
+  )
+
+  def durations(res):  # every F (B) of a stage lasts as long
+    return {(a.kind, a.stage): a.end - a.start for a in res.actions if a.kind in ("F", "B")}
+
+  devices_only = simulate(plan, g, cluster)
+  plain = simulate(plan, g, cluster, host=spmd_host(None))
+  slow = simulate(plan, g, cluster, host=spmd_host({2: 3.0}))
+  base, scaled = durations(plain), durations(slow)
+  assert durations(devices_only) == pytest.approx(base)
+  for kind in ("F", "B"):
+    assert scaled[(kind, 0)] == pytest.approx(3.0 * base[(kind, 0)])
+    assert scaled[(kind, 1)] == pytest.approx(base[(kind, 1)])
+  assert slow.iteration_time > plain.iteration_time
+  # The devices-only model does not look at a host, measured factors or not.
+  assert simulate(plan, g, cluster, host=None).iteration_time == devices_only.iteration_time
+
+
 def test_host_costs_json_round_trips_with_and_without_spmd():
   import json
 

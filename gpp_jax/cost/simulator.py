@@ -563,7 +563,9 @@ def simulate(
   ``simulate_program`` takes them; memory is then the program's own (``cost.memory``: its
   buffers' sizes and lifetimes, without the executables' temporaries). ``host``: the machine's
   ``cost.host.HostCosts`` (per-op issue costs, compute servers, the time outside the program,
-  added to the iteration time); without a program the schedule's lowering is timed with them.
+  added to the iteration time, and the forward and backward of a stage over several devices
+  times the measured SPMD factor for its width, ``HostCosts.spmd_factor``); without a program
+  the schedule's lowering is timed with them.
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
   schedule has W actions, each stage's backward is split into B and W by the cost model's
@@ -590,6 +592,7 @@ def simulate(
     host_cost = host.op_costs() if program is not None else host.schedule_costs()
     cores = host.compute_servers()
     outside = host.outside
+    pc = _spmd_costs(pc, plan, host)
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
   from gpp_jax.passes.weight_versions import weight_delays
 
@@ -644,6 +647,35 @@ def simulate(
   return res
 
 
+def spmd_slowdown(host: Any, k: int) -> float:
+  """By how much the host-aware model multiplies the cost model's compute of a stage over
+  ``k`` devices (each computing 1/k of a micro-batch): the host's measured SPMD factor for k
+  devices (``HostCosts.spmd_factor``, which includes the devices' sharing of the cores), else
+  k over the devices that compute at full speed at once (``compute_servers``); 1 without a
+  host, for one device, or for independent devices."""
+  if host is None or k <= 1:
+    return 1.0
+  factor = host.spmd_factor(k)
+  if factor is not None:
+    return float(factor)
+  servers = host.compute_servers()
+  return k / min(servers, k) if servers else 1.0
+
+
+def _spmd_costs(pc: Any, plan, host: Any) -> Any:
+  """``pc`` with the forward and backward of each stage over several devices times the
+  host's measured SPMD factor for its width (``HostCosts.spmd_factor``; unchanged where not
+  measured: the simulator's compute servers share the cores then)."""
+  factors = [host.spmd_factor(len(s.devices)) or 1.0 for s in plan.stages]
+  if all(f == 1.0 for f in factors):
+    return pc
+  return dataclasses.replace(
+    pc,
+    forward=tuple(t * f for t, f in zip(pc.forward, factors)),
+    backward=tuple(t * f for t, f in zip(pc.backward, factors)),
+  )
+
+
 def predict_fused(
   plan,
   layer_graph: nx.DiGraph,
@@ -653,14 +685,12 @@ def predict_fused(
 ) -> float:
   """Seconds of a one-stage plan's step, run as one jitted function (``runtime.fused``): its M
   micro-batches' forwards and backwards (on k devices each computes 1/k of a micro-batch; with
-  ``host``, only ``host.compute_servers()`` of them at full speed at once), the gradient
+  ``host``, that times the host's slowdown for k devices, ``spmd_slowdown``), the gradient
   all-reduce and update, and the host's issue and time outside the step."""
   if plan.num_stages != 1:
     raise ValueError(f"predict_fused takes a one-stage plan, not {plan.num_stages} stages")
   pc = plan_costs(plan, layer_graph, cluster, cost_model)
-  k = len(plan.stages[0].devices)
-  servers = host.compute_servers() if host is not None else None
-  slowdown = k / min(servers, k) if servers else 1.0
+  slowdown = spmd_slowdown(host, len(plan.stages[0].devices))
   compute = plan.num_microbatches * (pc.forward[0] + pc.backward[0]) * slowdown
   issue = host.per_op.get("STEP", host.per_op.get("F", 0.0)) + host.outside if host else 0.0
   return compute + pc.update[0] + issue
