@@ -39,6 +39,7 @@ import gpp_jax
 from gpp_jax.errors import PlanError
 from gpp_jax.experiments import zoo
 from gpp_jax.ir import layer_graph as lg
+from gpp_jax.ir.plan import stage_microbatch_counts
 from gpp_jax.runtime.compile import baseline_plans, make_plan, planner_cluster, predict_seconds
 
 FLAGS = flags.FLAGS
@@ -95,7 +96,9 @@ def one(model, size, n):
   jax.block_until_ready(pp(run.model, run.optimizer, data[0]))
   setup_s = time.perf_counter() - t
   c = pp.compiled
-  planned, opts, B = c.planned, c.opts, c.batch_size
+  # The options as given: a chosen baseline's compiled step keeps its one micro-batch.
+  planned, B = c.planned, c.batch_size
+  opts = dataclasses.replace(c.opts, num_microbatches=FLAGS.microbatches)
   graph = planned.layer_graph
   scaled = lg.scaled(graph, B)
   cluster = planner_cluster(opts)
@@ -122,7 +125,7 @@ def one(model, size, n):
         candidate=name,
         stages=plan.num_stages,
         widths="+".join(str(len(s.devices)) for s in plan.stages),
-        microbatches=plan.num_microbatches,
+        microbatches="+".join(map(str, sorted(set(stage_microbatch_counts(plan, B))))),
         depth=plan.depth(),
         measured_ms=measured * 1e3,
         predicted_ms=predicted * 1e3,
@@ -177,7 +180,7 @@ def main(_):
         print("  {:20s} {:>8s} {:>3s} {:>10s} {:>10s} {:>6s} {:>10s} {:>6s}".format(*head))
         for row in r["rows"]:
           print(
-            f"  {row['candidate']:20s} {row['widths']:>8s} {row['microbatches']:3d} "
+            f"  {row['candidate']:20s} {row['widths']:>8s} {row['microbatches']:>3s} "
             f"{row['measured_ms']:8.2f}ms {row['predicted_ms']:8.2f}ms "
             f"{row['error'] * 100:+5.0f}% {row['predicted_without_spmd_ms']:8.2f}ms "
             f"{row['error_without_spmd'] * 100:+5.0f}%"
