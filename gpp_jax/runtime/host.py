@@ -39,7 +39,7 @@ def measure_parallel(devices: Sequence[Any], size: int = 192, reps: int = 5) -> 
 
 
 def measure_spmd(
-  devices: Sequence[Any], batch: int = 64, width: int = 128, layers: int = 4, reps: int = 5
+  devices: Sequence[Any], batch: int = 64, width: int = 128, layers: int = 4, reps: int = 10
 ) -> dict[int, float]:
   """Per number of devices k (the powers of two from 2 to ``len(devices)``): how much slower
   than 1/k of its one-device time a data-parallel step runs with its batch sharded over the
@@ -50,7 +50,7 @@ def measure_spmd(
   host's cores and meet at each collective); empty for accelerators or one device.
 
   The factor falls as each device's share of the work grows (over 4 devices of a 2-core host:
-  about 10 at ``batch=64``, 5 at 256, 3 at 1024). The default is the benchmarks' batch, at
+  8-12 at ``batch=64``, about 5 at 128, 3-4 at 256). The default is the benchmarks' batch, at
   which the tiny zoo models' jit data parallel over 4 devices ran 6-13 times 1/4 of plain
   jit (BUILD_NOTES, "Plans for the machine at hand")."""
   import jax
