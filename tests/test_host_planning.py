@@ -204,25 +204,25 @@ def spmd_host(factors, parallel: float | None = 1.0) -> HostCosts:
 
 
 def test_spmd_factor_scales_the_fused_step_over_several_devices():
-  """Jit data parallel over k devices computes its 1/k share times the measured factor for k
-  (in place of k over the devices that compute at once, which the factor already includes);
-  plain jit on one device is not scaled."""
+  """Jit data parallel over k devices computes 1/k of the one-device time times the measured
+  factor for k (the factor is measured against that 1/k, and includes the devices' sharing of
+  the cores: k over the compute servers is not applied as well); plain jit on one device is
+  not scaled; without a measured factor, the devices' share times k over the servers."""
   from gpp_jax.cost.cost_model import plan_costs
   from gpp_jax.cost.simulator import predict_fused
 
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
   plans = candidates(g)
-  dp = plans["jit data parallel"]
+  dp, plain = plans["jit data parallel"], plans["plain jit"]
   update = plan_costs(dp, g, cluster).update[0]
-  compute = predict_fused(dp, g, cluster, None) - update  # the devices-only 1/k share
+  one_device = predict_fused(plain, g, cluster, None) - plan_costs(plain, g, cluster).update[0]
   for f in (1.0, 3.0, 7.5):
     seconds = predict_fused(dp, g, cluster, spmd_host({2: f, 4: 2 * f}))
-    assert seconds - update == pytest.approx(f * compute)
-  # Not measured: k over the compute servers, as before (2 devices, 1 server: twice).
-  seconds = predict_fused(dp, g, cluster, spmd_host(None))
-  assert seconds - update == pytest.approx(2 * compute)
-  plain = plans["plain jit"]
+    assert seconds - update == pytest.approx(f * one_device / 2)
+  # Not measured: the cost model's time of each device's share, times 2 devices / 1 server.
+  share = predict_fused(dp, g, cluster, None) - update
+  assert predict_fused(dp, g, cluster, spmd_host(None)) - update == pytest.approx(2 * share)
   assert predict_fused(plain, g, cluster, spmd_host({2: 5.0})) == pytest.approx(
     predict_fused(plain, g, cluster, spmd_host(None))
   )
@@ -233,29 +233,31 @@ def test_spmd_factor_scales_the_fused_step_over_several_devices():
 
 
 def test_spmd_factor_prices_a_stage_over_several_devices():
-  """A pipeline stage over 2 devices computes its forward and backward times the factor for
-  2 devices under the host-aware model; a stage on one device and the devices-only model
-  (no host: what planners search with) are unchanged."""
+  """Under the host-aware model a pipeline stage over 2 devices computes 1/2 of its
+  one-device forward and backward times the factor for 2 devices; a stage on one device is
+  unchanged, and so is the devices-only model (no host: what planners search with)."""
   from gpp_jax.cost.simulator import simulate
 
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
-  plan = Plan(
-    (Stage(0, ("a",), (0, 1)), Stage(1, ("b",), (2,))), ((0, 1),), 4, planner="x", batch_size=8
-  )
+  stage_b = Stage(1, ("b",), (2,))
+  plan = Plan((Stage(0, ("a",), (0, 1)), stage_b), ((0, 1),), 4, planner="x", batch_size=8)
+  narrow = plan.replace(stages=(Stage(0, ("a",), (0,)), stage_b))
 
   def durations(res):  # every F (B) of a stage lasts as long
     return {(a.kind, a.stage): a.end - a.start for a in res.actions if a.kind in ("F", "B")}
 
   devices_only = simulate(plan, g, cluster)
-  plain = simulate(plan, g, cluster, host=spmd_host(None))
+  unmeasured = simulate(plan, g, cluster, host=spmd_host(None))
   slow = simulate(plan, g, cluster, host=spmd_host({2: 3.0}))
-  base, scaled = durations(plain), durations(slow)
+  one = durations(simulate(narrow, g, cluster, host=spmd_host({2: 3.0})))
+  base, scaled = durations(unmeasured), durations(slow)
   assert durations(devices_only) == pytest.approx(base)
   for kind in ("F", "B"):
-    assert scaled[(kind, 0)] == pytest.approx(3.0 * base[(kind, 0)])
+    assert scaled[(kind, 0)] == pytest.approx(3.0 * one[(kind, 0)] / 2)
+    assert scaled[(kind, 0)] > base[(kind, 0)]
     assert scaled[(kind, 1)] == pytest.approx(base[(kind, 1)])
-  assert slow.iteration_time > plain.iteration_time
+  assert slow.iteration_time > unmeasured.iteration_time
   # The devices-only model does not look at a host, measured factors or not.
   assert simulate(plan, g, cluster, host=None).iteration_time == devices_only.iteration_time
 
