@@ -6,7 +6,7 @@ import functools
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpp_jax.cost.host import HostCosts, host_costs_from_timeline
@@ -39,15 +39,17 @@ def measure_parallel(devices: Sequence[Any], size: int = 192, reps: int = 5) -> 
 
 
 def measure_spmd(
-  devices: Sequence[Any], batch: int = 64, width: int = 128, layers: int = 4, reps: int = 10
+  devices: Sequence[Any], batch: int = 64, width: int = 128, layers: int = 4, reps: int = 20
 ) -> dict[int, float]:
   """Per number of devices k (the powers of two from 2 to ``len(devices)``): how much slower
   than 1/k of its one-device time a data-parallel step runs with its batch sharded over the
   first k of ``devices`` (``t_k / (t_1 / k)``; 1: perfect division, k: no faster than one
   device; at least 1). The step is an MLP's forward, backward and update, jitted with the
   batch split over a mesh of the k devices and the weights replicated, so XLA inserts the
-  gradients' all-reduce; the best of ``reps`` calls. CPU devices only (forced CPU devices share the
-  host's cores and meet at each collective); empty for accelerators or one device.
+  gradients' all-reduce; the best of ``reps`` calls of each, the widths taking turns (a busy
+  spell of the host does not fall on one width's calls only). CPU devices only (forced CPU
+  devices share the host's cores and meet at each collective); empty for accelerators or one
+  device.
 
   The factor falls as each device's share of the work grows (over 4 devices of a 2-core host:
   8-12 at ``batch=64``, about 5 at 128, 3-4 at 256). The default is the benchmarks' batch, at
@@ -73,7 +75,7 @@ def measure_spmd(
     grads = jax.grad(loss)(ws, x)
     return [w - 1e-3 * g for w, g in zip(ws, grads)]
 
-  def timed(k: int) -> float:
+  def compiled(k: int) -> Callable[[], Any]:
     mesh = Mesh(np.asarray(devices[:k]), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
     f = jax.jit(step, out_shardings=replicated)
@@ -82,20 +84,19 @@ def measure_spmd(
       jax.device_put(x, NamedSharding(mesh, PartitionSpec("data"))),
     )
     jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(reps):
-      t = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      best = min(best, time.perf_counter() - t)
-    return best
+    return lambda: jax.block_until_ready(f(*args))
 
-  one = timed(1)
-  out = {}
-  k = 2
-  while k <= len(devices) and batch % k == 0:
-    out[k] = max(timed(k) / (one / k), 1.0)
-    k *= 2
-  return out
+  widths = [1]
+  while widths[-1] * 2 <= len(devices) and batch % (widths[-1] * 2) == 0:
+    widths.append(widths[-1] * 2)
+  calls = {k: compiled(k) for k in widths}
+  best = dict.fromkeys(widths, float("inf"))
+  for _ in range(reps):
+    for k, call in calls.items():
+      t = time.perf_counter()
+      call()
+      best[k] = min(best[k], time.perf_counter() - t)
+  return {k: max(best[k] / (best[1] / k), 1.0) for k in widths[1:]}
 
 
 @functools.lru_cache(maxsize=8)
