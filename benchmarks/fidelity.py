@@ -4,18 +4,21 @@
 
 For each model, size and device count, one ``graph_pipeline`` is set up as a user would
 (``planner="graphpipe"``, ``calibrate=True``): it measures the layers, the host's costs
-(``runtime.host.measure_host``) and what XLA makes of the whole step (plain jit, timed), then
-picks among its candidates by one prediction for this machine. Every candidate is then run for
-real (``--steps`` timed steps, the median) beside that prediction:
+(``runtime.host.measure_host``, its SPMD factor per width printed beside the fusion) and what
+XLA makes of the whole step (plain jit, timed), then picks among its candidates by one
+prediction for this machine. Every candidate is then run for real (``--steps`` timed steps,
+the median) beside that prediction:
 
   plain jit           the step jitted on one device (one-stage plan, one jitted call)
   jit data parallel   one stage over all devices (each micro-batch split over them)
   <planner>           each planner's pipeline (``--planners``), planned on the same calibrated
                       layer graph
 
-and prints per candidate: measured ms, predicted ms, the error; then the planner's choice, the
-best measured candidate and the regret (measured time of the choice / best measured). With
-``--json_out`` the rows go to a JSON file too. The 2-process rows are ``benchmarks/scaling.py``.
+and prints per candidate: its devices per stage and micro-batches, measured ms, predicted ms,
+the error, and the prediction and error without the host's measured SPMD factors (the model
+before them); then the planner's choice, the best measured candidate and the regret (measured
+time of the choice / best measured). With ``--json_out`` the rows go to a JSON file too. The
+2-process rows are ``benchmarks/scaling.py``.
 """
 
 import os
@@ -36,6 +39,7 @@ import gpp_jax
 from gpp_jax.errors import PlanError
 from gpp_jax.experiments import zoo
 from gpp_jax.ir import layer_graph as lg
+from gpp_jax.ir.plan import stage_microbatch_counts
 from gpp_jax.runtime.compile import baseline_plans, make_plan, planner_cluster, predict_seconds
 
 FLAGS = flags.FLAGS
@@ -92,7 +96,9 @@ def one(model, size, n):
   jax.block_until_ready(pp(run.model, run.optimizer, data[0]))
   setup_s = time.perf_counter() - t
   c = pp.compiled
-  planned, opts, B = c.planned, c.opts, c.batch_size
+  # The options as given: a chosen baseline's compiled step keeps its one micro-batch.
+  planned, B = c.planned, c.batch_size
+  opts = dataclasses.replace(c.opts, num_microbatches=FLAGS.microbatches)
   graph = planned.layer_graph
   scaled = lg.scaled(graph, B)
   cluster = planner_cluster(opts)
@@ -106,19 +112,26 @@ def one(model, size, n):
   def shape(plan):
     return [(s.layers, s.devices) for s in plan.stages], plan.num_microbatches
 
+  # The same host without its measured SPMD factors: what the prediction was before them.
+  unfactored = dataclasses.replace(planned.host, spmd=None) if planned.host is not None else None
   rows = []
   chosen = None
   for name, plan in candidates.items():
     predicted, _ = predict_seconds(plan, scaled, cluster, planned.host)
+    without, _ = predict_seconds(plan, scaled, cluster, unfactored)
     measured = measure(run, data, plan, devices)
     rows.append(
       dict(
         candidate=name,
         stages=plan.num_stages,
+        widths="+".join(str(len(s.devices)) for s in plan.stages),
+        microbatches="+".join(map(str, sorted(set(stage_microbatch_counts(plan, B))))),
         depth=plan.depth(),
         measured_ms=measured * 1e3,
         predicted_ms=predicted * 1e3,
         error=(predicted - measured) / measured,
+        predicted_without_spmd_ms=without * 1e3,
+        error_without_spmd=(without - measured) / measured,
       )
     )
     if shape(plan) == shape(pp.plan):
@@ -138,9 +151,17 @@ def one(model, size, n):
     best_ms=best["measured_ms"],
     regret=chosen * 1e3 / best["measured_ms"],
     fusion=graph.graph.get("fusion"),
+    spmd=dict(planned.host.spmd or {}) if planned.host is not None else None,
     setup_s=setup_s,
     rows=rows,
   )
+
+
+def spmd_text(factors) -> str:
+  """The host's measured SPMD factor per width (``runtime.host.measure_spmd``)."""
+  if not factors:
+    return "none"
+  return ", ".join(f"{k}: {f:.1f}" for k, f in sorted(factors.items()))
 
 
 def main(_):
@@ -152,14 +173,17 @@ def main(_):
         out.append(r)
         print(
           f"\n{model} {size}, {n} devices, batch {FLAGS.batch_size}, M={FLAGS.microbatches} "
-          f"(fusion {r['fusion']:.2f}, set-up {r['setup_s']:.0f} s)"
+          f"(fusion {r['fusion']:.2f}, SPMD factors {spmd_text(r['spmd'])}, "
+          f"set-up {r['setup_s']:.0f} s)"
         )
-        head = ("candidate", "stages", "measured", "predicted", "err")
-        print("  {:20s} {:>6s} {:>10s} {:>10s} {:>6s}".format(*head))
+        head = ("candidate", "devices", "M", "measured", "predicted", "err", "no SPMD", "err")
+        print("  {:20s} {:>8s} {:>3s} {:>10s} {:>10s} {:>6s} {:>10s} {:>6s}".format(*head))
         for row in r["rows"]:
           print(
-            f"  {row['candidate']:20s} {row['stages']:6d} {row['measured_ms']:8.2f}ms "
-            f"{row['predicted_ms']:8.2f}ms {row['error'] * 100:+5.0f}%"
+            f"  {row['candidate']:20s} {row['widths']:>8s} {row['microbatches']:>3s} "
+            f"{row['measured_ms']:8.2f}ms {row['predicted_ms']:8.2f}ms "
+            f"{row['error'] * 100:+5.0f}% {row['predicted_without_spmd_ms']:8.2f}ms "
+            f"{row['error_without_spmd'] * 100:+5.0f}%"
           )
         print(
           f"  choice: {r['choice']} ({r['choice_stages']} stages) measured "

@@ -196,3 +196,93 @@ def test_gpus_are_planned_with_the_cuda_preset():
   assert devices_cluster(cpus) == cpu_cluster(2)
   gpu_bw = devices_cluster(gpus).device.memory_bandwidth
   assert gpu_bw > 50 * devices_cluster(cpus).device.memory_bandwidth
+
+
+def spmd_host(factors, parallel: float | None = 1.0) -> HostCosts:
+  """No issue costs, nothing outside the step: only the compute and the update are left."""
+  return HostCosts(per_op=dict.fromkeys(OPS, 0.0), parallel=parallel, cores=2, spmd=factors)
+
+
+def test_spmd_factor_scales_the_fused_step_over_several_devices():
+  """Jit data parallel over k devices computes 1/k of the one-device time times the measured
+  factor for k (the factor is measured against that 1/k, and includes the devices' sharing of
+  the cores: k over the compute servers is not applied as well); plain jit on one device is
+  not scaled; without a measured factor, the devices' share times k over the servers."""
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import predict_fused
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  plans = candidates(g)
+  dp, plain = plans["jit data parallel"], plans["plain jit"]
+  update = plan_costs(dp, g, cluster).update[0]
+  one_device = predict_fused(plain, g, cluster, None) - plan_costs(plain, g, cluster).update[0]
+  for f in (1.0, 3.0, 7.5):
+    seconds = predict_fused(dp, g, cluster, spmd_host({2: f, 4: 2 * f}))
+    assert seconds - update == pytest.approx(f * one_device / 2)
+  # Not measured: the cost model's time of each device's share, times 2 devices / 1 server.
+  share = predict_fused(dp, g, cluster, None) - update
+  assert predict_fused(dp, g, cluster, spmd_host(None)) - update == pytest.approx(2 * share)
+  assert predict_fused(plain, g, cluster, spmd_host({2: 5.0})) == pytest.approx(
+    predict_fused(plain, g, cluster, spmd_host(None))
+  )
+  # Widths between the measured ones are interpolated, wider ones take the widest's.
+  h = spmd_host({2: 2.0, 8: 14.0})
+  assert [h.spmd_factor(k) for k in (1, 2, 4, 8, 16)] == pytest.approx([1, 2, 6, 14, 14])
+  assert spmd_host(None).spmd_factor(2) is None and spmd_host(None).spmd_factor(1) == 1.0
+
+
+def test_spmd_factor_prices_a_stage_over_several_devices():
+  """Under the host-aware model a pipeline stage over 2 devices computes 1/2 of its
+  one-device forward and backward times the factor for 2 devices; a stage on one device is
+  unchanged, and so is the devices-only model (no host: what planners search with)."""
+  from gpp_jax.cost.simulator import simulate
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  stage_b = Stage(1, ("b",), (2,))
+  plan = Plan((Stage(0, ("a",), (0, 1)), stage_b), ((0, 1),), 4, planner="x", batch_size=8)
+  narrow = plan.replace(stages=(Stage(0, ("a",), (0,)), stage_b))
+
+  def durations(res):  # every F (B) of a stage lasts as long
+    return {(a.kind, a.stage): a.end - a.start for a in res.actions if a.kind in ("F", "B")}
+
+  devices_only = simulate(plan, g, cluster)
+  unmeasured = simulate(plan, g, cluster, host=spmd_host(None))
+  slow = simulate(plan, g, cluster, host=spmd_host({2: 3.0}))
+  one = durations(simulate(narrow, g, cluster, host=spmd_host({2: 3.0})))
+  base, scaled = durations(unmeasured), durations(slow)
+  assert durations(devices_only) == pytest.approx(base)
+  for kind in ("F", "B"):
+    assert scaled[(kind, 0)] == pytest.approx(3.0 * one[(kind, 0)] / 2)
+    assert scaled[(kind, 0)] > base[(kind, 0)]
+    assert scaled[(kind, 1)] == pytest.approx(base[(kind, 1)])
+  assert slow.iteration_time > unmeasured.iteration_time
+  # The devices-only model does not look at a host, measured factors or not.
+  assert simulate(plan, g, cluster, host=None).iteration_time == devices_only.iteration_time
+
+
+def test_host_costs_json_round_trips_with_and_without_spmd():
+  import json
+
+  with_spmd = HostCosts(per_op={"F": 1e-4}, parallel=1.5, cores=2, spmd={2: 2.5, 4: 6.0})
+  back = HostCosts.from_json(with_spmd.to_json())
+  assert back == with_spmd and back.spmd_factor(4) == 6.0
+  without = HostCosts(per_op={"F": 1e-4}, parallel=None)
+  assert HostCosts.from_json(without.to_json()) == without
+  # HostCosts saved before the field existed still load.
+  old = json.loads(with_spmd.to_json())
+  del old["spmd"]
+  assert HostCosts.from_json(json.dumps(old)).spmd is None
+
+
+def test_measure_spmd_on_forced_cpu_devices():
+  """A factor per width, no better than perfect division; none for one device."""
+  import math
+
+  from gpp_jax.runtime.host import measure_spmd
+
+  factors = measure_spmd(jax.devices()[:2], reps=2)
+  assert set(factors) == {2}
+  assert math.isfinite(factors[2]) and 1.0 <= factors[2] < 1e3
+  assert measure_spmd(jax.devices()[:1]) == {}

@@ -16,12 +16,17 @@ simulator needs to include the host, measured like the layer times:
   NNX objects split and updated);
 * ``parallel``: how many device computations run at full speed at once (forced CPU devices on
   a 2-core host whose XLA already uses both cores for one large computation: about 1), None
-  for independent devices (accelerators).
+  for independent devices (accelerators);
+* ``spmd``: per number of devices k, how much slower than 1/k of the one-device time one
+  computation with its batch sharded over k devices runs (``runtime.host.measure_spmd``: on
+  forced CPU devices the k devices share the host's cores and meet at each collective), None
+  where not measured (accelerators).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import statistics
 from collections.abc import Mapping
@@ -43,6 +48,7 @@ class HostCosts:
   parallel: float | None = None
   cores: int | None = None
   device: str = ""
+  spmd: Mapping[int, float] | None = None
 
   def op_costs(self) -> dict[Op, float]:
     """Seconds per op of a compiled step's program (``simulate_program(host_cost=)``)."""
@@ -61,12 +67,32 @@ class HostCosts:
       return None
     return max(1, round(self.parallel))
 
+  def spmd_factor(self, k: int) -> float | None:
+    """How much slower than 1/k of its one-device time a computation sharded over ``k``
+    devices runs (``spmd``; 1 for one device), interpolated linearly between the measured
+    widths and the largest one's beyond them; None where not measured."""
+    if k <= 1:
+      return 1.0
+    if not self.spmd:
+      return None
+    known = sorted({1: 1.0, **{int(w): float(f) for w, f in self.spmd.items()}}.items())
+    for (w0, f0), (w1, f1) in itertools.pairwise(known):
+      if k <= w1:
+        return f0 + (f1 - f0) * (k - w0) / (w1 - w0)
+    return known[-1][1]
+
   def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+    d = dataclasses.asdict(self)
+    if self.spmd is not None:
+      d["spmd"] = {str(k): v for k, v in self.spmd.items()}
+    return json.dumps(d, indent=1, sort_keys=True)
 
   @classmethod
   def from_json(cls, s: str) -> HostCosts:
-    return cls(**json.loads(s))
+    d = json.loads(s)
+    if d.get("spmd") is not None:  # JSON keys are strings
+      d["spmd"] = {int(k): float(v) for k, v in d["spmd"].items()}
+    return cls(**d)
 
 
 # Ops whose host cost a schedule-level program carries itself; the rest is per-stage work.

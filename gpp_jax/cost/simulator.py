@@ -644,7 +644,9 @@ def simulate(
   ``simulate_program`` takes them; memory is then the program's own (``cost.memory``: its
   buffers' sizes and lifetimes, without the executables' temporaries). ``host``: the machine's
   ``cost.host.HostCosts`` (per-op issue costs, compute servers, the time outside the program,
-  added to the iteration time); without a program the schedule's lowering is timed with them.
+  added to the iteration time; a stage over k devices computes 1/k of its one-device time
+  times the measured SPMD factor for k, ``HostCosts.spmd_factor``); without a program the
+  schedule's lowering is timed with them.
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
   schedule has W actions, each stage's backward is split into B and W by the cost model's
@@ -672,6 +674,8 @@ def simulate(
     host_cost = host.op_costs() if program is not None else host.schedule_costs()
     cores = host.compute_servers()
     outside = host.outside
+    fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, costs, pc, host)
+    pc = dataclasses.replace(pc, forward=fw, backward=bw)
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
   from gpp_jax.passes.weight_versions import weight_delays
 
@@ -727,6 +731,30 @@ def simulate(
   return res
 
 
+def _spmd_times(
+  plan, layer_graph: nx.DiGraph, cluster: Cluster, cost_model: Any, costs: Any, pc: Any, host: Any
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+  """Per stage (forward, backward) seconds under the host-aware model: a stage over k > 1
+  devices computes 1/k of its micro-batch's one-device time times the host's measured SPMD
+  factor for k (``HostCosts.spmd_factor``, measured against that same 1/k: it includes the
+  devices' smaller shares and their sharing of the cores); other stages, and widths not
+  measured, as ``pc`` has them (the cost model's time of each device's share)."""
+  factors = {s.index: host.spmd_factor(len(s.devices)) for s in plan.stages if len(s.devices) > 1}
+  factors = {i: f for i, f in factors.items() if f is not None}
+  if not factors:
+    return tuple(pc.forward), tuple(pc.backward)
+  narrow = plan.replace(
+    stages=tuple(dataclasses.replace(s, devices=s.devices[:1]) for s in plan.stages)
+  )
+  one = plan_costs(narrow, layer_graph, cluster, cost_model, costs)
+  fw, bw = list(pc.forward), list(pc.backward)
+  for i, f in factors.items():
+    k = len(plan.stages[i].devices)
+    fw[i] = one.forward[i] / k * f
+    bw[i] = one.backward[i] / k * f
+  return tuple(fw), tuple(bw)
+
+
 def predict_fused(
   plan,
   layer_graph: nx.DiGraph,
@@ -736,15 +764,19 @@ def predict_fused(
 ) -> float:
   """Seconds of a one-stage plan's step, run as one jitted function (``runtime.fused``): its M
   micro-batches' forwards and backwards (on k devices each computes 1/k of a micro-batch; with
-  ``host``, only ``host.compute_servers()`` of them at full speed at once), the gradient
-  all-reduce and update, and the host's issue and time outside the step."""
+  ``host``, 1/k of the one-device time times the host's measured SPMD factor for k, or where
+  that is not measured, the share's time times k over the devices that compute at once), the
+  gradient all-reduce and update, and the host's issue and time outside the step."""
   if plan.num_stages != 1:
     raise ValueError(f"predict_fused takes a one-stage plan, not {plan.num_stages} stages")
   pc = plan_costs(plan, layer_graph, cluster, cost_model)
   k = len(plan.stages[0].devices)
-  servers = host.compute_servers() if host is not None else None
-  slowdown = k / min(servers, k) if servers else 1.0
-  compute = plan.num_microbatches * (pc.forward[0] + pc.backward[0]) * slowdown
+  fw, bw, slowdown = pc.forward, pc.backward, 1.0
+  if host is not None and host.spmd_factor(k) is not None:
+    fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, None, pc, host)
+  elif host is not None and host.compute_servers():  # not measured: k over the servers
+    slowdown = k / min(host.compute_servers(), k)
+  compute = plan.num_microbatches * (fw[0] + bw[0]) * slowdown
   issue = host.per_op.get("STEP", host.per_op.get("F", 0.0)) + host.outside if host else 0.0
   return compute + pc.update[0] + issue
 

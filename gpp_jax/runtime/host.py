@@ -6,7 +6,7 @@ import functools
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpp_jax.cost.host import HostCosts, host_costs_from_timeline
@@ -36,6 +36,67 @@ def measure_parallel(devices: Sequence[Any], size: int = 192, reps: int = 5) -> 
 
   one, together = timed(xs[:1]), timed(xs)
   return float(min(max(len(xs) * one / together, 1.0), len(xs)))
+
+
+def measure_spmd(
+  devices: Sequence[Any], batch: int = 64, width: int = 128, layers: int = 4, reps: int = 20
+) -> dict[int, float]:
+  """Per number of devices k (the powers of two from 2 to ``len(devices)``): how much slower
+  than 1/k of its one-device time a data-parallel step runs with its batch sharded over the
+  first k of ``devices`` (``t_k / (t_1 / k)``; 1: perfect division, k: no faster than one
+  device; at least 1). The step is an MLP's forward, backward and update, jitted with the
+  batch split over a mesh of the k devices and the weights replicated, so XLA inserts the
+  gradients' all-reduce; the best of ``reps`` calls of each, the widths taking turns (a busy
+  spell of the host does not fall on one width's calls only). CPU devices only (forced CPU
+  devices share the host's cores and meet at each collective); empty for accelerators or one
+  device.
+
+  The factor falls as each device's share of the work grows (over 4 devices of a 2-core host:
+  8-12 at ``batch=64``, about 5 at 128, 3-4 at 256). The default is the benchmarks' batch, at
+  which the tiny zoo models' jit data parallel over 4 devices ran 6-13 times 1/4 of plain
+  jit (BUILD_NOTES, "Plans for the machine at hand")."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  if len(devices) < 2 or devices[0].platform != "cpu":
+    return {}
+  rng = np.random.default_rng(0)
+  ws = [rng.normal(size=(width, width)).astype(np.float32) / width**0.5 for _ in range(layers)]
+  x = rng.normal(size=(batch, width)).astype(np.float32)
+
+  def loss(ws, x):
+    for w in ws:
+      x = jnp.tanh(x @ w)
+    return jnp.mean(x**2)
+
+  def step(ws, x):
+    grads = jax.grad(loss)(ws, x)
+    return [w - 1e-3 * g for w, g in zip(ws, grads)]
+
+  def compiled(k: int) -> Callable[[], Any]:
+    mesh = Mesh(np.asarray(devices[:k]), ("data",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    f = jax.jit(step, out_shardings=replicated)
+    args = (
+      jax.device_put(ws, replicated),
+      jax.device_put(x, NamedSharding(mesh, PartitionSpec("data"))),
+    )
+    jax.block_until_ready(f(*args))
+    return lambda: jax.block_until_ready(f(*args))
+
+  widths = [1]
+  while widths[-1] * 2 <= len(devices) and batch % (widths[-1] * 2) == 0:
+    widths.append(widths[-1] * 2)
+  calls = {k: compiled(k) for k in widths}
+  best = dict.fromkeys(widths, float("inf"))
+  for _ in range(reps):
+    for k, call in calls.items():
+      t = time.perf_counter()
+      call()
+      best[k] = min(best[k], time.perf_counter() - t)
+  return {k: max(best[k] / (best[1] / k), 1.0) for k in widths[1:]}
 
 
 @functools.lru_cache(maxsize=8)
@@ -106,6 +167,7 @@ def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> Hos
     parallel=measure_parallel(list(devices[:n])) if cpu else None,
     cores=len(os.sched_getaffinity(0)) if cpu else None,
     device=str(devices[0]),
+    spmd=(measure_spmd(list(devices)) or None) if cpu else None,
   )
 
 
@@ -113,7 +175,9 @@ def measure_host(devices: Sequence[Any], graph_pipeline: Any, repeats: int = 7) 
   """``HostCosts`` of this process driving ``devices``: a small pipeline over up to four of
   them runs a few steps through the executor (its per-instruction dispatch timeline gives the
   per-op costs) and, on CPU devices, a matrix chain on each of them measures how many compute
-  at once (``measure_parallel``). Seconds in all; measured once per process and devices.
-  ``graph_pipeline``: the decorator that builds the small pipeline (``runtime.pipeline``'s,
-  passed in so that this module does not import the runtime that calls it)."""
+  at once (``measure_parallel``) and a small data-parallel step over 2, 4, ... of them how
+  much slower than perfect division it runs (``measure_spmd``). Seconds in all; measured once
+  per process and devices. ``graph_pipeline``: the decorator that builds the small pipeline
+  (``runtime.pipeline``'s, passed in so that this module does not import the runtime that
+  calls it)."""
   return _measure(tuple(devices), repeats, graph_pipeline)
