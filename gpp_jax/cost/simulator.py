@@ -377,23 +377,15 @@ def _simulate_lanes(
             break
           blocked = None
           for o, arrived in f_in[s] if fwd else b_in[s]:
-            if mixed:
-              for k in chunk_range(counts, s, m, o):
-                t = arrived[k]
-                if t is None:
-                  blocked = (arrived, k)
-                  break
-                if t > start:
-                  start = t
-              if blocked is not None:
-                break
-            else:
-              t = arrived[m]
+            for k in chunk_range(counts, s, m, o) if mixed else (m,):
+              t = arrived[k]
               if t is None:
-                blocked = (arrived, m)
+                blocked = (arrived, k)
                 break
               if t > start:
                 start = t
+            if blocked is not None:
+              break
           if blocked is not None:
             waits[s] = blocked
             break
