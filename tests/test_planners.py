@@ -6,13 +6,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpp_jax.cost.cluster import Link, cpu_cluster, v100_cluster
+from gpp_jax.cost.cost_model import layer_costs
 from gpp_jax.cost.simulator import simulate
 from gpp_jax.errors import PlanError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, validate_plan
 from gpp_jax.ir.schedule import validate_schedule
-from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS, get_planner
+from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS, get_planner, plan_assembly
 from gpp_jax.passes.partition.exhaustive import acyclic_partitions
+from gpp_jax.passes.partition.graphpipe.search import GRAPHPIPE, GraphPipeOptions
 from gpp_jax.passes.partition.piper import piper_plan
 from gpp_jax.passes.partition.plan_assembly import (
   assemble_plan,
@@ -20,6 +22,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   place_stages,
   schedule_for,
 )
+from gpp_jax.passes.partition.problem import PlanningProblem
 from gpp_jax.passes.partition.refine import refine_plan, spend_idle_devices
 
 COST_PLANNERS = ("graphpipe", "pipedream", "piper", "bapipe", "luo", "exhaustive")
@@ -272,3 +275,40 @@ def test_registry_and_microbatch_sweep():
     microbatch_sizes(32, num_microbatches=5)
   plan = PLANNERS["graphpipe"](mg.chain(layers=4), 2, 8, num_microbatches=4)
   assert plan.num_microbatches == 4 and plan.stages[0].microbatch_size == 2
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_a_remembered_simulation_predicts_what_simulating_again_would(schedule, monkeypatch):
+  g = mg.random_branches(5, branches=3, max_branch_layers=3, batch_size=64)
+  cluster = cpu_cluster(4).replace(intra_link=Link(20e-6, 2e9))
+  layers = list(nx.topological_sort(g))
+  stages = [(layers[:2], 1), (layers[2:], 2)]
+  kw = dict(microbatch=16, batch_size=64, schedule=schedule, costs=layer_costs(g))
+  fresh = assemble_plan(g, cluster, stages, planner="a", info={"note": 1}, **kw)
+  memo: dict = {}
+  first = assemble_plan(g, cluster, stages, planner="b", memo=memo, **kw)
+  assert len(memo) == 1
+
+  def no_simulation(*args, **kwargs):
+    raise AssertionError("simulated a plan the memo holds")
+
+  monkeypatch.setattr(plan_assembly, "_simulate", no_simulation)
+  again = assemble_plan(g, cluster, stages, planner="a", info={"note": 1}, memo=memo, **kw)
+  assert again == fresh and again.predicted == fresh.predicted
+  assert first.predicted["iteration_time"] == fresh.predicted["iteration_time"]
+
+
+def test_graphpipe_plans_the_same_without_the_simulation_memo(monkeypatch):
+  """The memo only saves simulations: the plan and its prediction are those of a search that
+  simulates every plan it meets (the PipeDream seed included)."""
+  g = mg.candle_uno(batch_size=256, branches=4, layers=4, hidden=2048, top_layers=2)
+  cluster = v100_cluster(8)
+  problem = PlanningProblem.build(g, cluster, 256)
+  with_memo = GRAPHPIPE.plan(problem, GraphPipeOptions())
+  assert problem.simulations()
+  monkeypatch.setattr(PlanningProblem, "simulations", lambda self: None)
+  without = GRAPHPIPE.plan(PlanningProblem.build(g, cluster, 256), GraphPipeOptions())
+  assert with_memo == without
+  drop = lambda p: {k: v for k, v in p.predicted.items() if k != "search"}
+  assert drop(with_memo) == drop(without)
+  assert with_memo.predicted["search"]["simulated"] == without.predicted["search"]["simulated"]

@@ -165,6 +165,7 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
       simulate_top=opts.simulate_top,
       unit=unit,
       tables=chain_tables(problem),
+      memo=problem.simulations(),
     )
     if not evaluated:
       raise no_plan_error("pipedream", problem.layer_graph, problem.cluster, problem.batch_size)
@@ -175,6 +176,7 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
       cost_model=problem.cost_model,
       costs=problem.costs,
       microbatch_sizes=sizes,
+      memo=problem.simulations(),
     )
   pred = dict(plan.predicted)
   pred["search"] = {
@@ -283,6 +285,7 @@ def chain_candidates(
   sequential: bool = True,
   unit: int = 1,
   tables: dict | None = None,
+  memo: dict | None = None,
 ) -> list[Plan]:
   """The simulated PipeDream DP optima within memory (see ``pipedream_plan``), unpolished;
   ``sweep=False`` skips simulating every stage count at the two best micro-batch sizes.
@@ -290,7 +293,8 @@ def chain_candidates(
   With ``sequential=False`` the plans keep only the edges tensors flow along (a chain of
   stages is also a stage DAG, whose stages without a data edge between them may overlap).
   The DP counts devices in slots of ``unit``; ``tables`` (default: a new dict) keeps its
-  tables, so planners of the same problem can share them.
+  tables, so planners of the same problem can share them; ``memo`` their simulations
+  (``plan_assembly.predict``).
   """
   cm = cost_model
   K = cluster.num_devices
@@ -334,6 +338,7 @@ def chain_candidates(
       cost_model=cm,
       costs=costs,
       info={"bottleneck_tps": float(A[0, -1, s])},
+      memo=memo,
     )
     if plan.predicted["memory_ok"]:
       evaluated.append(plan)

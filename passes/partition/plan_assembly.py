@@ -110,6 +110,7 @@ def assemble_plan(
   cost_model: CostModel | None = None,
   costs: LayerCosts | None = None,
   info: dict[str, Any] | None = None,
+  memo: dict | None = None,
 ) -> Plan:
   """Stage choice -> Plan with devices, edges, in-flight counts and predictions.
 
@@ -127,6 +128,7 @@ def assemble_plan(
       ``predicted["sequential"]``.
     device_order: the order in which device indices are handed out (default 0..n-1).
     info: extra entries for ``plan.predicted``.
+    memo: simulations already run for this problem (``predict``).
   """
   costs = costs or layer_costs(layer_graph)
   cm = cost_model or DEFAULT_COST_MODEL
@@ -182,7 +184,9 @@ def assemble_plan(
     planner=planner,
     batch_size=batch_size,
   )
-  return predict(plan, layer_graph, cluster, cost_model=cm, costs=costs, info=info, idle=idle)
+  return predict(
+    plan, layer_graph, cluster, cost_model=cm, costs=costs, info=info, idle=idle, memo=memo
+  )
 
 
 def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...]]:
@@ -261,11 +265,17 @@ def predict(
   costs: LayerCosts | None = None,
   info: dict[str, Any] | None = None,
   idle: Sequence[int] = (),
+  memo: dict | None = None,
 ) -> Plan:
   """Plan -> the same Plan with ``predicted`` filled in from a simulation.
 
   A zero-bubble plan gets its memory bound (``memory_bound``) as the stages' ``in_flight``,
   which is what its schedule is generated under (``passes.schedules.plan_schedule``).
+  ``memo`` (a planning problem's, ``PlanningProblem.simulations``) keeps the simulation of
+  every plan it has seen: the planners' searches meet the same plan more than once (a
+  polish revisits its neighbours, a seed is simulated by its planner and again as a
+  candidate), and the simulation is a function of the plan alone once the graph, cluster and
+  costs are fixed.
   """
   bound = None
   if plan.schedule == "zero-bubble":
@@ -273,13 +283,31 @@ def predict(
     plan = plan.replace(
       stages=tuple(dataclasses.replace(s, in_flight=n) for s, n in zip(plan.stages, bound))
     )
+  key = (id(layer_graph), id(cluster), id(cost_model), id(costs), plan.replace(planner=""))
+  res = None if memo is None else memo.get(key)
+  if res is None:
+    res = _simulate(plan, layer_graph, cluster, bound, cost_model, costs)
+    if memo is not None:
+      memo[key] = res
+  return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
+
+
+def _simulate(
+  plan: Plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  bound: tuple[int, ...] | None,
+  cost_model: CostModel | None,
+  costs: LayerCosts | None,
+) -> SimResult:
+  """The plan's simulation under its schedule (generated under ``bound`` if given)."""
   if has_mixed_microbatches(plan):
     sched = plan_schedule(plan)  # per-stage counts from the stages' own sizes
   else:
     sched = _schedule(
       plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, bound
     )
-  res = simulate(
+  return simulate(
     plan,
     layer_graph,
     cluster,
@@ -288,7 +316,6 @@ def predict(
     costs=costs,
     timeline=False,
   )
-  return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
 
 
 def prediction(

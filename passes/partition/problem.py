@@ -94,6 +94,10 @@ class PlanningProblem:
     """The micro-batch sizes a planner may choose from (``plan_assembly.microbatch_sizes``)."""
     return microbatch_sizes(self.batch_size, self.num_microbatches, self.max_microbatches)
 
+  def simulations(self) -> dict:
+    """The simulations run for this problem, shared by its planners (``predict``'s memo)."""
+    return self.memo.setdefault("simulations", {})
+
   def inputs(self) -> tuple[Cluster, CostModel, int, LayerCosts]:
     """(cluster, cost model, batch size, layer costs): the four values planners price with."""
     return self.cluster, self.cost_model, self.batch_size, self.costs

@@ -66,6 +66,7 @@ def refine_plan(
   max_takers: int = 3,
   max_evals: int = 200,
   budget: list[int] | None = None,
+  memo: dict | None = None,
 ) -> Plan:
   """Plan -> a plan at least as fast (see the module docstring).
 
@@ -78,6 +79,7 @@ def refine_plan(
     max_evals: at most this many simulated candidates in all.
     budget: a one-element list holding a simulation budget shared between calls (it is
       decremented; ``max_evals`` is ignored when given).
+    memo: the problem's simulations (``plan_assembly.predict``).
   """
   costs = costs or layer_costs(layer_graph)
   info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
@@ -106,6 +108,7 @@ def refine_plan(
         cost_model=cost_model,
         costs=costs,
         info=info,
+        memo=memo,
       )
     return assemble_plan(
       layer_graph,
@@ -120,6 +123,7 @@ def refine_plan(
       cost_model=cost_model,
       costs=costs,
       info=info,
+      memo=memo,
     )
 
   cm = cost_model or DEFAULT_COST_MODEL
@@ -398,6 +402,7 @@ def polish(
   refine_within: float = 1.1,
   max_evals: int = 200,
   microbatch_sizes: Sequence[int] = (),
+  memo: dict | None = None,
 ) -> Plan:
   """The planners' last step: the fastest plan after local search on the simulated time.
 
@@ -407,7 +412,8 @@ def polish(
   favours some micro-batch sizes the simulator does not, so polishing one plan per size finds
   what polishing only the best one misses. Last, the polished stages are tried (and
   refined) at the neighbouring micro-batch sizes (half and double) among ``microbatch_sizes``,
-  the sizes the planner may choose from.
+  the sizes the planner may choose from. ``memo``: the problem's simulations
+  (``plan_assembly.predict``).
   """
   plans = sorted(
     (p for p in plans if p.predicted.get("memory_ok", True)),
@@ -427,7 +433,15 @@ def polish(
     done.append(b)
     best = better(
       best,
-      refine_plan(plan, layer_graph, cluster, cost_model=cost_model, costs=costs, budget=budget),
+      refine_plan(
+        plan,
+        layer_graph,
+        cluster,
+        cost_model=cost_model,
+        costs=costs,
+        budget=budget,
+        memo=memo,
+      ),
     )
   # The polished stages may suit a neighbouring micro-batch size better than their own.
   b = best.stages[0].microbatch_size
@@ -435,11 +449,19 @@ def polish(
   for b2 in (b // 2, 2 * b):
     if b2 not in microbatch_sizes:
       continue
-    moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs)
+    moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs, memo)
     if moved.predicted["memory_ok"] and moved.predicted["iteration_time"] <= cutoff:
       best = better(
         best,
-        refine_plan(moved, layer_graph, cluster, cost_model=cost_model, costs=costs, budget=budget),
+        refine_plan(
+          moved,
+          layer_graph,
+          cluster,
+          cost_model=cost_model,
+          costs=costs,
+          budget=budget,
+          memo=memo,
+        ),
       )
   return best
 
@@ -451,6 +473,7 @@ def _at_microbatch(
   cluster: Cluster,
   cost_model: CostModel | None,
   costs: LayerCosts | None,
+  memo: dict | None = None,
 ) -> Plan:
   """The same stages at micro-batch size ``b`` (device counts cut to divisors of ``b``)."""
   ok = data_parallel_degrees(b, cluster.num_devices)
@@ -473,4 +496,5 @@ def _at_microbatch(
     cost_model=cost_model,
     costs=costs,
     info=info,
+    memo=memo,
   )

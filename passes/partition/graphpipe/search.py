@@ -228,6 +228,7 @@ class Candidates:
       cost_model=p.cost_model,
       costs=p.costs,
       info=info,
+      memo=p.simulations(),
     )
 
   def add(self, plan: Plan) -> None:
@@ -388,6 +389,7 @@ def chain_seed_plans(problem: PlanningProblem, sizes: list[int]) -> list[Plan]:
     sequential=False,
     unit=device_unit(problem.num_devices, PipeDreamOptions().device_grid),
     tables=chain_tables(problem),
+    memo=problem.simulations(),
   )
 
 
@@ -410,6 +412,7 @@ def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates
       refine_within=opts.refine_within,
       max_evals=max_evals,
       microbatch_sizes=sizes,
+      memo=problem.simulations(),
     )
 
   best = run(cands.evaluated, opts.refine_sizes, opts.refine_evals)
@@ -427,7 +430,7 @@ def seeded(problem: PlanningProblem, opts: GraphPipeOptions, best: Plan) -> tupl
     seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions()))
   n = 0
   for seed in seeds:
-    for plan in as_graphpipe(seed, problem.layer_graph, *_priced(problem)):
+    for plan in as_graphpipe(seed, problem.layer_graph, *_priced(problem), problem.simulations()):
       n += 1
       best = better(best, plan)
   return best, n
@@ -444,6 +447,7 @@ def other_schedules(problem: PlanningProblem, names: Sequence[str], best: Plan) 
         cost_model=problem.cost_model,
         costs=problem.costs,
         idle=best.predicted.get("idle_devices", ()),
+        memo=problem.simulations(),
       )
       best = better(best, alt.replace(predicted={**best.predicted, **alt.predicted}))
   return best
@@ -542,9 +546,11 @@ def as_graphpipe(
   cluster: Cluster,
   cm: CostModel,
   costs,
+  memo: dict | None = None,
 ) -> list[Plan]:
   """Another planner's plan as GraphPipe candidates: its stages and devices as they are, and,
-  for a chain, the same stages without the ordering edges no tensor flows along."""
+  for a chain, the same stages without the ordering edges no tensor flows along (``memo``:
+  the problem's simulations, where the plan as it is was simulated already)."""
   b = plan.stages[0].microbatch_size
   assert b is not None and plan.batch_size is not None
   stages = [(s.layers, len(s.devices)) for s in plan.stages]
@@ -568,6 +574,7 @@ def as_graphpipe(
       cost_model=cm,
       costs=costs,
       info={"seed": plan.planner},
+      memo=memo,
     )
     if p.predicted["memory_ok"]:
       out.append(p)
