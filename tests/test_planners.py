@@ -12,7 +12,13 @@ from gpp_jax.errors import PlanError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, validate_plan
 from gpp_jax.ir.schedule import validate_schedule
-from gpp_jax.passes.partition import PLANNERS, SEQUENTIAL_PLANNERS, get_planner, plan_assembly
+from gpp_jax.passes.partition import (
+  PLANNERS,
+  SEQUENTIAL_PLANNERS,
+  get_planner,
+  plan_assembly,
+  refine,
+)
 from gpp_jax.passes.partition.exhaustive import acyclic_partitions
 from gpp_jax.passes.partition.graphpipe.search import GRAPHPIPE, GraphPipeOptions
 from gpp_jax.passes.partition.piper import piper_plan
@@ -312,3 +318,42 @@ def test_graphpipe_plans_the_same_without_the_simulation_memo(monkeypatch):
   drop = lambda p: {k: v for k, v in p.predicted.items() if k != "search"}
   assert drop(with_memo) == drop(without)
   assert with_memo.predicted["search"]["simulated"] == without.predicted["search"]["simulated"]
+
+
+@pytest.mark.parametrize("sequential,max_evals", [(False, 200), (True, 200), (False, 6)])
+def test_the_update_bound_only_saves_simulations(sequential, max_evals, monkeypatch):
+  """The polish's bound with the stages' updates skips candidates unsimulated that the bound
+  without them admits; the budget still counts them, so the search is the same."""
+  g = mg.candle_uno(batch_size=64, branches=3, layers=2, hidden=1024, top_layers=1)
+  cluster = v100_cluster(8)
+  layers = list(nx.topological_sort(g))
+  poor = assemble_plan(
+    g,
+    cluster,
+    [(layers[:3], 1), (layers[3:], 1)],
+    microbatch=16,
+    batch_size=64,
+    planner="manual",
+    sequential=sequential,
+  )
+  simulated = []
+  simulate_plan = plan_assembly._simulate
+
+  def counted(*args, **kwargs):
+    simulated.append(1)
+    return simulate_plan(*args, **kwargs)
+
+  def polish_once() -> tuple[Plan, int]:
+    simulated.clear()
+    out = refine_plan(poor, g, cluster, max_evals=max_evals)
+    return out, len(simulated)
+
+  monkeypatch.setattr(plan_assembly, "_simulate", counted)
+  fast, n_fast = polish_once()
+  lower_bound = refine.pipeline_lower_bound
+  monkeypatch.setattr(
+    refine, "pipeline_lower_bound", lambda *a, update=None, **kw: lower_bound(*a, **kw)
+  )
+  slow, n_slow = polish_once()
+  assert fast == slow and fast.predicted == slow.predicted
+  assert n_fast < n_slow

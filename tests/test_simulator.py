@@ -381,7 +381,7 @@ def test_the_polish_bound_is_below_every_schedule(dag, M, name, xs):
   preds = [[u for u, v in edges if v == s] for s in range(n)]
   order = topological_order(preds)
   assert order is not None and sorted(order) == list(range(n))
-  bound = pipeline_lower_bound(fwd, bwd, order, preds, M, drains=not split)
+  bound = pipeline_lower_bound(fwd, bwd, order, preds, M, drains=not split, update=xs[12 : 12 + n])
   assert bound <= res.iteration_time * (1 + 1e-12) + 1e-12
   # A cycle has no order.
   assert topological_order([[2], [0], [1]]) is None

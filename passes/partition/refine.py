@@ -129,7 +129,9 @@ def refine_plan(
   cm = cost_model or DEFAULT_COST_MODEL
   M = B // mb
   per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # device count -> layer times
-  stage_times: dict[tuple[tuple[str, ...], int], tuple[float, float]] = {}  # F, B seconds
+  # F, B seconds and the fastest update (all-reduce on the fastest link, placement unknown).
+  stage_times: dict[tuple[tuple[str, ...], int], tuple[float, float, float]] = {}
+  links = [cluster.intra_link] + ([cluster.inter_link] if cluster.inter_link else [])
   # Whether a stage's last backward is followed by its predecessors' whole backwards (not so
   # when the schedule splits W off the backward: the way back is B alone).
   with trusted_generators():
@@ -150,21 +152,28 @@ def refine_plan(
     order = topological_order(preds)
     return (order, [list(ps) for ps in preds]) if order is not None else None
 
-  def bound(stages: Stages, order: list[int], preds: list[list[int]]) -> float:
-    """``pipeline_lower_bound`` of the stages at their device counts."""
-    fwd, bwd = [], []
-    for stage in stages:
-      fb = stage_times.get(stage)
-      if fb is None:
-        ls, d = stage
-        t = per_layer.get(d)
-        if t is None:
-          t = per_layer[d] = cm.layer_times(costs, cluster.device, mb / d)
-        idx = [costs.index[l] for l in ls]
-        fb = stage_times[stage] = (float(t[0][idx].sum()), float(t[1][idx].sum()))
-      fwd.append(fb[0])
-      bwd.append(fb[1])
-    return pipeline_lower_bound(fwd, bwd, order, preds, M, drains)
+  def times(stage: tuple[tuple[str, ...], int]) -> tuple[float, float, float]:
+    """The stage's forward and backward seconds per micro-batch and its fastest update."""
+    fbu = stage_times.get(stage)
+    if fbu is None:
+      ls, d = stage
+      t = per_layer.get(d)
+      if t is None:
+        t = per_layer[d] = cm.layer_times(costs, cluster.device, mb / d)
+      idx = [costs.index[l] for l in ls]
+      params = float(costs.param_bytes[idx].sum())
+      upd = min(cm.update_time(params, cluster.device, d, link) for link in links)
+      fbu = stage_times[stage] = (float(t[0][idx].sum()), float(t[1][idx].sum()), upd)
+    return fbu
+
+  def bound(stages: Stages, order: list[int], preds: list[list[int]], updates: bool) -> float:
+    """``pipeline_lower_bound`` of the stages at their device counts, with or without their
+    updates (with them, less 1e-9 of it, so that summing in another order than the
+    simulator cannot lift a bound that the updates make tight above the time)."""
+    fwd, bwd, upd = zip(*(times(stage) for stage in stages))
+    if not updates:
+      return pipeline_lower_bound(fwd, bwd, order, preds, M, drains)
+    return pipeline_lower_bound(fwd, bwd, order, preds, M, drains, update=upd) * (1 - 1e-9)
 
   def key(stages: Stages):
     return tuple(stages) if sequential or not partition else frozenset(stages)
@@ -301,11 +310,15 @@ def refine_plan(
       if graph is None:  # a cycle between stages
         continue
       target = (best or plan).predicted["iteration_time"] * (1 - 1e-4)
-      if bound(cand, *graph) >= target:
+      if bound(cand, *graph, updates=False) >= target:
         continue
       if budget[0] <= 0:
         break
       budget[0] -= 1
+      # The budget counts candidates the bound without updates admits; with the updates the
+      # bound skips more of them unsimulated, and the search stays the same.
+      if bound(cand, *graph, updates=True) >= target:
+        continue
       p = build(cand)
       if p.predicted["memory_ok"] and p.predicted["iteration_time"] < target:
         best, best_stages = p, cand
@@ -342,23 +355,27 @@ def pipeline_lower_bound(
   preds: Sequence[Sequence[int]],
   num_microbatches: int,
   drains: bool = True,
+  update: Sequence[float] | None = None,
 ) -> float:
   """A lower bound on the iteration time of any schedule of the stage graph (stages in a
   topological ``order``, ``preds`` per stage) whose stages take ``forward[s]`` and
-  ``backward[s]`` seconds per micro-batch: some stage runs its M forwards and backwards one
-  after another, its first forward after micro-batch 0's forwards along the longest path to
-  it, and (``drains``) the last micro-batch's backwards along the longest path back from it
-  after its last backward. Transfers and updates only add to it. ``drains=False`` for
-  schedules that split W off the backward (the way back is then shorter)."""
+  ``backward[s]`` seconds per micro-batch and at least ``update[s]`` (default 0) for the
+  update that ends each stage's lane: some stage runs its M forwards and backwards one after
+  another, its first forward after micro-batch 0's forwards along the longest path to it;
+  after its last backward come its own update and (``drains``) the last micro-batch's
+  backwards along a path back from it, each followed by its stage's update. Transfers only
+  add to it. ``drains=False`` for schedules that split W off the backward (the way back is
+  then shorter)."""
+  up = [0.0] * len(forward) if update is None else update
   fill = [0.0] * len(forward)
-  drain = [0.0] * len(forward)
+  tail = list(up)  # after stage s's last backward: the rest of the iteration at least
   worst = 0.0
   for s in order:
     for p in preds[s]:
       fill[s] = max(fill[s], fill[p] + forward[p])
       if drains:
-        drain[s] = max(drain[s], drain[p] + backward[p])
-    worst = max(worst, fill[s] + num_microbatches * (forward[s] + backward[s]) + drain[s])
+        tail[s] = max(tail[s], backward[p] + tail[p])
+    worst = max(worst, fill[s] + num_microbatches * (forward[s] + backward[s]) + tail[s])
   return worst
 
 
