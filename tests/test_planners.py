@@ -16,6 +16,7 @@ from gpp_jax.passes.partition import (
   PLANNERS,
   SEQUENTIAL_PLANNERS,
   get_planner,
+  pipedream,
   plan_assembly,
   refine,
 )
@@ -357,3 +358,37 @@ def test_the_update_bound_only_saves_simulations(sequential, max_evals, monkeypa
   slow, n_slow = polish_once()
   assert fast == slow and fast.predicted == slow.predicted
   assert n_fast < n_slow
+
+
+def test_pipedream_leaves_out_only_plans_its_polish_would_not_refine():
+  """The sweep's plans whose lower bound is above the polish's factor times the best time are
+  left out unsimulated: the polished plan is the one polishing every plan gives."""
+  g = mg.candle_uno(batch_size=256, branches=4, layers=4, hidden=2048, top_layers=2)
+  problem = PlanningProblem.build(g, v100_cluster(8), 256)
+  sizes = problem.microbatch_sizes()
+
+  def polished(keep_within: float | None) -> tuple[Plan, int]:
+    cands = pipedream.chain_candidates(
+      g,
+      problem.cluster,
+      256,
+      sizes,
+      cost_model=problem.cost_model,
+      costs=problem.costs,
+      keep_within=keep_within,
+    )
+    best = refine.polish(
+      cands,
+      g,
+      problem.cluster,
+      cost_model=problem.cost_model,
+      costs=problem.costs,
+      microbatch_sizes=sizes,
+      refine_within=1.1,
+    )
+    return best, len(cands)
+
+  kept, n_kept = polished(1.1)
+  every, n_every = polished(None)
+  assert kept == every and kept.predicted == every.predicted
+  assert n_kept < n_every

@@ -49,7 +49,7 @@ from gpp_jax.passes.partition.plan_assembly import (
 )
 from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner, device_unit
 from gpp_jax.passes.partition.range_costs import RangeCosts
-from gpp_jax.passes.partition.refine import polish
+from gpp_jax.passes.partition.refine import pipeline_lower_bound, polish, update_lower_bound
 
 
 def chain_dp(
@@ -166,6 +166,7 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
       unit=unit,
       tables=chain_tables(problem),
       memo=problem.simulations(),
+      keep_within=REFINE_WITHIN,
     )
     if not evaluated:
       raise no_plan_error("pipedream", problem.layer_graph, problem.cluster, problem.batch_size)
@@ -177,6 +178,7 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
       costs=problem.costs,
       microbatch_sizes=sizes,
       memo=problem.simulations(),
+      refine_within=REFINE_WITHIN,
     )
   pred = dict(plan.predicted)
   pred["search"] = {
@@ -222,6 +224,9 @@ def chain_tables(problem: PlanningProblem) -> dict:
 
 
 SELECTIONS = ("simulated", "published")
+
+# The polish refines plans within this factor of the best simulated one.
+REFINE_WITHIN = 1.1
 
 
 def published_chain(
@@ -286,6 +291,7 @@ def chain_candidates(
   unit: int = 1,
   tables: dict | None = None,
   memo: dict | None = None,
+  keep_within: float | None = None,
 ) -> list[Plan]:
   """The simulated PipeDream DP optima within memory (see ``pipedream_plan``), unpolished;
   ``sweep=False`` skips simulating every stage count at the two best micro-batch sizes.
@@ -294,7 +300,9 @@ def chain_candidates(
   stages is also a stage DAG, whose stages without a data edge between them may overlap).
   The DP counts devices in slots of ``unit``; ``tables`` (default: a new dict) keeps its
   tables, so planners of the same problem can share them; ``memo`` their simulations
-  (``plan_assembly.predict``).
+  (``plan_assembly.predict``). With ``keep_within``, the plans of the sweep whose pipeline
+  lower bound is above ``keep_within`` times the best simulated time are left out
+  unsimulated: a polish that refines plans within that factor would not look at them.
   """
   cm = cost_model
   K = cluster.num_devices
@@ -318,13 +326,34 @@ def chain_candidates(
 
   evaluated: list[Plan] = []
   done = set()
+  layer_times: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-  def evaluate(b: int, s: int, rep: bool):
+  def bound(b: int, ranges: list[tuple[int, int, int]]) -> float:
+    """``pipeline_lower_bound`` of the stages (no drain term, which holds for every schedule;
+    a chain's fill only when the plan is sequential), less 1e-9 of it for the summing order."""
+    fwd, bwd, upd = [], [], []
+    for i, j, d in ranges:
+      if (b, d) not in layer_times:
+        layer_times[b, d] = cm.layer_times(costs, cluster.device, b / d)
+      tf, tb = layer_times[b, d]
+      fwd.append(float(tf[i:j].sum()))
+      bwd.append(float(tb[i:j].sum()))
+      upd.append(update_lower_bound(cm, cluster, float(costs.param_bytes[i:j].sum()), d))
+    n = len(ranges)
+    preds = [[s - 1] if s and sequential else [] for s in range(n)]
+    lb = pipeline_lower_bound(fwd, bwd, range(n), preds, B // b, drains=False, update=upd)
+    return lb * (1 - 1e-9)
+
+  def evaluate(b: int, s: int, rep: bool, within: float | None = None):
     if (b, s, rep) in done:
       return
     done.add((b, s, rep))
     rc, A, dps = table(b, rep)
     ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s, unit)
+    if within is not None and evaluated:
+      best = min(p.predicted["iteration_time"] for p in evaluated)
+      if bound(b, ranges) > within * best:
+        return
     stages = [(costs.layers[i:j], d) for i, j, d in ranges]
     plan = assemble_plan(
       layer_graph,
@@ -357,5 +386,5 @@ def chain_candidates(
   for b in top_sizes[: 2 if sweep else 0]:
     for rep in {replicate, False}:
       for _, _, s, r in sorted(candidates(b, rep))[: max(simulate_top, 8)]:
-        evaluate(b, s, r)
+        evaluate(b, s, r, keep_within)
   return evaluated

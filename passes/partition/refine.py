@@ -131,7 +131,6 @@ def refine_plan(
   per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # device count -> layer times
   # F, B seconds and the fastest update (all-reduce on the fastest link, placement unknown).
   stage_times: dict[tuple[tuple[str, ...], int], tuple[float, float, float]] = {}
-  links = [cluster.intra_link] + ([cluster.inter_link] if cluster.inter_link else [])
   # Whether a stage's last backward is followed by its predecessors' whole backwards (not so
   # when the schedule splits W off the backward: the way back is B alone).
   with trusted_generators():
@@ -162,7 +161,7 @@ def refine_plan(
         t = per_layer[d] = cm.layer_times(costs, cluster.device, mb / d)
       idx = [costs.index[l] for l in ls]
       params = float(costs.param_bytes[idx].sum())
-      upd = min(cm.update_time(params, cluster.device, d, link) for link in links)
+      upd = update_lower_bound(cm, cluster, params, d)
       fbu = stage_times[stage] = (float(t[0][idx].sum()), float(t[1][idx].sum()), upd)
     return fbu
 
@@ -377,6 +376,13 @@ def pipeline_lower_bound(
         tail[s] = max(tail[s], backward[p] + tail[p])
     worst = max(worst, fill[s] + num_microbatches * (forward[s] + backward[s]) + tail[s])
   return worst
+
+
+def update_lower_bound(cm: CostModel, cluster: Cluster, param_bytes: float, n: int) -> float:
+  """A stage's update (gradient all-reduce over its ``n`` devices and optimizer step) on the
+  fastest of the cluster's links: a bound that holds before the stage is placed."""
+  links = [cluster.intra_link] + ([cluster.inter_link] if cluster.inter_link else [])
+  return min(cm.update_time(param_bytes, cluster.device, n, link) for link in links)
 
 
 def spend_idle_devices(
