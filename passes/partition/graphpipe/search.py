@@ -397,7 +397,8 @@ def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates
   """Phase 4: the DP's objective is a proxy; the best plans are polished by local search on
   the simulated time (device counts, layer moves, splits and merges, per micro-batch size).
   Then the best strategy with its idle devices handed out, polished on its own (a quarter of
-  the budget), where it beats the polished plan unpolished."""
+  the budget), where it beats every candidate the polish started from (a rule that does not
+  hang on how far the polish went)."""
   if not opts.polish_plans:
     return min(cands.evaluated + cands.handed, key=lambda p: p.predicted["iteration_time"])
 
@@ -415,9 +416,10 @@ def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates
       memo=problem.simulations(),
     )
 
+  start = min(p.predicted["iteration_time"] for p in cands.evaluated)
   best = run(cands.evaluated, opts.refine_sizes, opts.refine_evals)
   handed = min(cands.handed, key=lambda p: p.predicted["iteration_time"], default=None)
-  if handed is not None and handed.predicted["iteration_time"] < best.predicted["iteration_time"]:
+  if handed is not None and handed.predicted["iteration_time"] < start:
     best = better(best, run([handed], 1, max(1, opts.refine_evals // 4)))
   return best
 
