@@ -126,3 +126,39 @@ def test_one_dp_run_per_microbatch_size():
   search = plan.predicted["search"]
   # the sweep plus the no-replication variant at the two best sizes
   assert 1 <= search["dp_runs"] <= len(microbatch_sizes(256, None, 256)) + 2
+
+
+def reference_chain(dp: MinMaxDP, node, D: int) -> np.ndarray:
+  """``serialised.chain`` by its recurrence over every stage [j, j2) and device count, with no
+  stage left out: f[j, k, e] = min over them of max(the stage's TPS, f[j2, k - d, e - 1])
+  where the stage fits at depth e, monotone in k and e, inf above the cap."""
+  ctx = dp.ctx
+  rc = ctx.linear(node)
+  L, K, E = rc.n, dp.K, dp.E
+  f = np.full((L + 1, K + 1, E), math.inf)
+  f[L, :, D:] = 0.0
+  for j in range(L - 1, -1, -1):
+    for k, e in itertools.product(range(K + 1), range(1, E)):
+      for (d, s), j2 in itertools.product(zip(ctx.dps, ctx.slots), range(j + 1, L + 1)):
+        mem = ctx.mem(float(rc.params[j, j2]), float(rc.saved[j, j2]), d, e)
+        if s <= k and mem <= ctx.cluster.memory_per_device:
+          f[j, k, e] = min(f[j, k, e], max(rc.tps(d)[j, j2], f[j2, k - s, e - 1]))
+    f[j] = np.minimum.accumulate(np.minimum.accumulate(f[j], axis=0), axis=1)
+    f[j][f[j] > dp.cap] = math.inf
+  return f
+
+
+@pytest.mark.parametrize("memory,cap", [(None, math.inf), (3e7, math.inf), (3e7, "median")])
+def test_serialised_chain_leaves_out_only_stages_that_cannot_count(memory, cap):
+  """The chain DP skips, per device count, the longest stages that are out of memory at every
+  depth or above the cap: its tables equal the recurrence over every stage."""
+  g = mg.random_branches(4, branches=2, max_branch_layers=3, fork=True, join=True, batch_size=48)
+  cluster = cpu_cluster(6).replace(intra_link=Link(20e-6, 1e9))
+  ctx, root, dp = setup(g, cluster, 48, 8, memory)
+  if cap == "median":
+    tps = ctx.linear(root).tps(ctx.dps[0])
+    dp.cap = float(np.median(tps[np.triu_indices_from(tps, 1)]))
+  for D in (0, 1):
+    want = reference_chain(dp, root, D)
+    assert np.isfinite(want).any()
+    assert np.array_equal(dp.chain(root, D), want)

@@ -56,14 +56,21 @@ class SerialisedRuns:
         * per_dev[:, None, None]
         * inflight[None, None, lo : top + 1]
       )
-      ok = mem <= mem_cap
+      # TPS of the stage where it fits, inf elsewhere: max(that, rest) is inf where it does
+      # not fit. A stage above the cap or out of memory at every depth only gives values
+      # that end up inf, so each d takes the stages up to the last other one.
+      fits = np.where(mem <= mem_cap, tps[:, :, None], math.inf)
+      used = np.any(fits <= self.cap, axis=2)  # (nd, w)
       best = np.full((K + 1, E), math.inf)
       for di, d in enumerate(ctx.slots):
         if d > K:
           break
-        rest = f[j + 1 : hi, : K + 1 - d, lo - 1 : top]  # (w, K + 1 - d, top - lo + 1)
-        cand = np.maximum(tps[di][:, None, None], rest)
-        cand = np.where(ok[di][:, None, :], cand, math.inf)
+        row = used[di]
+        n = len(row) - int(row[::-1].argmax()) if row.any() else 0
+        if not n:
+          continue
+        rest = f[j + 1 : j + 1 + n, : K + 1 - d, lo - 1 : top]  # (n, K + 1 - d, top - lo + 1)
+        cand = np.maximum(fits[di, :n, None, :], rest)
         np.minimum(best[d:, lo : top + 1], cand.min(axis=0), out=best[d:, lo : top + 1])
       np.minimum.accumulate(best, axis=0, out=best)
       np.minimum.accumulate(best, axis=1, out=best)
