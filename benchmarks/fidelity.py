@@ -5,7 +5,8 @@
 For each model, size and device count, one ``graph_pipeline`` is set up as a user would
 (``planner="graphpipe"``, ``calibrate=True``): it measures the layers, the host's costs
 (``runtime.host.measure_host``, its SPMD factor per width printed beside the fusion) and what
-XLA makes of the whole step (plain jit, timed), then picks among its candidates by one
+XLA makes of the whole step (plain jit, timed, and jit data parallel where it could be the
+choice: the model's own SPMD factor), then picks among its candidates by one
 prediction for this machine. Every candidate is then run for real (``--steps`` timed steps,
 the median) beside that prediction:
 
@@ -112,13 +113,16 @@ def one(model, size, n):
   def shape(plan):
     return [(s.layers, s.devices) for s in plan.stages], plan.num_microbatches
 
-  # The same host without its measured SPMD factors: what the prediction was before them.
+  # The same host without its measured SPMD factors, and the graph without the model's own
+  # (jit data parallel timed in the trial): what the prediction was before them.
   unfactored = dataclasses.replace(planned.host, spmd=None) if planned.host is not None else None
+  bare = scaled.copy()
+  bare.graph.pop("spmd", None)
   rows = []
   chosen = None
   for name, plan in candidates.items():
     predicted, _ = predict_seconds(plan, scaled, cluster, planned.host)
-    without, _ = predict_seconds(plan, scaled, cluster, unfactored)
+    without, _ = predict_seconds(plan, bare, cluster, unfactored)
     measured = measure(run, data, plan, devices)
     rows.append(
       dict(
@@ -152,13 +156,15 @@ def one(model, size, n):
     regret=chosen * 1e3 / best["measured_ms"],
     fusion=graph.graph.get("fusion"),
     spmd=dict(planned.host.spmd or {}) if planned.host is not None else None,
+    model_spmd={int(k): f for k, f in graph.graph.get("spmd", {}).items()},
     setup_s=setup_s,
     rows=rows,
   )
 
 
 def spmd_text(factors) -> str:
-  """The host's measured SPMD factor per width (``runtime.host.measure_spmd``)."""
+  """SPMD factors per width: the host's probe (``runtime.host.measure_spmd``) or the model's
+  own (jit data parallel timed in the trial, ``runtime.compile.calibrate_spmd``)."""
   if not factors:
     return "none"
   return ", ".join(f"{k}: {f:.1f}" for k, f in sorted(factors.items()))
@@ -173,7 +179,8 @@ def main(_):
         out.append(r)
         print(
           f"\n{model} {size}, {n} devices, batch {FLAGS.batch_size}, M={FLAGS.microbatches} "
-          f"(fusion {r['fusion']:.2f}, SPMD factors {spmd_text(r['spmd'])}, "
+          f"(fusion {r['fusion']:.2f}, SPMD factors {spmd_text(r['spmd'])}, the model's "
+          f"{spmd_text(r['model_spmd'])}, "
           f"set-up {r['setup_s']:.0f} s)"
         )
         head = ("candidate", "devices", "M", "measured", "predicted", "err", "no SPMD", "err")

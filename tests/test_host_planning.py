@@ -98,6 +98,8 @@ def test_calibrated_host_cost_is_used(dag, monkeypatch):
 
   slow = host(5e-3, 1.0)
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: slow)
+  # The trial's timings, as a machine on which jit data parallel does not pay says them.
+  timed_by_width(monkeypatch, lambda k: 0.01 if k == 1 else 0.03)
   step, params, opt_state, batch = dag
   pp = gpp_jax.graph_pipeline(
     step, num_microbatches=2, devices=jax.devices()[:4], planner="graphpipe", calibrate=True
@@ -106,6 +108,7 @@ def test_calibrated_host_cost_is_used(dag, monkeypatch):
   planned = pp.compiled.planned
   assert planned.host is slow
   assert pp.plan.num_stages == 1 and pp.plan.planner == "plain jit"
+  assert planned.predicted_s == pytest.approx(0.01, rel=1e-6)
   assert "plain jit is predicted fastest" in planned.note and planned.note in pp.explain()
   graph = lg.scaled(planned.layer_graph, pp.batch_size)
   cluster = cp.planner_cluster(pp.compiled.opts)
@@ -286,3 +289,84 @@ def test_measure_spmd_on_forced_cpu_devices():
   assert set(factors) == {2}
   assert math.isfinite(factors[2]) and 1.0 <= factors[2] < 1e3
   assert measure_spmd(jax.devices()[:1]) == {}
+
+
+def test_the_model_own_spmd_factor_makes_the_prediction_its_measurement():
+  """``calibrate_spmd``: jit data parallel over k devices, timed, sets the model's factor for
+  k so that its prediction is the measured time; plain jit and other widths keep theirs, and
+  the graph still goes to JSON and back with it."""
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  plans = candidates(g)
+  dp, plain = plans["jit data parallel"], plans["plain jit"]
+  h = spmd_host({2: 3.0, 4: 6.0})
+  before = cp.predict_seconds(dp, g, cluster, h)[0]
+  for seconds in (0.5 * before, 2.0 * before):
+    tuned = cp.calibrate_spmd(g, 8, dp, cluster, h, seconds)
+    assert cp.predict_seconds(dp, tuned, cluster, h)[0] == pytest.approx(seconds)
+    assert cp.predict_seconds(plain, tuned, cluster, h)[0] == pytest.approx(
+      cp.predict_seconds(plain, g, cluster, h)[0]
+    )
+    wide = dp.replace(stages=(Stage(0, dp.stages[0].layers, (0, 1, 2, 3)),))
+    assert cp.predict_seconds(wide, tuned, cluster, h)[0] == pytest.approx(
+      cp.predict_seconds(wide, g, cluster, h)[0]
+    )
+    back = lg.from_json(lg.to_json(tuned))
+    assert cp.predict_seconds(dp, back, cluster, h)[0] == pytest.approx(seconds)
+
+
+def timed_by_width(monkeypatch, seconds_for):
+  """``time_step`` patched to say ``seconds_for(width of the step's stage)``; returns the
+  widths it was asked for, in order."""
+  asked = []
+
+  def fake(c, leaves, repeats=5):
+    k = len(c.planned.plan.stages[0].devices)
+    asked.append(k)
+    return seconds_for(k)
+
+  monkeypatch.setattr(cp, "time_step", fake)
+  return asked
+
+
+def test_jit_data_parallel_is_timed_and_chosen_where_it_measures_fastest(dag, monkeypatch):
+  """Where jit data parallel is predicted near the best, the trial compiles and times it like
+  plain jit; measured faster, it is the choice, its prediction is its measurement, its compiled
+  step is the one run, and the step's numbers are plain jit's."""
+  from gpp_jax.runtime import host as host_mod
+
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: host(5e-3, 1.0))
+  asked = timed_by_width(monkeypatch, lambda k: 0.02 if k == 1 else 0.01)
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner="graphpipe", calibrate=True
+  )
+  out = pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  assert asked == [1, 4]
+  assert pp.plan.planner == "jit data parallel" and len(pp.plan.stages[0].devices) == 4
+  assert planned.predicted_s == pytest.approx(0.01, rel=1e-6)
+  assert planned.alternatives["plain jit"] == pytest.approx(0.02, rel=1e-6)
+  assert "jit data parallel is predicted fastest" in planned.note
+  assert pp.compiled.fused and pp.compiled.planned is planned
+  assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
+
+
+def test_jit_data_parallel_far_from_the_best_is_not_timed(dag, monkeypatch):
+  """A data-parallel step predicted more than TRIAL_WITHIN times the best (here the host's
+  probe says its 4 devices run 50x slower than a quarter of one) is not compiled to be timed."""
+  from gpp_jax.runtime import host as host_mod
+
+  slow_spmd = HostCosts(
+    per_op=dict.fromkeys(OPS, 5e-3), parallel=1.0, cores=2, device="cpu:0", spmd={4: 50.0}
+  )
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: slow_spmd)
+  asked = timed_by_width(monkeypatch, lambda k: 0.02)
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner="graphpipe", calibrate=True
+  )
+  pp(params, opt_state, batch)
+  assert asked == [1]
+  assert pp.plan.planner == "plain jit"
+  assert "spmd" not in pp.compiled.planned.layer_graph.graph

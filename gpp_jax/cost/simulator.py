@@ -637,7 +637,7 @@ def simulate(
   buffers' sizes and lifetimes, without the executables' temporaries). ``host``: the machine's
   ``cost.host.HostCosts`` (per-op issue costs, compute servers, the time outside the program,
   added to the iteration time; a stage over k devices computes 1/k of its one-device time
-  times the measured SPMD factor for k, ``HostCosts.spmd_factor``); without a program the
+  times the SPMD factor for k, ``spmd_factor``); without a program the
   schedule's lowering is timed with them.
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
@@ -723,6 +723,17 @@ def simulate(
   return res
 
 
+def spmd_factor(host: Any, layer_graph: nx.DiGraph, k: int) -> float | None:
+  """The SPMD factor of a computation over ``k`` devices: the model's own where its step over
+  ``k`` devices was timed (``layer_graph.graph["spmd"]``, set by the training program's trial
+  of jit data parallel), else the host's probe (``HostCosts.spmd_factor``); None where neither
+  says."""
+  own = layer_graph.graph.get("spmd", {}).get(str(k))  # string keys: the graph goes to JSON
+  if own is not None:
+    return float(own)
+  return host.spmd_factor(k) if host is not None else None
+
+
 def _spmd_times(
   plan, layer_graph: nx.DiGraph, cluster: Cluster, cost_model: Any, costs: Any, pc: Any, host: Any
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -731,7 +742,11 @@ def _spmd_times(
   factor for k (``HostCosts.spmd_factor``, measured against that same 1/k: it includes the
   devices' smaller shares and their sharing of the cores); other stages, and widths not
   measured, as ``pc`` has them (the cost model's time of each device's share)."""
-  factors = {s.index: host.spmd_factor(len(s.devices)) for s in plan.stages if len(s.devices) > 1}
+  factors = {
+    s.index: spmd_factor(host, layer_graph, len(s.devices))
+    for s in plan.stages
+    if len(s.devices) > 1
+  }
   factors = {i: f for i, f in factors.items() if f is not None}
   if not factors:
     return tuple(pc.forward), tuple(pc.backward)
@@ -756,7 +771,7 @@ def predict_fused(
 ) -> float:
   """Seconds of a one-stage plan's step, run as one jitted function (``runtime.fused``): its M
   micro-batches' forwards and backwards (on k devices each computes 1/k of a micro-batch; with
-  ``host``, 1/k of the one-device time times the host's measured SPMD factor for k, or where
+  ``host``, 1/k of the one-device time times the SPMD factor for k, ``spmd_factor``, or where
   that is not measured, the share's time times k over the devices that compute at once), the
   gradient all-reduce and update, and the host's issue and time outside the step."""
   if plan.num_stages != 1:
@@ -764,7 +779,7 @@ def predict_fused(
   pc = plan_costs(plan, layer_graph, cluster, cost_model)
   k = len(plan.stages[0].devices)
   fw, bw, slowdown = pc.forward, pc.backward, 1.0
-  if host is not None and host.spmd_factor(k) is not None:
+  if host is not None and spmd_factor(host, layer_graph, k) is not None:
     fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, None, pc, host)
   elif host is not None and host.compute_servers():  # not measured: k over the servers
     slowdown = k / min(host.compute_servers(), k)
