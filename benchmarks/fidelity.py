@@ -16,10 +16,11 @@ the median) beside that prediction:
                       layer graph
 
 and prints per candidate: its devices per stage and micro-batches, measured ms, predicted ms,
-the error, and the prediction and error without the host's measured SPMD factors (the model
-before them); then the planner's choice, the best measured candidate and the regret (measured
-time of the choice / best measured). With ``--json_out`` the rows go to a JSON file too. The
-2-process rows are ``benchmarks/scaling.py``.
+the error, the prediction and error with the host's probe only (without the model's own SPMD
+factor), and without any SPMD factor (the model before them); then the planner's choice,
+the best measured candidate and the regret (measured time of the choice / best measured).
+With ``--json_out`` the rows go to a JSON file too. The 2-process rows are
+``benchmarks/scaling.py``.
 """
 
 import os
@@ -123,6 +124,7 @@ def one(model, size, n):
   for name, plan in candidates.items():
     predicted, _ = predict_seconds(plan, scaled, cluster, planned.host)
     without, _ = predict_seconds(plan, bare, cluster, unfactored)
+    probe, _ = predict_seconds(plan, bare, cluster, planned.host)
     measured = measure(run, data, plan, devices)
     rows.append(
       dict(
@@ -134,6 +136,8 @@ def one(model, size, n):
         measured_ms=measured * 1e3,
         predicted_ms=predicted * 1e3,
         error=(predicted - measured) / measured,
+        predicted_probe_ms=probe * 1e3,
+        error_probe=(probe - measured) / measured,
         predicted_without_spmd_ms=without * 1e3,
         error_without_spmd=(without - measured) / measured,
       )
@@ -183,13 +187,19 @@ def main(_):
           f"{spmd_text(r['model_spmd'])}, "
           f"set-up {r['setup_s']:.0f} s)"
         )
-        head = ("candidate", "devices", "M", "measured", "predicted", "err", "no SPMD", "err")
-        print("  {:20s} {:>8s} {:>3s} {:>10s} {:>10s} {:>6s} {:>10s} {:>6s}".format(*head))
+        head = ("candidate", "devices", "M", "measured", "predicted", "err", "probe", "err")
+        head += ("no SPMD", "err")
+        print(
+          "  {:20s} {:>8s} {:>3s} {:>10s} {:>10s} {:>6s} {:>10s} {:>6s} {:>10s} {:>6s}".format(
+            *head
+          )
+        )
         for row in r["rows"]:
           print(
             f"  {row['candidate']:20s} {row['widths']:>8s} {row['microbatches']:>3s} "
             f"{row['measured_ms']:8.2f}ms {row['predicted_ms']:8.2f}ms "
-            f"{row['error'] * 100:+5.0f}% {row['predicted_without_spmd_ms']:8.2f}ms "
+            f"{row['error'] * 100:+5.0f}% {row['predicted_probe_ms']:8.2f}ms "
+            f"{row['error_probe'] * 100:+5.0f}% {row['predicted_without_spmd_ms']:8.2f}ms "
             f"{row['error_without_spmd'] * 100:+5.0f}%"
           )
         print(

@@ -330,12 +330,16 @@ def timed_by_width(monkeypatch, seconds_for):
 
 
 def test_jit_data_parallel_is_timed_and_chosen_where_it_measures_fastest(dag, monkeypatch):
-  """Where jit data parallel is predicted near the best, the trial compiles and times it like
-  plain jit; measured faster, it is the choice, its prediction is its measurement, its compiled
-  step is the one run, and the step's numbers are plain jit's."""
+  """The trial compiles and times jit data parallel like plain jit (whatever the host's probe
+  predicts for it); measured faster, it is the choice, its prediction is its measurement, its
+  compiled step is the one run, and the step's numbers are plain jit's."""
   from gpp_jax.runtime import host as host_mod
 
-  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: host(5e-3, 1.0))
+  # The probe says 4 devices run 50x slower than a quarter of one: far from the best.
+  probe = HostCosts(
+    per_op=dict.fromkeys(OPS, 5e-3), parallel=1.0, cores=2, device="cpu:0", spmd={4: 50.0}
+  )
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: probe)
   asked = timed_by_width(monkeypatch, lambda k: 0.02 if k == 1 else 0.01)
   step, params, opt_state, batch = dag
   pp = gpp_jax.graph_pipeline(
@@ -350,23 +354,3 @@ def test_jit_data_parallel_is_timed_and_chosen_where_it_measures_fastest(dag, mo
   assert "jit data parallel is predicted fastest" in planned.note
   assert pp.compiled.fused and pp.compiled.planned is planned
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
-
-
-def test_jit_data_parallel_far_from_the_best_is_not_timed(dag, monkeypatch):
-  """A data-parallel step predicted more than TRIAL_WITHIN times the best (here the host's
-  probe says its 4 devices run 50x slower than a quarter of one) is not compiled to be timed."""
-  from gpp_jax.runtime import host as host_mod
-
-  slow_spmd = HostCosts(
-    per_op=dict.fromkeys(OPS, 5e-3), parallel=1.0, cores=2, device="cpu:0", spmd={4: 50.0}
-  )
-  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: slow_spmd)
-  asked = timed_by_width(monkeypatch, lambda k: 0.02)
-  step, params, opt_state, batch = dag
-  pp = gpp_jax.graph_pipeline(
-    step, num_microbatches=2, devices=jax.devices()[:4], planner="graphpipe", calibrate=True
-  )
-  pp(params, opt_state, batch)
-  assert asked == [1]
-  assert pp.plan.planner == "plain jit"
-  assert "spmd" not in pp.compiled.planned.layer_graph.graph

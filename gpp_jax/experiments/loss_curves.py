@@ -60,6 +60,10 @@ def loss_curves(
   )
   ref = nnx.jit(ref_run.train_step)
   dev0 = devices[0]
+  # The reference's state committed to its device as its own steps leave it: otherwise the
+  # second step's arguments differ in placement from the first's and jit compiles it again.
+  for obj in (ref_run.model, ref_run.optimizer):
+    nnx.update(obj, jax.device_put(nnx.state(obj), dev0))
   ref_data = [jax.device_put(b, dev0) for b in data]
   pipe, one = [], []
   for i in range(steps):
