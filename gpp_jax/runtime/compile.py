@@ -1351,7 +1351,8 @@ def build_step(
 
 
 def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float:
-  """Median seconds of ``repeats`` runs of one step of ``c`` (after two to warm up); the
+  """Median seconds of at least ``repeats`` runs of one step of ``c`` (after two to warm up;
+  quick steps run until ``TIME_STEP_SECONDS`` of runs or 100); the
   step's own host time outside its program is not in it. Arrays among ``leaves`` are placed
   where the step keeps them first: on the first call a model's arrays are not yet where a
   training loop's later steps find them (the step's own outputs), and moving them every run
@@ -1368,8 +1369,11 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
       for i, x in enumerate(leaves)
     ]
   donated = set(c.staged.spec.donated) if c.fused else set()
-  times = []
-  for k in range(repeats + 2):
+  times: list[float] = []
+  k = 0
+  # At least ``repeats`` runs, more while they add up to under TIME_STEP_SECONDS: a step of a
+  # few milliseconds on a shared machine needs dozens for a median that holds.
+  while len(times) < repeats or (sum(times) < TIME_STEP_SECONDS and len(times) < 100):
     run = [
       jax.device_put(x, may_alias=False) if i in donated and isinstance(x, jax.Array) else x
       for i, x in enumerate(leaves)
@@ -1379,7 +1383,11 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
     jax.block_until_ready(c.run([run]))
     if k >= 2:
       times.append(time.perf_counter() - t)
+    k += 1
   return statistics.median(times)
+
+
+TIME_STEP_SECONDS = 0.3  # the timed runs of a trial add up to at least this (or 100 runs)
 
 
 def canonical_dtype(x) -> Any:
