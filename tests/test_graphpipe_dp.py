@@ -162,3 +162,48 @@ def test_serialised_chain_leaves_out_only_stages_that_cannot_count(memory, cap):
     want = reference_chain(dp, root, D)
     assert np.isfinite(want).any()
     assert np.array_equal(dp.chain(root, D), want)
+
+
+def test_the_handed_out_plan_is_polished_where_it_beats_every_starting_plan(monkeypatch):
+  """Phase 4's rule: the best plan with its idle devices handed out gets a polish of its own
+  where it beats every plan the first polish started from, however far that polish went (a
+  rule on the polished plan skipped it once the polish went further, and lost the better
+  plan); where it beats none of them it is not polished."""
+  from types import SimpleNamespace
+
+  from gpp_jax.ir.plan import Plan, Stage
+  from gpp_jax.passes.partition.graphpipe import search
+
+  def plan(seconds: float, name: str) -> Plan:
+    return Plan(
+      (Stage(0, ("a",), (0,)),),
+      (),
+      1,
+      planner=name,
+      batch_size=8,
+      predicted={"iteration_time": seconds, "memory_ok": True},
+    )
+
+  polished_from = {"start": plan(0.5, "polished start"), "handed": plan(0.4, "polished handed")}
+  calls = []
+
+  def fake_polish(plans, *args, **kwargs):
+    which = "handed" if plans[0].planner == "handed" else "start"
+    calls.append(which)
+    return polished_from[which]
+
+  monkeypatch.setattr(search, "polish", fake_polish)
+  problem = SimpleNamespace(
+    layer_graph=None, cluster=None, cost_model=None, costs=None, simulations=lambda: {}
+  )
+  opts = search.GraphPipeOptions()
+  starts = [plan(1.0, "dp"), plan(1.2, "dp")]
+  # Beats the starting plans (1.0) but not the polished one (0.5): polished, and it wins.
+  cands = SimpleNamespace(evaluated=starts, handed=[plan(0.9, "handed")])
+  best = search.polished(problem, opts, cands, (8,))
+  assert calls == ["start", "handed"] and best.planner == "polished handed"
+  # Beats no starting plan: only the first polish runs.
+  calls.clear()
+  cands = SimpleNamespace(evaluated=starts, handed=[plan(1.1, "handed")])
+  best = search.polished(problem, opts, cands, (8,))
+  assert calls == ["start"] and best.planner == "polished start"
