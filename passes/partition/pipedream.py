@@ -49,7 +49,12 @@ from gpp_jax.passes.partition.plan_assembly import (
 )
 from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner, device_unit
 from gpp_jax.passes.partition.range_costs import RangeCosts
-from gpp_jax.passes.partition.refine import pipeline_lower_bound, polish, update_lower_bound
+from gpp_jax.passes.partition.refine import (
+  REFINE_WITHIN,
+  pipeline_lower_bound,
+  polish,
+  stage_bound_times,
+)
 
 
 def chain_dp(
@@ -225,9 +230,6 @@ def chain_tables(problem: PlanningProblem) -> dict:
 
 SELECTIONS = ("simulated", "published")
 
-# The polish refines plans within this factor of the best simulated one.
-REFINE_WITHIN = 1.1
-
 
 def published_chain(
   problem: PlanningProblem, sizes: list[int], *, replicate: bool = True, unit: int = 1
@@ -331,14 +333,12 @@ def chain_candidates(
   def bound(b: int, ranges: list[tuple[int, int, int]]) -> float:
     """``pipeline_lower_bound`` of the stages (no drain term, which holds for every schedule;
     a chain's fill only when the plan is sequential), less 1e-9 of it for the summing order."""
-    fwd, bwd, upd = [], [], []
+    stages = []
     for i, j, d in ranges:
       if (b, d) not in layer_times:
         layer_times[b, d] = cm.layer_times(costs, cluster.device, b / d)
-      tf, tb = layer_times[b, d]
-      fwd.append(float(tf[i:j].sum()))
-      bwd.append(float(tb[i:j].sum()))
-      upd.append(update_lower_bound(cm, cluster, float(costs.param_bytes[i:j].sum()), d))
+      stages.append(stage_bound_times(cm, cluster, costs, layer_times[b, d], slice(i, j), d))
+    fwd, bwd, upd = zip(*stages)
     n = len(ranges)
     preds = [[s - 1] if s and sequential else [] for s in range(n)]
     lb = pipeline_lower_bound(fwd, bwd, range(n), preds, B // b, drains=False, update=upd)

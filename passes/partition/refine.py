@@ -21,6 +21,7 @@ more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -160,9 +161,7 @@ def refine_plan(
       if t is None:
         t = per_layer[d] = cm.layer_times(costs, cluster.device, mb / d)
       idx = [costs.index[l] for l in ls]
-      params = float(costs.param_bytes[idx].sum())
-      upd = update_lower_bound(cm, cluster, params, d)
-      fbu = stage_times[stage] = (float(t[0][idx].sum()), float(t[1][idx].sum()), upd)
+      fbu = stage_times[stage] = stage_bound_times(cm, cluster, costs, t, idx, d)
     return fbu
 
   def bound(stages: Stages, order: list[int], preds: list[list[int]]) -> float:
@@ -373,6 +372,22 @@ def pipeline_lower_bound(
   return worst
 
 
+def stage_bound_times(
+  cm: CostModel,
+  cluster: Cluster,
+  costs: LayerCosts,
+  layer_times: tuple[np.ndarray, np.ndarray],
+  idx: Any,
+  n: int,
+) -> tuple[float, float, float]:
+  """What ``pipeline_lower_bound`` takes of a stage of the layers ``idx`` (indices or a slice
+  of ``costs``' order) on ``n`` devices: its forward and backward seconds per micro-batch
+  (``layer_times`` at its share of the micro-batch) and its update's lower bound."""
+  tf, tb = layer_times
+  params = float(costs.param_bytes[idx].sum())
+  return float(tf[idx].sum()), float(tb[idx].sum()), update_lower_bound(cm, cluster, params, n)
+
+
 def update_lower_bound(cm: CostModel, cluster: Cluster, param_bytes: float, n: int) -> float:
   """A stage's update (gradient all-reduce over its ``n`` devices and optimizer step) on the
   fastest of the cluster's links: a bound that holds before the stage is placed."""
@@ -409,6 +424,11 @@ def spend_idle_devices(
   )
 
 
+# The polish refines plans within this factor of the best simulated one (planners that skip
+# plans the polish would not start from use the same factor).
+REFINE_WITHIN = 1.1
+
+
 def polish(
   plans: Sequence[Plan],
   layer_graph: nx.DiGraph,
@@ -417,7 +437,7 @@ def polish(
   cost_model: CostModel | None = None,
   costs: LayerCosts | None = None,
   refine_sizes: int = 4,
-  refine_within: float = 1.1,
+  refine_within: float = REFINE_WITHIN,
   max_evals: int = 200,
   microbatch_sizes: Sequence[int] = (),
   memo: dict | None = None,
@@ -443,24 +463,19 @@ def polish(
   cutoff = refine_within * best.predicted["iteration_time"]
   done: list[int] = []
   budget = [max_evals]
+
+  def refine(p: Plan) -> Plan:  # every refinement shares the budget and the simulations
+    return refine_plan(
+      p, layer_graph, cluster, cost_model=cost_model, costs=costs, budget=budget, memo=memo
+    )
+
   for plan in plans:
     b = plan.stages[0].microbatch_size
     assert b is not None  # planners' plans set every stage's micro-batch size
     if b in done or len(done) >= refine_sizes or plan.predicted["iteration_time"] > cutoff:
       continue
     done.append(b)
-    best = better(
-      best,
-      refine_plan(
-        plan,
-        layer_graph,
-        cluster,
-        cost_model=cost_model,
-        costs=costs,
-        budget=budget,
-        memo=memo,
-      ),
-    )
+    best = better(best, refine(plan))
   # The polished stages may suit a neighbouring micro-batch size better than their own.
   b = best.stages[0].microbatch_size
   assert b is not None
@@ -469,18 +484,7 @@ def polish(
       continue
     moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs, memo)
     if moved.predicted["memory_ok"] and moved.predicted["iteration_time"] <= cutoff:
-      best = better(
-        best,
-        refine_plan(
-          moved,
-          layer_graph,
-          cluster,
-          cost_model=cost_model,
-          costs=costs,
-          budget=budget,
-          memo=memo,
-        ),
-      )
+      best = better(best, refine(moved))
   return best
 
 

@@ -36,7 +36,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   predict,
 )
 from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner, device_unit
-from gpp_jax.passes.partition.refine import polish
+from gpp_jax.passes.partition.refine import REFINE_WITHIN, polish
 from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose
 
 
@@ -163,7 +163,7 @@ class GraphPipeOptions:
   prune: float = 1.25
   replication_variant: bool = True
   refine_sizes: int = 4
-  refine_within: float = 1.1
+  refine_within: float = REFINE_WITHIN
   refine_evals: int = 200
   chain_seeds: bool | None = None
   serialise: bool = True
