@@ -507,14 +507,10 @@ def calibrate_fusion(
   applies it to one-stage plans; the host's issue and the update are not scaled). The
   compute keeps at least 5% of the layers' sum."""
 
-  def predicted(f: float) -> float:
-    g = graph.copy()
+  def set_fusion(g: nx.DiGraph, f: float) -> None:
     g.graph["fusion"] = f
-    return predict_seconds(plain, lg.scaled(g, batch_size), cluster, host)[0]
 
-  out = graph.copy()
-  out.graph["fusion"] = _solve(predicted, seconds + host.outside, 0.05)
-  return out
+  return _calibrated(graph, batch_size, plain, cluster, host, seconds, set_fusion, 0.05)
 
 
 def calibrate_spmd(
@@ -526,22 +522,36 @@ def calibrate_spmd(
   quarter (a quarter of perfect division is beyond any machine's)."""
   k = str(len(plan.stages[0].devices))
 
+  def set_spmd(g: nx.DiGraph, f: float) -> None:
+    g.graph["spmd"] = {**graph.graph.get("spmd", {}), k: f}
+
+  return _calibrated(graph, batch_size, plan, cluster, host, seconds, set_spmd, 0.25)
+
+
+def _calibrated(
+  graph: nx.DiGraph,
+  batch_size: int,
+  plan: Plan,
+  cluster: Any,
+  host: HostCosts,
+  seconds: float,
+  set_factor: Callable[[nx.DiGraph, float], None],
+  floor: float,
+) -> nx.DiGraph:
+  """A copy of ``graph`` with the factor ``f >= floor`` (``set_factor``) at which ``plan``'s
+  prediction is ``seconds`` plus the host's time outside the step. The prediction is linear
+  in the factor: two points solve it (``floor`` where it does not move with the factor)."""
+
   def predicted(f: float) -> float:
     g = graph.copy()
-    g.graph["spmd"] = {**graph.graph.get("spmd", {}), k: f}
+    set_factor(g, f)
     return predict_seconds(plan, lg.scaled(g, batch_size), cluster, host)[0]
 
-  out = graph.copy()
-  factor = _solve(predicted, seconds + host.outside, 0.25)
-  out.graph["spmd"] = {**graph.graph.get("spmd", {}), k: factor}
-  return out
-
-
-def _solve(predicted: Callable[[float], float], target: float, floor: float) -> float:
-  """The factor ``f >= floor`` with ``predicted(f) == target``, for a prediction linear in
-  ``f`` (two points solve it); ``floor`` where the prediction does not move with ``f``."""
   p0, p1 = predicted(0.0), predicted(1.0)
-  return max((target - p0) / (p1 - p0), floor) if p1 > p0 else floor
+  target = seconds + host.outside
+  out = graph.copy()
+  set_factor(out, max((target - p0) / (p1 - p0), floor) if p1 > p0 else floor)
+  return out
 
 
 def _scaled_times(graph: nx.DiGraph, factor: float) -> nx.DiGraph:
