@@ -71,16 +71,19 @@ def chain_dp(
   dps = [d for d in (rc.dps if replicate else [1]) if d % unit == 0 and d <= K]
   s_in = np.minimum(np.arange(1, S + 1), M)  # in-flight of the stage s-th from the end
   for i in range(n - 1, -1, -1):
+    # Layers i.. make at most n - i stages: A[j, :, s - 1] is inf for s > n - i at every
+    # j > i, so only the stage counts up to that are computed (the rest stay inf).
+    top = min(S, n - i)
     static = rc.cm.static_memory(rc.params[i, i + 1 :])[:, None]  # (L, 1) for j = i+1..n
     for d in dps:
       u = d // unit
       T = rc.tps(d)[i, i + 1 :]  # (L,)
-      mem = static + rc.saved[i, i + 1 :][:, None] * rc.b / d * s_in[None, :]  # (L, S)
-      # The stage's TPS where it fits in memory, inf where it does not (L, S).
+      mem = static + rc.saved[i, i + 1 :][:, None] * rc.b / d * s_in[None, :top]  # (L, top)
+      # The stage's TPS where it fits in memory, inf where it does not (L, top).
       T_ok = np.where(mem <= mem_cap, T[:, None], math.inf)
-      sub = A[i + 1 :, : Ks + 1 - u, :S]  # (L, Ks+1-u, S): A[j, m-u, s-1]
-      val = np.maximum(T_ok[:, None, :], sub).min(axis=0)  # (Ks+1-u, S)
-      A[i, u:, 1:] = np.minimum(A[i, u:, 1:], val)
+      sub = A[i + 1 :, : Ks + 1 - u, :top]  # (L, Ks+1-u, top): A[j, m-u, s-1]
+      val = np.maximum(T_ok[:, None, :], sub).min(axis=0)  # (Ks+1-u, top)
+      A[i, u:, 1 : top + 1] = np.minimum(A[i, u:, 1 : top + 1], val)
     A[i] = np.minimum.accumulate(A[i], axis=0)
   return A, dps
 

@@ -61,12 +61,12 @@ class SerialisedRuns:
       # that end up inf, so each d takes the stages up to the last other one.
       fits = np.where(mem <= mem_cap, tps[:, :, None], math.inf)
       used = np.any(fits <= self.cap, axis=2)  # (nd, w)
+      # Per d, how many stages up to the last one used (0: none).
+      last = np.where(used.any(axis=1), used.shape[1] - used[:, ::-1].argmax(axis=1), 0)
       best = np.full((K + 1, E), math.inf)
-      for di, d in enumerate(ctx.slots):
+      for di, (d, n) in enumerate(zip(ctx.slots, last.tolist())):
         if d > K:
           break
-        row = used[di]
-        n = len(row) - int(row[::-1].argmax()) if row.any() else 0
         if not n:
           continue
         rest = f[j + 1 : j + 1 + n, : K + 1 - d, lo - 1 : top]  # (n, K + 1 - d, top - lo + 1)
