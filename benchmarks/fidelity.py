@@ -17,7 +17,9 @@ the median) beside that prediction:
 
 and prints per candidate: its devices per stage and micro-batches, measured ms, predicted ms,
 the error, the prediction and error with the host's probe only (without the model's own SPMD
-factor), and without any SPMD factor (the model before them); then the planner's choice,
+factor), without any SPMD factor (the model before them) and without the host's fixed
+seconds per call over several devices (``HostCosts.spmd_call``; the factors as calibrated
+with them); then the planner's choice,
 the best measured candidate and the regret (measured time of the choice / best measured).
 With ``--json_out`` the rows go to a JSON file too. The 2-process rows are
 ``benchmarks/scaling.py``.
@@ -117,6 +119,8 @@ def one(model, size, n):
   # The same host without its measured SPMD factors, and the graph without the model's own
   # (jit data parallel timed in the trial): what the prediction was before them.
   unfactored = dataclasses.replace(planned.host, spmd=None) if planned.host is not None else None
+  # The host without its fixed seconds per call over several devices (the factors as they are).
+  no_call = dataclasses.replace(planned.host, spmd_call=None) if planned.host is not None else None
   bare = scaled.copy()
   bare.graph.pop("spmd", None)
   rows = []
@@ -125,6 +129,7 @@ def one(model, size, n):
     predicted, _ = predict_seconds(plan, scaled, cluster, planned.host)
     without, _ = predict_seconds(plan, bare, cluster, unfactored)
     probe, _ = predict_seconds(plan, bare, cluster, planned.host)
+    callless, _ = predict_seconds(plan, scaled, cluster, no_call)
     measured = measure(run, data, plan, devices)
     rows.append(
       dict(
@@ -140,6 +145,8 @@ def one(model, size, n):
         error_probe=(probe - measured) / measured,
         predicted_without_spmd_ms=without * 1e3,
         error_without_spmd=(without - measured) / measured,
+        predicted_without_call_ms=callless * 1e3,
+        error_without_call=(callless - measured) / measured,
       )
     )
     if shape(plan) == shape(pp.plan):
@@ -160,18 +167,22 @@ def one(model, size, n):
     regret=chosen * 1e3 / best["measured_ms"],
     fusion=graph.graph.get("fusion"),
     spmd=dict(planned.host.spmd or {}) if planned.host is not None else None,
+    spmd_call_ms={k: v * 1e3 for k, v in (planned.host.spmd_call or {}).items()}
+    if planned.host is not None
+    else {},
     model_spmd={int(k): f for k, f in graph.graph.get("spmd", {}).items()},
     setup_s=setup_s,
     rows=rows,
   )
 
 
-def spmd_text(factors) -> str:
-  """SPMD factors per width: the host's probe (``runtime.host.measure_spmd``) or the model's
-  own (jit data parallel timed in the trial, ``runtime.compile.calibrate_spmd``)."""
+def spmd_text(factors, digits: int = 1) -> str:
+  """SPMD factors (or seconds per call) per width: the host's probe (``runtime.host
+  .measure_spmd``) or the model's own (jit data parallel timed in the trial,
+  ``runtime.compile.calibrate_spmd``)."""
   if not factors:
     return "none"
-  return ", ".join(f"{k}: {f:.1f}" for k, f in sorted(factors.items()))
+  return ", ".join(f"{k}: {f:.{digits}f}" for k, f in sorted(factors.items()))
 
 
 def main(_):
@@ -184,15 +195,15 @@ def main(_):
         print(
           f"\n{model} {size}, {n} devices, batch {FLAGS.batch_size}, M={FLAGS.microbatches} "
           f"(fusion {r['fusion']:.2f}, SPMD factors {spmd_text(r['spmd'])}, the model's "
-          f"{spmd_text(r['model_spmd'])}, "
-          f"set-up {r['setup_s']:.0f} s)"
+          f"{spmd_text(r['model_spmd'])}, ms per call over k devices "
+          f"{spmd_text(r['spmd_call_ms'], 2)}, set-up {r['setup_s']:.0f} s)"
         )
         head = ("candidate", "devices", "M", "measured", "predicted", "err", "probe", "err")
-        head += ("no SPMD", "err")
+        head += ("no SPMD", "err", "no call", "err")
         print(
-          "  {:20s} {:>8s} {:>3s} {:>10s} {:>10s} {:>6s} {:>10s} {:>6s} {:>10s} {:>6s}".format(
-            *head
-          )
+          "  {:20s} {:>8s} {:>3s}".format(*head[:3])
+          + " {:>10s} {:>10s} {:>6s}".format(*head[3:6])
+          + (" {:>10s} {:>6s}" * 3).format(*head[6:])
         )
         for row in r["rows"]:
           print(
@@ -200,7 +211,8 @@ def main(_):
             f"{row['measured_ms']:8.2f}ms {row['predicted_ms']:8.2f}ms "
             f"{row['error'] * 100:+5.0f}% {row['predicted_probe_ms']:8.2f}ms "
             f"{row['error_probe'] * 100:+5.0f}% {row['predicted_without_spmd_ms']:8.2f}ms "
-            f"{row['error_without_spmd'] * 100:+5.0f}%"
+            f"{row['error_without_spmd'] * 100:+5.0f}% {row['predicted_without_call_ms']:8.2f}ms "
+            f"{row['error_without_call'] * 100:+5.0f}%"
           )
         print(
           f"  choice: {r['choice']} ({r['choice_stages']} stages) measured "

@@ -121,6 +121,9 @@ def test_calibrated_host_cost_is_used(dag, monkeypatch):
 
 
 def test_min_stages_keeps_a_pipeline(dag, monkeypatch):
+  """With instructions of 5 ms to issue, the one-stage candidates would win; min_stages=2
+  leaves them out and keeps the planner's pipeline (the balanced planner's: one whose stage
+  count does not hang on the layer times measured on a busy machine)."""
   from gpp_jax.runtime import host as host_mod
 
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: host(5e-3, 1.0))
@@ -129,7 +132,7 @@ def test_min_stages_keeps_a_pipeline(dag, monkeypatch):
     step,
     num_microbatches=2,
     devices=jax.devices()[:4],
-    planner="graphpipe",
+    planner="balanced",
     calibrate=True,
     min_stages=2,
   )
@@ -201,9 +204,11 @@ def test_gpus_are_planned_with_the_cuda_preset():
   assert gpu_bw > 50 * devices_cluster(cpus).device.memory_bandwidth
 
 
-def spmd_host(factors, parallel: float | None = 1.0) -> HostCosts:
+def spmd_host(factors, parallel: float | None = 1.0, calls=None) -> HostCosts:
   """No issue costs, nothing outside the step: only the compute and the update are left."""
-  return HostCosts(per_op=dict.fromkeys(OPS, 0.0), parallel=parallel, cores=2, spmd=factors)
+  return HostCosts(
+    per_op=dict.fromkeys(OPS, 0.0), parallel=parallel, cores=2, spmd=factors, spmd_call=calls
+  )
 
 
 def test_spmd_factor_scales_the_fused_step_over_several_devices():
@@ -265,30 +270,71 @@ def test_spmd_factor_prices_a_stage_over_several_devices():
   assert simulate(plan, g, cluster, host=None).iteration_time == devices_only.iteration_time
 
 
+def test_spmd_call_seconds_are_paid_per_action_of_a_stage_and_once_per_fused_step():
+  """A computation over k devices costs fixed seconds per call beside its share of the work:
+  a pipeline stage over 2 devices pays them in every forward and every backward, jit data
+  parallel (one call) once per step; one device, or a host without them, pays nothing."""
+  from gpp_jax.cost.simulator import predict_fused, simulate
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  call = 2e-3
+  stage_b = Stage(1, ("b",), (2,))
+  plan = Plan((Stage(0, ("a",), (0, 1)), stage_b), ((0, 1),), 4, planner="x", batch_size=8)
+
+  def durations(res):
+    return {(a.kind, a.stage): a.end - a.start for a in res.actions if a.kind in ("F", "B")}
+
+  without = durations(simulate(plan, g, cluster, host=spmd_host({2: 3.0})))
+  with_calls = durations(simulate(plan, g, cluster, host=spmd_host({2: 3.0}, calls={2: call})))
+  for kind in ("F", "B"):
+    assert with_calls[(kind, 0)] == pytest.approx(without[(kind, 0)] + call)
+    assert with_calls[(kind, 1)] == pytest.approx(without[(kind, 1)])  # one device
+  plans = candidates(g)
+  dp, plain = plans["jit data parallel"], plans["plain jit"]
+  assert predict_fused(dp, g, cluster, spmd_host({2: 5.0}, calls={2: call})) == pytest.approx(
+    predict_fused(dp, g, cluster, spmd_host({2: 5.0})) + call
+  )
+  assert predict_fused(plain, g, cluster, spmd_host({2: 5.0}, calls={2: call})) == pytest.approx(
+    predict_fused(plain, g, cluster, spmd_host({2: 5.0}))
+  )
+  # Interpolated like the factor: 0 at one device, the widest one's beyond the measured.
+  h = spmd_host({2: 2.0, 8: 14.0}, calls={2: 1e-3, 8: 4e-3})
+  assert [h.spmd_call_seconds(k) for k in (1, 2, 4, 8, 16)] == pytest.approx(
+    [0, 1e-3, 2e-3, 4e-3, 4e-3]
+  )
+  assert spmd_host({2: 2.0}).spmd_call_seconds(2) == 0.0
+
+
 def test_host_costs_json_round_trips_with_and_without_spmd():
   import json
 
-  with_spmd = HostCosts(per_op={"F": 1e-4}, parallel=1.5, cores=2, spmd={2: 2.5, 4: 6.0})
+  with_spmd = HostCosts(
+    per_op={"F": 1e-4}, parallel=1.5, cores=2, spmd={2: 2.5, 4: 6.0}, spmd_call={2: 1e-3}
+  )
   back = HostCosts.from_json(with_spmd.to_json())
-  assert back == with_spmd and back.spmd_factor(4) == 6.0
+  assert back == with_spmd and back.spmd_factor(4) == 6.0 and back.spmd_call_seconds(2) == 1e-3
   without = HostCosts(per_op={"F": 1e-4}, parallel=None)
   assert HostCosts.from_json(without.to_json()) == without
-  # HostCosts saved before the field existed still load.
+  # HostCosts saved before the fields existed still load.
   old = json.loads(with_spmd.to_json())
-  del old["spmd"]
-  assert HostCosts.from_json(json.dumps(old)).spmd is None
+  del old["spmd"], old["spmd_call"]
+  back = HostCosts.from_json(json.dumps(old))
+  assert back.spmd is None and back.spmd_call is None and back.spmd_call_seconds(2) == 0.0
 
 
 def test_measure_spmd_on_forced_cpu_devices():
-  """A factor per width, no better than perfect division; none for one device."""
+  """A factor and seconds per call per width: no better than perfect division, no negative
+  time; none for one device."""
   import math
 
   from gpp_jax.runtime.host import measure_spmd
 
-  factors = measure_spmd(jax.devices()[:2], reps=2)
-  assert set(factors) == {2}
+  factors, seconds = measure_spmd(jax.devices()[:2], reps=2)
+  assert set(factors) == set(seconds) == {2}
   assert math.isfinite(factors[2]) and 1.0 <= factors[2] < 1e3
-  assert measure_spmd(jax.devices()[:1]) == {}
+  assert 0.0 <= seconds[2] < 1.0
+  assert measure_spmd(jax.devices()[:1]) == ({}, {})
 
 
 def test_the_model_own_spmd_factor_makes_the_prediction_its_measurement():

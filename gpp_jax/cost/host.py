@@ -17,10 +17,14 @@ simulator needs to include the host, measured like the layer times:
 * ``parallel``: how many device computations run at full speed at once (forced CPU devices on
   a 2-core host whose XLA already uses both cores for one large computation: about 1), None
   for independent devices (accelerators);
-* ``spmd``: per number of devices k, how much slower than 1/k of the one-device time one
-  computation with its batch sharded over k devices runs (``runtime.host.measure_spmd``: on
-  forced CPU devices the k devices share the host's cores and meet at each collective), None
-  where not measured (accelerators).
+* ``spmd`` and ``spmd_call``: one computation with its batch sharded over k devices, whose
+  one-device time is t, takes ``spmd_call[k] + spmd[k] * t / k`` (``runtime.host
+  .measure_spmd`` fits the two on a small step at two batch sizes): on forced CPU devices the k
+  devices share the host's cores (the factor, at least 1) and every call pays a fixed cost for
+  starting k device threads and meeting at each collective, whatever its size (the seconds).
+  A pipeline stage over k devices pays that per action, so a factor alone, measured on a whole
+  step, put its small micro-batches' actions at a fraction of their time. None where not
+  measured (accelerators; ``spmd_call`` in costs saved before it was measured).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class HostCosts:
   cores: int | None = None
   device: str = ""
   spmd: Mapping[int, float] | None = None
+  spmd_call: Mapping[int, float] | None = None
 
   def op_costs(self) -> dict[Op, float]:
     """Seconds per op of a compiled step's program (``simulate_program(host_cost=)``)."""
@@ -75,24 +80,43 @@ class HostCosts:
       return 1.0
     if not self.spmd:
       return None
-    known = sorted({1: 1.0, **{int(w): float(f) for w, f in self.spmd.items()}}.items())
-    for (w0, f0), (w1, f1) in itertools.pairwise(known):
-      if k <= w1:
-        return f0 + (f1 - f0) * (k - w0) / (w1 - w0)
-    return known[-1][1]
+    return _interpolated(self.spmd, k, 1.0)
+
+  def spmd_call_seconds(self, k: int) -> float:
+    """Seconds every computation sharded over ``k`` devices costs whatever its size
+    (``spmd_call``; 0 for one device and where not measured), interpolated like
+    ``spmd_factor``."""
+    if k <= 1 or not self.spmd_call:
+      return 0.0
+    return _interpolated(self.spmd_call, k, 0.0)
 
   def to_json(self) -> str:
     d = dataclasses.asdict(self)
-    if self.spmd is not None:
-      d["spmd"] = {str(k): v for k, v in self.spmd.items()}
+    for key in _BY_WIDTH:
+      if d.get(key) is not None:
+        d[key] = {str(k): v for k, v in d[key].items()}
     return json.dumps(d, indent=1, sort_keys=True)
 
   @classmethod
   def from_json(cls, s: str) -> HostCosts:
     d = json.loads(s)
-    if d.get("spmd") is not None:  # JSON keys are strings
-      d["spmd"] = {int(k): float(v) for k, v in d["spmd"].items()}
+    for key in _BY_WIDTH:
+      if d.get(key) is not None:  # JSON keys are strings
+        d[key] = {int(k): float(v) for k, v in d[key].items()}
     return cls(**d)
+
+
+_BY_WIDTH = ("spmd", "spmd_call")  # HostCosts fields keyed by a number of devices
+
+
+def _interpolated(by_width: Mapping[int, float], k: int, at_one: float) -> float:
+  """The value at ``k`` devices, linear between the measured widths (``at_one`` at one
+  device), the widest one's beyond them."""
+  known = sorted({1: at_one, **{int(w): float(f) for w, f in by_width.items()}}.items())
+  for (w0, f0), (w1, f1) in itertools.pairwise(known):
+    if k <= w1:
+      return f0 + (f1 - f0) * (k - w0) / (w1 - w0)
+  return known[-1][1]
 
 
 # Ops whose host cost a schedule-level program carries itself; the rest is per-stage work.

@@ -735,13 +735,22 @@ def spmd_factor(host: Any, layer_graph: nx.DiGraph, k: int) -> float | None:
 
 
 def _spmd_times(
-  plan, layer_graph: nx.DiGraph, cluster: Cluster, cost_model: Any, costs: Any, pc: Any, host: Any
+  plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  cost_model: Any,
+  costs: Any,
+  pc: Any,
+  host: Any,
+  per_call: bool = True,
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
   """Per stage (forward, backward) seconds under the host-aware model: a stage over k > 1
-  devices computes 1/k of its micro-batch's one-device time times the host's measured SPMD
-  factor for k (``HostCosts.spmd_factor``, measured against that same 1/k: it includes the
-  devices' smaller shares and their sharing of the cores); other stages, and widths not
-  measured, as ``pc`` has them (the cost model's time of each device's share)."""
+  devices computes 1/k of its micro-batch's one-device time times the SPMD factor for k
+  (``spmd_factor``, measured against that same 1/k: it includes the devices' smaller shares
+  and their sharing of the cores), and each of its forwards and backwards, one sharded call
+  each, pays the host's fixed seconds per call over k devices (``HostCosts
+  .spmd_call_seconds``); other stages, and widths not measured, as ``pc`` has them (the cost
+  model's time of each device's share). ``per_call=False`` leaves the fixed seconds out."""
   factors = {
     s.index: spmd_factor(host, layer_graph, len(s.devices))
     for s in plan.stages
@@ -757,8 +766,9 @@ def _spmd_times(
   fw, bw = list(pc.forward), list(pc.backward)
   for i, f in factors.items():
     k = len(plan.stages[i].devices)
-    fw[i] = one.forward[i] / k * f
-    bw[i] = one.backward[i] / k * f
+    call = host.spmd_call_seconds(k) if per_call else 0.0
+    fw[i] = one.forward[i] / k * f + call
+    bw[i] = one.backward[i] / k * f + call
   return tuple(fw), tuple(bw)
 
 
@@ -771,19 +781,22 @@ def predict_fused(
 ) -> float:
   """Seconds of a one-stage plan's step, run as one jitted function (``runtime.fused``): its M
   micro-batches' forwards and backwards (on k devices each computes 1/k of a micro-batch; with
-  ``host``, 1/k of the one-device time times the SPMD factor for k, ``spmd_factor``, or where
-  that is not measured, the share's time times k over the devices that compute at once), the
-  gradient all-reduce and update, and the host's issue and time outside the step."""
+  ``host``, 1/k of the one-device time times the SPMD factor for k, ``spmd_factor``, plus the
+  host's fixed seconds of one call over k devices, ``HostCosts.spmd_call_seconds``, once: the
+  step is one call; where no factor is measured, the share's time times k over the devices
+  that compute at once), the gradient all-reduce and update, and the host's issue and time
+  outside the step."""
   if plan.num_stages != 1:
     raise ValueError(f"predict_fused takes a one-stage plan, not {plan.num_stages} stages")
   pc = plan_costs(plan, layer_graph, cluster, cost_model)
   k = len(plan.stages[0].devices)
-  fw, bw, slowdown = pc.forward, pc.backward, 1.0
+  fw, bw, slowdown, call = pc.forward, pc.backward, 1.0, 0.0
   if host is not None and spmd_factor(host, layer_graph, k) is not None:
-    fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, None, pc, host)
+    fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, None, pc, host, per_call=False)
+    call = host.spmd_call_seconds(k)
   elif host is not None and host.compute_servers():  # not measured: k over the servers
     slowdown = k / min(host.compute_servers(), k)
-  compute = plan.num_microbatches * (fw[0] + bw[0]) * slowdown
+  compute = plan.num_microbatches * (fw[0] + bw[0]) * slowdown + call
   issue = host.per_op.get("STEP", host.per_op.get("F", 0.0)) + host.outside if host else 0.0
   return compute + pc.update[0] + issue
 

@@ -39,32 +39,37 @@ def measure_parallel(devices: Sequence[Any], size: int = 192, reps: int = 5) -> 
 
 
 def measure_spmd(
-  devices: Sequence[Any], batch: int = 64, width: int = 128, layers: int = 4, reps: int = 20
-) -> dict[int, float]:
-  """Per number of devices k (the powers of two from 2 to ``len(devices)``): how much slower
-  than 1/k of its one-device time a data-parallel step runs with its batch sharded over the
-  first k of ``devices`` (``t_k / (t_1 / k)``; 1: perfect division, k: no faster than one
-  device; at least 1). The step is an MLP's forward, backward and update, jitted with the
-  batch split over a mesh of the k devices and the weights replicated, so XLA inserts the
-  gradients' all-reduce; the best of ``reps`` calls of each, the widths taking turns (a busy
-  spell of the host does not fall on one width's calls only). CPU devices only (forced CPU
-  devices share the host's cores and meet at each collective); empty for accelerators or one
-  device.
+  devices: Sequence[Any],
+  batches: tuple[int, int] = (16, 256),
+  width: int = 128,
+  layers: int = 4,
+  reps: int = 12,
+) -> tuple[dict[int, float], dict[int, float]]:
+  """Per number of devices k (the powers of two from 2 to ``len(devices)``), (the SPMD
+  factor, the seconds per call): a computation sharded over k devices whose one-device time
+  is t takes ``seconds + factor * t / k`` (``cost.host.HostCosts.spmd`` and ``spmd_call``).
+  The step is an MLP's forward, backward and update, jitted with the batch split over a mesh
+  of the k devices and the weights replicated, so XLA inserts the gradients' all-reduce; timed
+  at the two ``batches`` (the best of ``reps`` calls of each, the widths and batches taking
+  turns, so that a busy spell of the host does not fall on one of them only), the line
+  through the two points is the fit: its slope times k the factor (at least 1), its value at
+  t = 0 the seconds (at least 0). CPU devices only (forced CPU devices share the host's cores
+  and meet at each collective); empty for accelerators or one device.
 
-  The factor falls as each device's share of the work grows (over 4 devices of a 2-core host:
-  8-12 at ``batch=64``, about 5 at 128, 3-4 at 256). The default is the benchmarks' batch, at
-  which the tiny zoo models' jit data parallel over 4 devices ran 6-13 times 1/4 of plain
-  jit (BUILD_NOTES, "Plans for the machine at hand")."""
+  A factor alone, measured at one batch, falls as each device's share of the work grows (over
+  4 devices of a 2-core host: 8-12 at batch 64, about 5 at 128, 3-4 at 256): most of a small
+  call's time over k devices is the fixed part (1-2 ms over 2-4 forced devices on this
+  machine, whatever the batch), which a pipeline stage over k devices pays for every action
+  of its small micro-batches (BUILD_NOTES, "Plans for the machine at hand")."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   if len(devices) < 2 or devices[0].platform != "cpu":
-    return {}
+    return {}, {}
   rng = np.random.default_rng(0)
   ws = [rng.normal(size=(width, width)).astype(np.float32) / width**0.5 for _ in range(layers)]
-  x = rng.normal(size=(batch, width)).astype(np.float32)
 
   def loss(ws, x):
     for w in ws:
@@ -75,10 +80,11 @@ def measure_spmd(
     grads = jax.grad(loss)(ws, x)
     return [w - 1e-3 * g for w, g in zip(ws, grads)]
 
-  def compiled(k: int) -> Callable[[], Any]:
+  def compiled(k: int, batch: int) -> Callable[[], Any]:
     mesh = Mesh(np.asarray(devices[:k]), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
     f = jax.jit(step, out_shardings=replicated)
+    x = rng.normal(size=(batch, width)).astype(np.float32)
     args = (
       jax.device_put(ws, replicated),
       jax.device_put(x, NamedSharding(mesh, PartitionSpec("data"))),
@@ -87,16 +93,24 @@ def measure_spmd(
     return lambda: jax.block_until_ready(f(*args))
 
   widths = [1]
-  while widths[-1] * 2 <= len(devices) and batch % (widths[-1] * 2) == 0:
+  while widths[-1] * 2 <= len(devices) and min(batches) % (widths[-1] * 2) == 0:
     widths.append(widths[-1] * 2)
-  calls = {k: compiled(k) for k in widths}
-  best = dict.fromkeys(widths, float("inf"))
+  calls = {(k, b): compiled(k, b) for b in batches for k in widths}
+  best = dict.fromkeys(calls, float("inf"))
   for _ in range(reps):
-    for k, call in calls.items():
+    for key, call in calls.items():
       t = time.perf_counter()
       call()
-      best[k] = min(best[k], time.perf_counter() - t)
-  return {k: max(best[k] / (best[1] / k), 1.0) for k in widths[1:]}
+      best[key] = min(best[key], time.perf_counter() - t)
+  factors, seconds = {}, {}
+  for k in widths[1:]:
+    (x0, y0), (x1, y1) = [(best[1, b], best[k, b]) for b in batches]
+    slope = (y1 - y0) / (x1 - x0) if x1 > x0 else y1 / x1
+    factor = max(slope * k, 1.0)
+    # The fixed part at the small batch, with the factor as fitted (or raised to 1).
+    seconds[k] = max(y0 - factor * x0 / k, 0.0)
+    factors[k] = factor
+  return factors, seconds
 
 
 @functools.lru_cache(maxsize=8)
@@ -160,6 +174,7 @@ def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> Hos
     for k in {k for h in found for k in h.per_op}
   }
   cpu = devices[0].platform == "cpu"
+  spmd = measure_spmd(list(devices)) if cpu else ({}, {})
   return HostCosts(
     per_op=per_op,
     per_stage=statistics.median(h.per_stage for h in found),
@@ -167,7 +182,8 @@ def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> Hos
     parallel=measure_parallel(list(devices[:n])) if cpu else None,
     cores=len(os.sched_getaffinity(0)) if cpu else None,
     device=str(devices[0]),
-    spmd=(measure_spmd(list(devices)) or None) if cpu else None,
+    spmd=spmd[0] or None,
+    spmd_call=spmd[1] or None,
   )
 
 
@@ -176,7 +192,8 @@ def measure_host(devices: Sequence[Any], graph_pipeline: Any, repeats: int = 7) 
   them runs a few steps through the executor (its per-instruction dispatch timeline gives the
   per-op costs) and, on CPU devices, a matrix chain on each of them measures how many compute
   at once (``measure_parallel``) and a small data-parallel step over 2, 4, ... of them how
-  much slower than perfect division it runs (``measure_spmd``). Seconds in all; measured once
+  much slower than perfect division it runs and what each of its calls costs whatever its size
+  (``measure_spmd``). Seconds in all; measured once
   per process and devices. ``graph_pipeline``: the decorator that builds the small pipeline
   (``runtime.pipeline``'s, passed in so that this module does not import the runtime that
   calls it)."""
