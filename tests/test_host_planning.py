@@ -306,6 +306,32 @@ def test_spmd_call_seconds_are_paid_per_action_of_a_stage_and_once_per_fused_ste
   assert spmd_host({2: 2.0}).spmd_call_seconds(2) == 0.0
 
 
+def test_a_stage_over_several_devices_holds_as_many_cores():
+  """On 2 cores, a stage over 2 devices runs on both device threads: no other stage's action
+  runs beside one of its actions. With the stage on one device, the two stages overlap."""
+  from gpp_jax.cost.simulator import simulate
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  stage_b = Stage(1, ("b",), (2,))
+  wide = Plan((Stage(0, ("a",), (0, 1)), stage_b), ((0, 1),), 4, planner="x", batch_size=8)
+  narrow = wide.replace(stages=(Stage(0, ("a",), (0,)), stage_b))
+  two_cores = spmd_host({2: 1.0}, parallel=2.0)
+
+  def overlap(res) -> float:
+    acts = [a for a in res.actions if a.kind in ("F", "B")]
+    return sum(
+      max(0.0, min(x.end, y.end) - max(x.start, y.start))
+      for x in acts
+      if x.stage == 0
+      for y in acts
+      if y.stage == 1
+    )
+
+  assert overlap(simulate(narrow, g, cluster, host=two_cores)) > 0
+  assert overlap(simulate(wide, g, cluster, host=two_cores)) == 0
+
+
 def test_host_costs_json_round_trips_with_and_without_spmd():
   import json
 

@@ -478,7 +478,9 @@ def simulate_program(
   input. With ``host_cost`` (seconds per op; ops not in it cost the host nothing) one host
   thread issues the instructions one after another in program order, and none starts before
   it is issued; with ``cores`` the computing instructions and the issuing thread share that
-  many cores (forced CPU devices). The result's actions are the F, B, W and UPDATE
+  many cores (forced CPU devices): an instruction of a stage over k devices (``stage_devices``)
+  runs on k device threads and holds min(k, cores) of them. The result's actions are the F, B,
+  W and UPDATE
   instructions, its transfers the SENDs; memory as ``simulate_times`` describes.
   """
   S = program.num_stages
@@ -495,6 +497,10 @@ def simulate_program(
   chan_free: dict[Any, float] = defaultdict(float)
   chan_of = dict(channels or {})
   core_free = [0.0] * cores if cores else None
+  # Cores an instruction of each lane holds: its stage's devices (the host lane: one).
+  widths = [
+    max(1, min(len(devs[lane]) if lane < S else 1, cores or 1)) for lane in range(program.num_lanes)
+  ]
   host = host_cost or {}
   host_t = 0.0
   actions: list[ActionTime] = []
@@ -535,9 +541,10 @@ def simulate_program(
       continue
     start = max(lane_free[lane], dep, issued)
     if core_free is not None and dur > 0:
-      k = min(range(len(core_free)), key=core_free.__getitem__)
-      start = max(start, core_free[k])
-      core_free[k] = start + dur
+      held = sorted(range(len(core_free)), key=core_free.__getitem__)[: widths[lane]]
+      start = max(start, max(core_free[k] for k in held))
+      for k in held:
+        core_free[k] = start + dur
     end = start + dur
     lane_free[lane] = end
     for b in i.writes:
