@@ -1,5 +1,13 @@
-"""Test configuration: 8 forced CPU devices, set before JAX initialises its backend, and one
-XLA compilation cache for the run.
+"""Test configuration: 8 forced CPU devices, set before JAX initialises its backend, XLA's
+quick compiles, and one XLA compilation cache for the run.
+
+Compiling is most of the suite's time: the tests compile hundreds of tiny programs (every
+stage of every plan, eager initialisers, references) and run each a few times. XLA's CPU
+backend optimisation (LLVM's passes) makes them no faster to run at these sizes but doubles the
+time to compile them, so the tests compile with ``--xla_backend_optimization_level=0``. Both
+sides of every comparison (the pipelined step and its one-device reference) compile with it.
+Subprocesses the tests start get these flags through ``XLA_FLAGS`` too (``harness.child_env``
+keeps them where a test lets the subprocess choose its own device count).
 
 Many tests compile the same programs (a zoo model's layers, timed for calibration; the same
 tiny model under several plans; the training program in a subprocess): JAX's persistent
@@ -13,7 +21,8 @@ import shutil
 import tempfile
 
 os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "")
+  + " --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pytest-xdist's workers inherit the variable from the run's first process, which owns it.

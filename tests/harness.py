@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,6 +70,16 @@ def mse_step(model_fn, tx):
     return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
   return step
+
+
+def child_env(**extra: str) -> dict[str, str]:
+  """The environment for a subprocess that sets up its own devices (a launched process, the
+  train program with its own count): this run's, with ``extra``, and the XLA flags of the run
+  (conftest) without the forced device count."""
+  env = dict(os.environ, **extra)
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = " ".join(flags.split())
+  return env
 
 
 def max_diff(a, b) -> float:

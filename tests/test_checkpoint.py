@@ -15,7 +15,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
-from harness import max_diff
+from harness import child_env, max_diff
 
 import gpp_jax
 from gpp_jax import checkpoint
@@ -313,7 +313,7 @@ def test_keys_numbers_and_numpy_round_trip_where_the_target_lives(tmp_path):
 
 # ---------------------------------------------------------------------------- the train program
 def _train(tmp_path, name, *flags):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   proc = subprocess.run(
     [
       sys.executable,
@@ -460,7 +460,7 @@ def test_restores_in_a_process_with_one_device(tmp_path):
     f"out = checkpoint.restore({str(tmp_path)!r}, {{k: jnp.zeros(8) for k in 'abc'}})\n"
     "print(json.dumps([jax.device_count(), {k: v.tolist() for k, v in out.items()}]))\n"
   )
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   proc = subprocess.run(
     [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
   )

@@ -9,13 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from harness import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs")
 
 
 def _run(*args: str, cwd: str = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   return subprocess.run(
     [sys.executable, "-m", *args],
     capture_output=True,

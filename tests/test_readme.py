@@ -7,7 +7,6 @@ against the same step run without the pipeline.
 
 import ast
 import inspect
-import os
 import pathlib
 import re
 import subprocess
@@ -22,7 +21,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
-from harness import max_diff
+from harness import child_env, max_diff
 
 import gpp_jax
 
@@ -70,7 +69,7 @@ def test_every_python_snippet_compiles():
 
 def test_setup_snippet_gives_eight_cpu_devices():
   """Run in a fresh process without forced devices: the snippet alone must give 8."""
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = child_env(JAX_PLATFORMS="cpu")
   src = _snippet("import gpp_jax") + "\nprint(len(jax.devices()), jax.devices()[0].platform)\n"
   out = subprocess.run(
     [sys.executable, "-c", src], env=env, capture_output=True, text=True, timeout=120

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import child_env
 
 from gpp_jax.cli import plan as plan_cli
 from gpp_jax.experiments.ablation import ABLATION_COLUMNS, ablation
@@ -48,7 +49,7 @@ def _summary(text: str) -> dict[str, str]:
 
 def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
   out = tmp_path / "plans.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   proc = subprocess.run(
     [
       sys.executable,

@@ -27,7 +27,7 @@ def test_loss_curve_matches_one_device(model):
 def test_float64_loss_curve_matches_one_device_for_200_steps(tmp_path):
   """The full 200-step check for the model whose float32 curves separate (a ReLU kink
   crossing): in float64 the pipelined curve is the one-device curve."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ)  # the run's XLA flags: 8 forced CPU devices
   out = tmp_path / "curves.json"
   r = subprocess.run(
     [
@@ -60,7 +60,7 @@ def test_zoo_float64_needs_x64():
 
 
 def _train(*flags):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ)  # the run's XLA flags: 8 forced CPU devices
   return subprocess.run(
     [sys.executable, "-m", "gpp_jax.train", *flags],
     capture_output=True,
@@ -71,7 +71,7 @@ def _train(*flags):
 
 
 def test_train_entry_point_writes_a_run_folder(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ)  # the run's XLA flags: 8 forced CPU devices
   flagfile = os.path.join(os.path.dirname(__file__), "..", "configs", "candle_uno_tiny.flags")
   r = subprocess.run(
     [
