@@ -31,6 +31,9 @@ def _compare_nnx(make_step, fresh, plan, steps=2, num_microbatches=2):
   """The step with nnx.value_and_grad on one device, and with gpp_jax.value_and_grad
   pipelined over two devices; returns the pipeline after comparing losses and states."""
   ref_model, ref_opt = fresh()
+  # Committed to the device where the jitted step leaves them: one compile, not two.
+  for obj in (ref_model, ref_opt):
+    nnx.update(obj, jax.device_put(nnx.state(obj), jax.devices()[0]))
   ref = nnx.jit(make_step(nnx.value_and_grad))
   model, opt = fresh()
   pp = gpp_jax.graph_pipeline(
