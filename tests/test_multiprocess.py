@@ -1,5 +1,6 @@
 """Two processes with 4 forced CPU devices each, started on loopback."""
 
+import inspect
 import os
 import signal
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import time
 
 import pytest
+from harness import child_env
 
 from gpp_jax.cli.launch import free_port
 from gpp_jax.runtime import processes as dist
@@ -17,8 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("processes")]
 
 
 def _env(i, port):
-  e = dict(os.environ)
-  e.pop("XLA_FLAGS", None)
+  e = child_env()
   e.update(
     {
       dist.ENV_COORDINATOR: f"127.0.0.1:{port}",
@@ -33,8 +34,7 @@ def _env(i, port):
 
 
 def test_two_processes_match_one_device_reference():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = child_env()
   r = subprocess.run(
     [
       sys.executable,
@@ -116,8 +116,7 @@ def test_stalled_peer_times_out_with_a_clear_message():
 
 
 def _launch_worker(mode, timeout="120"):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = child_env()
   cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
   cmd.append("--platform=cpu")
   return subprocess.run(
@@ -191,8 +190,7 @@ def test_a_process_that_never_sets_up_fails_the_others_after_the_timeout():
 def test_train_program_runs_an_nnx_model_over_two_processes_for_several_steps():
   """The state an update leaves on another process than the stage that reads it next step
   (a (1,)-shaped bias whose update used to follow the global norm to stage 0) moves there."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = child_env()
   r = subprocess.run(
     [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=2"]
     + ["--platform=cpu", "--grace_s=5", "--", "--model=dlrm", "--num_devices=4"]
@@ -248,15 +246,18 @@ def test_plans_the_planners_choose_run_over_two_processes(planner):
   assert min(ids) < 2048 <= max(ids), results
 
 
-def _run_until_a_death(point, dying, launcher=False):
-  """Starts 2 "die" workers (process ``dying`` exits at ``point``, default settings);
-  returns (the survivor's exit code, its output, seconds from the death to its exit)."""
+def _run_until_a_death(point, dying, launcher=False, heartbeat_s=None):
+  """Starts 2 "die" workers (process ``dying`` exits at ``point``; default settings, or a peer
+  silent ``heartbeat_s`` lost); returns (the survivor's exit code, its output, seconds from
+  the death to its exit)."""
   env = {"GPP_TEST_DIE_AT": point, "GPP_TEST_DIE_PROCESS": str(dying)}
+  if heartbeat_s is not None:
+    env[dist.ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_s)
   if launcher:
-    e = dict(os.environ, **env)
-    e.pop("XLA_FLAGS", None)
+    e = child_env(**env)
     cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
-    cmd += ["--platform=cpu", "--", "python", WORKER, "die", "300"]
+    # The launcher stops the survivor 2 s after the death (its default grace is 10 s).
+    cmd += ["--platform=cpu", "--grace_s=2", "--", "python", WORKER, "die", "300"]
     procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
     survivor = procs[0]
   else:
@@ -300,12 +301,19 @@ def _run_until_a_death(point, dying, launcher=False):
         p.kill()
 
 
+# A survivor that waits on the dead peer's heartbeat takes about the heartbeat timeout (the
+# watch) or twice it plus 5 s (JAX's abort): set-up runs with the default (20 s, the minute
+# this test is named for), the other points with 5 s (each otherwise waits 20-45 s).
+HEARTBEAT_S = 5
+
+
 @pytest.mark.parametrize(
   "point,dying",
   [("setup", 1), ("compile", 1), ("first", 1), ("first", 0), ("mid", 1), ("mid", 0)],
 )
 def test_a_peer_dying_ends_the_survivor_within_a_minute_naming_it(point, dying):
-  rc, out, elapsed = _run_until_a_death(point, dying)
+  heartbeat_s = None if point == "setup" else HEARTBEAT_S
+  rc, out, elapsed = _run_until_a_death(point, dying, heartbeat_s=heartbeat_s)
   print(f"{point} dying={dying}: survivor exit {rc} {elapsed:.1f} s after the death")
   assert rc != 0, out[-3000:]
   assert elapsed < 60, out[-3000:]
@@ -324,7 +332,13 @@ def test_a_peer_dying_ends_the_survivor_within_a_minute_naming_it(point, dying):
   if not failed:
     # Blocked inside JAX (a cross-process transfer being issued): the watch logs the loss,
     # with the silence it measured, and JAX's heartbeat timeout aborts the process.
-    assert f"process {dying} of 2 was lost (it sent no heartbeat for 2" in out, out[-3000:]
+    lost = f"process {dying} of 2 was lost (it sent no heartbeat for "
+    assert lost in out, out[-3000:]
+    silent_s = float(out.split(lost)[1].split()[0])
+    timeout_s = (
+      heartbeat_s or inspect.signature(dist.initialize).parameters["heartbeat_timeout_s"].default
+    )
+    assert timeout_s <= silent_s < timeout_s + 10, out[-3000:]
     return
   assert len(failed) == 1, out[-3000:]
   assert f"process {dying} of 2 was lost" in failed[0], failed
@@ -332,6 +346,29 @@ def test_a_peer_dying_ends_the_survivor_within_a_minute_naming_it(point, dying):
   waited = float(failed[0].split("after waiting ")[1].split()[0])
   assert waited <= call_s + 0.5, failed  # the time measured, never the 300 s configured
   assert "300" not in failed[0], failed
+
+
+def test_the_default_heartbeat_ends_a_survivor_within_a_minute(monkeypatch):
+  """With the default heartbeat timeout, the watch names a silent peer after 20 s and JAX's
+  own heartbeat timeout (which aborts a survivor blocked where the watch cannot reach) is
+  under a minute too: what the death test above checks with 5 s, at the default."""
+  import jax
+
+  from gpp_jax.runtime import liveness
+
+  seen = {}
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+  monkeypatch.setattr(liveness, "start", lambda *a: seen.update(watch_s=a[3]))
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  dist.initialize("127.0.0.1:1", 2, 0)
+  assert seen["watch_s"] == 20
+  assert seen["heartbeat_timeout_seconds"] == 45  # 2 x 20 + 5: a survivor exits before 60 s
+  monkeypatch.setenv(dist.ENV_COORDINATOR, "127.0.0.1:1")
+  monkeypatch.setenv(dist.ENV_NUM_PROCESSES, "2")
+  monkeypatch.setenv(dist.ENV_PROCESS_ID, "0")
+  monkeypatch.setenv(dist.ENV_HEARTBEAT_TIMEOUT, "5")
+  assert dist.initialize_from_env()
+  assert seen["watch_s"] == 5 and seen["heartbeat_timeout_seconds"] == 15
 
 
 @pytest.mark.parametrize("point", ["first", "mid"])
@@ -346,8 +383,7 @@ def test_a_peer_dying_under_the_launcher_ends_the_run_naming_it(point):
 def test_four_processes_run_a_planned_pipeline_equal_to_one_device():
   """4 processes of 2 CPU devices (sharing this machine's cores): a plan over all 8 devices
   ends 2 steps where jax.value_and_grad and optax on one device end."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = child_env()
   cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=4", "--devices_per_process=2"]
   cmd += ["--platform=cpu", "--nopin", "--", "python", WORKER, "four-balanced", "120"]
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)

@@ -28,6 +28,7 @@ ENV_NUM_PROCESSES = "GPP_NUM_PROCESSES"
 ENV_PROCESS_ID = "GPP_PROCESS_ID"
 ENV_LOCAL_DEVICES = "GPP_LOCAL_DEVICES"
 ENV_TRANSFER_ADDRESS = "GPP_TRANSFER_ADDRESS"
+ENV_HEARTBEAT_TIMEOUT = "GPP_HEARTBEAT_TIMEOUT_S"
 
 
 def initialize(
@@ -88,15 +89,25 @@ def initialize(
 
 
 def initialize_from_env() -> bool:
-  """Initialises from the ``GPP_*`` variables set by ``gpp_jax.launch``; False if absent."""
+  """Initialises from the ``GPP_*`` variables set by ``gpp_jax.launch``; False if absent.
+
+  ``GPP_HEARTBEAT_TIMEOUT_S``, when set (by the user: the launcher passes its environment
+  on), is ``initialize``'s ``heartbeat_timeout_s``: the seconds of silence after which a peer
+  process counts as lost (default 20; lower notices a dead peer sooner, higher tolerates
+  longer pauses of a live one).
+  """
   if ENV_COORDINATOR not in os.environ:
     return False
+  heartbeat: dict[str, Any] = {}
+  if os.environ.get(ENV_HEARTBEAT_TIMEOUT):
+    heartbeat["heartbeat_timeout_s"] = float(os.environ[ENV_HEARTBEAT_TIMEOUT])
   initialize(
     os.environ[ENV_COORDINATOR],
     int(os.environ[ENV_NUM_PROCESSES]),
     int(os.environ[ENV_PROCESS_ID]),
     transfer_address=os.environ.get(ENV_TRANSFER_ADDRESS),
     cpu_devices=int(os.environ[ENV_LOCAL_DEVICES]) if ENV_LOCAL_DEVICES in os.environ else None,
+    **heartbeat,
   )
   return True
 
