@@ -29,6 +29,9 @@ the values it holds against a one-device reference it computes itself.
                 jax.value_and_grad and optax on one device.
   mode "planned-<planner>": as "check", planned by that planner over the 8 devices given
                 alternately from each process (so the planner's device groups cross them).
+
+Modes that print RESULT can be joined by commas ("check,span,widths"): they run in turn in the
+same processes, one RESULT line each (ending mode=<mode>); the exit code is 1 if any differs.
 """
 
 import os
@@ -98,8 +101,7 @@ def arm_death(point):
     executor_mod.Executor.run = lambda *a, **k: die(point)
 
 
-def main():
-  mode = sys.argv[1]
+def main(mode):
   timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
   dying = mode == "die" and str(jax.process_index()) == os.environ["GPP_TEST_DIE_PROCESS"]
   if dying:
@@ -213,14 +215,18 @@ def main():
     f"RESULT process={jax.process_index()} checked={checked} maxdiff={max(diffs, default=0.0):.3g} "
     f"edges={sorted(pp.plan.edges)} plan={pp.plan.fingerprint()[:12]} "
     f"devices={[tuple(pp.devices[d].id for d in st.devices) for st in pp.plan.stages]} "
-    f"seconds={time.monotonic() - t:.1f}",
+    f"seconds={time.monotonic() - t:.1f} mode={mode}",
     flush=True,
   )
+  return ok
+
+
+if __name__ == "__main__":
+  # Modes joined by commas run in turn in the same processes (one start-up for several);
+  # each runs whatever an earlier one found (the processes must make the same calls).
+  oks = [main(m) for m in sys.argv[1].split(",")]
+  ok = all(oks)
   sys.stdout.flush()
   # Let every process finish its receives before any exits (os._exit skips JAX's shutdown).
   multihost_utils.sync_global_devices("gpp-worker-done")
   os._exit(0 if ok else 1)
-
-
-if __name__ == "__main__":
-  main()

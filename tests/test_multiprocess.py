@@ -33,31 +33,18 @@ def _env(i, port):
   return e
 
 
-def test_two_processes_match_one_device_reference():
-  env = child_env()
-  r = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "gpp_jax.launch",
-      "--num_processes=2",
-      "--devices_per_process=4",
-      "--platform=cpu",
-      "--",
-      "python",
-      WORKER,
-      "check",
-      "120",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-  )
-  out = r.stdout + r.stderr
-  assert r.returncode == 0, out[-3000:]
-  results = [l for l in out.splitlines() if "RESULT" in l]
-  assert len(results) == 2, out[-3000:]
+@pytest.fixture(scope="module")
+def manual_plans():
+  """One launch runs the three manual plans in turn ("check", "span", "widths": one start-up
+  and one reference step for the three); the RESULT lines of each, by mode."""
+  r = _launch_worker("check,span,widths", timeout_s=500)
+  results = _results(r, modes=3)
+  return {m: [l for l in results if l.endswith(f" mode={m}")] for m in ("check", "span", "widths")}
+
+
+def test_two_processes_match_one_device_reference(manual_plans):
+  results = manual_plans["check"]
+  assert len(results) == 2, results
   for line in results:
     assert "checked=13" in line  # params, optimizer state and loss held by this process
     # Edges cross the process boundary both ways: 0->1, 1->2, 2->3 alternate processes.
@@ -115,7 +102,7 @@ def test_stalled_peer_times_out_with_a_clear_message():
   assert elapsed < 60
 
 
-def _launch_worker(mode, timeout="120"):
+def _launch_worker(mode, timeout="120", timeout_s=300):
   env = child_env()
   cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
   cmd.append("--platform=cpu")
@@ -123,7 +110,7 @@ def _launch_worker(mode, timeout="120"):
     [*cmd, "--", "python", WORKER, mode, timeout],
     capture_output=True,
     text=True,
-    timeout=300,
+    timeout=timeout_s,
     env=env,
   )
 
@@ -140,17 +127,19 @@ def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference(
   assert sum(checked) >= 13, results  # the parameters, optimizer state and loss, somewhere
 
 
-def _results(r) -> list[str]:
-  """The RESULT lines of both processes of a worker run that must have succeeded."""
+def _results(r, modes=1) -> list[str]:
+  """The RESULT lines of both processes of a worker run (of ``modes`` modes in turn) that must
+  have succeeded."""
   out = r.stdout + r.stderr
   assert r.returncode == 0, out[-3000:]  # each process exits 1 if a value it holds differs
   results = [l for l in out.splitlines() if "] RESULT process=" in l]
-  assert len(results) == 2, out[-3000:]
+  assert len(results) == 2 * modes, out[-3000:]
   return results
 
 
-def test_a_stage_spanning_two_processes_matches_the_reference():
-  results = _results(_launch_worker("span"))
+def test_a_stage_spanning_two_processes_matches_the_reference(manual_plans):
+  results = manual_plans["span"]
+  assert len(results) == 2, results
   maxdiff = [float(l.split("maxdiff=")[1].split()[0]) for l in results]
   assert max(maxdiff) <= 1e-5, results
   # Process 1 holds l1 (its shard of the spanning stage) and l2: both checked there.
@@ -212,18 +201,32 @@ def test_train_program_runs_an_nnx_model_over_two_processes_for_several_steps():
   assert len(logged) == 2, out[-3000:]
 
 
-def test_every_placement_kind_runs_over_two_processes():
+def test_every_placement_kind_runs_over_two_processes(manual_plans):
   """One device to two devices of the other process, to a stage spanning both, to two devices
   of the first: each transfer between them crosses the processes and matches the reference."""
-  results = _results(_launch_worker("widths"))
+  results = manual_plans["widths"]
+  assert len(results) == 2, results
   maxdiff = [float(l.split("maxdiff=")[1].split()[0]) for l in results]
   assert max(maxdiff) <= 1e-5, results
   assert "devices=[(0,), (2048, 2049), (3, 2050), (1, 2)]" in results[0], results
 
 
-@pytest.mark.parametrize("planner", ["balanced", "graphpipe", "pipedream"])
-def test_plans_the_planners_choose_run_over_two_processes(planner):
-  results = _results(_launch_worker(f"planned-{planner}"))
+PLANNERS = ["balanced", "graphpipe", "pipedream"]
+
+
+@pytest.fixture(scope="module")
+def planned():
+  """One launch runs the planners' plans in turn (one start-up and one reference step for
+  the three); the RESULT lines of each, by planner."""
+  r = _launch_worker(",".join(f"planned-{p}" for p in PLANNERS), timeout_s=500)
+  results = _results(r, modes=len(PLANNERS))
+  return {p: [l for l in results if l.endswith(f" mode=planned-{p}")] for p in PLANNERS}
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_plans_the_planners_choose_run_over_two_processes(planner, planned):
+  results = planned[planner]
+  assert len(results) == 2, results
   maxdiff = [float(l.split("maxdiff=")[1].split()[0]) for l in results]
   assert max(maxdiff) <= 1e-5, results
   plans = {l.split("plan=")[1].split()[0] for l in results}
