@@ -30,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
 import networkx as nx
@@ -274,16 +276,104 @@ def simulate_times(
   return res if timeline else dataclasses.replace(res, actions=(), transfers=())
 
 
-def _stage_times(times: Any, S: int, lengths: Sequence[int]) -> list[list[float]]:
-  """Per stage, the seconds of each of its micro-batches' actions (``_per_action``'s forms)."""
-  out = []
+def _stage_times(
+  times: Any, S: int, lengths: Sequence[int]
+) -> tuple[list[list[float]], list[float]]:
+  """Per stage, the seconds of each of its micro-batches' actions (``_per_action``'s forms),
+  and the shortest of them (NaN where one is NaN, inf where there are none)."""
+  out, low = [], []
   for s in range(S):
     t = times[s] if times is not None else 0.0
     if isinstance(t, (int, float)):
       out.append([float(t)] * lengths[s])
+      low.append(float(t))
     else:
-      out.append([float(t[m]) for m in range(lengths[s])])
-  return out
+      per_mb = [float(t[m]) for m in range(lengths[s])]
+      out.append(per_mb)
+      low.append(math.nan if any(map(math.isnan, per_mb)) else min(per_mb, default=math.inf))
+  return out, low
+
+
+class _LaneFacts(NamedTuple):
+  """What ``_simulate_lanes`` reads of a schedule besides its times (``_lane_facts``).
+
+  Attributes:
+    lanes: the lanes, each ending with an UPDATE (``lanes_with_updates``).
+    lengths: per stage, its micro-batches over all steps.
+    edges: the stage edges, sorted, once each.
+    chunks: (stage, neighbour) -> per micro-batch of the stage, the neighbour's micro-batches
+      overlapping it, where the two cut the batch differently (``chunk_range``).
+    peak: per stage, the most micro-batches whose stashes it holds at once counted in lane
+      order (a stash taken at an F, freed at a B, or a W where the schedule splits B): the
+      peak in time where every action of the stage lasts (``_simulate_lanes``).
+    split_w: whether the schedule splits the backward (W actions).
+    size: the actions of all lanes.
+  """
+
+  lanes: list[list[Action]]
+  lengths: list[int]
+  edges: list[tuple[int, int]]
+  chunks: dict[tuple[int, int], list[range]]
+  peak: list[int]
+  split_w: bool
+  size: int
+
+
+def _find_lane_facts(sched: Schedule) -> _LaneFacts | None:
+  """The schedule's ``_LaneFacts``; None when a lane runs a B before its F or a W before its
+  B (it waits for itself: the lanes deadlock)."""
+  counts = sched.stage_counts
+  steps = max(sched.steps, 1)
+  lengths = [c * steps for c in counts]
+  edges = sorted(set(sched.edges))
+  chunks = {}
+  for u, v in edges:
+    if counts[u] != counts[v]:
+      chunks[(v, u)] = [chunk_range(counts, v, m, u) for m in range(lengths[v])]
+      chunks[(u, v)] = [chunk_range(counts, u, m, v) for m in range(lengths[u])]
+  lanes = lanes_with_updates(sched)
+  split_w = sched.splits_backward
+  peak = []
+  for lane in lanes:
+    forwards, backwards = set(), set()
+    held = most = 0
+    for a in lane:
+      if a.kind == "F":
+        forwards.add(a.microbatch)
+        held += 1
+        most = max(most, held)
+      elif a.kind == "B":
+        if a.microbatch not in forwards:
+          return None
+        backwards.add(a.microbatch)
+        held -= not split_w
+      elif a.kind == "W":
+        if a.microbatch not in backwards:
+          return None
+        held -= 1
+    peak.append(most)
+  return _LaneFacts(lanes, lengths, edges, chunks, peak, split_w, sum(map(len, lanes)))
+
+
+# ``_find_lane_facts`` per schedule, keyed by the schedule object's identity: the planners
+# simulate one schedule (``plan_assembly._schedule``) for many candidate plans, and hashing a
+# schedule costs a Python call per action. An entry holds its schedule, so the id is not
+# reused while it is cached; a Schedule is immutable, so an entry never goes stale. At most
+# _LANE_FACTS_SIZE entries (the oldest goes first).
+_LANE_FACTS_SIZE = 512
+_lane_facts_cache: dict[int, tuple[Schedule, _LaneFacts | None]] = {}
+
+
+def _lane_facts(sched: Schedule) -> _LaneFacts | None:
+  """``_find_lane_facts(sched)``, remembered (``_lane_facts_cache``)."""
+  hit = _lane_facts_cache.get(id(sched))
+  if hit is not None and hit[0] is sched:
+    return hit[1]
+  facts = _find_lane_facts(sched)
+  if len(_lane_facts_cache) >= _LANE_FACTS_SIZE:
+    del _lane_facts_cache[next(iter(_lane_facts_cache))]
+  _lane_facts_cache[id(sched)] = (sched, facts)
+  return facts
 
 
 def _simulate_lanes(
@@ -295,7 +385,8 @@ def _simulate_lanes(
   act_x: Mapping[tuple[int, int], float],
   cot_x: Mapping[tuple[int, int], float],
   timeline: bool = True,
-) -> tuple[float, list[ActionTime], list[TransferTime], list[float], list[list]] | None:
+  record: bool = False,
+) -> tuple[float, list[ActionTime], list[TransferTime], list[float], list[int]] | None:
   """What ``simulate_program`` finds for the schedule's lowered program when no host issues
   it and every transfer has its own channel, computed on the schedule itself: the planners
   simulate hundreds of candidate schedules, and lowering each into buffers and instructions
@@ -305,52 +396,56 @@ def _simulate_lanes(
   has finished and its channel (kind, sender, receiver) is free. The actions and transfers
   come out in the program's order; ``tests/test_simulator.py`` holds the two paths equal.
   Returns (iteration time, actions, transfers (both empty unless ``timeline``), busy seconds
-  per stage, memory events per stage as ``_result`` counts them), or None when the lanes
-  deadlock."""
+  per stage, peak stashes held per stage (``_peaks``)), or None when the lanes deadlock.
+
+  Without a timeline, where no action lasts less than nothing (every duration >= 0, none
+  NaN), each lane's actions end in lane order, so the iteration ends where the last lane
+  does; and where every F of a stage lasts at least the spacing of floats at that end (an F
+  ends after it starts), a stash freed before an F starts is one freed earlier in the lane, so
+  the stage's peak is its peak in lane order (``_LaneFacts.peak``). Otherwise the pass
+  records the timeline (as ``record`` asks) and counts both from it, as ``simulate_program``
+  does."""
+  facts = _lane_facts(sched)
+  if facts is None:
+    return None
   S = sched.num_stages
-  counts = sched.stage_counts
-  steps = max(sched.steps, 1)
-  lengths = [c * steps for c in counts]
-  edges = sorted(set(sched.edges))
+  lengths, edges = facts.lengths, facts.edges
+  tf, f_low = _stage_times(forward, S, lengths)
+  tb, b_low = _stage_times(backward, S, lengths)
+  tw, w_low = _stage_times(weight, S, lengths)
+  ups = [float(u) for u in up]
+  lasting = all(t >= 0.0 for t in chain(f_low, b_low, w_low, ups))
+  record = record or timeline or not lasting
   # Per edge (u, v): when each chunk's activation reaches v (indexed by u's chunks) and each
   # cotangent reaches u (by v's chunks); None until sent.
   act = {e: [None] * lengths[e[0]] for e in edges}
   cot = {e: [None] * lengths[e[1]] for e in edges}
-  f_in: list[list[tuple[int, list]]] = [[] for _ in range(S)]
-  b_in: list[list[tuple[int, list]]] = [[] for _ in range(S)]
-  # Per stage, what its F / B sends: (receiver, arrivals, seconds, the channel's free time).
-  f_out: list[list[tuple[int, list, float, list[float]]]] = [[] for _ in range(S)]
-  b_out: list[list[tuple[int, list, float, list[float]]]] = [[] for _ in range(S)]
-  for u, v in edges:
-    f_in[v].append((u, act[(u, v)]))
-    f_out[u].append((v, act[(u, v)], act_x.get((u, v), 0.0), [0.0]))
-  for u, v in edges:  # the cotangents, in the order the program sends them
-    b_in[u].append((v, cot[(u, v)]))
-    b_out[v].append((u, cot[(u, v)], cot_x.get((u, v), 0.0), [0.0]))
-  lanes = lanes_with_updates(sched)
-  tf = _stage_times(forward, S, lengths)
-  tb = _stage_times(backward, S, lengths)
-  tw = _stage_times(weight, S, lengths)
-  mixed = len(set(counts)) > 1
-  # Per stage, which micro-batches' F / B have run (None: not yet).
-  done_f: list[list[bool | None]] = [[None] * n for n in lengths]
-  done_b: list[list[bool | None]] = [[None] * n for n in lengths]
+  chunks = facts.chunks
+  # Per stage, what its F / B waits for: (arrivals, the chunks per micro-batch or None for
+  # the same micro-batch), and what it sends: (arrivals, channel, seconds, receiver).
+  f_in: list[list[tuple[list, list[range] | None]]] = [[] for _ in range(S)]
+  b_in: list[list[tuple[list, list[range] | None]]] = [[] for _ in range(S)]
+  f_out: list[list[tuple[list, int, float, int]]] = [[] for _ in range(S)]
+  b_out: list[list[tuple[list, int, float, int]]] = [[] for _ in range(S)]
+  E = len(edges)
+  for c, (u, v) in enumerate(edges):
+    f_in[v].append((act[(u, v)], chunks.get((v, u))))
+    f_out[u].append((act[(u, v)], c, act_x.get((u, v), 0.0), v))
+  for c, (u, v) in enumerate(edges):  # the cotangents, in the order the program sends them
+    b_in[u].append((cot[(u, v)], chunks.get((u, v))))
+    b_out[v].append((cot[(u, v)], E + c, cot_x.get((u, v), 0.0), u))
+  chan = [0.0] * (2 * E)  # when each channel is free
+  lanes = facts.lanes
   lane_free = [0.0] * S
   busy = [0.0] * S
-  # Per stage, (time, +1) where a stash is taken, and (time, -1) where a B or a W frees it:
-  # a W frees it when the schedule splits backwards (``_result``).
-  events: list[list[tuple[float, int]]] = [[] for _ in range(S)]
-  b_frees: list[list[tuple[float, int]]] = [[] for _ in range(S)]
-  w_frees: list[list[tuple[float, int]]] = [[] for _ in range(S)]
   actions: list[tuple] = []
   transfers: list[tuple] = []
-  last = 0.0
   one_step = sched.steps == 1
   pos = [0] * S
   # What a lane's blocked head waits for (a list and an index): checked first when the round
   # comes back to the lane, so a lane still blocked costs one lookup.
   waits: list[tuple[list, int] | None] = [None] * S
-  left = sum(map(len, lanes))
+  left = facts.size
   while left:
     progressed = False
     for s in range(S):
@@ -361,87 +456,113 @@ def _simulate_lanes(
         waits[s] = None
       lane = lanes[s]
       n = len(lane)
-      p = pos[s]
+      p = p0 = pos[s]
       free = lane_free[s]
-      took, b_freed, w_freed = events[s], b_frees[s], w_frees[s]
-      ran_f, ran_b = done_f[s], done_b[s]
       work = busy[s]
+      fin, bin_ = f_in[s], b_in[s]
       while p < n:
         a = lane[p]
         kind, m = a.kind, a.microbatch
         start = free
         if kind == "F" or kind == "B":
-          fwd = kind == "F"
-          if not fwd and ran_f[m] is None:
-            waits[s] = (ran_f, m)
-            break
-          blocked = None
-          for o, arrived in f_in[s] if fwd else b_in[s]:
-            for k in chunk_range(counts, s, m, o) if mixed else (m,):
+          for arrived, span in fin if kind == "F" else bin_:
+            if span is None:
+              k = m
               t = arrived[k]
               if t is None:
-                blocked = (arrived, k)
                 break
               if t > start:
                 start = t
-            if blocked is not None:
+            else:
+              for k in span[m]:
+                t = arrived[k]
+                if t is None:
+                  break
+                if t > start:
+                  start = t
+              else:
+                continue
               break
-          if blocked is not None:
-            waits[s] = blocked
-            break
-          if fwd:
-            end = start + tf[s][m]
-            ran_f[m] = True
-            took.append((start, 1))
-            outs = f_out[s]
-            what = "activation"
           else:
-            end = start + tb[s][m]
-            ran_b[m] = True
-            b_freed.append((end, -1))
-            outs = b_out[s]
-            what = "cotangent"
-          work += end - start
-          if timeline:
-            actions.append((kind, s, m, start, end))
-          for o, arrivals, x, chan in outs:
-            t0 = end if end > chan[0] else chan[0]
-            chan[0] = arrivals[m] = t1 = t0 + x
-            if timeline:
-              transfers.append((what, s, o, m, t0, t1))
-        elif kind == "W":
-          if ran_b[m] is None:
-            waits[s] = (ran_b, m)
-            break
+            if kind == "F":
+              end = start + tf[s][m]
+              outs, what = f_out[s], "activation"
+            else:
+              end = start + tb[s][m]
+              outs, what = b_out[s], "cotangent"
+            for arrivals, c, x, o in outs:
+              t0 = end if end > chan[c] else chan[c]
+              chan[c] = arrivals[m] = t1 = t0 + x
+              if record:
+                transfers.append((what, s, o, m, t0, t1))
+            work += end - start
+            if record:
+              actions.append((kind, s, m, start, end))
+            free = end
+            p += 1
+            continue
+          waits[s] = (arrived, k)
+          break
+        if kind == "W":
           end = start + tw[s][m]
           work += end - start
-          w_freed.append((end, -1))
-          if timeline:
-            actions.append(("W", s, m, start, end))
         else:
-          end = start + float(up[s])
-          if timeline:
-            actions.append(("UPDATE", s, -1 if one_step else m, start, end))
-        if end > last:
-          last = end
+          end = start + ups[s]
+          m = -1 if one_step else m
+        if record:
+          actions.append((kind, s, m, start, end))
         free = end
         p += 1
-        left -= 1
+      if p > p0:
+        busy[s] = work
+        lane_free[s] = free
+        left -= p - p0
+        pos[s] = p
         progressed = True
-      busy[s] = work
-      lane_free[s] = free
-      pos[s] = p
     if not progressed:
       return None
-  frees = w_frees if any(w_frees) else b_frees
+  if not record:
+    last = max([0.0, *lane_free])
+    if all(t >= math.ulp(last) for t in f_low):
+      return last, [], [], busy, facts.peak
+    return _simulate_lanes(sched, forward, backward, weight, up, act_x, cot_x, False, True)
+  last = 0.0
+  takes: list[list[tuple[float, int]]] = [[] for _ in range(S)]
+  frees: list[list[tuple[float, int]]] = [[] for _ in range(S)]
+  free_kind = "W" if facts.split_w else "B"
+  for kind, s, _, start, end in actions:
+    if end > last:
+      last = end
+    if kind == "F":
+      takes[s].append((start, 1))
+    elif kind == free_kind:
+      frees[s].append((end, -1))
+  peak = _peaks([t + f for t, f in zip(takes, frees, strict=True)])
+  if not timeline:
+    return last, [], [], busy, peak
   new = tuple.__new__
   return (
     last,
     [new(ActionTime, a) for a in actions],
     [new(TransferTime, t) for t in transfers],
     busy,
-    [e + f for e, f in zip(events, frees)],
+    peak,
   )
+
+
+def _peaks(events: Sequence[Sequence[tuple[float, int]]]) -> list[int]:
+  """Per stage, the most micro-batches whose stashes it holds at once: ``events`` per stage
+  (time, +1) where a stash is taken (its F starts) and (time, -1) where it is freed (its B,
+  or W if the schedule splits B, ends)."""
+  peak = []
+  for ev in events:
+    cur = best = 0
+    for _, d in sorted(ev):  # frees before allocations at ties
+      cur += d
+      if cur > best:
+        best = cur
+    peak.append(best)
+  return peak
 
 
 @functools.lru_cache(maxsize=512)
@@ -573,21 +694,13 @@ def _result(name, S, M, actions, transfers, stat, actm, devs) -> SimResult:
     elif at.kind == ("W" if split_w else "B"):
       events[at.stage].append((at.end, -1))
   T = max((a.end for a in actions), default=0.0)
-  return _summary(name, S, M, T, actions, transfers, busy, events, stat, actm, devs)
+  return _summary(name, S, M, T, actions, transfers, busy, _peaks(events), stat, actm, devs)
 
 
-def _summary(name, S, M, T, actions, transfers, busy, events, stat, actm, devs) -> SimResult:
+def _summary(name, S, M, T, actions, transfers, busy, peak, stat, actm, devs) -> SimResult:
   """The SimResult of a timeline: ``T`` its end, ``busy`` seconds of F, B, W (or STEP) per
-  stage, ``events`` per stage (time, +1) where a micro-batch's stash is taken (its F starts)
-  and (time, -1) where it is freed (its B, or W if the schedule splits B, ends)."""
-  peak = []
-  for ev in events:
-    cur = best = 0
-    for _, d in sorted(ev):  # frees before allocations at ties
-      cur += d
-      if cur > best:
-        best = cur
-    peak.append(best)
+  stage, ``peak`` per stage the most micro-batches whose stashes it holds at once
+  (``_peaks``)."""
   mem = [stat[s] + peak[s] * actm[s] for s in range(S)]
   per_dev: dict[int, float] = {}
   for s in range(S):
