@@ -187,6 +187,43 @@ def test_plan_costs_prices_edges_on_the_link_between_stage_devices():
   assert tf1 == pytest.approx(tf1_alone)
 
 
+def test_link_between_is_the_slowest_link_of_the_nodes_spanned():
+  """``link_between`` reads the lowest and highest device; it must name the link the set of
+  nodes the devices span calls for (one node: intra, more or none: inter)."""
+  import random
+
+  rng = random.Random(0)
+  for cl in (v100_cluster(8), v100_cluster(32), cpu_cluster(4)):
+    for _ in range(2000):
+      src = rng.sample(range(cl.num_devices), rng.randint(0, 3))
+      dst = rng.sample(range(cl.num_devices), rng.randint(0, 3))
+      nodes = {cl.node_of(d) for d in src + dst}
+      one = cl.inter_link is None or len(nodes) == 1
+      assert cl.link_between(src, dst) is (cl.intra_link if one else cl.inter_link)
+
+
+def test_plan_costs_remembered_in_the_layer_costs_are_a_fresh_pricing():
+  """``plan_costs`` keeps per-stage terms, stage times and edge bytes in the LayerCosts it is
+  given; pricing plans that share stages with one LayerCosts must give, to the last bit, what
+  a fresh LayerCosts gives each."""
+  g = mg.candle_uno(batch_size=16, branches=3, layers=2, hidden=64, top_layers=1)
+  layers = list(layer_costs(g).layers)
+  cl = v100_cluster(8)
+  shared = layer_costs(g)
+  for cut in (2, 4, 2, 6, 4):
+    for mb, dp in ((4, 1), (8, 2), (4, 1)):
+      plan = Plan(
+        stages=(
+          Stage(0, tuple(layers[:cut]), tuple(range(dp)), microbatch_size=mb),
+          Stage(1, tuple(layers[cut:]), (dp + 2,)),
+        ),
+        edges=((0, 1),),
+        num_microbatches=16 // mb,
+        batch_size=16,
+      )
+      assert plan_costs(plan, g, cl, costs=shared) == plan_costs(plan, g, cl, costs=layer_costs(g))
+
+
 def test_model_graph_costs_follow_the_shapes():
   g = mg.candle_uno(batch_size=4, branches=3, layers=2, hidden=64, top_layers=1)
   assert g.number_of_nodes() == 3 * 2 + 1 + 1 + 1 + 1

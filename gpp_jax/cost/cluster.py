@@ -159,8 +159,14 @@ class Cluster:
     """The slowest link between any device of ``src`` and any of ``dst``."""
     if self.inter_link is None:
       return self.intra_link
-    nodes = {self.node_of(d) for d in src} | {self.node_of(d) for d in dst}
-    return self.intra_link if len(nodes) == 1 else self.inter_link
+    devices = (*src, *dst)
+    if not devices:  # no node at all
+      return self.inter_link
+    n = self.devices_per_node
+    if n is None:  # one node
+      return self.intra_link
+    # Nodes number the devices in order: one node iff the lowest and highest device share it.
+    return self.intra_link if min(devices) // n == max(devices) // n else self.inter_link
 
   def group_link(self, devices: Sequence[int]) -> Link:
     """The link an all-reduce over ``devices`` is limited by."""

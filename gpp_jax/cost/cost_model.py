@@ -174,6 +174,17 @@ class LayerCosts:
     rows_ps: rows the layer's matrix products see per sample (the layer attribute ``rows``,
       default 1): the efficiency curve is read at samples x rows.
     edges: (u, v, bytes per sample) with u, v positions.
+
+  Planners price thousands of candidate plans whose stages recur (a polish moves a few
+  layers, a sweep tries every micro-batch size on one partition), so ``plan_costs`` keeps
+  what it derives from the layers in dicts held here, for as long as these costs (a planning
+  problem's): per stage's layer names, their positions, parameter bytes, saved bytes per
+  sample and weight fraction (``_stages``); per (cost model, device), a stage's (forward,
+  backward) seconds per (layer names, micro-batch, data-parallel degree) (``_stage_times``,
+  as ``_times`` keeps the per-layer times); per partition (each stage's layer names, in stage
+  order), the bytes per sample crossing each stage edge (``_edge_bytes``). Each value is a
+  function of its key and of these immutable costs, so a hit is what recomputing would give,
+  to the last bit.
   """
 
   layers: tuple[str, ...]
@@ -189,6 +200,9 @@ class LayerCosts:
   edges: tuple[tuple[int, int, float], ...]
   rows_ps: np.ndarray
   _times: dict = dataclasses.field(default_factory=dict, repr=False)
+  _stages: dict = dataclasses.field(default_factory=dict, repr=False)
+  _stage_times: dict = dataclasses.field(default_factory=dict, repr=False)
+  _edge_bytes: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def __len__(self) -> int:
     return len(self.layers)
@@ -293,6 +307,26 @@ def stage_edge_bytes(costs: LayerCosts, stage_of: Sequence[int]) -> dict[tuple[i
   return out
 
 
+def _stage_terms(
+  costs: LayerCosts, layers: tuple[str, ...]
+) -> tuple[list[int], float, float, float]:
+  """A stage's layer positions, parameter bytes, saved bytes per sample and weight fraction
+  (``PlanCosts``), remembered per layer names (``LayerCosts._stages``)."""
+  hit = costs._stages.get(layers)
+  if hit is not None:
+    return hit
+  idx = [costs.index[l] for l in layers]
+  params = float(costs.param_bytes[idx].sum())
+  saved = float(costs.saved_ps[idx].sum())
+  flops = costs.flops_ps[idx]
+  with_params = costs.param_bytes[idx] > 0
+  total = float(flops.sum())
+  share = float(flops[with_params].sum()) / total if total > 0 else float(with_params.any())
+  terms = (idx, params, saved, 0.5 * share)
+  costs._stages[layers] = terms
+  return terms
+
+
 def plan_costs(
   plan,
   layer_graph: nx.DiGraph,
@@ -300,33 +334,41 @@ def plan_costs(
   cost_model: CostModel | None = None,
   costs: LayerCosts | None = None,
 ) -> PlanCosts:
-  """Plan + LayerGraph + Cluster -> PlanCosts (per-stage times, transfers, memory terms)."""
+  """Plan + LayerGraph + Cluster -> PlanCosts (per-stage times, transfers, memory terms).
+
+  What depends on a stage's layers alone, a stage's times, and a partition's edge bytes are
+  remembered in ``costs`` (see ``LayerCosts``)."""
   cm = cost_model or DEFAULT_COST_MODEL
   costs = costs or layer_costs(layer_graph)
-  stage_of = [0] * len(costs)
-  for s in plan.stages:
-    for l in s.layers:
-      stage_of[costs.index[l]] = s.index
+  device = cluster.device
+  times = costs._stage_times.get((cm, device))
+  if times is None:
+    times = costs._stage_times[(cm, device)] = {}
   fw, bw, up, stat, act, mbs, wfrac, pbytes = [], [], [], [], [], [], [], []
   for s in plan.stages:
-    idx = [costs.index[l] for l in s.layers]
+    idx, params, saved, frac = _stage_terms(costs, s.layers)
     mb = plan_microbatch(plan, s)
     dp = len(s.devices)
-    tf, tb = cm.stage_time(costs, idx, cluster.device, mb, dp)
-    params = float(costs.param_bytes[idx].sum())
-    fw.append(tf)
-    bw.append(tb)
-    up.append(cm.update_time(params, cluster.device, dp, cluster.group_link(s.devices)))
+    key = (s.layers, mb, dp)
+    tt = times.get(key)
+    if tt is None:
+      tt = times[key] = cm.stage_time(costs, idx, device, mb, dp)
+    fw.append(tt[0])
+    bw.append(tt[1])
+    up.append(cm.update_time(params, device, dp, cluster.group_link(s.devices)))
     stat.append(cm.static_memory(params))
-    act.append(cm.activation_memory(float(costs.saved_ps[idx].sum()), mb, dp, 1))
+    act.append(cm.activation_memory(saved, mb, dp, 1))
     mbs.append(mb)
-    flops = costs.flops_ps[idx]
-    with_params = costs.param_bytes[idx] > 0
-    total = float(flops.sum())
-    share = float(flops[with_params].sum()) / total if total > 0 else float(with_params.any())
-    wfrac.append(0.5 * share)
+    wfrac.append(frac)
     pbytes.append(params)
-  edge_bytes = stage_edge_bytes(costs, stage_of)
+  partition = tuple(s.layers for s in plan.stages)
+  edge_bytes = costs._edge_bytes.get(partition)
+  if edge_bytes is None:
+    stage_of = [0] * len(costs)
+    for s in plan.stages:
+      for l in s.layers:
+        stage_of[costs.index[l]] = s.index
+    edge_bytes = costs._edge_bytes[partition] = stage_edge_bytes(costs, stage_of)
   xfer, back = {}, {}
   for i, j in plan.edges:
     link = cluster.link_between(plan.stages[i].devices, plan.stages[j].devices)
