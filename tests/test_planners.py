@@ -10,7 +10,7 @@ from gpp_jax.cost.cost_model import layer_costs
 from gpp_jax.cost.simulator import simulate
 from gpp_jax.errors import PlanError
 from gpp_jax.experiments import model_graphs as mg
-from gpp_jax.ir.plan import Plan, validate_plan
+from gpp_jax.ir.plan import Plan, Stage, validate_plan
 from gpp_jax.ir.schedule import validate_schedule
 from gpp_jax.passes.partition import (
   PLANNERS,
@@ -249,6 +249,52 @@ def test_placement_keeps_data_parallel_groups_inside_nodes():
   assert sorted(d for r in ranges for d in r) == list(range(16))
   with pytest.raises(PlanError, match="devices"):
     place_stages(cpu_cluster(2), [2, 1])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+  st.sampled_from([8, 12, 16, 32]), st.lists(st.sampled_from([0, 1, 2, 3, 4, 5, 8]), max_size=9)
+)
+def test_placement_is_first_fit_decreasing(K, counts):
+  """``place_stages`` searches free runs with bytes.find; it must pick what first fit
+  decreasing picks position by position (the lowest start that fits, inside one node for a
+  stage smaller than a node, at a node start for a larger one, else anywhere)."""
+  cluster = v100_cluster(K)
+  n = cluster.devices_per_node
+  free = [True] * K
+
+  def fits(st, k):
+    return st + k <= K and all(free[st : st + k])
+
+  want = [None] * len(counts)
+  for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
+    k = counts[i]
+    starts = range(0, K, n) if k >= n else range(K)
+    good = (st for st in starts if fits(st, k) and (k >= n or st // n == (st + k - 1) // n))
+    pick = next(good, None)
+    if pick is None:
+      pick = next((st for st in range(K) if fits(st, k)), None)
+    if pick is None:
+      with pytest.raises(PlanError):
+        place_stages(cluster, counts)
+      return
+    free[pick : pick + k] = [False] * k
+    want[i] = tuple(range(pick, pick + k))
+  assert place_stages(cluster, counts) == want
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.integers(1, 9), st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), max_size=16))
+def test_depth_is_the_longest_path_of_the_stage_graph(n, pairs):
+  """``Plan.depth`` counts the longest path itself; it must be networkx's count plus one."""
+  edges = tuple(sorted({(i, j) for i, j in pairs if i < j < n}))
+  plan = Plan(
+    stages=tuple(Stage(s, (f"l{s}",), (s,)) for s in range(n)), edges=edges, num_microbatches=1
+  )
+  g = nx.DiGraph()
+  g.add_nodes_from(range(n))
+  g.add_edges_from(edges)
+  assert plan.depth() == nx.dag_longest_path_length(g) + 1
 
 
 def test_idle_devices_are_handed_out_when_they_help():

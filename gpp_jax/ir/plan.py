@@ -88,8 +88,31 @@ class Plan:
     return {l: s.index for s in self.stages for l in s.layers}
 
   def depth(self) -> int:
-    """Pipeline depth: number of stages on the longest path of the stage graph."""
-    return nx.dag_longest_path_length(self.stage_graph()) + 1
+    """Pipeline depth: number of stages on the longest path of the stage graph.
+
+    Counted over the edges in topological order (the planners ask it of every candidate;
+    building a networkx graph for it cost more than the count); networkx counts it, or names
+    the cycle, where an edge names no stage or the edges close a cycle."""
+    n = self.num_stages
+    succ: list[list[int]] = [[] for _ in range(n)]
+    waiting = [0] * n
+    for i, j in self.edges:
+      if not (0 <= i < n and 0 <= j < n):
+        return nx.dag_longest_path_length(self.stage_graph()) + 1
+      succ[i].append(j)
+      waiting[j] += 1
+    level = [0] * n  # edges on the longest path ending at each stage
+    ready = [s for s in range(n) if not waiting[s]]
+    for i in ready:  # grows while it is read: Kahn's order
+      for j in succ[i]:
+        if level[i] + 1 > level[j]:
+          level[j] = level[i] + 1
+        waiting[j] -= 1
+        if not waiting[j]:
+          ready.append(j)
+    if len(ready) < n:  # a cycle
+      return nx.dag_longest_path_length(self.stage_graph()) + 1
+    return max(level, default=0) + 1
 
   def replace(self, **kw) -> Plan:
     return dataclasses.replace(self, **kw)

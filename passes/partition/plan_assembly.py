@@ -200,7 +200,7 @@ def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...
   """
   K = cluster.num_devices
   n = cluster.devices_per_node or K
-  free = [True] * K
+  free = bytearray(b"\x01") * K  # 1: free
   out: list[tuple[int, ...] | None] = [None] * len(counts)
 
   def fits(start: int, k: int) -> bool:
@@ -208,21 +208,29 @@ def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...
 
   for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
     k = counts[i]
-    starts = list(range(0, K, n)) if k >= n else list(range(K))
+    run = b"\x01" * k
     pick = None
-    for st in starts:
-      if fits(st, k) and (k >= n or st // n == (st + k - 1) // n):
-        pick = st
-        break
-    if pick is None:
+    if k >= n:  # whole nodes: the first node start followed by k free devices
+      pick = next((st for st in range(0, K, n) if free.startswith(run, st)), None)
+    elif k > 0:  # inside one node: the first node with k free devices in a row, its first
+      for st in range(0, K, n):
+        at = free.find(run, st, min(st + n, K))
+        if at >= 0:
+          pick = at
+          break
+    else:
+      pick = next((st for st in range(K) if fits(st, k) and st // n == (st + k - 1) // n), None)
+    if pick is None and k > 0:
+      at = free.find(run)
+      pick = at if at >= 0 else None
+    elif pick is None:
       pick = next((st for st in range(K) if fits(st, k)), None)
     if pick is None:
       raise PlanError(
         f"cannot place stages needing {list(counts)} devices contiguously on "
         f"{K} devices; use fewer devices per stage"
       )
-    for d in range(pick, pick + k):
-      free[d] = False
+    free[pick : pick + k] = bytes(len(free[pick : pick + k]))
     out[i] = tuple(range(pick, pick + k))
   return out  # type: ignore[return-value]
 
