@@ -159,6 +159,10 @@ def main(mode):
       pp(p, o, batch)
     except gpp_jax.PlanError as e:
       print(f"PLANERROR process={jax.process_index()}: {e}", flush=True)
+      if jax.process_index() == 0:
+        # Process 0 runs the coordination service, whose end aborts the others at once: it
+        # outlives their reports (each raises on its own; the test checks both said so).
+        time.sleep(3)
       os._exit(4)
     os._exit(0)
   if mode in ("kill", "die"):
