@@ -230,7 +230,7 @@ def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...
         f"cannot place stages needing {list(counts)} devices contiguously on "
         f"{K} devices; use fewer devices per stage"
       )
-    free[pick : pick + k] = bytes(len(free[pick : pick + k]))
+    free[pick : pick + k] = bytes(k)  # pick + k <= K: every branch found k free devices there
     out[i] = tuple(range(pick, pick + k))
   return out  # type: ignore[return-value]
 
