@@ -19,7 +19,8 @@ and prints per candidate: its devices per stage and micro-batches, measured ms, 
 the error, the prediction and error with the host's probe only (without the model's own SPMD
 factor), without any SPMD factor (the model before them) and without the host's fixed
 seconds per call over several devices (``HostCosts.spmd_call``; the factors as calibrated
-with them); then the planner's choice,
+with them) and with every stage's instructions issued at one device's costs (without
+``HostCosts.wide_ops``); then the planner's choice,
 the best measured candidate and the regret (measured time of the choice / best measured).
 With ``--json_out`` the rows go to a JSON file too. The 2-process rows are
 ``benchmarks/scaling.py``.
@@ -121,6 +122,12 @@ def one(model, size, n):
   unfactored = dataclasses.replace(planned.host, spmd=None) if planned.host is not None else None
   # The host without its fixed seconds per call over several devices (the factors as they are).
   no_call = dataclasses.replace(planned.host, spmd_call=None) if planned.host is not None else None
+  # The host issuing every stage's instructions at one device's costs (no ``wide_ops``).
+  narrow = (
+    dataclasses.replace(planned.host, wide_ops=None, wide_per_stage=None)
+    if planned.host is not None
+    else None
+  )
   bare = scaled.copy()
   bare.graph.pop("spmd", None)
   rows = []
@@ -130,6 +137,7 @@ def one(model, size, n):
     without, _ = predict_seconds(plan, bare, cluster, unfactored)
     probe, _ = predict_seconds(plan, bare, cluster, planned.host)
     callless, _ = predict_seconds(plan, scaled, cluster, no_call)
+    one_width, _ = predict_seconds(plan, scaled, cluster, narrow)
     measured = measure(run, data, plan, devices)
     rows.append(
       dict(
@@ -147,6 +155,8 @@ def one(model, size, n):
         error_without_spmd=(without - measured) / measured,
         predicted_without_call_ms=callless * 1e3,
         error_without_call=(callless - measured) / measured,
+        predicted_narrow_issue_ms=one_width * 1e3,
+        error_narrow_issue=(one_width - measured) / measured,
       )
     )
     if shape(plan) == shape(pp.plan):
@@ -199,11 +209,11 @@ def main(_):
           f"{spmd_text(r['spmd_call_ms'], 2)}, set-up {r['setup_s']:.0f} s)"
         )
         head = ("candidate", "devices", "M", "measured", "predicted", "err", "probe", "err")
-        head += ("no SPMD", "err", "no call", "err")
+        head += ("no SPMD", "err", "no call", "err", "1-dev issue", "err")
         print(
           "  {:20s} {:>8s} {:>3s}".format(*head[:3])
           + " {:>10s} {:>10s} {:>6s}".format(*head[3:6])
-          + (" {:>10s} {:>6s}" * 3).format(*head[6:])
+          + (" {:>10s} {:>6s}" * 4).format(*head[6:])
         )
         for row in r["rows"]:
           print(
@@ -212,7 +222,8 @@ def main(_):
             f"{row['error'] * 100:+5.0f}% {row['predicted_probe_ms']:8.2f}ms "
             f"{row['error_probe'] * 100:+5.0f}% {row['predicted_without_spmd_ms']:8.2f}ms "
             f"{row['error_without_spmd'] * 100:+5.0f}% {row['predicted_without_call_ms']:8.2f}ms "
-            f"{row['error_without_call'] * 100:+5.0f}%"
+            f"{row['error_without_call'] * 100:+5.0f}% {row['predicted_narrow_issue_ms']:8.2f}ms "
+            f"{row['error_narrow_issue'] * 100:+5.0f}%"
           )
         print(
           f"  choice: {r['choice']} ({r['choice_stages']} stages) measured "

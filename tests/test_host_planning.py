@@ -3,6 +3,8 @@ parallel among the candidates, and the one prediction a plan is chosen by."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -332,6 +334,56 @@ def test_a_stage_over_several_devices_holds_as_many_cores():
   assert overlap(simulate(wide, g, cluster, host=two_cores)) == 0
 
 
+def test_a_stage_over_several_devices_pays_its_measured_issue_costs():
+  """Issuing an instruction of a stage over 2 devices costs what the probe measured for that
+  width (``wide_ops``, ``wide_per_stage``): on a host-bound program the step takes exactly the
+  extra issue time of the wide stage's forwards, backwards, transfers (each SEND at the wider
+  of its two stages) and per-stage work; the one-device stage pays what it paid."""
+  from gpp_jax.cost.simulator import simulate
+
+  g = chain(1e-9, 4096)  # no compute: the host's issuing is the step
+  cluster = cpu_cluster(4)
+  M = 4
+  plan = Plan(
+    (Stage(0, ("a",), (0, 1)), Stage(1, ("b",), (2,))), ((0, 1),), M, planner="x", batch_size=8
+  )
+  ops = {"F": 1e-3, "B": 2e-3, "W": 0.0, "UPDATE": 1e-4, "SEND": 5e-4, "RECV": 0.0}
+  narrow = HostCosts(per_op=ops, per_stage=3e-4, parallel=None)
+  wide_ops = {2: {"F": 3e-3, "B": 5e-3, "SEND": 8e-4}}
+  wide = dataclasses.replace(narrow, wide_ops=wide_ops, wide_per_stage={2: 7e-4})
+  extra = M * (2e-3 + 3e-3) + 2 * M * 3e-4 + (7e-4 - 3e-4)
+  t_narrow = simulate(plan, g, cluster, host=narrow).iteration_time
+  t_wide = simulate(plan, g, cluster, host=wide).iteration_time
+  assert t_wide - t_narrow == pytest.approx(extra, rel=1e-3)
+  # The same costs on one-device stages: nothing changes.
+  flat = plan.replace(stages=(Stage(0, ("a",), (0,)), Stage(1, ("b",), (2,))))
+  assert simulate(flat, g, cluster, host=wide).iteration_time == pytest.approx(
+    simulate(flat, g, cluster, host=narrow).iteration_time
+  )
+  # Interpolated between measured widths, the widest one's beyond; unmeasured ops as one
+  # device.
+  h = dataclasses.replace(narrow, wide_ops={2: {"F": 3e-3}, 4: {"F": 7e-3}})
+  assert [h.issue_seconds("F", k) for k in (1, 2, 3, 4, 8)] == pytest.approx(
+    [1e-3, 3e-3, 5e-3, 7e-3, 7e-3]
+  )
+  assert h.issue_seconds("B", 4) == 2e-3 and h.stage_seconds(4) == 3e-4
+
+
+def test_measure_host_measures_wider_stages():
+  """The probe's pipeline, run again with stages over 2 and 4 devices, gives per-op issue
+  costs for those widths, the stages' own: positive, and a forward over 4 devices dearer
+  than over one."""
+  from gpp_jax.runtime import pipeline
+  from gpp_jax.runtime.host import measure_host
+
+  h = measure_host(jax.devices()[:4], pipeline.graph_pipeline, repeats=3)
+  assert set(h.wide_ops) == set(h.wide_per_stage) == {2, 4}
+  for w, ops in h.wide_ops.items():
+    assert {"F", "B", "SEND"} <= set(ops), w
+    assert all(v > 0 for v in ops.values()) and h.wide_per_stage[w] > 0
+  assert h.issue_seconds("F", 4) > h.issue_seconds("F", 1)
+
+
 def test_host_costs_json_round_trips_with_and_without_spmd():
   import json
 
@@ -342,11 +394,17 @@ def test_host_costs_json_round_trips_with_and_without_spmd():
   assert back == with_spmd and back.spmd_factor(4) == 6.0 and back.spmd_call_seconds(2) == 1e-3
   without = HostCosts(per_op={"F": 1e-4}, parallel=None)
   assert HostCosts.from_json(without.to_json()) == without
+  wide = dataclasses.replace(
+    with_spmd, wide_ops={2: {"F": 3e-4, "SEND": 2e-4}, 4: {"F": 6e-4}}, wide_per_stage={2: 1e-3}
+  )
+  back = HostCosts.from_json(wide.to_json())
+  assert back == wide and back.issue_seconds("F", 4) == 6e-4 and back.stage_seconds(2) == 1e-3
   # HostCosts saved before the fields existed still load.
-  old = json.loads(with_spmd.to_json())
-  del old["spmd"], old["spmd_call"]
+  old = json.loads(wide.to_json())
+  del old["spmd"], old["spmd_call"], old["wide_ops"], old["wide_per_stage"]
   back = HostCosts.from_json(json.dumps(old))
   assert back.spmd is None and back.spmd_call is None and back.spmd_call_seconds(2) == 0.0
+  assert back.wide_ops is None and back.issue_seconds("F", 4) == 1e-4
 
 
 def test_measure_spmd_on_forced_cpu_devices():

@@ -184,7 +184,7 @@ def simulate_times(
   static_memory: Sequence[float] | None = None,
   activation_memory: Sequence[float] | None = None,
   stage_devices: Sequence[Sequence[int]] | None = None,
-  host_dispatch: float | Mapping[Op, float] | None = None,
+  host_dispatch: float | Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
   timeline: bool = True,
@@ -207,8 +207,9 @@ def simulate_times(
       one stashed micro-batch, per stage (0 if None).
     stage_devices: devices of each stage, to report peak memory per device.
     host_dispatch: seconds the driver's single host thread spends issuing one action (F, B,
-      W, UPDATE), or seconds per op of the lowered program (``cost.host.HostCosts``); when
-      set, no instruction starts before the host has issued it, in program order.
+      W, UPDATE), or seconds per op of the lowered program (``cost.host.HostCosts``), or
+      such a mapping per lane (``HostCosts.lane_costs``); when set, no instruction starts
+      before the host has issued it, in program order.
     cores: the host has this many cores, shared by the computing actions (forced CPU
       devices share them) and by the issuing thread while it issues an action; None for
       independent devices.
@@ -257,9 +258,11 @@ def simulate_times(
       durations.append(float(up[i.stage]))
     else:
       durations.append(0.0)
-  host = None
+  host: Any = None
   if isinstance(host_dispatch, Mapping):
     host = dict(host_dispatch)
+  elif isinstance(host_dispatch, Sequence):
+    host = list(host_dispatch)
   elif host_dispatch is not None:
     host = {op: float(host_dispatch) for op in (Op.F, Op.B, Op.W, Op.UPDATE)}
   res = simulate_program(
@@ -579,7 +582,7 @@ def simulate_program(
   program: Program,
   durations: Sequence[float] | Callable[[Instr], float],
   *,
-  host_cost: Mapping[Op, float] | None = None,
+  host_cost: Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
   static_memory: Sequence[float] | None = None,
@@ -595,13 +598,14 @@ def simulate_program(
   and its channel (kind, source lane, destination lane; ``channels`` may map several onto one)
   is free, and occupies the channel, not a lane; the RECV that follows on the destination holds
   that lane until the buffer has arrived, as a device that runs its queue in order waits for an
-  input. With ``host_cost`` (seconds per op; ops not in it cost the host nothing) one host
-  thread issues the instructions one after another in program order, and none starts before
-  it is issued; with ``cores`` the computing instructions and the issuing thread share that
-  many cores (forced CPU devices): an instruction of a stage over k devices (``stage_devices``)
-  runs on k device threads and holds min(k, cores) of them. The result's actions are the F, B,
-  W and UPDATE
-  instructions, its transfers the SENDs; memory as ``simulate_times`` describes.
+  input. With ``host_cost`` (seconds per op, or a mapping per lane: ``HostCosts.lane_costs``;
+  ops not in it cost the host nothing; a SEND costs what its source or destination lane's
+  SEND costs, the more) one host thread issues the instructions one after another in program
+  order, and none starts before it is issued; with ``cores`` the computing instructions and
+  the issuing thread share that many cores (forced CPU devices): an instruction of a stage
+  over k devices (``stage_devices``) runs on k device threads and holds min(k, cores) of them.
+  The result's actions are the F, B, W and UPDATE instructions, its transfers the SENDs;
+  memory as ``simulate_times`` describes.
   """
   S = program.num_stages
   instrs = program.instrs
@@ -621,7 +625,13 @@ def simulate_program(
   widths = [
     max(1, min(len(devs[lane]) if lane < S else 1, cores or 1)) for lane in range(program.num_lanes)
   ]
-  host = host_cost or {}
+  if host_cost is None or isinstance(host_cost, Mapping):
+    lane_host = [host_cost or {}] * program.num_lanes
+  else:
+    lane_host = list(host_cost)
+    if len(lane_host) != program.num_lanes:
+      raise ValueError(f"host costs for {len(lane_host)} lanes, not {program.num_lanes}")
+  hosted = any(lane_host)
   host_t = 0.0
   actions: list[ActionTime] = []
   transfers: list[TransferTime] = []
@@ -631,12 +641,15 @@ def simulate_program(
   for i, dur in zip(instrs, durations):
     op = i.op
     issued = 0.0
-    if host and op in host:
+    cost = lane_host[i.lane].get(op) if hosted else None
+    if op is SEND and cost is not None:  # a put onto the wider of the two stages costs more
+      cost = max(cost, lane_host[i.peer].get(op, cost))
+    if cost is not None:
       if core_free is None:
-        host_t += host[op]
+        host_t += cost
       else:  # the issuing thread needs a core as well
         k = min(range(len(core_free)), key=core_free.__getitem__)
-        host_t = max(host_t, core_free[k]) + host[op]
+        host_t = max(host_t, core_free[k]) + cost
         core_free[k] = host_t
       issued = host_t
     dep = 0.0
@@ -777,7 +790,7 @@ def simulate(
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
   outside = 0.0
   if host is not None:
-    host_cost = host.op_costs() if program is not None else host.schedule_costs()
+    host_cost = host.lane_costs([len(s.devices) for s in plan.stages], schedule=program is None)
     cores = host.compute_servers()
     outside = host.outside
     fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, costs, pc, host)

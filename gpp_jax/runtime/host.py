@@ -146,33 +146,55 @@ def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> Hos
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  batch = (
-    rng.normal(size=(16, widths[0])).astype(np.float32),
-    rng.normal(size=(16, widths[-1])).astype(np.float32),
-  )
-  stages = {f"l{k}": k * n // 4 for k in range(4)}
-  pp = graph_pipeline(
-    step,
-    num_microbatches=4,
-    devices=list(devices[:n]),
-    planner=manual_plan(stages),
-    fuse=False,
-  )
-  p, o = params, tx.init(params)
-  for _ in range(3):
-    p, o, loss = pp(p, o, batch)
-  jax.block_until_ready(loss)
-  found = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    p, o, loss = pp(p, o, batch)
-    call = time.perf_counter() - t
+  def timed(devs: Sequence[Any], stages: dict[str, int], placed: dict | None, B: int, reps: int):
+    """Per-step HostCosts of the small pipeline of ``stages`` on ``devs``, batch ``B``; of
+    the stages' own instructions where ``placed`` (the wide stages)."""
+    pp = graph_pipeline(
+      step,
+      num_microbatches=4,
+      devices=list(devs),
+      planner=manual_plan(stages, placed),
+      fuse=False,
+    )
+    batch = (
+      rng.normal(size=(B, widths[0])).astype(np.float32),
+      rng.normal(size=(B, widths[-1])).astype(np.float32),
+    )
+    p, o = params, tx.init(params)
+    for _ in range(2):
+      p, o, loss = pp(p, o, batch)
     jax.block_until_ready(loss)
-    found.append(host_costs_from_timeline(pp.timeline, pp.plan.num_stages, call))
-  per_op = {
-    k: statistics.median(h.per_op[k] for h in found if k in h.per_op)
-    for k in {k for h in found for k in h.per_op}
-  }
+    found = []
+    for _ in range(reps):
+      t = time.perf_counter()
+      p, o, loss = pp(p, o, batch)
+      call = time.perf_counter() - t
+      jax.block_until_ready(loss)
+      found.append(
+        host_costs_from_timeline(pp.timeline, pp.plan.num_stages, call, placed is not None)
+      )
+    return found
+
+  def medians(found):
+    return {
+      k: statistics.median(h.per_op[k] for h in found if k in h.per_op)
+      for k in {k for h in found for k in h.per_op}
+    }
+
+  found = timed(devices[:n], {f"l{k}": k * n // 4 for k in range(4)}, None, 16, repeats)
+  per_op = medians(found)
+  # The same pipeline with stages over w = 2, 4, ... devices: two stages where the devices
+  # hold them (transfers between wide stages too), else one.
+  wide_ops, wide_per_stage = {}, {}
+  w = 2
+  while w <= len(devices):
+    two = 2 * w <= len(devices)
+    placed = {0: list(range(w)), 1: list(range(w, 2 * w))} if two else {0: list(range(w))}
+    rules = {f"l{k}": k // 2 if two else 0 for k in range(4)}
+    wide = timed(devices[: 2 * w if two else w], rules, placed, 4 * max(4, w), min(repeats, 5))
+    wide_ops[w] = medians(wide)
+    wide_per_stage[w] = statistics.median(h.per_stage for h in wide)
+    w *= 2
   cpu = devices[0].platform == "cpu"
   spmd = measure_spmd(list(devices)) if cpu else ({}, {})
   return HostCosts(
@@ -184,17 +206,20 @@ def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> Hos
     device=str(devices[0]),
     spmd=spmd[0] or None,
     spmd_call=spmd[1] or None,
+    wide_ops=wide_ops or None,
+    wide_per_stage=wide_per_stage or None,
   )
 
 
 def measure_host(devices: Sequence[Any], graph_pipeline: Any, repeats: int = 7) -> HostCosts:
   """``HostCosts`` of this process driving ``devices``: a small pipeline over up to four of
   them runs a few steps through the executor (its per-instruction dispatch timeline gives the
-  per-op costs) and, on CPU devices, a matrix chain on each of them measures how many compute
-  at once (``measure_parallel``) and a small data-parallel step over 2, 4, ... of them how
-  much slower than perfect division it runs and what each of its calls costs whatever its size
-  (``measure_spmd``). Seconds in all; measured once
-  per process and devices. ``graph_pipeline``: the decorator that builds the small pipeline
-  (``runtime.pipeline``'s, passed in so that this module does not import the runtime that
-  calls it)."""
+  per-op costs), then again with stages over 2, 4, ... of them (two stages where the devices
+  hold them, else one: the per-op costs of wide stages, ``wide_ops``); on CPU devices a
+  matrix chain on each of them measures how many compute at once (``measure_parallel``) and a
+  small data-parallel step over 2, 4, ... of them how much slower than perfect division it
+  runs and what each of its calls costs whatever its size (``measure_spmd``). Seconds in all;
+  measured once per process and devices. ``graph_pipeline``: the decorator that builds the
+  small pipeline (``runtime.pipeline``'s, passed in so that this module does not import the
+  runtime that calls it)."""
   return _measure(tuple(devices), repeats, graph_pipeline)
