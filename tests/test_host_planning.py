@@ -369,6 +369,31 @@ def test_a_stage_over_several_devices_pays_its_measured_issue_costs():
   assert h.issue_seconds("B", 4) == 2e-3 and h.stage_seconds(4) == 3e-4
 
 
+def test_a_stage_edge_of_several_arrays_costs_a_transfer_per_array():
+  """The host issues a transfer per array: an edge carrying 3 arrays costs 3 SENDs each way
+  per micro-batch on a host-bound step; the devices-only model does not change."""
+  from gpp_jax.cost.simulator import simulate
+
+  def graph(arrays):
+    g = lg.new_layer_graph("chain", 8)
+    for name in ("a", "b"):
+      lg.add_layer(g, name, flops=1e3, param_bytes=64, act_bytes=64, time_f=1e-9, time_b=2e-9)
+    lg.add_edge(g, "a", "b", 1024, arrays=arrays)
+    return g
+
+  M, send = 4, 5e-4
+  plan = Plan(
+    (Stage(0, ("a",), (0,)), Stage(1, ("b",), (1,))), ((0, 1),), M, planner="x", batch_size=8
+  )
+  h = HostCosts(per_op={"F": 1e-4, "B": 1e-4, "SEND": send}, parallel=None)
+  cluster = cpu_cluster(2)
+  one, three = (simulate(plan, graph(a), cluster, host=h).iteration_time for a in (1, 3))
+  assert three - one == pytest.approx(2 * M * 2 * send, rel=1e-3)
+  assert simulate(plan, graph(3), cluster).iteration_time == pytest.approx(
+    simulate(plan, graph(1), cluster).iteration_time
+  )
+
+
 def test_measure_host_measures_wider_stages():
   """The probe's pipeline, run again with stages over 2 and 4 devices, gives per-op issue
   costs for those widths, the stages' own: positive, and a forward over 4 devices dearer

@@ -97,6 +97,25 @@ def test_costs_and_json_round_trips():
   assert "stage" in str(plan) and "a" in str(plan)
 
 
+def test_an_edge_counts_the_arrays_it_carries():
+  """Two arrays from layer a read by layer b: an edge of two arrays (each a transfer of its
+  own between stages); an array read twice in b is one."""
+
+  def f(p, x):
+    h, g = x @ p["a"]["u"], x @ p["a"]["v"]
+    return jnp.sum(h @ p["b"]["u"] + g @ p["b"]["v"] + h @ p["b"]["w"])
+
+  p = {
+    "a": {"u": jnp.ones((5, 7)), "v": jnp.ones((5, 7))},
+    "b": {"u": jnp.ones((7, 3)), "v": jnp.ones((7, 3)), "w": jnp.ones((7, 3))},
+  }
+  _, L = _layered(f, p, jnp.ones((4, 5)), depth=1)
+  crossing = [d for u, v, d in L.graph.edges(data=True) if (u, v) == ("a", "b")]
+  assert crossing and crossing[0]["arrays"] == 2
+  g2 = lg.from_json(lg.to_json(L.graph))
+  assert g2.edges["a", "b"]["arrays"] == 2
+
+
 def test_balanced_plan_balances_flops():
   g = lg.new_layer_graph("chain", 1)
   for i, f in enumerate([1, 1, 1, 1, 4, 4]):

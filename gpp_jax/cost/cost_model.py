@@ -174,6 +174,8 @@ class LayerCosts:
     rows_ps: rows the layer's matrix products see per sample (the layer attribute ``rows``,
       default 1): the efficiency curve is read at samples x rows.
     edges: (u, v, bytes per sample) with u, v positions.
+    edge_arrays: the arrays each edge carries (the edge attribute ``arrays``, default 1), in
+      the order of ``edges``.
 
   Planners price thousands of candidate plans whose stages recur (a polish moves a few
   layers, a sweep tries every micro-batch size on one partition), so ``plan_costs`` keeps
@@ -182,9 +184,9 @@ class LayerCosts:
   sample and weight fraction (``_stages``); per (cost model, device), a stage's (forward,
   backward) seconds per (layer names, micro-batch, data-parallel degree) (``_stage_times``,
   as ``_times`` keeps the per-layer times); per partition (each stage's layer names, in stage
-  order), the bytes per sample crossing each stage edge (``_edge_bytes``). Each value is a
-  function of its key and of these immutable costs, so a hit is what recomputing would give,
-  to the last bit.
+  order), the bytes per sample and arrays crossing each stage edge (``_edge_bytes``). Each
+  value is a function of its key and of these immutable costs, so a hit is what recomputing
+  would give, to the last bit.
   """
 
   layers: tuple[str, ...]
@@ -199,6 +201,7 @@ class LayerCosts:
   time_b_ps: np.ndarray
   edges: tuple[tuple[int, int, float], ...]
   rows_ps: np.ndarray
+  edge_arrays: tuple[int, ...] = ()
   _times: dict = dataclasses.field(default_factory=dict, repr=False)
   _stages: dict = dataclasses.field(default_factory=dict, repr=False)
   _stage_times: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -244,6 +247,7 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
     time_b_ps=np.where(np.isnan(tf), math.nan, tb),
     rows_ps=rows,
     edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)),
+    edge_arrays=tuple(int(d.get("arrays", 1)) for _, _, d in g.edges(data=True)),
   )
 
 
@@ -266,6 +270,8 @@ class PlanCosts:
       parameters (the weight-gradient product costs what the input-gradient product does),
       weighted by forward FLOPs; 0 for a stage without parameters.
     param_bytes: parameter bytes per device of each stage (one copy of its weights).
+    edge_arrays: arrays crossing each stage edge (i, j) (each a transfer of its own for the
+      host to issue, both ways).
   """
 
   forward: tuple[float, ...]
@@ -278,6 +284,7 @@ class PlanCosts:
   microbatch: tuple[float, ...]
   weight_fraction: tuple[float, ...] = ()
   param_bytes: tuple[float, ...] = ()
+  edge_arrays: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)
 
 
 def plan_microbatch(plan, stage) -> float:
@@ -295,16 +302,28 @@ def plan_microbatch(plan, stage) -> float:
 def stage_edge_bytes(costs: LayerCosts, stage_of: Sequence[int]) -> dict[tuple[int, int], float]:
   """Bytes per sample crossing each stage edge; a layer output read by several layers of one
   stage is sent once (the largest edge counts)."""
-  per_src: dict[tuple[int, int, int], float] = {}
-  for u, v, b in costs.edges:
+  return stage_edges(costs, stage_of)[0]
+
+
+def stage_edges(
+  costs: LayerCosts, stage_of: Sequence[int]
+) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], int]]:
+  """(bytes per sample, arrays) crossing each stage edge; what a layer sends to several layers
+  of one stage is sent once (its largest edge counts, bytes and arrays apart)."""
+  arrays = costs.edge_arrays or (1,) * len(costs.edges)
+  per_src: dict[tuple[int, int, int], tuple[float, int]] = {}
+  for (u, v, b), a in zip(costs.edges, arrays):
     su, sv = stage_of[u], stage_of[v]
     if su != sv:
       key = (u, su, sv)
-      per_src[key] = max(per_src.get(key, 0.0), b)
-  out: dict[tuple[int, int], float] = {}
-  for (_, su, sv), b in per_src.items():
-    out[(su, sv)] = out.get((su, sv), 0.0) + b
-  return out
+      b0, a0 = per_src.get(key, (0.0, 0))
+      per_src[key] = (max(b0, b), max(a0, a))
+  nbytes: dict[tuple[int, int], float] = {}
+  count: dict[tuple[int, int], int] = {}
+  for (_, su, sv), (b, a) in per_src.items():
+    nbytes[(su, sv)] = nbytes.get((su, sv), 0.0) + b
+    count[(su, sv)] = count.get((su, sv), 0) + a
+  return nbytes, count
 
 
 def _stage_terms(
@@ -362,13 +381,14 @@ def plan_costs(
     wfrac.append(frac)
     pbytes.append(params)
   partition = tuple(s.layers for s in plan.stages)
-  edge_bytes = costs._edge_bytes.get(partition)
-  if edge_bytes is None:
+  edges = costs._edge_bytes.get(partition)
+  if edges is None:
     stage_of = [0] * len(costs)
     for s in plan.stages:
       for l in s.layers:
         stage_of[costs.index[l]] = s.index
-    edge_bytes = costs._edge_bytes[partition] = stage_edge_bytes(costs, stage_of)
+    edges = costs._edge_bytes[partition] = stage_edges(costs, stage_of)
+  edge_bytes, edge_arrays = edges
   xfer, back = {}, {}
   for i, j in plan.edges:
     link = cluster.link_between(plan.stages[i].devices, plan.stages[j].devices)
@@ -386,6 +406,7 @@ def plan_costs(
     microbatch=tuple(mbs),
     weight_fraction=tuple(wfrac),
     param_bytes=tuple(pbytes),
+    edge_arrays={e: edge_arrays.get(e, 1) for e in plan.edges},
   )
 
 

@@ -185,6 +185,7 @@ def simulate_times(
   activation_memory: Sequence[float] | None = None,
   stage_devices: Sequence[Sequence[int]] | None = None,
   host_dispatch: float | Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
+  send_arrays: Mapping[tuple[int, int], int] | None = None,
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
   timeline: bool = True,
@@ -210,6 +211,9 @@ def simulate_times(
       W, UPDATE), or seconds per op of the lowered program (``cost.host.HostCosts``), or
       such a mapping per lane (``HostCosts.lane_costs``); when set, no instruction starts
       before the host has issued it, in program order.
+    send_arrays: arrays each stage edge (i, j) carries (``PlanCosts.edge_arrays``; default
+      one): the host issues a transfer per array, so a SEND along (i, j), either way, costs
+      that many SENDs' issue.
     cores: the host has this many cores, shared by the computing actions (forced CPU
       devices share them) and by the issuing thread while it issues an action; None for
       independent devices.
@@ -269,6 +273,7 @@ def simulate_times(
     program,
     durations,
     host_cost=host,
+    send_arrays=send_arrays,
     cores=cores,
     channels=channels,
     static_memory=static_memory,
@@ -583,6 +588,7 @@ def simulate_program(
   durations: Sequence[float] | Callable[[Instr], float],
   *,
   host_cost: Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
+  send_arrays: Mapping[tuple[int, int], int] | None = None,
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
   static_memory: Sequence[float] | None = None,
@@ -600,7 +606,8 @@ def simulate_program(
   that lane until the buffer has arrived, as a device that runs its queue in order waits for an
   input. With ``host_cost`` (seconds per op, or a mapping per lane: ``HostCosts.lane_costs``;
   ops not in it cost the host nothing; a SEND costs what its source or destination lane's
-  SEND costs, the more) one host thread issues the instructions one after another in program
+  SEND costs, the more, times the arrays it moves: ``send_arrays`` per stage edge, either
+  way) one host thread issues the instructions one after another in program
   order, and none starts before it is issued; with ``cores`` the computing instructions and
   the issuing thread share that many cores (forced CPU devices): an instruction of a stage
   over k devices (``stage_devices``) runs on k device threads and holds min(k, cores) of them.
@@ -644,6 +651,8 @@ def simulate_program(
     cost = lane_host[i.lane].get(op) if hosted else None
     if op is SEND and cost is not None:  # a put onto the wider of the two stages costs more
       cost = max(cost, lane_host[i.peer].get(op, cost))
+      if send_arrays:
+        cost *= send_arrays.get((i.lane, i.peer)) or send_arrays.get((i.peer, i.lane)) or 1
     if cost is not None:
       if core_free is None:
         host_t += cost
@@ -842,6 +851,7 @@ def simulate(
     stage_devices=[s.devices for s in plan.stages],
     channels=nic_channels(plan, cluster) if shared_nic else None,
     host_dispatch=host_cost,
+    send_arrays=pc.edge_arrays if host_cost is not None else None,
     cores=cores,
     timeline=timeline,
   )

@@ -71,15 +71,18 @@ def add_layer(
   )
 
 
-def add_edge(g: nx.DiGraph, src: str, dst: str, bytes: float) -> None:  # pylint: disable=redefined-builtin
-  """Adds (or accumulates onto) the edge src -> dst carrying ``bytes`` per batch."""
+def add_edge(g: nx.DiGraph, src: str, dst: str, bytes: float, arrays: int = 1) -> None:  # pylint: disable=redefined-builtin
+  """Adds (or accumulates onto) the edge src -> dst carrying ``bytes`` per batch in
+  ``arrays`` arrays (the edge attribute ``arrays``; an edge without it carries one)."""
   for n in (src, dst):
     if n not in g:
       raise ValueError(f"edge {src!r} -> {dst!r}: unknown layer {n!r}")
   if g.has_edge(src, dst):
-    g.edges[src, dst]["bytes"] += float(bytes)
+    d = g.edges[src, dst]
+    d["bytes"] += float(bytes)
+    d["arrays"] = d.get("arrays", 1) + int(arrays)
   else:
-    g.add_edge(src, dst, bytes=float(bytes))
+    g.add_edge(src, dst, bytes=float(bytes), arrays=int(arrays))
 
 
 def validate_layer_graph(g: nx.DiGraph) -> None:
