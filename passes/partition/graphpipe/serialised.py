@@ -31,42 +31,36 @@ class SerialisedRuns:
     if f is not None:
       return f
     ctx = self.ctx
-    K, E, M = self.K, self.E, ctx.M
-    rc = ctx.linear(node)
-    L = rc.n
-    mem_cap = ctx.cluster.memory_per_device
+    K, E = self.K, self.E
+    L = ctx.linear(node).n
     tps_all, static, saved, per_dev = ctx.linear_stacks(node)
-    inflight = np.minimum(np.arange(E), M)
-    # Stages [j, j2) whose transfer-free TPS is above the cap on every device count are never
-    # used; that bound grows with j2, so each j needs only the j2 below a limit.
-    fast = np.stack([rc.bound(d) for d in ctx.dps]).min(axis=0) <= self.cap
+    inflight = np.minimum(np.arange(E), ctx.M)
+    mem_cap = ctx.cluster.memory_per_device
+    widths = [(di, s) for di, s in enumerate(ctx.slots) if s <= K]
+    n_used = self.chain_widths(node, D)[: len(widths)]  # (widths, L)
+    counts = n_used.tolist()
+    longest = n_used.max(axis=0, initial=0).tolist()
+    # Per device count, a stage's stashed bytes per in-flight micro-batch.
+    per_mb = saved[None, :, :] * per_dev[:, None, None]  # (nd, L + 1, L + 1)
     f = np.full((L + 1, K + 1, E), math.inf)
     f[L, :, D:] = 0.0
+    lo = D + 1
     for j in range(L - 1, -1, -1):
-      hi = j + 1 + int(fast[j, j + 1 :].sum())  # stages [j, j2) for j2 < hi
       # Entry depths D + 1 .. D + (L - j) are all a chain from j can have; deeper ones repeat.
-      lo, top = D + 1, min(E - 1, D + L - j)
-      if hi == j + 1 or lo > top:
+      top = min(E - 1, D + L - j)
+      w = longest[j]
+      if not w or lo > top:
         continue
-      tps = tps_all[:, j, j + 1 : hi]  # (nd, w)
-      # memory of stage [j, j2) on d devices at depths lo .. top: (nd, w, top - lo + 1)
-      mem = (
-        static[j, j + 1 : hi][None, :, None]
-        + saved[j, j + 1 : hi][None, :, None]
-        * per_dev[:, None, None]
-        * inflight[None, None, lo : top + 1]
-      )
-      # TPS of the stage where it fits, inf elsewhere: max(that, rest) is inf where it does
-      # not fit. A stage above the cap or out of memory at every depth only gives values
-      # that end up inf, so each d takes the stages up to the last other one.
-      fits = np.where(mem <= mem_cap, tps[:, :, None], math.inf)
-      used = np.any(fits <= self.cap, axis=2)  # (nd, w)
-      # Per d, how many stages up to the last one used (0: none).
-      last = np.where(used.any(axis=1), used.shape[1] - used[:, ::-1].argmax(axis=1), 0)
-      best = np.full((K + 1, E), math.inf)
-      for di, (d, n) in enumerate(zip(ctx.slots, last.tolist())):
-        if d > K:
-          break
+      hi = j + 1 + w
+      # memory of stage [j, j2) on d devices at depths lo .. top: (nd, w, top - lo + 1); the
+      # stage's TPS where it fits, inf elsewhere (max(that, rest) is inf where it does not).
+      mem = static[j, j + 1 : hi][None, :, None] + per_mb[:, j, j + 1 : hi, None] * inflight[
+        None, None, lo : top + 1
+      ]
+      fits = np.where(mem <= mem_cap, tps_all[:, j, j + 1 : hi, None], math.inf)
+      best = f[j]  # written in place: the rows of f below j are final
+      for di, d in widths:
+        n = counts[di][j]
         if not n:
           continue
         rest = f[j + 1 : j + 1 + n, : K + 1 - d, lo - 1 : top]  # (n, K + 1 - d, top - lo + 1)
@@ -76,9 +70,36 @@ class SerialisedRuns:
       np.minimum.accumulate(best, axis=1, out=best)
       best[:, top + 1 :] = best[:, top : top + 1]
       best[best > self.cap] = math.inf
-      f[j] = best
     self.memo_chain[key] = f
     return f
+
+  def chain_widths(self, node: SPTreeNode, D: int) -> np.ndarray:
+    """``n[di, j]``: how many stages [j, j + 1), ..., [j, j + n) the chain of ``node`` in
+    context D looks at for device count ``ctx.dps[di]``: those up to the last one that is
+    within the cap where it fits in memory at some depth (0: none).
+
+    Stages [j, j2) whose transfer-free TPS is above the cap on every device count are never
+    used; that bound grows with j2, so each j needs only the j2 below a limit. A stage above
+    the cap, or out of memory at every depth, only gives values that end up inf, and memory
+    grows with the depth (the in-flight count min(e, M) does), so a stage fits at some depth
+    of the chain exactly where it fits at its shallowest, D + 1."""
+    ctx = self.ctx
+    rc = ctx.linear(node)
+    L = rc.n
+    tps_all, static, saved, per_dev = ctx.linear_stacks(node)
+    j2 = np.arange(L + 1)
+    after = j2[None, :] > j2[:L, None]  # (L, L + 1): stages [j, j2) with j2 > j
+    fast = (np.stack([rc.bound(d) for d in ctx.dps]).min(axis=0)[:L] <= self.cap) & after
+    hi = j2[:L] + 1 + fast.sum(axis=1)  # stages [j, j2) for j2 < hi
+    shallow = min(D + 1, ctx.M)
+    mem = static[None, :L, :] + saved[None, :L, :] * per_dev[:, None, None] * shallow
+    used = (
+      (np.where(mem <= ctx.cluster.memory_per_device, tps_all[:, :L, :], math.inf) <= self.cap)
+      & after
+      & (j2[None, :] < hi[:, None])
+    )  # (nd, L, L + 1)
+    last = np.where(used, j2, 0).max(axis=2)  # the last j2 used, 0 for none
+    return np.where(last > 0, last - j2[:L], 0)
 
   def serial(self, node: SPTreeNode, i: int, D: int) -> np.ndarray:
     """Table of serialising children [i, n) of ``node`` into one sequential pipeline."""
