@@ -13,6 +13,7 @@ from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.passes.partition import PLANNERS
 from gpp_jax.passes.partition.graphpipe.dp import MinMaxDP
 from gpp_jax.passes.partition.graphpipe.search import microbatch_context, sp_tree
+from gpp_jax.passes.partition.pipedream import chain_dp
 from gpp_jax.passes.partition.plan_assembly import (
   assemble_plan,
   data_parallel_degrees,
@@ -162,6 +163,26 @@ def test_serialised_chain_leaves_out_only_stages_that_cannot_count(memory, cap):
     want = reference_chain(dp, root, D)
     assert np.isfinite(want).any()
     assert np.array_equal(dp.chain(root, D), want)
+
+
+@pytest.mark.parametrize("memory,cap", [(None, math.inf), (3e6, math.inf), (3e6, "median")])
+def test_the_whole_chain_read_off_pipedreams_table_is_the_one_the_dp_computes(memory, cap):
+  """Where the search shares PipeDream's chain DP table (every layer in the LayerGraph's
+  order, context depth 0), the serialised chain read off it is the one the DP computes."""
+  g = mg.candle_uno(batch_size=48, branches=2, layers=2, hidden=256, top_layers=2)
+  cluster = cpu_cluster(6).replace(intra_link=Link(20e-6, 1e9))
+  ctx, root, dp = setup(g, cluster, 48, 8, memory)
+  assert root.layers == list(range(len(ctx.costs)))
+  rc = RangeCosts(ctx.costs, ctx.cm, ctx.cluster, ctx.b, ctx.B, ctx.dps)
+  A, dps = chain_dp(rc, ctx.K, ctx.M, ctx.cluster.memory_per_device)
+  assert dps == ctx.dps
+  read = MinMaxDP(ctx, whole_chain=lambda: A)
+  if cap == "median":
+    tps = rc.tps(ctx.dps[0])
+    dp.cap = read.cap = float(np.median(tps[np.triu_indices_from(tps, 1)]))
+  want = dp.chain(root, 0)
+  assert np.isfinite(want).any() and not np.isfinite(want).all()
+  assert np.array_equal(read.chain(root, 0), want)
 
 
 def test_the_handed_out_plan_is_polished_where_it_beats_every_starting_plan(monkeypatch):

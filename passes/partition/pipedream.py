@@ -227,8 +227,30 @@ def pipedream_plan(
 
 def chain_tables(problem: PlanningProblem) -> dict:
   """The chain DP tables of a problem, shared by the planners that use them (keyed by
-  micro-batch size, replication and device unit)."""
+  micro-batch size, replication and device unit; ``chain_table``)."""
   return problem.memo.setdefault("chain_tables", {})
+
+
+def chain_table(
+  tables: dict,
+  costs: LayerCosts,
+  cm: CostModel,
+  cluster: Cluster,
+  B: int,
+  b: int,
+  replicate: bool,
+  unit: int,
+) -> tuple[RangeCosts, np.ndarray, list]:
+  """(range costs, ``chain_dp`` table, its device counts) at micro-batch b over every layer in
+  the order of ``costs``, computed once per (b, replicate, unit) and kept in ``tables`` (a
+  problem's ``chain_tables``): everything else it depends on (the costs, cost model,
+  cluster, memory and batch) is the problem's."""
+  key = (b, replicate, unit)
+  if key not in tables:
+    K = cluster.num_devices
+    rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
+    tables[key] = (rc,) + chain_dp(rc, K, B // b, cluster.memory_per_device, replicate, unit)
+  return tables[key]
 
 
 SELECTIONS = ("simulated", "published")
@@ -314,11 +336,7 @@ def chain_candidates(
   tables = {} if tables is None else tables
 
   def table(b: int, rep: bool):
-    key = (b, rep, unit)
-    if key not in tables:
-      rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
-      tables[key] = (rc,) + chain_dp(rc, K, B // b, cluster.memory_per_device, rep, unit)
-    return tables[key]
+    return chain_table(tables, costs, cm, cluster, B, b, rep, unit)
 
   def candidates(b: int, rep: bool):
     _rc, A, _dps = table(b, rep)

@@ -17,6 +17,7 @@ is solved in the context of each breakpoint of the part after it, not of every d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -112,10 +113,12 @@ class MinMaxDP(SerialisedRuns):
     serialise: bool = True,
     max_depth: int | None = None,
     cap: float = math.inf,
+    whole_chain: Callable[[], np.ndarray] | None = None,
   ):
     self.ctx = ctx
     self.serialise = serialise
     self.cap = cap
+    self.whole_chain = whole_chain
     self.K = ctx.K
     depth = ctx.K if max_depth is None else min(ctx.K, max_depth)
     self.E = depth + 1  # depth indices 0..depth

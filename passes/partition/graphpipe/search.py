@@ -9,7 +9,7 @@ import dataclasses
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import networkx as nx
@@ -25,6 +25,7 @@ from gpp_jax.passes.partition.pipedream import (
   PIPEDREAM,
   PipeDreamOptions,
   chain_candidates,
+  chain_table,
   chain_tables,
 )
 from gpp_jax.passes.partition.plan_assembly import (
@@ -269,8 +270,40 @@ class DPRuns:
     if not ctx.dps:
       return None
     self.runs += 1
-    dp = MinMaxDP(ctx, self.opts.serialise, self.opts.max_depth, cap / self.problem.batch_size)
+    dp = MinMaxDP(
+      ctx,
+      self.opts.serialise,
+      self.opts.max_depth,
+      cap / self.problem.batch_size,
+      self.pipedream_table(ctx),
+    )
     return dp if dp.frontier(self.root) else None
+
+  def pipedream_table(self, ctx: MicrobatchContext) -> Callable[[], np.ndarray] | None:
+    """PipeDream's chain DP table for ``ctx`` (``pipedream.chain_table``, kept in the
+    problem's ``chain_tables``), where the DP may read its serialised chain of the whole graph
+    off it (``MinMaxDP.chain_of_table``) and PipeDream's search for the seed
+    (``chain_plans``) builds that very table anyway: at every micro-batch size, with
+    replication, in its own device unit. The context must count devices the same way (its
+    unit and device counts those of the table), and the device counts must be powers of two:
+    a stage's stashed bytes per device, saved x b / d there and saved x (b / d) here, are
+    then the same float. None where the table is not shared."""
+    p = self.problem
+    unit = device_unit(p.num_devices, PipeDreamOptions().device_grid)
+    dps = [d for d in data_parallel_degrees(ctx.b, p.num_devices) if d % unit == 0]
+    if (
+      not self.opts.chain_plans
+      or ctx.unit != unit
+      or ctx.dps != dps
+      or any(d & (d - 1) for d in dps)
+    ):
+      return None
+
+    def table() -> np.ndarray:
+      args = (p.costs, p.cost_model, p.cluster, p.batch_size, ctx.b, True, unit)
+      return chain_table(chain_tables(p), *args)[1]
+
+    return table
 
   def stages(self, dp: MinMaxDP, depth: int) -> Stages:
     """The strategy at the root's frontier point ``depth`` (device counts in devices)."""

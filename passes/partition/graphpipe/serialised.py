@@ -5,6 +5,7 @@ choice; stages may cut across branch boundaries to balance work."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -14,13 +15,15 @@ from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode
 
 class SerialisedRuns:
   """The serialised option of ``MinMaxDP`` (a mixin: it reads the DP's ``ctx``, device count
-  ``K``, depth count ``E``, TPS ``cap`` and ``memo_chain``)."""
+  ``K``, depth count ``E``, TPS ``cap``, ``memo_chain`` and ``whole_chain``, PipeDream's
+  chain DP table for the context where the search shares it, else None)."""
 
   ctx: MicrobatchContext
   K: int
   E: int
   cap: float
   memo_chain: dict
+  whole_chain: Callable[[], np.ndarray] | None
 
   def chain(self, node: SPTreeNode, D: int) -> np.ndarray:
     """``f[j, k, e]`` = smallest bottleneck of a sequential pipeline over ``node``'s layers j..
@@ -33,6 +36,9 @@ class SerialisedRuns:
     ctx = self.ctx
     K, E = self.K, self.E
     L = ctx.linear(node).n
+    if D == 0 and self.whole_chain is not None and node.layers == list(range(len(ctx.costs))):
+      f = self.memo_chain[key] = self.chain_of_table(self.whole_chain())
+      return f
     tps_all, static, saved, per_dev = ctx.linear_stacks(node)
     inflight = np.minimum(np.arange(E), ctx.M)
     mem_cap = ctx.cluster.memory_per_device
@@ -54,9 +60,10 @@ class SerialisedRuns:
       hi = j + 1 + w
       # memory of stage [j, j2) on d devices at depths lo .. top: (nd, w, top - lo + 1); the
       # stage's TPS where it fits, inf elsewhere (max(that, rest) is inf where it does not).
-      mem = static[j, j + 1 : hi][None, :, None] + per_mb[:, j, j + 1 : hi, None] * inflight[
-        None, None, lo : top + 1
-      ]
+      mem = (
+        static[j, j + 1 : hi][None, :, None]
+        + per_mb[:, j, j + 1 : hi, None] * inflight[None, None, lo : top + 1]
+      )
       fits = np.where(mem <= mem_cap, tps_all[:, j, j + 1 : hi, None], math.inf)
       best = f[j]  # written in place: the rows of f below j are final
       for di, d in widths:
@@ -71,6 +78,18 @@ class SerialisedRuns:
       best[:, top + 1 :] = best[:, top : top + 1]
       best[best > self.cap] = math.inf
     self.memo_chain[key] = f
+    return f
+
+  def chain_of_table(self, A: np.ndarray) -> np.ndarray:
+    """The chain of every layer in the LayerGraph's order in context depth 0, read off
+    PipeDream's table ``A[j, k, s]`` of that chain (``pipedream.chain_dp``: the smallest
+    bottleneck with exactly s stages on at most k slots, a stage s-th from the end holding
+    min(s, M) micro-batches, as one at depth s does here) over the same stages, device
+    counts and unit: ``f[j, k, e]`` is its minimum over s <= e, inf above the cap. The
+    values are maxima of the same stage TPS, so the table is the one ``chain`` computes."""
+    at_most = np.minimum.accumulate(A, axis=2)
+    f = at_most[:, :, np.minimum(np.arange(self.E), A.shape[2] - 1)]
+    f[f > self.cap] = math.inf
     return f
 
   def chain_widths(self, node: SPTreeNode, D: int) -> np.ndarray:
