@@ -371,7 +371,8 @@ def test_a_stage_over_several_devices_pays_its_measured_issue_costs():
 
 def test_a_stage_edge_of_several_arrays_costs_a_transfer_per_array():
   """The host issues a transfer per array: an edge carrying 3 arrays costs 3 SENDs each way
-  per micro-batch on a host-bound step; the devices-only model does not change."""
+  per micro-batch on a host-bound step (2 more arrays' share of a lone put where measured,
+  ``send_extra``); the devices-only model does not change."""
   from gpp_jax.cost.simulator import simulate
 
   def graph(arrays):
@@ -389,6 +390,10 @@ def test_a_stage_edge_of_several_arrays_costs_a_transfer_per_array():
   cluster = cpu_cluster(2)
   one, three = (simulate(plan, graph(a), cluster, host=h).iteration_time for a in (1, 3))
   assert three - one == pytest.approx(2 * M * 2 * send, rel=1e-3)
+  # Put together, each array beyond the first adds its measured share of a lone put.
+  h = dataclasses.replace(h, send_extra=0.25)
+  one, three = (simulate(plan, graph(a), cluster, host=h).iteration_time for a in (1, 3))
+  assert three - one == pytest.approx(2 * M * 2 * send * 0.25, rel=1e-3)
   assert simulate(plan, graph(3), cluster).iteration_time == pytest.approx(
     simulate(plan, graph(1), cluster).iteration_time
   )
@@ -407,6 +412,7 @@ def test_measure_host_measures_wider_stages():
     assert {"F", "B", "SEND"} <= set(ops), w
     assert all(v > 0 for v in ops.values()) and h.wide_per_stage[w] > 0
   assert h.issue_seconds("F", 4) > h.issue_seconds("F", 1)
+  assert h.send_extra is not None and 0.0 <= h.send_extra <= 1.0
 
 
 def test_host_costs_json_round_trips_with_and_without_spmd():
@@ -420,16 +426,19 @@ def test_host_costs_json_round_trips_with_and_without_spmd():
   without = HostCosts(per_op={"F": 1e-4}, parallel=None)
   assert HostCosts.from_json(without.to_json()) == without
   wide = dataclasses.replace(
-    with_spmd, wide_ops={2: {"F": 3e-4, "SEND": 2e-4}, 4: {"F": 6e-4}}, wide_per_stage={2: 1e-3}
+    with_spmd,
+    wide_ops={2: {"F": 3e-4, "SEND": 2e-4}, 4: {"F": 6e-4}},
+    wide_per_stage={2: 1e-3},
+    send_extra=0.3,
   )
   back = HostCosts.from_json(wide.to_json())
   assert back == wide and back.issue_seconds("F", 4) == 6e-4 and back.stage_seconds(2) == 1e-3
   # HostCosts saved before the fields existed still load.
   old = json.loads(wide.to_json())
-  del old["spmd"], old["spmd_call"], old["wide_ops"], old["wide_per_stage"]
+  del old["spmd"], old["spmd_call"], old["wide_ops"], old["wide_per_stage"], old["send_extra"]
   back = HostCosts.from_json(json.dumps(old))
   assert back.spmd is None and back.spmd_call is None and back.spmd_call_seconds(2) == 0.0
-  assert back.wide_ops is None and back.issue_seconds("F", 4) == 1e-4
+  assert back.wide_ops is None and back.issue_seconds("F", 4) == 1e-4 and back.send_extra is None
 
 
 def test_measure_spmd_on_forced_cpu_devices():

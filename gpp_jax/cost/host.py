@@ -32,6 +32,9 @@ simulator needs to include the host, measured like the layer times:
   the measured widths they are interpolated, beyond the widest the widest's; None where not
   measured (one device; costs saved before they were measured): every width then costs what
   one device costs.
+* ``send_extra``: what each array beyond the first of a stage edge adds to its SEND, as a
+  share of a lone put: the executor puts the arrays of one edge with one ``jax.device_put``
+  (about a third on forced CPU devices). None where not measured: each array a lone put.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class HostCosts:
   spmd_call: Mapping[int, float] | None = None
   wide_ops: Mapping[int, Mapping[str, float]] | None = None
   wide_per_stage: Mapping[int, float] | None = None
+  send_extra: float | None = None
 
   def op_costs(self, width: int = 1) -> dict[Op, float]:
     """Seconds per op of a compiled step's program (``simulate_program(host_cost=)``), for a
@@ -83,6 +87,13 @@ class HostCosts:
     per = self.schedule_costs if schedule else self.op_costs
     by_width = {w: per(w) for w in set(widths) | {1}}
     return [by_width[w] for w in widths] + [by_width[1]]
+
+  def send_factors(self, edge_arrays: Mapping[tuple[int, int], int]) -> dict:
+    """Per stage edge carrying ``a`` arrays, what one SEND along it costs in lone SENDs: the
+    executor puts an edge's arrays together (``runtime.executor._batched_sends``), each
+    beyond the first for ``send_extra`` of a lone put (1 where not measured)."""
+    extra = 1.0 if self.send_extra is None else self.send_extra
+    return {e: 1.0 + (a - 1) * extra for e, a in edge_arrays.items()}
 
   def issue_seconds(self, op: str, width: int = 1) -> float:
     """Seconds to issue one ``op`` of a stage over ``width`` devices (``per_op``; for several

@@ -185,7 +185,7 @@ def simulate_times(
   activation_memory: Sequence[float] | None = None,
   stage_devices: Sequence[Sequence[int]] | None = None,
   host_dispatch: float | Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
-  send_arrays: Mapping[tuple[int, int], int] | None = None,
+  send_factors: Mapping[tuple[int, int], float] | None = None,
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
   timeline: bool = True,
@@ -211,9 +211,9 @@ def simulate_times(
       W, UPDATE), or seconds per op of the lowered program (``cost.host.HostCosts``), or
       such a mapping per lane (``HostCosts.lane_costs``); when set, no instruction starts
       before the host has issued it, in program order.
-    send_arrays: arrays each stage edge (i, j) carries (``PlanCosts.edge_arrays``; default
-      one): the host issues a transfer per array, so a SEND along (i, j), either way, costs
-      that many SENDs' issue.
+    send_factors: per stage edge (i, j), what a SEND along it (either way) costs to issue
+      in lone SENDs (``HostCosts.send_factors``: an edge carries several arrays, put
+      together; default one).
     cores: the host has this many cores, shared by the computing actions (forced CPU
       devices share them) and by the issuing thread while it issues an action; None for
       independent devices.
@@ -273,7 +273,7 @@ def simulate_times(
     program,
     durations,
     host_cost=host,
-    send_arrays=send_arrays,
+    send_factors=send_factors,
     cores=cores,
     channels=channels,
     static_memory=static_memory,
@@ -588,7 +588,7 @@ def simulate_program(
   durations: Sequence[float] | Callable[[Instr], float],
   *,
   host_cost: Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
-  send_arrays: Mapping[tuple[int, int], int] | None = None,
+  send_factors: Mapping[tuple[int, int], float] | None = None,
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
   static_memory: Sequence[float] | None = None,
@@ -606,13 +606,15 @@ def simulate_program(
   that lane until the buffer has arrived, as a device that runs its queue in order waits for an
   input. With ``host_cost`` (seconds per op, or a mapping per lane: ``HostCosts.lane_costs``;
   ops not in it cost the host nothing; a SEND costs what its source or destination lane's
-  SEND costs, the more, times the arrays it moves: ``send_arrays`` per stage edge, either
-  way) one host thread issues the instructions one after another in program
-  order, and none starts before it is issued; with ``cores`` the computing instructions and
-  the issuing thread share that many cores (forced CPU devices): an instruction of a stage
-  over k devices (``stage_devices``) runs on k device threads and holds min(k, cores) of them.
-  The result's actions are the F, B, W and UPDATE instructions, its transfers the SENDs;
-  memory as ``simulate_times`` describes.
+  SEND costs, the more, times its stage edge's ``send_factors``, either way) one host thread
+  issues the instructions one after another in program order, and none starts before it is
+  issued; with ``cores`` the computing instructions and the issuing thread share that many
+  cores (forced CPU devices): an instruction of a stage over k devices (``stage_devices``)
+  runs on k device threads and holds min(k, cores) of them. The result's actions are the F,
+  B, W and UPDATE instructions, its transfers the SENDs; memory as ``simulate_times``
+  describes. The executor puts a run of consecutive transfers together
+  (``runtime.executor._batched_sends``); a compiled program's SENDs are each charged a lone
+  put here (the devices-only timelines drawn from it do not charge the host).
   """
   S = program.num_stages
   instrs = program.instrs
@@ -651,8 +653,8 @@ def simulate_program(
     cost = lane_host[i.lane].get(op) if hosted else None
     if op is SEND and cost is not None:  # a put onto the wider of the two stages costs more
       cost = max(cost, lane_host[i.peer].get(op, cost))
-      if send_arrays:
-        cost *= send_arrays.get((i.lane, i.peer)) or send_arrays.get((i.peer, i.lane)) or 1
+      if send_factors:
+        cost *= send_factors.get((i.lane, i.peer)) or send_factors.get((i.peer, i.lane)) or 1.0
     if cost is not None:
       if core_free is None:
         host_t += cost
@@ -851,7 +853,7 @@ def simulate(
     stage_devices=[s.devices for s in plan.stages],
     channels=nic_channels(plan, cluster) if shared_nic else None,
     host_dispatch=host_cost,
-    send_arrays=pc.edge_arrays if host_cost is not None else None,
+    send_factors=host.send_factors(pc.edge_arrays) if host is not None else None,
     cores=cores,
     timeline=timeline,
   )

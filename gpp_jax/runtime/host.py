@@ -113,6 +113,30 @@ def measure_spmd(
   return factors, seconds
 
 
+def measure_send_extra(devices: Sequence[Any], n: int = 4, reps: int = 40) -> float | None:
+  """What each array beyond the first adds to a put of ``n`` arrays from one device to
+  another in one ``jax.device_put`` (``runtime.placement.transfer_all``, as the executor puts
+  a stage edge's arrays), as a share of a lone put: the best of ``reps`` puts of 1 and of
+  ``n`` small arrays, taking turns. None for fewer than 2 devices."""
+  import jax
+  import numpy as np
+
+  from gpp_jax.runtime.placement import transfer_all
+
+  if len(devices) < 2:
+    return None
+  to = jax.sharding.SingleDeviceSharding(devices[1])
+  xs = [jax.device_put(np.full((16, 64), k, np.float32), devices[0]) for k in range(n)]
+  jax.block_until_ready(transfer_all(xs, to))
+  best = {1: float("inf"), n: float("inf")}
+  for _ in range(reps):
+    for k in best:
+      t = time.perf_counter()
+      jax.block_until_ready(transfer_all(xs[:k], to))
+      best[k] = min(best[k], time.perf_counter() - t)
+  return float(min(max((best[n] - best[1]) / ((n - 1) * best[1]), 0.0), 1.0))
+
+
 @functools.lru_cache(maxsize=8)
 def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> HostCosts:
   import jax
@@ -208,6 +232,7 @@ def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> Hos
     spmd_call=spmd[1] or None,
     wide_ops=wide_ops or None,
     wide_per_stage=wide_per_stage or None,
+    send_extra=measure_send_extra(devices),
   )
 
 
@@ -215,7 +240,8 @@ def measure_host(devices: Sequence[Any], graph_pipeline: Any, repeats: int = 7) 
   """``HostCosts`` of this process driving ``devices``: a small pipeline over up to four of
   them runs a few steps through the executor (its per-instruction dispatch timeline gives the
   per-op costs), then again with stages over 2, 4, ... of them (two stages where the devices
-  hold them, else one: the per-op costs of wide stages, ``wide_ops``); on CPU devices a
+  hold them, else one: the per-op costs of wide stages, ``wide_ops``), and puts of several
+  arrays at once (``measure_send_extra``); on CPU devices a
   matrix chain on each of them measures how many compute at once (``measure_parallel``) and a
   small data-parallel step over 2, 4, ... of them how much slower than perfect division it
   runs and what each of its calls costs whatever its size (``measure_spmd``). Seconds in all;
