@@ -238,18 +238,18 @@ def test_a_stage_that_raises_names_where(env: Env, op, stage, mb, where):
     for k, ins in enumerate(ex.instrs)
     if ins.op.name == op and ins.lane == stage and (op == "SEND" or ins.mb == mb)
   )
-  call, frees = ex.code[k]
+  call, frees = ex.in_order[k]  # what a plain run calls (transfers may go together)
   cause = RuntimeError("device lost")
 
   def fail():
     raise cause
 
-  ex.code[k] = (fail, frees)
+  ex.in_order[k] = (fail, frees)
   try:
     with pytest.raises(StageFailure, match=where) as info:
       env.good(env.params, env.opt_state, BATCH)
   finally:
-    ex.code[k] = (call, frees)
+    ex.in_order[k] = (call, frees)
   assert info.value.__cause__ is cause
   assert "RuntimeError: device lost" in str(info.value)
   now = jax.tree.map(np.asarray, (env.params, env.opt_state))

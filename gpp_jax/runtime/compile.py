@@ -440,13 +440,14 @@ def plan_step(
   note = ""
   if choice != "pipeline" and host is None:
     # Devices-only layer estimates are not this machine's: say so, keep the planner's plan.
-    note = (
-      f"{choice} is predicted faster than {plan.planner}'s pipeline of {plan.num_stages} "
-      f"stages by the devices-only model ({predicted[choice] * 1e3:.2f} against "
-      f"{predicted['pipeline'] * 1e3:.2f} ms); calibrate=True measures this machine and "
-      "chooses by it"
-    )
-    logging.info("graph_pipeline: %s", note)
+    if predicted[choice] < predicted["pipeline"]:
+      note = (
+        f"{choice} is predicted faster than {plan.planner}'s pipeline of {plan.num_stages} "
+        f"stages by the devices-only model ({predicted[choice] * 1e3:.2f} against "
+        f"{predicted['pipeline'] * 1e3:.2f} ms); calibrate=True measures this machine and "
+        "chooses by it"
+      )
+      logging.info("graph_pipeline: %s", note)
     choice = "pipeline"
   elif choice != "pipeline":
     theirs = (
