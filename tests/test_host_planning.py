@@ -265,6 +265,30 @@ def test_spmd_factor_scales_the_fused_step_over_several_devices():
   assert spmd_host(None).spmd_factor(2) is None and spmd_host(None).spmd_factor(1) == 1.0
 
 
+def test_a_fused_step_over_fewer_devices_takes_the_model_own_factor_scaled():
+  """The trial timed jit data parallel over 4 devices at 3x the probe's factor there: a whole
+  step over 2 devices (a planner's one stage on fewer devices) is priced at 3x the probe's
+  factor for 2, not the probe's alone; a pipeline stage over 2 devices keeps the probe's."""
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import predict_fused, spmd_factor
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  h = spmd_host({2: 1.5, 4: 2.0})
+  timed = g.copy()
+  timed.graph["spmd"] = {"4": 6.0}
+  assert spmd_factor(h, timed, 2, like_model=True) == pytest.approx(4.5)
+  assert spmd_factor(h, timed, 2) == pytest.approx(1.5)
+  assert spmd_factor(h, timed, 4, like_model=True) == 6.0
+  assert spmd_factor(h, g, 2, like_model=True) == pytest.approx(1.5)  # nothing timed
+  layers = candidates(g)["plain jit"].stages[0].layers
+  two = Plan((Stage(0, layers, (0, 1)),), (), 4, planner="graphpipe", batch_size=8)
+  plain = candidates(g)["plain jit"]
+  one_device = predict_fused(plain, g, cluster, None) - plan_costs(plain, g, cluster).update[0]
+  update = plan_costs(two, g, cluster).update[0]
+  assert predict_fused(two, timed, cluster, h) - update == pytest.approx(4.5 * one_device / 2)
+
+
 def test_spmd_factor_prices_a_stage_over_several_devices():
   """Under the host-aware model a pipeline stage over 2 devices computes 1/2 of its
   one-device forward and backward times the factor for 2 devices; a stage on one device is
@@ -480,8 +504,9 @@ def test_measure_spmd_on_forced_cpu_devices():
 
 def test_the_model_own_spmd_factor_makes_the_prediction_its_measurement():
   """``calibrate_spmd``: jit data parallel over k devices, timed, sets the model's factor for
-  k so that its prediction is the measured time; plain jit and other widths keep theirs, and
-  the graph still goes to JSON and back with it."""
+  k so that its prediction is the measured time; plain jit keeps its prediction, a whole step
+  over another width takes the probe's factor scaled as the model's over the probe's at k,
+  and the graph still goes to JSON and back with it."""
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
   plans = candidates(g)
@@ -495,8 +520,10 @@ def test_the_model_own_spmd_factor_makes_the_prediction_its_measurement():
       cp.predict_seconds(plain, g, cluster, h)[0]
     )
     wide = dp.replace(stages=(Stage(0, dp.stages[0].layers, (0, 1, 2, 3)),))
+    scaled = g.copy()
+    scaled.graph["spmd"] = {"4": max(1.0, 6.0 * tuned.graph["spmd"]["2"] / 3.0)}
     assert cp.predict_seconds(wide, tuned, cluster, h)[0] == pytest.approx(
-      cp.predict_seconds(wide, g, cluster, h)[0]
+      cp.predict_seconds(wide, scaled, cluster, h)[0]
     )
     back = lg.from_json(lg.to_json(tuned))
     assert cp.predict_seconds(dp, back, cluster, h)[0] == pytest.approx(seconds)

@@ -862,15 +862,26 @@ def simulate(
   return res
 
 
-def spmd_factor(host: Any, layer_graph: nx.DiGraph, k: int) -> float | None:
+def spmd_factor(
+  host: Any, layer_graph: nx.DiGraph, k: int, like_model: bool = False
+) -> float | None:
   """The SPMD factor of a computation over ``k`` devices: the model's own where its step over
   ``k`` devices was timed (``layer_graph.graph["spmd"]``, set by the training program's trial
   of jit data parallel), else the host's probe (``HostCosts.spmd_factor``); None where neither
-  says."""
-  own = layer_graph.graph.get("spmd", {}).get(str(k))  # string keys: the graph goes to JSON
+  says. ``like_model`` (a whole step over k devices, as the trial's): at a width the trial did
+  not time, the probe's factor times the model's own over the probe's at the widest width
+  the trial timed (tiny MMT on 4 forced CPU devices: 7.1 against the probe's 2.2, so its step
+  over 2 devices, which the probe puts at 1.4, measured twice plain jit's time)."""
+  timed = layer_graph.graph.get("spmd", {})  # string keys: the graph goes to JSON
+  own = timed.get(str(k))
   if own is not None:
     return float(own)
-  return host.spmd_factor(k) if host is not None else None
+  probe = host.spmd_factor(k) if host is not None else None
+  if not like_model or probe is None or not timed:
+    return probe
+  w = max(int(x) for x in timed)
+  at_w = host.spmd_factor(w)
+  return max(1.0, probe * float(timed[str(w)]) / at_w) if at_w else probe
 
 
 def _spmd_times(
@@ -882,6 +893,7 @@ def _spmd_times(
   pc: Any,
   host: Any,
   per_call: bool = True,
+  like_model: bool = False,
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
   """Per stage (forward, backward) seconds under the host-aware model: a stage over k > 1
   devices computes 1/k of its micro-batch's one-device time times the SPMD factor for k
@@ -889,9 +901,10 @@ def _spmd_times(
   and their sharing of the cores), and each of its forwards and backwards, one sharded call
   each, pays the host's fixed seconds per call over k devices (``HostCosts
   .spmd_call_seconds``); other stages, and widths not measured, as ``pc`` has them (the cost
-  model's time of each device's share). ``per_call=False`` leaves the fixed seconds out."""
+  model's time of each device's share). ``per_call=False`` leaves the fixed seconds out;
+  ``like_model`` as ``spmd_factor`` takes it."""
   factors = {
-    s.index: spmd_factor(host, layer_graph, len(s.devices))
+    s.index: spmd_factor(host, layer_graph, len(s.devices), like_model)
     for s in plan.stages
     if len(s.devices) > 1
   }
@@ -920,8 +933,8 @@ def predict_fused(
 ) -> float:
   """Seconds of a one-stage plan's step, run as one jitted function (``runtime.fused``): its M
   micro-batches' forwards and backwards (on k devices each computes 1/k of a micro-batch; with
-  ``host``, 1/k of the one-device time times the SPMD factor for k, ``spmd_factor``, plus the
-  host's fixed seconds of one call over k devices, ``HostCosts.spmd_call_seconds``, once: the
+  ``host``, 1/k of the one-device time times the SPMD factor for k, ``spmd_factor`` with
+  ``like_model``: a step like the trial's, plus the host's fixed seconds of one call over k devices, ``HostCosts.spmd_call_seconds``, once: the
   step is one call; where no factor is measured, the share's time times k over the devices
   that compute at once), the gradient all-reduce and update, and the host's issue and time
   outside the step."""
@@ -931,7 +944,9 @@ def predict_fused(
   k = len(plan.stages[0].devices)
   fw, bw, slowdown, call = pc.forward, pc.backward, 1.0, 0.0
   if host is not None and spmd_factor(host, layer_graph, k) is not None:
-    fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, None, pc, host, per_call=False)
+    fw, bw = _spmd_times(
+      plan, layer_graph, cluster, cost_model, None, pc, host, per_call=False, like_model=True
+    )
     call = host.spmd_call_seconds(k)
   elif host is not None and host.compute_servers():  # not measured: k over the servers
     slowdown = k / min(host.compute_servers(), k)
