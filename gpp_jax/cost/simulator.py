@@ -934,10 +934,10 @@ def predict_fused(
   """Seconds of a one-stage plan's step, run as one jitted function (``runtime.fused``): its M
   micro-batches' forwards and backwards (on k devices each computes 1/k of a micro-batch; with
   ``host``, 1/k of the one-device time times the SPMD factor for k, ``spmd_factor`` with
-  ``like_model``: a step like the trial's, plus the host's fixed seconds of one call over k devices, ``HostCosts.spmd_call_seconds``, once: the
-  step is one call; where no factor is measured, the share's time times k over the devices
-  that compute at once), the gradient all-reduce and update, and the host's issue and time
-  outside the step."""
+  ``like_model``: a step like the trial's, plus the host's fixed seconds of one call over k
+  devices, ``HostCosts.spmd_call_seconds``, once: the step is one call; where no factor is
+  measured, the share's time times k over the devices that compute at once), the gradient
+  all-reduce and update, and the host's issue and time outside the step."""
   if plan.num_stages != 1:
     raise ValueError(f"predict_fused takes a one-stage plan, not {plan.num_stages} stages")
   pc = plan_costs(plan, layer_graph, cluster, cost_model)
