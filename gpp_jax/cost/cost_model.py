@@ -184,7 +184,7 @@ class LayerCosts:
   sample and weight fraction (``_stages``); per (cost model, device), a stage's (forward,
   backward) seconds per (layer names, micro-batch, data-parallel degree) (``_stage_times``,
   as ``_times`` keeps the per-layer times); per partition (each stage's layer names, in stage
-  order), the bytes per sample and arrays crossing each stage edge (``_edge_bytes``). Each
+  order), the bytes per sample and arrays crossing each stage edge (``_stage_edges``). Each
   value is a function of its key and of these immutable costs, so a hit is what recomputing
   would give, to the last bit.
   """
@@ -205,7 +205,7 @@ class LayerCosts:
   _times: dict = dataclasses.field(default_factory=dict, repr=False)
   _stages: dict = dataclasses.field(default_factory=dict, repr=False)
   _stage_times: dict = dataclasses.field(default_factory=dict, repr=False)
-  _edge_bytes: dict = dataclasses.field(default_factory=dict, repr=False)
+  _stage_edges: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def __len__(self) -> int:
     return len(self.layers)
@@ -381,13 +381,13 @@ def plan_costs(
     wfrac.append(frac)
     pbytes.append(params)
   partition = tuple(s.layers for s in plan.stages)
-  edges = costs._edge_bytes.get(partition)
+  edges = costs._stage_edges.get(partition)
   if edges is None:
     stage_of = [0] * len(costs)
     for s in plan.stages:
       for l in s.layers:
         stage_of[costs.index[l]] = s.index
-    edges = costs._edge_bytes[partition] = stage_edges(costs, stage_of)
+    edges = costs._stage_edges[partition] = stage_edges(costs, stage_of)
   edge_bytes, edge_arrays = edges
   xfer, back = {}, {}
   for i, j in plan.edges:
