@@ -11,8 +11,15 @@ optimum is smaller: the bound leaves out most transfers, the fill of all stages 
 and convexity). The last columns give GraphPipe's ratio to the bound without the sink stage's
 fill and drain (``fill=False``), computed in the same run.
 
+With ``--paper_models`` it bounds the paper's models at their paper shapes on V100s instead
+(``--devices``, default 32 there; the default mini-batch): per micro-batch size, the bound
+without and with the fill, GraphPipe's plan, PipeDream as published and the time a given gain
+over it needs (``--gain``, the paper's 1.25x). Where the bound at a size is above that time,
+no plan at that size reaches the gain under the simulator's rules.
+
   python benchmarks/milp_gap.py
   python benchmarks/milp_gap.py --seeds=4 --families=sp
+  python benchmarks/milp_gap.py --paper_models=mmt --time_limit=60
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ import time
 
 from absl import app, flags
 
-from gpp_jax.cost.cluster import Link, cpu_cluster
+from gpp_jax.cost.cluster import Link, cpu_cluster, v100_cluster
 from gpp_jax.experiments import model_graphs as mg
+from gpp_jax.experiments.planner_runs import build_graph, default_batch_size, run_planner
 from gpp_jax.passes.partition import PLANNERS
 from gpp_jax.passes.partition.lower_bound import iteration_lower_bound
 
@@ -38,12 +46,47 @@ FAMILIES = {
 FLAGS = flags.FLAGS
 flags.DEFINE_list("families", list(FAMILIES), "graph families")
 flags.DEFINE_integer("seeds", 6, "graphs per family (the first seeds whose graph has 8-10 layers)")
-flags.DEFINE_integer("devices", 8, "devices")
+flags.DEFINE_integer("devices", None, "devices (default 8, or 32 with --paper_models)")
+flags.DEFINE_list("paper_models", [], "paper models to bound at paper shapes on V100s instead")
+flags.DEFINE_float("gain", 1.25, "with --paper_models: the gain over PipeDream as published")
+flags.DEFINE_float("time_limit", 60.0, "seconds per program before its dual bound is taken")
+
+
+def paper(model: str, devices: int) -> None:
+  """The per-size bounds of one paper model against GraphPipe's plan and the target."""
+  batch = default_batch_size(model, devices)
+  g = build_graph(model, "paper", batch)
+  cluster = v100_cluster(devices)
+  gp = run_planner("graphpipe", g, cluster, batch, keep_plan=True)
+  pd = run_planner("pipedream-published", g, cluster, batch)
+  need = pd["iteration_time"] / FLAGS.gain
+  print(
+    f"{model} x{devices}, batch {batch}: GraphPipe {gp['iteration_time']:.4f} s (micro-batch "
+    f"{gp['microbatch']}), PipeDream as published {pd['iteration_time']:.4f} s "
+    f"({pd['iteration_time'] / gp['iteration_time']:.3f}x); {FLAGS.gain}x needs <= {need:.4f} s"
+  )
+  print(
+    f"{'micro-batch':>11s} {'bound, no fill':>14s} {'with fill':>9s} {'solved':>6s} "
+    f"{'gain ruled out':>14s}"
+  )
+  for b in sorted(gp["plan"].predicted["search"]["microbatch_sizes"]):
+    limit = FLAGS.time_limit
+    plain = iteration_lower_bound(g, cluster, batch, sizes=[b], fill=False, time_limit=limit)
+    tight = iteration_lower_bound(g, cluster, batch, sizes=[b], time_limit=limit)
+    print(
+      f"{b:11d} {plain.seconds:14.4f} {tight.seconds:9.4f} {'yes' if tight.optimal else 'no':>6s} "
+      f"{'yes' if tight.seconds > need else 'no':>14s}",
+      flush=True,
+    )
 
 
 def main(argv):
   del argv
-  cluster = cpu_cluster(FLAGS.devices).replace(intra_link=Link(20e-6, 2e9))
+  if FLAGS.paper_models:
+    for model in FLAGS.paper_models:
+      paper(model, FLAGS.devices or 32)
+    return
+  cluster = cpu_cluster(FLAGS.devices or 8).replace(intra_link=Link(20e-6, 2e9))
   print(
     f"{'family':10s} {'graphs':>6s} {'layers':>6s} {'GP/LB worst':>11s} {'mean':>6s} "
     f"{'no polish worst':>15s} {'mean':>6s} {'PD/LB worst':>11s} {'LB s':>6s} {'optimal':>7s} "

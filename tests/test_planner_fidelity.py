@@ -181,6 +181,22 @@ def test_milp_lower_bound_is_below_every_plan():
   assert lb.seconds <= gp.predicted["iteration_time"] * (1 + 1e-9)
 
 
+def test_milp_identical_path_layers_share_a_class_and_the_fill_bound_keeps_the_plain_one():
+  """A tower of identical layers on the heaviest path is one class (the fill counts how many of
+  them the sink's stage holds), so the program stays small; the bound with the fill is never
+  below the one without it, and still below GraphPipe's plan."""
+  g = build_graph("mmt", "tiny", batch_size=64)  # towers of identical layers
+  cluster = v100_cluster(8)
+  plain = iteration_lower_bound(g, cluster, 64, fill=False, sizes=[8])
+  tight = iteration_lower_bound(g, cluster, 64, sizes=[8])
+  # The path's layers are kept apart from the others: the tower's layers one class, its input
+  # projection another; one class per path layer would be 8 more.
+  assert plain.classes < tight.classes <= plain.classes + 2 < tight.layers
+  assert tight.optimal and tight.seconds >= plain.seconds
+  gp = PLANNERS["graphpipe"](g, cluster, 64, num_microbatches=8)
+  assert tight.seconds <= gp.predicted["iteration_time"] * (1 + 1e-9)
+
+
 def test_milp_fill_and_drain_tighten_the_bound_and_keep_it_below_the_optimum():
   """The sink stage's pipeline fill and drain (and one crossing transfer) are valid terms: the
   bound stays below the exhaustive optimum and rises on graphs where the fill matters."""

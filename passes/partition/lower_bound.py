@@ -31,15 +31,19 @@ layers (the drain). So
 
 The drain term holds when a stage's last input-gradient backward is its last computation, which
 is not so for schedules that split the backward (``split_backward=True`` drops it). The path's
-layers are classes of their own, so the program knows which of them group 0 holds; group 0 is
-exempt from the device-count ordering below.
+layers are kept in classes apart from the other layers, and its sink in a class of its own, so
+the program knows how many of them group 0 holds; the fill and drain are linear in those
+counts, so identical layers of the path (a branch of identical layers) share one class. Group 0
+is exempt from the device-count ordering below.
 
 Symmetry breaking. Layers with identical costs (the layers of identical branches) are
 interchangeable in the relaxation, so each class of identical layers is one integer variable
 per group (how many of its layers the group holds) instead of one binary per layer, and the
 groups, which are unlabelled, are ordered by non-increasing device count.
 
-If the solver stops at ``time_limit`` the bound is its proven dual bound (still a lower bound).
+If the solver stops at ``time_limit`` the bound is its proven dual bound (still a lower bound);
+with the fill, never below the bound without it (solved first, over the coarser classes, and
+given to the program as a floor of its objective).
 """
 
 from __future__ import annotations
@@ -86,11 +90,12 @@ def _layer_classes(rows: np.ndarray) -> list[list[int]]:
 @dataclasses.dataclass(frozen=True)
 class Fill:
   """The pipeline fill and drain of the stage (group 0) that holds the sink layer of the
-  heaviest path: ``sink`` is its class, ``path`` the classes of the path's other layers (one
-  layer each) with their smallest forward and backward times ``fwd``, ``bwd`` (seconds per
-  micro-batch), ``transfer`` the smallest time of one micro-batch crossing a path edge, and
-  ``compute[c, k]`` the M forwards and backwards alone (without the update) of a class-c
-  layer on ``dps[k]`` devices."""
+  heaviest path: ``sink`` is its class (the sink alone), ``path`` the classes of the path's
+  other layers (each class holds only path layers, ``size`` of them; identical layers of the
+  path are one class) with the smallest forward and backward times ``fwd``, ``bwd`` of one of
+  its layers (seconds per micro-batch), ``transfer`` the smallest time of one micro-batch
+  crossing a path edge, and ``compute[c, k]`` the M forwards and backwards alone (without the
+  update) of a class-c layer on ``dps[k]`` devices."""
 
   sink: int
   path: list[int]
@@ -109,6 +114,7 @@ def _min_max_groups(
   J: int,
   time_limit: float,
   fill: Fill | None = None,
+  floor: float = 0.0,
 ) -> tuple[float, bool]:
   """min over groupings of max group time: class c holds ``size[c]`` interchangeable layers,
   each costing ``a[c, k]`` in a group on ``dps[k]`` devices; at most J groups, sum of devices
@@ -147,19 +153,19 @@ def _min_max_groups(
   rows.append(({yv(j, k): float(d) for j in range(J) for k, d in enumerate(dps)}, 0.0, K))
   if fill is not None:
     rows.append(({cnt(fill.sink, 0): 1.0}, 1.0, 1.0))
-    for c in fill.path:
-      rows.append(({w: 1.0, cnt(c, 0): 1.0}, 1.0, np.inf))
+    for c in fill.path:  # w = 1 when some layer of path class c is outside group 0
+      rows.append(({w: float(size[c]), cnt(c, 0): 1.0}, float(size[c]), np.inf))
     # z >= fill + M (F + B) + update of group 0; the fill counts the path layers outside it.
     r = {vv(c, 0, k): -float(a[c, k]) for c in range(C) for k in range(D)}
     r.update({cnt(c, 0): f for c, f in zip(fill.path, fill.fwd, strict=True)})
     r[z], r[w] = 1.0, -fill.transfer
-    rows.append((r, float(sum(fill.fwd)), np.inf))
+    rows.append((r, sum(f * size[c] for c, f in zip(fill.path, fill.fwd)), np.inf))
     if fill.drain:  # z >= fill + M (F + B) + drain (the backward back along the path)
       r = {vv(c, 0, k): -float(fill.compute[c, k]) for c in range(C) for k in range(D)}
       fb = [f + b for f, b in zip(fill.fwd, fill.bwd, strict=True)]
       r.update({cnt(c, 0): x for c, x in zip(fill.path, fb, strict=True)})
       r[z], r[w] = 1.0, -2 * fill.transfer
-      rows.append((r, float(sum(fb)), np.inf))
+      rows.append((r, sum(x * size[c] for c, x in zip(fill.path, fb)), np.inf))
   A = lil_matrix((len(rows), nv))
   lo, hi = np.empty(len(rows)), np.empty(len(rows))
   for i, (r, l_, h_) in enumerate(rows):
@@ -171,7 +177,8 @@ def _min_max_groups(
   integrality = np.zeros(nv)
   integrality[: n_cnt + n_y] = 1
   integrality[w] = 1
-  ub = np.full(nv, np.inf)
+  lb, ub = np.zeros(nv), np.full(nv, np.inf)
+  lb[z] = floor
   ub[w] = 1.0
   for c in range(C):
     for j in range(J):
@@ -183,13 +190,16 @@ def _min_max_groups(
     cost,
     constraints=LinearConstraint(A.tocsr(), lo, hi),
     integrality=integrality,
-    bounds=Bounds(np.zeros(nv), ub),
+    bounds=Bounds(lb, ub),
     options={"time_limit": time_limit},
   )
-  if res.status == 0:
-    return float(res.fun), True
   bound = getattr(res, "mip_dual_bound", None)
-  return (float(bound) if bound is not None and np.isfinite(bound) else 0.0), False
+  proven = float(bound) if bound is not None and np.isfinite(bound) else None
+  if res.status == 0:
+    # Solved within HiGHS's relative gap (1e-4 by default): the dual bound, not the solution
+    # found, is what is proven.
+    return (float(res.fun) if proven is None else min(float(res.fun), proven)), True
+  return (0.0 if proven is None else proven), False
 
 
 def heaviest_path(n: int, edges, weight: np.ndarray) -> list[int]:
@@ -259,26 +269,38 @@ def iteration_lower_bound(
       per_byte = ar + cm.update_traffic / cluster.device.memory_bandwidth
       compute[:, k] = M * (tf + tb)
       work[:, k] = compute[:, k] + per_byte * costs.param_bytes
-    # The path's layers (and its sink) are classes of their own: group 0 holds the sink.
+    # The path's layers are classes apart from the others, and its sink a class of its own
+    # (group 0 holds it). The fill and drain only count the path layers outside group 0, so
+    # identical layers of the path (a branch of identical layers) can be one class.
     path = heaviest_path(n, costs.edges, fwd + bwd) if fill else []
     mark = np.zeros((n, 1))
-    for i, l in enumerate(path):
-      mark[l] = i + 1
-    classes = _layer_classes(np.hstack([work, mark]))
+    mark[path[:-1]] = 1
+    mark[path[-1:]] = 2
+    classes = _layer_classes(np.hstack([work, compute, fwd[:, None], bwd[:, None], mark]))
     n_classes = len(classes)
-    of = {c[0]: ci for ci, c in enumerate(classes)}
+    of = {l: ci for ci, c in enumerate(classes) for l in c}
     fill_terms = None
     if len(path) > 1:
       on_path = set(itertools.pairwise(path))
       nbytes = [by * b for u, v, by in costs.edges if (u, v) in on_path]
+      path_classes = sorted({of[l] for l in path[:-1]})
       fill_terms = Fill(
         sink=of[path[-1]],
-        path=[of[l] for l in path[:-1]],
-        fwd=[float(fwd[l]) for l in path[:-1]],
-        bwd=[float(bwd[l]) for l in path[:-1]],
+        path=path_classes,
+        fwd=[float(fwd[classes[c][0]]) for c in path_classes],
+        bwd=[float(bwd[classes[c][0]]) for c in path_classes],
         transfer=min(min(link.time(x) for link in links) for x in nbytes),
         compute=np.array([compute[c[0]] for c in classes]),
         drain=not split_backward,
+      )
+    floor = 0.0
+    if fill_terms is not None:
+      # The program without the fill, over the coarser classes (fast where the path's layers
+      # are many classes), bounds the one with it from below: a floor for its objective, so
+      # that a program stopped at the time limit still gives at least that bound.
+      plain = _layer_classes(work)
+      floor, _ = _min_max_groups(
+        np.array([work[c[0]] for c in plain]), [len(c) for c in plain], dps, K, J, time_limit
       )
     value, solved = _min_max_groups(
       np.array([work[c[0]] for c in classes]),
@@ -288,8 +310,9 @@ def iteration_lower_bound(
       J,
       time_limit,
       fill_terms,
+      floor,
     )
-    per_size[b] = value
+    per_size[b] = max(value, floor)
     optimal = optimal and solved
   return LowerBound(
     seconds=min(per_size.values()),
