@@ -20,7 +20,8 @@ the error, the prediction and error with the host's probe only (without the mode
 factor), without any SPMD factor (the model before them) and without the host's fixed
 seconds per call over several devices (``HostCosts.spmd_call``; the factors as calibrated
 with them) and with every stage's instructions issued at one device's costs (without
-``HostCosts.wide_ops``); then the planner's choice,
+``HostCosts.wide_ops``), and the prediction from the lowered program the executor ran (its
+step pieces and batched puts included, ``simulate(program=)``); then the planner's choice,
 the best measured candidate and the regret (measured time of the choice / best measured).
 With ``--json_out`` the rows go to a JSON file too. The 2-process rows are
 ``benchmarks/scaling.py``.
@@ -36,11 +37,13 @@ import dataclasses
 import json
 import statistics
 import time
+from typing import Any
 
 import jax
 from absl import app, flags
 
 import gpp_jax
+from gpp_jax.cost.simulator import simulate
 from gpp_jax.errors import PlanError
 from gpp_jax.experiments import zoo
 from gpp_jax.ir import layer_graph as lg
@@ -65,8 +68,9 @@ def setup(model, size):
   return zoo.setup(model, "paper" if size == "medium" else "tiny", **kw)
 
 
-def measure(run, data, planner, devices) -> float:
-  """Median wall seconds of a step (the call and its results ready), as a training loop sees."""
+def measure(run, data, planner, devices) -> tuple[float, Any]:
+  """Median wall seconds of a step (the call and its results ready), as a training loop sees,
+  and the compiled step that ran."""
   pp = gpp_jax.graph_pipeline(
     run.train_step,
     num_microbatches=FLAGS.microbatches,
@@ -82,7 +86,7 @@ def measure(run, data, planner, devices) -> float:
     t = time.perf_counter()
     jax.block_until_ready((train(data[i % len(data)]), jax.tree.leaves(run.model)))
     times.append(time.perf_counter() - t)
-  return statistics.median(times)
+  return statistics.median(times), pp.compiled
 
 
 def one(model, size, n):
@@ -138,7 +142,13 @@ def one(model, size, n):
     probe, _ = predict_seconds(plan, bare, cluster, planned.host)
     callless, _ = predict_seconds(plan, scaled, cluster, no_call)
     one_width, _ = predict_seconds(plan, scaled, cluster, narrow)
-    measured = measure(run, data, plan, devices)
+    measured, compiled = measure(run, data, plan, devices)
+    # The lowered program the executor ran (step pieces and batched puts included), timed
+    # with the same host costs; a one-stage plan is one jitted step either way.
+    program = predicted
+    if plan.num_stages > 1:
+      res = simulate(plan, scaled, cluster, program=compiled.program, host=planned.host)
+      program = res.iteration_time
     rows.append(
       dict(
         candidate=name,
@@ -157,12 +167,14 @@ def one(model, size, n):
         error_without_call=(callless - measured) / measured,
         predicted_narrow_issue_ms=one_width * 1e3,
         error_narrow_issue=(one_width - measured) / measured,
+        predicted_program_ms=program * 1e3,
+        error_program=(program - measured) / measured,
       )
     )
     if shape(plan) == shape(pp.plan):
       chosen = measured  # the choice is this candidate: one measurement of it
   if chosen is None:  # e.g. the planner's plan on fewer devices
-    chosen = measure(run, data, pp.plan, devices)
+    chosen = measure(run, data, pp.plan, devices)[0]
   best = min(rows, key=lambda r: r["measured_ms"])
   return dict(
     model=model,
@@ -209,11 +221,11 @@ def main(_):
           f"{spmd_text(r['spmd_call_ms'], 2)}, set-up {r['setup_s']:.0f} s)"
         )
         head = ("candidate", "devices", "M", "measured", "predicted", "err", "probe", "err")
-        head += ("no SPMD", "err", "no call", "err", "1-dev issue", "err")
+        head += ("no SPMD", "err", "no call", "err", "1-dev issue", "err", "program", "err")
         print(
           "  {:20s} {:>8s} {:>3s}".format(*head[:3])
           + " {:>10s} {:>10s} {:>6s}".format(*head[3:6])
-          + (" {:>10s} {:>6s}" * 4).format(*head[6:])
+          + (" {:>10s} {:>6s}" * 5).format(*head[6:])
         )
         for row in r["rows"]:
           print(
@@ -223,7 +235,8 @@ def main(_):
             f"{row['error_probe'] * 100:+5.0f}% {row['predicted_without_spmd_ms']:8.2f}ms "
             f"{row['error_without_spmd'] * 100:+5.0f}% {row['predicted_without_call_ms']:8.2f}ms "
             f"{row['error_without_call'] * 100:+5.0f}% {row['predicted_narrow_issue_ms']:8.2f}ms "
-            f"{row['error_narrow_issue'] * 100:+5.0f}%"
+            f"{row['error_narrow_issue'] * 100:+5.0f}% {row['predicted_program_ms']:8.2f}ms "
+            f"{row['error_program'] * 100:+5.0f}%"
           )
         print(
           f"  choice: {r['choice']} ({r['choice_stages']} stages) measured "
@@ -231,11 +244,13 @@ def main(_):
           f"best: {r['best']} {r['best_ms']:.2f} ms; regret {r['regret']:.2f}"
         )
   errs = [abs(row["error"]) for r in out for row in r["rows"]]
+  prog = [abs(row["error_program"]) for r in out for row in r["rows"]]
   print(
     f"\n{len(errs)} candidates: |error| median {statistics.median(errs) * 100:.0f}%, "
     f"max {max(errs) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in errs)}; regret max "
     f"{max(r['regret'] for r in out):.2f}, <= 1.05: {sum(r['regret'] <= 1.05 for r in out)}"
-    f"/{len(out)}"
+    f"/{len(out)}; the programs' predictions: |error| median "
+    f"{statistics.median(prog) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in prog)}"
   )
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as f:

@@ -477,15 +477,35 @@ def test_host_costs_json_round_trips_with_and_without_spmd():
     wide_ops={2: {"F": 3e-4, "SEND": 2e-4}, 4: {"F": 6e-4}},
     wide_per_stage={2: 1e-3},
     send_extra=0.3,
+    input_send=2e-5,
   )
   back = HostCosts.from_json(wide.to_json())
   assert back == wide and back.issue_seconds("F", 4) == 6e-4 and back.stage_seconds(2) == 1e-3
   # HostCosts saved before the fields existed still load.
   old = json.loads(wide.to_json())
-  del old["spmd"], old["spmd_call"], old["wide_ops"], old["wide_per_stage"], old["send_extra"]
+  for k in ("spmd", "spmd_call", "wide_ops", "wide_per_stage", "send_extra", "input_send"):
+    del old[k]
   back = HostCosts.from_json(json.dumps(old))
   assert back.spmd is None and back.spmd_call is None and back.spmd_call_seconds(2) == 0.0
   assert back.wide_ops is None and back.issue_seconds("F", 4) == 1e-4 and back.send_extra is None
+  assert back.input_send is None
+
+
+def test_the_host_lane_puts_cost_their_own_measured_seconds():
+  """A SEND from the host lane (an argument put where it goes, mostly already there) costs
+  ``input_send``, not a put between stages: the probe's timeline gives both medians apart,
+  and a simulated program charges each its own."""
+  from gpp_jax.cost.host import host_costs_from_timeline
+  from gpp_jax.ir.program import Op
+  from gpp_jax.runtime.executor import Timeline, TimelineEvent
+
+  S = 2
+  events = [TimelineEvent("SEND", S, -1, 0.0, 1e-5), TimelineEvent("SEND", S, -1, 0.0, 3e-5)]
+  events += [TimelineEvent("SEND", 0, 0, 0.0, 4e-4), TimelineEvent("F", 1, 0, 0.0, 1e-4)]
+  h = host_costs_from_timeline(Timeline(events, 5e-4, False), S, 1e-3)
+  assert h.per_op["SEND"] == 4e-4 and h.input_send == pytest.approx(2e-5)
+  lanes = h.lane_costs([1, 2], schedule=False)
+  assert lanes[0][Op.SEND] == 4e-4 and lanes[-1][Op.SEND] == pytest.approx(2e-5)
 
 
 def test_measure_spmd_on_forced_cpu_devices():

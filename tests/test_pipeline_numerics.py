@@ -1,5 +1,7 @@
 """Pipelined steps equal the undecorated step on one device (3 steps, float32, 1e-5)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,6 +254,38 @@ def test_global_norm_clipping_active_is_exact():
   ex1.in_order = ex1.code
   assert max_diff(one_by_one(*args, batch)[0], out[0]) == 0.0
   assert one_by_one.compiled.last[0] is ex1  # the same executor ran, one put at a time
+  # The simulator charges the puts the executor makes: the same groups (``puts_together``),
+  # each a lone put plus ``send_extra`` of one per other array, at its first SEND.
+  from gpp_jax.cost.cluster import cpu_cluster
+  from gpp_jax.cost.host import HostCosts
+  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.ir.program import Op, puts_together
+
+  # The executor's calls skip the RECVs: its positions are the program's instructions.
+  calls = ex.in_order
+  together = {ex.positions[k] for k, (call, _) in enumerate(calls) if call is executor._nothing}
+  instrs = ex.program.instrs
+
+  def where(k):
+    i = instrs[k]
+    return (i.peer, None) if i.op is Op.SEND and i.lane != ex.program.host else None
+
+  assert together == {k for g in puts_together(instrs, where) for k in g[1:]}
+  send = 1e-3
+  h = HostCosts(per_op={"F": 1e-5, "B": 1e-5, "SEND": send}, parallel=None)
+  lg_, cl = c.layer_graph, cpu_cluster(4)
+
+  def predicted(extra):
+    host = dataclasses.replace(h, send_extra=extra)
+    return simulate(c.plan, lg_, cl, program=ex.program, host=host).iteration_time
+
+  alone = predicted(None)
+  assert 0 < alone - predicted(0.0) <= len(together) * send * (1 + 1e-9)
+  assert predicted(0.0) < predicted(0.5) < alone
+  # The host lane's puts (the step's arguments) cost their own measured seconds.
+  inputs = sum(i.op is Op.SEND and i.lane == ex.program.host for i in instrs)
+  h = dataclasses.replace(h, input_send=0.0)
+  assert 0 < alone - predicted(None) <= inputs * send * (1 + 1e-9)
 
 
 def test_bfloat16_gpt_trains_pipelined_in_bfloat16():

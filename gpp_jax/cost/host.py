@@ -35,6 +35,10 @@ simulator needs to include the host, measured like the layer times:
 * ``send_extra``: what each array beyond the first of a stage edge adds to its SEND, as a
   share of a lone put: the executor puts the arrays of one edge with one ``jax.device_put``
   (about a third on forced CPU devices). None where not measured: each array a lone put.
+* ``input_send``: what a SEND from the host lane costs: the step's arguments put where they
+  go, mostly already there (a committed array on its sharding is kept as it is), so far less
+  than a put between stages (``per_op["SEND"]``, the stages' own). None where not measured:
+  a SEND between stages.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class HostCosts:
   wide_ops: Mapping[int, Mapping[str, float]] | None = None
   wide_per_stage: Mapping[int, float] | None = None
   send_extra: float | None = None
+  input_send: float | None = None
 
   def op_costs(self, width: int = 1) -> dict[Op, float]:
     """Seconds per op of a compiled step's program (``simulate_program(host_cost=)``), for a
@@ -86,7 +91,10 @@ class HostCosts:
     ``op_costs``): what ``simulate_program(host_cost=)`` takes."""
     per = self.schedule_costs if schedule else self.op_costs
     by_width = {w: per(w) for w in set(widths) | {1}}
-    return [by_width[w] for w in widths] + [by_width[1]]
+    host = by_width[1]
+    if self.input_send is not None:
+      host = {**host, Op.SEND: self.input_send}
+    return [by_width[w] for w in widths] + [host]
 
   def send_factors(self, edge_arrays: Mapping[tuple[int, int], int]) -> dict:
     """Per stage edge carrying ``a`` arrays, what one SEND along it costs in lone SENDs: the
@@ -175,18 +183,27 @@ def host_costs_from_timeline(
   timeline: Any, num_stages: int, call_seconds: float, stages_only: bool = False
 ) -> HostCosts:
   """Per-op medians of a run's dispatch timeline (``measure`` off), its per-stage remainder
-  and the time its call spent outside the program. ``stages_only``: of the stages'
-  instructions alone, not the host lane's (puts of the batch, mostly of arrays already in
-  place, which cost next to nothing)."""
+  and the time its call spent outside the program. A SEND's median is of the transfers
+  between stages; the host lane's SENDs (the step's arguments, mostly already in place,
+  which cost next to nothing) give ``input_send``. ``stages_only``: of the stages'
+  instructions alone."""
   per: dict[str, list[float]] = {}
+  inputs: list[float] = []  # the host lane's SENDs
   for e in timeline.events:
-    if stages_only and e.stage >= num_stages:
-      continue
+    if e.stage >= num_stages:
+      if stages_only:
+        continue
+      if e.action == "SEND":
+        inputs.append(e.end - e.start)
+        continue
     per.setdefault(e.action, []).append(e.end - e.start)
+  if inputs and "SEND" not in per:  # no transfer between stages: the inputs' stand in
+    per["SEND"] = inputs
   per_op = {k: statistics.median(v) for k, v in per.items()}
   rest = sum(sum(v) for k, v in per.items() if k not in _SCHEDULED)
   return HostCosts(
     per_op=per_op,
     per_stage=rest / max(num_stages, 1),
     outside=max(call_seconds - timeline.total, 0.0),
+    input_send=statistics.median(inputs) if inputs else None,
   )

@@ -40,7 +40,7 @@ import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts, plan_costs
-from gpp_jax.ir.program import Instr, Op, Program
+from gpp_jax.ir.program import Instr, Op, Program, puts_together
 from gpp_jax.ir.schedule import Action, Schedule, chunk_range, lanes_with_updates
 
 Times = float | Sequence[float] | Mapping[int, float]
@@ -589,6 +589,7 @@ def simulate_program(
   *,
   host_cost: Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
   send_factors: Mapping[tuple[int, int], float] | None = None,
+  send_extra: float | None = None,
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
   static_memory: Sequence[float] | None = None,
@@ -612,9 +613,11 @@ def simulate_program(
   cores (forced CPU devices): an instruction of a stage over k devices (``stage_devices``)
   runs on k device threads and holds min(k, cores) of them. The result's actions are the F,
   B, W and UPDATE instructions, its transfers the SENDs; memory as ``simulate_times``
-  describes. The executor puts a run of consecutive transfers together
-  (``runtime.executor._batched_sends``); a compiled program's SENDs are each charged a lone
-  put here (the devices-only timelines drawn from it do not charge the host).
+  describes. The executor puts consecutive transfers between stages together
+  (``ir.program.puts_together``, by destination); with ``send_extra`` (``HostCosts
+  .send_extra``) the host pays for such a group at its first SEND, a lone put plus
+  ``send_extra`` of one for each other array, and issues the others with it (without it,
+  each SEND is a lone put).
   """
   S = program.num_stages
   instrs = program.instrs
@@ -641,20 +644,34 @@ def simulate_program(
     if len(lane_host) != program.num_lanes:
       raise ValueError(f"host costs for {len(lane_host)} lanes, not {program.num_lanes}")
   hosted = any(lane_host)
+  # Puts issued together: the host's cost of each SEND as a share of a lone put's.
+  share: dict[int, float] = {}
+  if hosted and send_extra is not None:
+
+    def where(k: int) -> Any:
+      i = instrs[k]
+      if i.op is not Op.SEND or i.lane == program.host:
+        return None
+      return (i.peer, i.arg if len(devs[i.peer]) > 1 else None)
+
+    for members in puts_together(instrs, where):
+      share[members[0]] = 1.0 + (len(members) - 1) * send_extra
+      share.update(dict.fromkeys(members[1:], 0.0))
   host_t = 0.0
   actions: list[ActionTime] = []
   transfers: list[TransferTime] = []
   one_step = program.steps == 1
   SEND, RECV, kinds = Op.SEND, Op.RECV, _TRANSFER_KINDS
   F, B, W, UPDATE, STEP = Op.F, Op.B, Op.W, Op.UPDATE, Op.STEP
-  for i, dur in zip(instrs, durations):
+  for n, (i, dur) in enumerate(zip(instrs, durations)):
     op = i.op
     issued = 0.0
     cost = lane_host[i.lane].get(op) if hosted else None
-    if op is SEND and cost is not None:  # a put onto the wider of the two stages costs more
-      cost = max(cost, lane_host[i.peer].get(op, cost))
+    if op is SEND and cost is not None and i.lane != program.host:
+      cost = max(cost, lane_host[i.peer].get(op, cost))  # a put onto the wider stage costs more
       if send_factors:
         cost *= send_factors.get((i.lane, i.peer)) or send_factors.get((i.peer, i.lane)) or 1.0
+      cost *= share.get(n, 1.0)
     if cost is not None:
       if core_free is None:
         host_t += cost
@@ -818,6 +835,7 @@ def simulate(
       program,
       step_durations(program, plan, cluster, pc, backward, weight),
       host_cost=host_cost,
+      send_extra=host.send_extra if host is not None else None,
       cores=cores,
       channels=nic_channels(plan, cluster) if shared_nic else None,
       static_memory=static,

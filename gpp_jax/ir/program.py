@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
 from gpp_jax.errors import ScheduleError
@@ -443,3 +443,31 @@ def step_donates(ins: Instr) -> tuple[int, ...]:
   """Positions among a STEP's reads that it consumes (donates to its executable)."""
   head, _, rest = ins.arg.partition("=")
   return parse_indices(rest) if ins.op is Op.STEP and head == "donate" else ()
+
+
+def puts_together(
+  instrs: Sequence[Instr], key: Callable[[int], Hashable | None]
+) -> list[list[int]]:
+  """The instructions (indices into ``instrs``) that a driver issues as one put: within each
+  run of consecutive instructions whose ``key`` is not None (transfers that may go together;
+  the key names where they go), those of one key, when two or more. RECVs are not issued (a
+  lane waits for its input), so they do not break a run. A run where one of them reads what
+  another writes stays apart. The executor puts each group with one call
+  (``runtime.executor._batched_sends``) and the simulator charges it so
+  (``cost.simulator.simulate_program``)."""
+  issued = [k for k, i in enumerate(instrs) if i.op is not Op.RECV]
+  groups: list[list[int]] = []
+  p = 0
+  while p < len(issued):
+    q = p
+    while q < len(issued) and key(issued[q]) is not None:
+      q += 1
+    run = issued[p:q]
+    written = {b for k in run for b in instrs[k].writes}
+    if len(run) >= 2 and not any(b in written for k in run for b in instrs[k].reads):
+      by_key: dict[Hashable, list[int]] = {}
+      for k in run:
+        by_key.setdefault(key(k), []).append(k)
+      groups.extend(members for members in by_key.values() if len(members) >= 2)
+    p = max(q, p + 1)
+  return groups

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpp_jax.errors import GppError, ScheduleError
-from gpp_jax.ir.program import Instr, Op
+from gpp_jax.ir.program import Instr, Op, puts_together
 from gpp_jax.passes.lowering import Lowered
 from gpp_jax.runtime import liveness
 from gpp_jax.runtime.placement import (
@@ -640,40 +640,32 @@ def _nothing() -> None:
 def _batched_sends(
   code: Sequence[tuple[Callable[[], None], Any]], instrs: Sequence[Instr]
 ) -> list[tuple[Callable[[], None], Any]]:
-  """``code`` with each run of consecutive transfers between stages (in one process) issued
-  as one ``transfer_all`` per destination sharding, at the first of them; the others do
-  nothing. The lowering emits such runs where a stage sends several arrays at once: an edge
-  carrying several arrays, and the step pieces' inputs (the optimizer's global norm reads a
-  scalar per parameter array from every stage: tens per step). A run is left as it is where
-  one of its transfers reads what another writes. Each instruction keeps its frees: a buffer
-  freed by a later member of the run was read by the batch before it."""
+  """``code`` with each group of ``ir.program.puts_together`` (consecutive transfers between
+  stages in one process, by destination sharding) issued as one ``transfer_all`` at its
+  first member; the others do nothing. The lowering emits such runs where a stage sends
+  several arrays at once: an edge carrying several arrays, and the step pieces' inputs (the
+  optimizer's global norm reads a scalar per parameter array from every stage: tens per
+  step). Each instruction keeps its frees: a buffer freed by a later member of a group was
+  read by the put before it."""
   out = list(code)
-  n, k = len(code), 0
-  while k < n:
-    j = k
-    while j < n and getattr(code[j][0], "batch", None) is not None:
-      j += 1
-    run = range(k, j)
-    written = {b for i in run for b in instrs[i].writes}
-    if j - k >= 2 and not any(b in written for i in run for b in instrs[i].reads):
-      groups: dict[Any, list[int]] = {}
-      for i in run:
-        groups.setdefault(code[i][0].batch[2], []).append(i)  # type: ignore[attr-defined]
-      for sharding, members in groups.items():
-        if len(members) < 2:
-          continue
-        srcs = [code[i][0].batch[0] for i in members]  # type: ignore[attr-defined]
-        dsts = [code[i][0].batch[1] for i in members]  # type: ignore[attr-defined]
 
-        def put_all(srcs=srcs, dsts=dsts, sharding=sharding) -> None:
-          moved = transfer_all([lst[i] for lst, i in srcs], sharding)
-          for (lst, i), y in zip(dsts, moved):
-            lst[i] = y
+  def key(i: int) -> Any:
+    batch = getattr(code[i][0], "batch", None)
+    return None if batch is None else batch[2]
 
-        out[members[0]] = (put_all, code[members[0]][1])
-        for i in members[1:]:
-          out[i] = (_nothing, code[i][1])
-    k = max(j, k + 1)
+  for members in puts_together(instrs, key):
+    srcs = [code[i][0].batch[0] for i in members]  # type: ignore[attr-defined]
+    dsts = [code[i][0].batch[1] for i in members]  # type: ignore[attr-defined]
+    sharding = key(members[0])
+
+    def put_all(srcs=srcs, dsts=dsts, sharding=sharding) -> None:
+      moved = transfer_all([lst[i] for lst, i in srcs], sharding)
+      for (lst, i), y in zip(dsts, moved):
+        lst[i] = y
+
+    out[members[0]] = (put_all, code[members[0]][1])
+    for i in members[1:]:
+      out[i] = (_nothing, code[i][1])
   return out
 
 

@@ -233,6 +233,9 @@ def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> Hos
     wide_ops=wide_ops or None,
     wide_per_stage=wide_per_stage or None,
     send_extra=measure_send_extra(devices),
+    input_send=statistics.median(h.input_send for h in found if h.input_send is not None)
+    if any(h.input_send is not None for h in found)
+    else None,
   )
 
 
