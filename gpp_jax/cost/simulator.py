@@ -606,8 +606,9 @@ def simulate_program(
   is free, and occupies the channel, not a lane; the RECV that follows on the destination holds
   that lane until the buffer has arrived, as a device that runs its queue in order waits for an
   input. With ``host_cost`` (seconds per op, or a mapping per lane: ``HostCosts.lane_costs``;
-  ops not in it cost the host nothing; a SEND costs what its source or destination lane's
-  SEND costs, the more, times its stage edge's ``send_factors``, either way) one host thread
+  ops not in it cost the host nothing; a SEND between stages costs what its source or
+  destination lane's SEND costs, the more, times its stage edge's ``send_factors``, either
+  way; one from the host lane what the host lane's costs) one host thread
   issues the instructions one after another in program order, and none starts before it is
   issued; with ``cores`` the computing instructions and the issuing thread share that many
   cores (forced CPU devices): an instruction of a stage over k devices (``stage_devices``)
