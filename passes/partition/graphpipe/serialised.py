@@ -39,6 +39,10 @@ class SerialisedRuns:
     if D == 0 and self.whole_chain is not None and node.layers == list(range(len(ctx.costs))):
       f = self.memo_chain[key] = self.chain_of_table(self.whole_chain())
       return f
+    f = self.shifted_chain(node, D)
+    if f is not None:
+      self.memo_chain[key] = f
+      return f
     tps_all, static, saved, per_dev = ctx.linear_stacks(node)
     inflight = np.minimum(np.arange(E), ctx.M)
     mem_cap = ctx.cluster.memory_per_device
@@ -78,6 +82,45 @@ class SerialisedRuns:
       best[:, top + 1 :] = best[:, top : top + 1]
       best[best > self.cap] = math.inf
     self.memo_chain[key] = f
+    return f
+
+  def shifted_chain(self, node: SPTreeNode, D: int) -> np.ndarray | None:
+    """``chain(node, D)`` as the chain of ``node`` in the deepest context D' < D already
+    computed, moved D - D' depths deeper, where that is exact; else None.
+
+    The context enters the chain only through the in-flight count of each stage, min(e, M) at
+    its depth e, and so through which stages fit in memory. Memory grows with the in-flight
+    count (float sums and products of non-negative numbers keep their order), so where every
+    stage that can matter (within the cap and the stages ``chain_widths`` looks at) fits at
+    depth D' + 1 exactly when it fits at the deepest depth E - 1, it fits the same at every
+    depth from D' + 1 on: the chain in context D then looks at the same stages, their values
+    the same at depth e as in context D' at e - (D - D'), and ``f[j, k, e]`` is the chain of
+    D' at e - (D - D') (inf above that, where the depth is below D). The memory is summed as
+    ``chain`` sums it, so the test is the very comparison ``chain`` would make. DP runs ask
+    for a node's chain in several contexts, and memory seldom tells the depths apart."""
+    shallower = [d for sig, d in self.memo_chain if sig == node.sig and d < D]
+    if not shallower:
+      return None
+    D0 = max(shallower)
+    ctx = self.ctx
+    rc = ctx.linear(node)
+    L = rc.n
+    tps_all, static, saved, per_dev = ctx.linear_stacks(node)
+    j2 = np.arange(L + 1)
+    fast = np.stack([rc.bound(d) for d in ctx.dps]).min(axis=0)[:L] <= self.cap
+    hi = j2[:L] + 1 + (fast & (j2[None, :] > j2[:L, None])).sum(axis=1)
+    looked_at = (
+      (tps_all[:, :L, :] <= self.cap) & (j2[None, :] > j2[:L, None]) & (j2[None, :] < hi[:, None])
+    )
+    per_mb = saved[None, :L, :] * per_dev[:, None, None]
+    mem_cap = ctx.cluster.memory_per_device
+    first = static[None, :L, :] + per_mb * min(D0 + 1, ctx.M) <= mem_cap
+    last = static[None, :L, :] + per_mb * min(self.E - 1, ctx.M) <= mem_cap
+    if (looked_at & (first != last)).any():
+      return None
+    g = self.memo_chain[(node.sig, D0)]
+    f = np.full_like(g, math.inf)
+    f[:, :, D - D0 :] = g[:, :, : self.E - (D - D0)]
     return f
 
   def chain_of_table(self, A: np.ndarray) -> np.ndarray:
