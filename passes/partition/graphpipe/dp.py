@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -39,6 +39,29 @@ def first_of_min(v: np.ndarray, axis: int) -> np.ndarray:
   else:
     first[:, 1:] = np.where(v[:, 1:] < prev[:, :-1], idx[:, 1:], 0)
   return np.maximum.accumulate(first, axis=axis)
+
+
+class InFrontEach(NamedTuple):
+  """The choices ``("block", p, d)`` of ``MinMaxDP.series_blocks``, a stage of TPS ``tps[j]``
+  on each device count ``slots[j]`` in front of the table ``rest``, fitting in memory at the
+  depths ``ok[j]`` (``MinMaxDP.in_front_each``), offered together (``Table.offer_each``)."""
+
+  p: int
+  slots: list[int]
+  tps: list[float]
+  ok: np.ndarray
+  rest: np.ndarray
+
+  def at(self, k: int, e: int) -> tuple[Any, ...]:
+    """The choice whose candidate is the first to attain the smallest value at cell (k, e)
+    (one the offer won: some candidate is finite there)."""
+    best, pick = math.inf, 0
+    for j, d in enumerate(self.slots):
+      if e and k >= d and self.ok[j, e]:
+        v = max(self.tps[j], self.rest[k - d, e - 1])
+        if v < best:
+          best, pick = v, d
+    return ("block", self.p, pick)
 
 
 class Table:
@@ -66,19 +89,21 @@ class Table:
     if split is not None:
       self.split[m] = split[m]
 
-  def offer_each(self, cands: np.ndarray, choices: list[tuple[Any, ...]]):
-    """``offer`` of ``cands[i]`` with ``choices[i]`` for i in order, in one pass: per cell the
-    first candidate attaining their minimum, where it is strictly better than the cell."""
-    if not len(choices):
+  def offer_each(self, cands: np.ndarray, each: InFrontEach):
+    """``offer`` of ``cands[i]`` with ``each``'s i-th choice for i in order, in one pass: per
+    cell the first candidate attaining their minimum, where it is strictly better than the
+    cell. The cells keep ``each`` as their choice, and ``cell`` finds which of its choices
+    from the candidates' values there: the arg-min over the whole stack cost more than the
+    rest of the offer, and few cells are ever read back."""
+    if not len(cands):
       return
     best = cands.min(axis=0)
     m = best < self.val
     if not m.any():
       return
-    first = cands.argmin(axis=0)
     self.val[m] = best[m]
-    self.cid[m] = len(self.choices) + first[m]
-    self.choices.extend(choices)
+    self.cid[m] = len(self.choices)
+    self.choices.append(each)
 
   def close(self, cap: float = math.inf) -> Table:
     """Make ``val`` monotone (at most k devices, depth at most e): a cell takes the value of a
@@ -101,7 +126,10 @@ class Table:
     c = int(self.cid[k2, e2])
     if c < 0:
       raise AssertionError("reconstructing an infeasible sub-problem")
-    return k2, e2, self.choices[c], int(self.split[k2, e2])
+    choice = self.choices[c]
+    if isinstance(choice, InFrontEach):
+      choice = choice.at(k2, e2)
+    return k2, e2, choice, int(self.split[k2, e2])
 
 
 class MinMaxDP(SerialisedRuns):
@@ -200,9 +228,10 @@ class MinMaxDP(SerialisedRuns):
     n = self._nslots
     cand = np.empty((n, self.K + 1, self.E))
     cand[:, :, 0] = math.inf
-    np.maximum(np.asarray(tps[:n])[:, None, None], rest[self._shift][:, :, :-1], out=cand[:, :, 1:])
+    # The TPS where the stage fits, inf where it does not: max(inf, rest) is inf.
+    fit_tps = np.where(ok[:n, 1:], np.asarray(tps[:n])[:, None], math.inf)
+    np.maximum(fit_tps[:, None, :], rest[self._shift][:, :, :-1], out=cand[:, :, 1:])
     cand[self._short] = math.inf
-    cand[~np.broadcast_to(ok[:n, None, :], cand.shape)] = math.inf
     return cand
 
   def base(self, D: int) -> Table:
@@ -259,9 +288,10 @@ class MinMaxDP(SerialisedRuns):
     for p in self.block_ends(node, i):
       tps, _, params, saved = ctx.block(node, i, p)
       rest = self.S(node, p, D).val if node.kind == "series" else self.base(D).val
+      ok = self.fits(params, saved)
       t.offer_each(
-        self.in_front_each(tps, self.fits(params, saved), rest),
-        [("block", p, d) for d in ctx.slots[: self._nslots]],
+        self.in_front_each(tps, ok, rest),
+        InFrontEach(p, ctx.slots[: self._nslots], tps, ok, rest),
       )
 
   def S(self, node: SPTreeNode, i: int, D: int) -> Table:
