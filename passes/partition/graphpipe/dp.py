@@ -29,18 +29,6 @@ from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode
 Stages = list[tuple[list[int], int]]
 
 
-def first_of_min(v: np.ndarray, axis: int) -> np.ndarray:
-  """Index along ``axis`` of the first entry attaining the running minimum of ``v``."""
-  prev = np.minimum.accumulate(v, axis=axis)
-  idx = np.arange(v.shape[axis]).reshape((-1, 1) if axis == 0 else (1, -1))
-  first = np.zeros(v.shape, dtype=np.int64)
-  if axis == 0:
-    first[1:] = np.where(v[1:] < prev[:-1], idx[1:], 0)
-  else:
-    first[:, 1:] = np.where(v[:, 1:] < prev[:, :-1], idx[:, 1:], 0)
-  return np.maximum.accumulate(first, axis=axis)
-
-
 class InFrontEach(NamedTuple):
   """The choices ``("block", p, d)`` of ``MinMaxDP.series_blocks``, a stage of TPS ``tps[j]``
   on each device count ``slots[j]`` in front of the table ``rest``, fitting in memory at the
@@ -65,18 +53,19 @@ class InFrontEach(NamedTuple):
 
 
 class Table:
-  """A sub-problem's table: ``val[k, e]`` (monotone in k and e), and for each cell the cell
-  whose own choice attains it (``src``), that choice (``cid`` into ``choices``) and the
-  device split the choice made there (``split``)."""
+  """A sub-problem's table: ``val[k, e]`` (monotone in k and e), and for each cell the choice
+  made there (``cid`` into ``choices``) and the device split it made (``split``), kept with
+  the values before closing (``raw``): the cell whose own choice attains ``val[k, e]`` is
+  found from them when a strategy is read back (``cell``)."""
 
-  __slots__ = ("choices", "cid", "split", "src_e", "src_k", "val")
+  __slots__ = ("choices", "cid", "raw", "split", "val")
 
   def __init__(self, K: int, E: int):
     self.val = np.full((K + 1, E), math.inf)
     self.cid = np.full((K + 1, E), -1, dtype=np.int64)
     self.split = np.zeros((K + 1, E), dtype=np.int64)
-    self.choices: list[tuple[Any, ...]] = []
-    self.src_k = self.src_e = np.zeros(0, dtype=np.int64)
+    self.choices: list[tuple[Any, ...] | InFrontEach] = []
+    self.raw = self.val
 
   def offer(self, cand: np.ndarray, choice: tuple[Any, ...], split: np.ndarray | None = None):
     """Keep ``choice`` in the cells where ``cand`` is strictly better (ties: the earlier)."""
@@ -107,22 +96,23 @@ class Table:
 
   def close(self, cap: float = math.inf) -> Table:
     """Make ``val`` monotone (at most k devices, depth at most e): a cell takes the value of a
-    cell with fewer devices or a shallower depth when that is no worse; ``src`` records it.
-    Values above ``cap`` become infeasible."""
+    cell with fewer devices or a shallower depth when that is no worse. Values above ``cap``
+    become infeasible."""
     v = self.val
     v[v > cap] = math.inf
-    # Along e: the first depth attaining each running minimum, then along k likewise.
-    se = first_of_min(v, axis=1)
-    v = np.minimum.accumulate(v, axis=1)
-    sk = first_of_min(v, axis=0)
-    self.val = np.minimum.accumulate(v, axis=0)
-    se = np.take_along_axis(se, sk, axis=0)
-    self.src_k, self.src_e = sk, se
+    self.raw = v
+    self.val = np.minimum.accumulate(np.minimum.accumulate(v, axis=1), axis=0)
     return self
 
   def cell(self, k: int, e: int) -> tuple[int, int, tuple[Any, ...], int]:
-    """(k', e', choice, split) of the cell that attains ``val[k, e]``."""
-    k2, e2 = int(self.src_k[k, e]), int(self.src_e[k, e])
+    """(k', e', choice, split) of the cell that attains ``val[k, e]``: the fewest devices
+    k' <= k whose best over the depths up to e attains it, at the shallowest such depth e'
+    (ties go to fewer devices, then to shallower depths)."""
+    v = self.val[k, e]
+    if not math.isfinite(v):
+      raise AssertionError("reconstructing an infeasible sub-problem")
+    k2 = int(np.argmax(self.raw[: k + 1, : e + 1].min(axis=1) == v))
+    e2 = int(np.argmax(self.raw[k2, : e + 1] == v))
     c = int(self.cid[k2, e2])
     if c < 0:
       raise AssertionError("reconstructing an infeasible sub-problem")
