@@ -91,10 +91,11 @@ def one_f_one_b(
     M = num_microbatches if cs is None else cs[s]
     w = max(1, min(L[s], M))
     fs, bs = stage_actions("F", s, M), stage_actions("B", s, M)
-    lane = list(fs[:w])  # warm-up, then B(i) F(w + i) in turn, then the last backwards
-    for i in range(M - w):
-      lane += (bs[i], fs[w + i])
-    lane += bs[M - w :]
+    # Warm-up, then B(i) F(w + i) in turn (interleaved by slices), then the last backwards.
+    steady: list[Action] = [bs[0]] * (2 * (M - w))
+    steady[::2] = bs[: M - w]
+    steady[1::2] = fs[w:]
+    lane = [*fs[:w], *steady, *bs[M - w :]]
     if update:
       lane.append(Action("UPDATE", s))
     lanes.append(tuple(lane))

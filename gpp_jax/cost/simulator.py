@@ -345,17 +345,22 @@ def _find_lane_facts(sched: Schedule) -> _LaneFacts | None:
   for lane in lanes:
     forwards, backwards = set(), set()
     held = most = 0
-    for a in lane:
-      if a.kind == "F":
+    for a in lane:  # one pass per action of every new schedule: kept to plain statements
+      kind = a.kind
+      if kind == "F":
         forwards.add(a.microbatch)
         held += 1
-        most = max(most, held)
-      elif a.kind == "B":
-        if a.microbatch not in forwards:
+        if held > most:
+          most = held
+      elif kind == "B":
+        m = a.microbatch
+        if m not in forwards:
           return None
-        backwards.add(a.microbatch)
-        held -= not split_w
-      elif a.kind == "W":
+        if split_w:
+          backwards.add(m)
+        else:
+          held -= 1
+      elif kind == "W":
         if a.microbatch not in backwards:
           return None
         held -= 1

@@ -29,6 +29,7 @@ import contextvars
 import dataclasses
 import functools
 import json
+import operator
 from collections.abc import Iterable, Sequence
 
 import networkx as nx
@@ -88,7 +89,8 @@ class Schedule:
   @functools.cached_property
   def splits_backward(self) -> bool:
     """Whether the lanes split backwards into B and W (a W action anywhere)."""
-    return any(a.kind == "W" for lane in self.lanes for a in lane)
+    kind = operator.attrgetter("kind")
+    return any("W" in map(kind, lane) for lane in self.lanes)  # map: no Python call per action
 
   @property
   def stage_counts(self) -> tuple[int, ...]:
