@@ -137,6 +137,8 @@ def refine_plan(
   with trusted_generators():
     drains = not schedule_for(plan).splits_backward
 
+  edges = list(layer_graph.edges)  # walked for every candidate: a list walks faster
+
   def stage_order(stages: Stages) -> tuple[list[int], list[list[int]]] | None:
     """A topological order of the stage graph and each stage's predecessors, None if it has
     a cycle (a sequential plan is a chain in its own order)."""
@@ -145,7 +147,7 @@ def refine_plan(
       return list(range(n)), [[i - 1] if i else [] for i in range(n)]
     where = {l: i for i, (ls, _) in enumerate(stages) for l in ls}
     preds: list[set[int]] = [set() for _ in range(n)]
-    for u, v in layer_graph.edges:
+    for u, v in edges:
       su, sv = where[u], where[v]
       if su != sv:
         preds[sv].add(su)
@@ -237,7 +239,7 @@ def refine_plan(
     busy = set(takers)
     pairs = set()
     stage_pairs = []
-    for u, v in layer_graph.edges:
+    for u, v in edges:
       su, sv = where[u], where[v]
       if su != sv:
         stage_pairs.append((su, sv))
@@ -363,12 +365,21 @@ def pipeline_lower_bound(
   fill = [0.0] * len(forward)
   tail = list(up)  # after stage s's last backward: the rest of the iteration at least
   worst = 0.0
+  # Maxima by comparison rather than max(): the polish bounds every candidate it meets.
   for s in order:
+    f, t = fill[s], tail[s]
     for p in preds[s]:
-      fill[s] = max(fill[s], fill[p] + forward[p])
+      x = fill[p] + forward[p]
+      if x > f:
+        f = x
       if drains:
-        tail[s] = max(tail[s], backward[p] + tail[p])
-    worst = max(worst, fill[s] + num_microbatches * (forward[s] + backward[s]) + tail[s])
+        x = backward[p] + tail[p]
+        if x > t:
+          t = x
+    fill[s], tail[s] = f, t
+    x = f + num_microbatches * (forward[s] + backward[s]) + t
+    if x > worst:
+      worst = x
   return worst
 
 
