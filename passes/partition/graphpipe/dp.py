@@ -72,8 +72,8 @@ class Table:
     m = cand < self.val
     if not m.any():
       return
-    self.val[m] = cand[m]
-    self.cid[m] = len(self.choices)
+    np.copyto(self.val, cand, where=m)
+    np.copyto(self.cid, len(self.choices), where=m)
     self.choices.append(choice)
     if split is not None:
       self.split[m] = split[m]
@@ -90,8 +90,8 @@ class Table:
     m = best < self.val
     if not m.any():
       return
-    self.val[m] = best[m]
-    self.cid[m] = len(self.choices)
+    np.copyto(self.val, best, where=m)
+    np.copyto(self.cid, len(self.choices), where=m)
     self.choices.append(each)
 
   def close(self, cap: float = math.inf) -> Table:
@@ -149,11 +149,12 @@ class MinMaxDP(SerialisedRuns):
     self._conv_bad = k[None, :] > k[:, None]
     self._depths = np.arange(self.E)
     # A stage on slots[j] devices in front of a table: its rows k come from rows k - slots[j]
-    # of the table (none where k < slots[j]).
+    # of the table, read off a copy below rows of inf (none where k < slots[j]).
     slots = np.asarray([d for d in ctx.slots if d <= self.K], dtype=np.int64)
     self._nslots = len(slots)
-    self._shift = np.clip(k[None, :] - slots[:, None], 0, None)
-    self._short = k[None, :] < slots[:, None]
+    pad = int(slots.max(initial=0))
+    self._shift = k[None, :] - slots[:, None] + pad
+    self._padded = np.full((pad + K1, self.E), math.inf)
     self._base: dict[int, Table] = {}
     self._fits: dict[tuple[float, float], np.ndarray] = {}
 
@@ -220,8 +221,9 @@ class MinMaxDP(SerialisedRuns):
     cand[:, :, 0] = math.inf
     # The TPS where the stage fits, inf where it does not: max(inf, rest) is inf.
     fit_tps = np.where(ok[:n, 1:], np.asarray(tps[:n])[:, None], math.inf)
-    np.maximum(fit_tps[:, None, :], rest[self._shift][:, :, :-1], out=cand[:, :, 1:])
-    cand[self._short] = math.inf
+    padded = self._padded
+    padded[len(padded) - len(rest) :] = rest
+    np.maximum(fit_tps[:, None, :], padded[self._shift][:, :, :-1], out=cand[:, :, 1:])
     return cand
 
   def base(self, D: int) -> Table:
