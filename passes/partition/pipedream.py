@@ -106,17 +106,16 @@ def chain_reconstruct(
     while m > 0 and A[i, m - 1, s] <= target:
       m -= 1
     found = None
+    static = rc.cm.static_memory(rc.params[i, i + 1 :])
     for d in dps:
       if d > m * unit:
         break
-      for j in range(i + 1, rc.n + 1):
-        rest = A[j, m - d // unit, s - 1]
-        v = max(rc.tps(d)[i, j], rest)
-        mem = rc.cm.static_memory(rc.params[i, j]) + rc.saved[i, j] * rc.b / d * min(s, M)
-        if v <= target * (1 + 1e-9) and mem <= mem_cap:
-          found = (j, d)
-          break
-      if found:
+      # The first end j whose stage with the rest attains the target, over every j at once.
+      v = np.maximum(rc.tps(d)[i, i + 1 :], A[i + 1 :, m - d // unit, s - 1])
+      mem = static + rc.saved[i, i + 1 :] * rc.b / d * min(s, M)
+      hits = np.flatnonzero((v <= target * (1 + 1e-9)) & (mem <= mem_cap))
+      if hits.size:
+        found = (i + 1 + int(hits[0]), d)
         break
     if found is None:
       raise AssertionError("PipeDream reconstruction lost the optimum")
