@@ -4,6 +4,7 @@ and the (memoised) TPS of every block of SP-tree children as one stage."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -93,7 +94,7 @@ class MicrobatchContext:
       upd = self.upd(params, d) / self.B
       tps.append(self.cm.combine(t, comm) / self.b + upd)
       bound.append(t / self.b + upd)
-    return (tps, list(np.minimum.accumulate(bound)), params, saved)
+    return (tps, list(itertools.accumulate(bound, min)), params, saved)
 
   def merged(self, node: SPTreeNode, ip: int, a: int, lo: int, hi: int):
     """Like ``block`` for the stage made of branches [0, a) of the parallel child ``ip`` of
