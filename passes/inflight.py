@@ -93,13 +93,29 @@ def _inflight_counts(
   num_microbatches: int | None,
 ) -> InFlight:
   """``inflight_counts``, kept for the stage graphs a planner sees again and again."""
-  g = _stage_graph(num_stages, edges)
   b = [1] * num_stages if microbatch_sizes is None else list(microbatch_sizes)
   if len(b) != num_stages or any(x < 1 for x in b):
     raise ValueError(f"need one positive micro-batch size per stage, got {microbatch_sizes}")
+  # Sinks first (Kahn's algorithm on the reversed graph) over plain lists: a planner's
+  # search meets hundreds of stage graphs, and building each as a networkx graph cost most
+  # of this; the counts are maxima, the same in any such order.
+  succs: list[list[int]] = [[] for _ in range(num_stages)]
+  preds: list[list[int]] = [[] for _ in range(num_stages)]
+  for u, v in set(edges):
+    succs[u].append(v)
+    preds[v].append(u)
+  waiting = [len(succ) for succ in succs]
+  order = [s for s in range(num_stages) if not waiting[s]]
+  for v in order:  # ``order`` grows while it is walked
+    for u in preds[v]:
+      waiting[u] -= 1
+      if not waiting[u]:
+        order.append(u)
+  if len(order) < num_stages:
+    _stage_graph(num_stages, edges)  # raises, naming the cycle
   N = [0] * num_stages
-  for s in reversed(list(nx.topological_sort(g))):
-    succ = list(g.successors(s))
+  for s in order:
+    succ = succs[s]
     N[s] = b[s] if not succ else max(N[t] + max(b[s], b[t]) for t in succ)
   mbs = [-(-N[s] // b[s]) for s in range(num_stages)]
   if num_microbatches is not None:
