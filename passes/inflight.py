@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import networkx as nx
 
@@ -96,23 +96,16 @@ def _inflight_counts(
   b = [1] * num_stages if microbatch_sizes is None else list(microbatch_sizes)
   if len(b) != num_stages or any(x < 1 for x in b):
     raise ValueError(f"need one positive micro-batch size per stage, got {microbatch_sizes}")
-  # Sinks first (Kahn's algorithm on the reversed graph) over plain lists: a planner's
+  # Sinks first (the reversed graph's topological order) over plain lists: a planner's
   # search meets hundreds of stage graphs, and building each as a networkx graph cost most
   # of this; the counts are maxima, the same in any such order.
   succs: list[list[int]] = [[] for _ in range(num_stages)]
-  preds: list[list[int]] = [[] for _ in range(num_stages)]
   for u, v in set(edges):
     succs[u].append(v)
-    preds[v].append(u)
-  waiting = [len(succ) for succ in succs]
-  order = [s for s in range(num_stages) if not waiting[s]]
-  for v in order:  # ``order`` grows while it is walked
-    for u in preds[v]:
-      waiting[u] -= 1
-      if not waiting[u]:
-        order.append(u)
-  if len(order) < num_stages:
+  order = topological_order(succs)
+  if order is None:
     _stage_graph(num_stages, edges)  # raises, naming the cycle
+  assert order is not None
   N = [0] * num_stages
   for s in order:
     succ = succs[s]
@@ -269,3 +262,22 @@ def graph_1f1b(
   )
   validate_schedule(sched)
   return sched
+
+
+def topological_order(preds: Sequence[Iterable[int]]) -> list[int] | None:
+  """The stages in an order where each comes after its predecessors (``preds[s]``), or None
+  when the stage graph has a cycle (Kahn's algorithm)."""
+  n = len(preds)
+  succs: list[list[int]] = [[] for _ in range(n)]
+  waiting = [0] * n
+  for v, ps in enumerate(preds):
+    for u in ps:
+      succs[u].append(v)
+      waiting[v] += 1
+  order = [s for s in range(n) if not waiting[s]]
+  for u in order:  # ``order`` grows while it is walked
+    for v in succs[u]:
+      waiting[v] -= 1
+      if not waiting[v]:
+        order.append(v)
+  return order if len(order) == n else None

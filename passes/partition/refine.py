@@ -20,7 +20,7 @@ more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import networkx as nx
@@ -30,6 +30,7 @@ from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
 from gpp_jax.ir.plan import Plan
 from gpp_jax.ir.schedule import trusted_generators
+from gpp_jax.passes.inflight import topological_order
 from gpp_jax.passes.partition.plan_assembly import (
   assemble_plan,
   better,
@@ -322,25 +323,6 @@ def refine_plan(
     assert best_stages is not None  # set together with best
     plan, current = best, best_stages
   return plan
-
-
-def topological_order(preds: Sequence[Iterable[int]]) -> list[int] | None:
-  """The stages in an order where each comes after its predecessors (``preds[s]``), or None
-  when the stage graph has a cycle (Kahn's algorithm)."""
-  n = len(preds)
-  succs: list[list[int]] = [[] for _ in range(n)]
-  waiting = [0] * n
-  for v, ps in enumerate(preds):
-    for u in ps:
-      succs[u].append(v)
-      waiting[v] += 1
-  order = [s for s in range(n) if not waiting[s]]
-  for u in order:  # ``order`` grows while it is walked
-    for v in succs[u]:
-      waiting[v] -= 1
-      if not waiting[v]:
-        order.append(v)
-  return order if len(order) == n else None
 
 
 def pipeline_lower_bound(
