@@ -7,8 +7,10 @@ For each model, size and device count, one ``graph_pipeline`` is set up as a use
 (``runtime.host.measure_host``, its SPMD factor per width printed beside the fusion) and what
 XLA makes of the whole step (plain jit, timed, and jit data parallel where it could be the
 choice: the model's own SPMD factor), then picks among its candidates by one
-prediction for this machine. Every candidate is then run for real (``--steps`` timed steps,
-the median) beside that prediction:
+prediction for this machine. Every candidate is then compiled and run for real, side by side
+(``--steps`` timed steps each, the median, taken in ``--rounds`` rounds that visit the
+candidates in turn: this machine's speed changes in spells of milliseconds to seconds, which
+would otherwise fall on one candidate only) beside that prediction:
 
   plain jit           the step jitted on one device (one-stage plan, one jitted call)
   jit data parallel   one stage over all devices (each micro-batch split over them)
@@ -59,7 +61,8 @@ flags.DEFINE_list(
 )
 flags.DEFINE_integer("batch_size", 64, "examples per step")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step")
-flags.DEFINE_integer("steps", 10, "timed steps (median reported)")
+flags.DEFINE_integer("steps", 10, "timed steps per candidate (median reported)")
+flags.DEFINE_integer("rounds", 5, "rounds the timed steps are taken in, candidates in turn")
 flags.DEFINE_string("json_out", None, "also write the rows to this JSON file")
 
 
@@ -68,9 +71,9 @@ def setup(model, size):
   return zoo.setup(model, "paper" if size == "medium" else "tiny", **kw)
 
 
-def measure(run, data, planner, devices) -> tuple[float, Any]:
-  """Median wall seconds of a step (the call and its results ready), as a training loop sees,
-  and the compiled step that ran."""
+def prepare(run, data, planner, devices) -> tuple[Any, Any]:
+  """The step of ``planner``'s plan as a training loop calls it (``cached_partial``),
+  compiled and warmed up, and its compiled step."""
   pp = gpp_jax.graph_pipeline(
     run.train_step,
     num_microbatches=FLAGS.microbatches,
@@ -81,12 +84,24 @@ def measure(run, data, planner, devices) -> tuple[float, Any]:
   train = pp.cached_partial(run.model, run.optimizer)
   for i in range(3):
     jax.block_until_ready(train(data[i % len(data)]))
-  times = []
-  for i in range(FLAGS.steps):
-    t = time.perf_counter()
-    jax.block_until_ready((train(data[i % len(data)]), jax.tree.leaves(run.model)))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times), pp.compiled
+  return train, pp.compiled
+
+
+def measure(run, data, trains: list[Any]) -> list[float]:
+  """Median wall seconds of a step (the call and its results ready) of each of ``trains``,
+  as a training loop sees: ``--steps`` timed steps each, taken in ``--rounds`` rounds that
+  visit the steps in turn (one untimed step first in each: the state moves to that plan's
+  devices), so that a slow or fast spell of the machine falls on all of them alike."""
+  times: list[list[float]] = [[] for _ in trains]
+  per_round = -(-FLAGS.steps // FLAGS.rounds)
+  for r in range(FLAGS.rounds):
+    for train, found in zip(trains, times):
+      jax.block_until_ready((train(data[r % len(data)]), jax.tree.leaves(run.model)))
+      for i in range(per_round):
+        t = time.perf_counter()
+        jax.block_until_ready((train(data[i % len(data)]), jax.tree.leaves(run.model)))
+        found.append(time.perf_counter() - t)
+  return [statistics.median(found) for found in times]
 
 
 def one(model, size, n):
@@ -135,14 +150,21 @@ def one(model, size, n):
   bare = scaled.copy()
   bare.graph.pop("spmd", None)
   rows = []
-  chosen = None
-  for name, plan in candidates.items():
+  # Every candidate compiled first, then measured side by side; the choice too where it is
+  # none of them (e.g. the planner's plan on fewer devices).
+  chosen_index = next(
+    (i for i, p in enumerate(candidates.values()) if shape(p) == shape(pp.plan)), None
+  )
+  plans = list(candidates.values()) + ([pp.plan] if chosen_index is None else [])
+  prepared = [prepare(run, data, plan, devices) for plan in plans]
+  times = measure(run, data, [train for train, _ in prepared])
+  chosen = times[-1 if chosen_index is None else chosen_index]
+  for (name, plan), measured, (_, compiled) in zip(candidates.items(), times, prepared):
     predicted, _ = predict_seconds(plan, scaled, cluster, planned.host)
     without, _ = predict_seconds(plan, bare, cluster, unfactored)
     probe, _ = predict_seconds(plan, bare, cluster, planned.host)
     callless, _ = predict_seconds(plan, scaled, cluster, no_call)
     one_width, _ = predict_seconds(plan, scaled, cluster, narrow)
-    measured, compiled = measure(run, data, plan, devices)
     # The lowered program the executor ran (step pieces and batched puts included), timed
     # with the same host costs; a one-stage plan is one jitted step either way.
     program = predicted
@@ -171,10 +193,6 @@ def one(model, size, n):
         error_program=(program - measured) / measured,
       )
     )
-    if shape(plan) == shape(pp.plan):
-      chosen = measured  # the choice is this candidate: one measurement of it
-  if chosen is None:  # e.g. the planner's plan on fewer devices
-    chosen = measure(run, data, pp.plan, devices)[0]
   best = min(rows, key=lambda r: r["measured_ms"])
   return dict(
     model=model,
