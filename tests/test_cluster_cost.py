@@ -138,10 +138,14 @@ def test_measured_times_replace_the_roofline_and_scale_with_efficiency():
   assert tf1[0] == pytest.approx(0.08 / 8 * 1.0 / 0.5)  # small batch: half as efficient
 
 
-def test_kernel_overhead_is_added_per_pass():
+def test_kernel_overhead_is_added_per_pass_to_estimated_times_only():
   dev = DeviceSpec("d", 1e12, 1e11, kernel_overhead=1e-3)
   tf, tb = CostModel().layer_times(layer_costs(_one_layer(0.0, 0.0, 0.0)), dev, 4)
   assert (tf[0], tb[0]) == pytest.approx((1e-3, 1e-3))
+  # A measured time already holds the launch: it is taken as measured.
+  measured = layer_costs(_one_layer(0.0, 0.0, 0.0, time_f=2e-3, time_b=5e-3))
+  tf, tb = CostModel().layer_times(measured, dev, 8)
+  assert (tf[0], tb[0]) == pytest.approx((2e-3, 5e-3))
 
 
 def test_ring_allreduce_and_memory_terms():

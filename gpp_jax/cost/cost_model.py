@@ -13,7 +13,8 @@ Time of one layer for a micro-batch of ``s`` samples on one device:
   bytes read once per micro-batch whatever its size: the layer's ``param_read_bytes`` if set,
   else ``param_bytes`` when ``bytes >= param_bytes`` (a dense layer reads all its weights),
   else 0 (a sparse gather such as an embedding bag reads a few rows);
-* plus the device's fixed ``kernel_overhead`` per layer and pass.
+  plus the device's fixed ``kernel_overhead`` per layer and pass (a measured time already
+  holds it: each layer was timed as a call of its own).
 
 Backward is ``time_b`` scaled the same way when measured, else ``backward_factor`` (2) times
 forward. A stage that is data parallel over ``d`` devices runs ``microbatch / d`` samples per
@@ -147,10 +148,12 @@ def _layer_times(cm: CostModel, costs: LayerCosts, device: DeviceSpec, samples: 
   nbytes = costs.param_read_bytes + costs.act_bytes_ps * samples
   roof = np.maximum(flops / (device.peak_flops * eff), nbytes / device.memory_bandwidth)
   scale = samples * np.array([device.efficiency_at(B * r) for r in costs.rows_ps]) / eff
-  tf = np.where(np.isnan(costs.time_f_ps), roof, costs.time_f_ps * scale)
-  tb = np.where(np.isnan(costs.time_b_ps), cm.backward_factor * tf, costs.time_b_ps * scale)
-  tf = tf + device.kernel_overhead
-  tb = tb + device.kernel_overhead
+  # A measured time already holds the launch and framework overhead the roofline leaves out.
+  over = device.kernel_overhead
+  tf = np.where(np.isnan(costs.time_f_ps), roof + over, costs.time_f_ps * scale)
+  tb = np.where(
+    np.isnan(costs.time_b_ps), cm.backward_factor * roof + over, costs.time_b_ps * scale
+  )
   tf.setflags(write=False)
   tb.setflags(write=False)
   costs._times[key] = (tf, tb)
