@@ -319,10 +319,11 @@ def test_spmd_factor_prices_a_stage_over_several_devices():
   assert simulate(plan, g, cluster, host=None).iteration_time == devices_only.iteration_time
 
 
-def test_spmd_call_seconds_are_paid_per_action_of_a_stage_and_once_per_fused_step():
+def test_spmd_call_seconds_are_paid_per_action_of_a_stage_and_per_microbatch_of_a_fused_step():
   """A computation over k devices costs fixed seconds per call beside its share of the work:
-  a pipeline stage over 2 devices pays them in every forward and every backward, jit data
-  parallel (one call) once per step; one device, or a host without them, pays nothing."""
+  a pipeline stage over 2 devices pays them in every forward and every backward, a fused step
+  over k devices once per micro-batch of its loop (jit data parallel, one micro-batch: once);
+  one device, or a host without them, pays nothing."""
   from gpp_jax.cost.simulator import predict_fused, simulate
 
   g = chain(10e-3, 4096)
@@ -339,11 +340,12 @@ def test_spmd_call_seconds_are_paid_per_action_of_a_stage_and_once_per_fused_ste
   for kind in ("F", "B"):
     assert with_calls[(kind, 0)] == pytest.approx(without[(kind, 0)] + call)
     assert with_calls[(kind, 1)] == pytest.approx(without[(kind, 1)])  # one device
-  plans = candidates(g)
-  dp, plain = plans["jit data parallel"], plans["plain jit"]
-  assert predict_fused(dp, g, cluster, spmd_host({2: 5.0}, calls={2: call})) == pytest.approx(
-    predict_fused(dp, g, cluster, spmd_host({2: 5.0})) + call
-  )
+  for M in (1, 4):
+    plans = candidates(g, M)
+    dp, plain = plans["jit data parallel"], plans["plain jit"]
+    assert predict_fused(dp, g, cluster, spmd_host({2: 5.0}, calls={2: call})) == pytest.approx(
+      predict_fused(dp, g, cluster, spmd_host({2: 5.0})) + M * call
+    )
   assert predict_fused(plain, g, cluster, spmd_host({2: 5.0}, calls={2: call})) == pytest.approx(
     predict_fused(plain, g, cluster, spmd_host({2: 5.0}))
   )
@@ -522,31 +524,46 @@ def test_measure_spmd_on_forced_cpu_devices():
   assert measure_spmd(jax.devices()[:1]) == ({}, {})
 
 
-def test_the_model_own_spmd_factor_makes_the_prediction_its_measurement():
-  """``calibrate_spmd``: jit data parallel over k devices, timed, sets the model's factor for
-  k so that its prediction is the measured time; plain jit keeps its prediction, a whole step
-  over another width takes the probe's factor scaled as the model's over the probe's at k,
-  and the graph still goes to JSON and back with it."""
+@pytest.mark.parametrize("calls", [None, {2: 1e-3, 4: 3e-3}])
+def test_the_model_own_spmd_factor_makes_the_prediction_its_measurement(calls):
+  """``calibrate_spmd``: jit data parallel over k devices, timed, sets the model's factor and
+  fixed seconds for k, the probe's times one ratio, so that its prediction is the measured
+  time; plain jit keeps its prediction, a whole step over another width takes the probe's
+  scaled as the model's over the probe's at k, a step of more micro-batches pays the model's
+  fixed seconds for each, and the graph still goes to JSON and back with them."""
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
-  plans = candidates(g)
-  dp, plain = plans["jit data parallel"], plans["plain jit"]
-  h = spmd_host({2: 3.0, 4: 6.0})
-  before = cp.predict_seconds(dp, g, cluster, h)[0]
-  for seconds in (0.5 * before, 2.0 * before):
-    tuned = cp.calibrate_spmd(g, 8, dp, cluster, h, seconds)
-    assert cp.predict_seconds(dp, tuned, cluster, h)[0] == pytest.approx(seconds)
-    assert cp.predict_seconds(plain, tuned, cluster, h)[0] == pytest.approx(
-      cp.predict_seconds(plain, g, cluster, h)[0]
-    )
-    wide = dp.replace(stages=(Stage(0, dp.stages[0].layers, (0, 1, 2, 3)),))
-    scaled = g.copy()
-    scaled.graph["spmd"] = {"4": max(1.0, 6.0 * tuned.graph["spmd"]["2"] / 3.0)}
-    assert cp.predict_seconds(wide, tuned, cluster, h)[0] == pytest.approx(
-      cp.predict_seconds(wide, scaled, cluster, h)[0]
-    )
-    back = lg.from_json(lg.to_json(tuned))
-    assert cp.predict_seconds(dp, back, cluster, h)[0] == pytest.approx(seconds)
+  h = spmd_host({2: 3.0, 4: 6.0}, calls=calls)
+  for M in (1, 4):
+    plans = candidates(g, M)
+    dp, plain = plans["jit data parallel"], plans["plain jit"]
+    before = cp.predict_seconds(dp, g, cluster, h)[0]
+    for seconds in (0.5 * before, 2.0 * before):
+      tuned = cp.calibrate_spmd(g, 8, dp, cluster, h, seconds)
+      assert cp.predict_seconds(dp, tuned, cluster, h)[0] == pytest.approx(seconds)
+      r = tuned.graph["spmd"]["2"] / 3.0
+      assert r != pytest.approx(1.0)
+      if calls:
+        assert tuned.graph["spmd_call"]["2"] == pytest.approx(r * 1e-3)
+      assert cp.predict_seconds(plain, tuned, cluster, h)[0] == pytest.approx(
+        cp.predict_seconds(plain, g, cluster, h)[0]
+      )
+      wide = dp.replace(stages=(Stage(0, dp.stages[0].layers, (0, 1, 2, 3)),))
+      scaled = g.copy()
+      scaled.graph["spmd"] = {"4": max(1.0, 6.0 * r)}
+      if calls:
+        scaled.graph["spmd_call"] = {"4": 3e-3 * r}
+      assert cp.predict_seconds(wide, tuned, cluster, h)[0] == pytest.approx(
+        cp.predict_seconds(wide, scaled, cluster, h)[0]
+      )
+      back = lg.from_json(lg.to_json(tuned))
+      assert cp.predict_seconds(dp, back, cluster, h)[0] == pytest.approx(seconds)
+      if calls:  # the step in 4 micro-batches: the model's fixed seconds for each
+        more = candidates(g, 4)["jit data parallel"]
+        free = tuned.copy()
+        free.graph["spmd_call"] = {"2": 0.0}
+        extra = cp.predict_seconds(more, tuned, cluster, h)[0]
+        assert extra - cp.predict_seconds(more, free, cluster, h)[0] == pytest.approx(4 * r * 1e-3)
 
 
 def timed_by_width(monkeypatch, seconds_for):

@@ -908,6 +908,27 @@ def spmd_factor(
   return max(1.0, probe * float(timed[str(w)]) / at_w) if at_w else probe
 
 
+def spmd_call(host: Any, layer_graph: nx.DiGraph, k: int, like_model: bool = False) -> float:
+  """The fixed seconds of one computation over ``k`` devices, whatever its size: the model's
+  own where its step over ``k`` devices was timed (``layer_graph.graph["spmd_call"]``, set
+  with its factor by the trial of jit data parallel), else the host's probe (``HostCosts
+  .spmd_call_seconds``; 0 for one device or where not measured). ``like_model`` as
+  ``spmd_factor`` takes it: at a width the trial did not time, the probe's seconds times the
+  model's own over the probe's at the widest width the trial timed."""
+  if k <= 1 or host is None:
+    return 0.0
+  timed = layer_graph.graph.get("spmd_call", {})  # string keys: the graph goes to JSON
+  own = timed.get(str(k))
+  if own is not None:
+    return float(own)
+  probe = host.spmd_call_seconds(k)
+  if not like_model or not timed:
+    return probe
+  w = max(int(x) for x in timed)
+  at_w = host.spmd_call_seconds(w)
+  return probe * float(timed[str(w)]) / at_w if at_w else probe
+
+
 def _spmd_times(
   plan,
   layer_graph: nx.DiGraph,
@@ -958,8 +979,9 @@ def predict_fused(
   """Seconds of a one-stage plan's step, run as one jitted function (``runtime.fused``): its M
   micro-batches' forwards and backwards (on k devices each computes 1/k of a micro-batch; with
   ``host``, 1/k of the one-device time times the SPMD factor for k, ``spmd_factor`` with
-  ``like_model``: a step like the trial's, plus the host's fixed seconds of one call over k
-  devices, ``HostCosts.spmd_call_seconds``, once: the step is one call; where no factor is
+  ``like_model``: a step like the trial's, plus the fixed seconds of a computation over k
+  devices, ``spmd_call`` with ``like_model``, per micro-batch: each micro-batch of the step's
+  loop is a sharded computation of its own, with its collectives; where no factor is
   measured, the share's time times k over the devices that compute at once), the gradient
   all-reduce and update, and the host's issue and time outside the step."""
   if plan.num_stages != 1:
@@ -971,10 +993,10 @@ def predict_fused(
     fw, bw = _spmd_times(
       plan, layer_graph, cluster, cost_model, None, pc, host, per_call=False, like_model=True
     )
-    call = host.spmd_call_seconds(k)
+    call = spmd_call(host, layer_graph, k, like_model=True)
   elif host is not None and host.compute_servers():  # not measured: k over the servers
     slowdown = k / min(host.compute_servers(), k)
-  compute = plan.num_microbatches * (fw[0] + bw[0]) * slowdown + call
+  compute = plan.num_microbatches * ((fw[0] + bw[0]) * slowdown + call)
   issue = host.per_op.get("STEP", host.per_op.get("F", 0.0)) + host.outside if host else 0.0
   return compute + pc.update[0] + issue
 
