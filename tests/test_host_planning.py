@@ -172,6 +172,36 @@ def test_min_stages_keeps_a_pipeline(dag, monkeypatch):
   )
 
 
+def test_min_stages_pipelines_where_the_planner_finds_one_stage_fastest(dag):
+  """A planner whose own plan is one stage (it finds no pipeline faster): min_stages=2 runs
+  the balanced planner's pipeline of 2 stages instead, says so in explain(), and the step's
+  values are the plain step's; more stages than devices is a clear error."""
+  step, params, opt_state, batch = dag
+
+  def one_stage(graph, cluster, batch_size, num_microbatches):
+    layers = tuple(lg.topo_layers(graph))
+    return Plan(
+      (Stage(0, layers, (0,)),), (), num_microbatches, planner="mine", batch_size=batch_size
+    )
+
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner=one_stage, min_stages=2
+  )
+  out = pp(params, opt_state, batch)
+  assert pp.plan.num_stages == 2 and pp.plan.planner == "balanced"
+  assert "mine's own plan has 1 stage(s)" in pp.explain() and "min_stages=2" in pp.explain()
+  np.testing.assert_allclose(
+    np.asarray(out[-1]["loss"]),
+    np.asarray(jax.jit(step)(params, opt_state, batch)[-1]["loss"]),
+    rtol=1e-5,
+  )
+  too_many = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:2], planner=one_stage, min_stages=3
+  )
+  with pytest.raises(gpp_jax.PlanError, match=r"min_stages=3 .* than there are devices \(2\)"):
+    too_many(params, opt_state, batch)
+
+
 def test_without_calibration_the_planner_plan_is_kept(dag):
   """Devices-only estimates are not this machine's: a faster baseline is only noted."""
   step, params, opt_state, batch = dag

@@ -122,7 +122,11 @@ def test_train_entry_point_writes_a_run_folder(tmp_path):
   assert set(cal["time_f"]) == layers and min(cal["time_f"].values()) > 0
   assert "digraph stages" in (tmp_path / "stage_graph.dot").read_text()
   plan = json.loads((tmp_path / "plan.json").read_text())
-  assert plan["planner"] == "graphpipe"  # from the flagfile
+  # From the flagfile: GraphPipe's plan, or, where its own plan is one stage, the pipeline
+  # min_stages=2 asks for, and the log says why.
+  assert plan["planner"] == "graphpipe" or (
+    plan["planner"] == "balanced" and "graphpipe's own plan has 1 stage(s)" in r.stderr
+  ), (plan["planner"], r.stderr[-2000:])
   # The schedule visualiser: the plan under every schedule, and the measured step.
   from gpp_jax.passes.schedules import GENERATORS
 

@@ -410,6 +410,9 @@ def plan_step(
   plan = make_plan(graph, B, opts)
   cluster = planner_cluster(opts)
   given = isinstance(opts.planner, (Plan, ManualPlan))
+  anyway = ""
+  if not given and plan.num_stages < opts.min_stages:
+    plan, anyway = pipeline_anyway(graph, B, opts, plan)
   candidates = {"pipeline": plan}
   if not given:
     candidates.update(baseline_plans(graph, B, opts))
@@ -469,10 +472,35 @@ def plan_step(
       note += " (min_stages=2 runs a pipeline regardless)"
     logging.info("graph_pipeline: %s", note)
     plan = candidates[choice]
+  if anyway:
+    note = f"{anyway}; {note}" if note else anyway
   if jax.process_count() > 1:
     check_same_plan(plan, opts.timeout_s)
   kept = trials[choice][0] if choice in trials else None
   return Planned(plan, graph, calibration, host, predicted[choice], predicted, note, kept)
+
+
+def pipeline_anyway(
+  graph: nx.DiGraph, batch_size: int, opts: Options, plan: Plan
+) -> tuple[Plan, str]:
+  """``min_stages``: the planner's own plan has fewer stages than asked (it finds no pipeline
+  faster); (the balanced planner's pipeline of ``min_stages`` stages, the note that says so).
+  ``PlanError`` where the devices or the layers are fewer than the stages asked for."""
+  k, nd, nl = opts.min_stages, len(opts.devices), graph.number_of_nodes()
+  if k > min(nd, nl):
+    raise PlanError(
+      f"min_stages={k} asks for more stages than there are "
+      + (f"devices ({nd})" if nd < k else f"layers ({nl})")
+      + "; pass a smaller min_stages"
+    )
+  balanced = dataclasses.replace(opts, planner="balanced", planner_options={"num_stages": k})
+  out = make_plan(graph, batch_size, balanced)
+  note = (
+    f"{plan.planner}'s own plan has {plan.num_stages} stage(s) (it finds no pipeline faster); "
+    f"min_stages={k} runs the balanced planner's pipeline of {out.num_stages} stages"
+  )
+  logging.info("graph_pipeline: %s", note)
+  return out, note
 
 
 def _timed(

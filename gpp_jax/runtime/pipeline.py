@@ -485,8 +485,9 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
       anything runs, with each device's numbers.
     min_stages: the plain jitted step on one device and jit data parallel over the devices are
       candidates of every planner, taken when predicted faster than its pipeline (the choice
-      and the predictions are logged and in ``explain()``); 2 keeps the planner's pipeline
-      (its own plan: one stage where the planner itself finds no pipeline faster).
+      and the predictions are logged and in ``explain()``); 2 keeps the planner's pipeline,
+      and where the planner's own plan has fewer stages (it finds no pipeline faster) runs
+      the balanced planner's pipeline of ``min_stages`` stages instead, saying so.
     donate_argnums: positions of arguments whose arrays the step may consume, as
       ``jax.jit``'s: every array of a pytree there, and of an NNX object its Variables' values
       (the Variables then hold the step's new values). Where the step runs as one executable
