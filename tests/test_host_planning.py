@@ -106,6 +106,12 @@ def test_gradient_accumulation_is_not_chosen_where_plain_jit_fits():
     g_big.nodes[n]["saved_bytes"] = 1024 * 8.0
   name, predicted = cp.choose_plan(for_acc, g_big, tight, h)
   assert "plain jit" not in predicted and name == "pipeline", predicted
+  # Over several devices alike: jit data parallel, not its micro-batches one by one.
+  wide = Plan((Stage(0, layers, (0, 1)),), (), 4, planner="graphpipe", batch_size=8)
+  for_wide = {"pipeline": wide, "jit data parallel": plans["jit data parallel"]}
+  name, predicted = cp.choose_plan(for_wide, g, cpu_cluster(2), h)
+  assert name == "jit data parallel", predicted
+  assert predicted["pipeline"] <= predicted["jit data parallel"]  # it would have won
 
 
 @pytest.fixture(scope="module")

@@ -526,24 +526,28 @@ def choose_plan(
   Candidates whose predicted memory does not fit are left out, except ``"pipeline"`` (the
   planner's own plan, which fits by construction or was asked for); on a tie it wins.
 
-  Gradient accumulation (one stage on one device, several micro-batches) is plain jit's
+  Gradient accumulation (one stage, several micro-batches) is the one-call step's
   computation in pieces: it saves memory, never time, though the cost model, linear in the
   micro-batch, ties the two (the loop measured 1.3-2.6x plain jit's step, on an H200 and on
-  forced CPU devices). Where plain jit fits, it is not chosen."""
+  forced CPU devices; over 4 forced CPU devices, 1.5-2.8x jit data parallel's). Where a
+  one-call candidate over the same number of devices fits (plain jit on one, jit data
+  parallel on all), it is not chosen."""
   predicted = {}
   for name, p in candidates.items():
     seconds, fits = predict_seconds(p, graph, cluster, host)
     if fits or name == "pipeline":
       predicted[name] = seconds
 
-  def accumulates(p: Plan) -> bool:
-    return p.num_stages == 1 and len(p.stages[0].devices) == 1 and p.num_microbatches > 1
+  def one_stage_width(p: Plan) -> int | None:
+    return len(p.stages[0].devices) if p.num_stages == 1 else None
 
-  choosable = [
-    k
-    for k in predicted
-    if k == "plain jit" or not ("plain jit" in predicted and accumulates(candidates[k]))
-  ]
+  in_one_call = {one_stage_width(candidates[k]) for k in predicted if k in BASELINES}
+
+  def accumulates(k: str) -> bool:
+    p = candidates[k]
+    return k not in BASELINES and p.num_microbatches > 1 and one_stage_width(p) in in_one_call
+
+  choosable = [k for k in predicted if not accumulates(k)]
   return min(choosable, key=lambda k: (predicted[k], k != "pipeline")), predicted
 
 
