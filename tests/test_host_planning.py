@@ -393,6 +393,23 @@ def test_spmd_call_seconds_are_paid_per_action_of_a_stage_and_per_microbatch_of_
   assert spmd_host({2: 2.0}).spmd_call_seconds(2) == 0.0
 
 
+def test_a_fractional_parallel_interpolates_between_its_whole_neighbours():
+  """Devices that compute 1.25 at a time: the iteration time is a quarter of the way from
+  one server's to two servers', continuous in the measured value (rounding it put a pipeline
+  on one server or two as probes measured 1.47 or 1.52); whole values are simulated as they
+  are."""
+  from gpp_jax.cost.simulator import simulate
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(2)
+  plan = candidates(g)["pipeline"]
+  t = {p: simulate(plan, g, cluster, host=host(1e-4, p)).iteration_time for p in (1.0, 2.0)}
+  assert t[1.0] > t[2.0]  # the two stages overlap on two servers
+  for p in (1.25, 1.5, 1.75):
+    got = simulate(plan, g, cluster, host=host(1e-4, p)).iteration_time
+    assert got == pytest.approx(t[1.0] + (p - 1) * (t[2.0] - t[1.0]))
+
+
 def test_a_stage_over_several_devices_holds_as_many_cores():
   """On 2 cores, a stage over 2 devices runs on both device threads: no other stage's action
   runs beside one of its actions. With the stage on one device, the two stages overlap."""

@@ -798,8 +798,9 @@ def simulate(
   buffers' sizes and lifetimes, without the executables' temporaries). ``host``: the machine's
   ``cost.host.HostCosts`` (per-op issue costs, compute servers, the time outside the program,
   added to the iteration time; a stage over k devices computes 1/k of its one-device time
-  times the SPMD factor for k, ``spmd_factor``); without a program the
-  schedule's lowering is timed with them.
+  times the SPMD factor for k, ``spmd_factor``; a fractional ``parallel`` interpolates the
+  iteration time between its two whole neighbours); without a program the schedule's
+  lowering is timed with them.
 
   ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
   schedule has W actions, each stage's backward is split into B and W by the cost model's
@@ -812,6 +813,33 @@ def simulate(
   (``nic_channels``). ``timeline=False`` leaves out the result's actions and transfers, as
   ``simulate_times`` does (without a program).
   """
+  if host is not None and host.parallel is not None:
+    # A fractional number of computations at full speed at once (1.5: a second one runs
+    # beside the first at about half speed) is between its two whole neighbours: the
+    # iteration time is interpolated between them, the rest is the nearer one's. Rounding it
+    # instead put a pipeline on one server or on two as probes measured 1.47 or 1.52.
+    lo = math.floor(host.parallel)
+    w = host.parallel - lo
+    if lo >= 1 and w > 1e-9:
+      again = functools.partial(
+        simulate,
+        plan,
+        layer_graph,
+        cluster,
+        schedule=schedule,
+        cost_model=cost_model,
+        costs=costs,
+        shared_nic=shared_nic,
+        program=program,
+        host_cost=host_cost,
+        cores=cores,
+        timeline=timeline,
+      )
+      below = again(host=dataclasses.replace(host, parallel=float(lo)))
+      above = again(host=dataclasses.replace(host, parallel=float(lo + 1)))
+      near = below if w < 0.5 else above
+      t = (1 - w) * below.iteration_time + w * above.iteration_time
+      return dataclasses.replace(near, iteration_time=t)
   if schedule is None:
     from gpp_jax.passes.schedules import plan_schedule
 
