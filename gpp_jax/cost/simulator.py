@@ -914,6 +914,31 @@ def simulate(
   return res
 
 
+def _model_or_probe(
+  layer_graph: nx.DiGraph,
+  key: str,
+  k: int,
+  probe_at: Callable[[int], float | None],
+  like_model: bool,
+  floor: float,
+) -> float | None:
+  """What a computation over ``k`` devices costs by the measure ``key`` of the layer graph
+  (``"spmd"``, ``"spmd_call"``): the model's own where the trial timed its step over ``k``
+  devices, else the host's probe (``probe_at(k)``); with ``like_model``, at a width the trial
+  did not time, the probe's value times the model's own over the probe's at the widest width
+  the trial timed (at least ``floor``)."""
+  timed = layer_graph.graph.get(key, {})  # string keys: the graph goes to JSON
+  own = timed.get(str(k))
+  if own is not None:
+    return float(own)
+  probe = probe_at(k)
+  if not like_model or probe is None or not timed:
+    return probe
+  w = max(int(x) for x in timed)
+  at_w = probe_at(w)
+  return max(floor, probe * float(timed[str(w)]) / at_w) if at_w else probe
+
+
 def spmd_factor(
   host: Any, layer_graph: nx.DiGraph, k: int, like_model: bool = False
 ) -> float | None:
@@ -922,39 +947,22 @@ def spmd_factor(
   of jit data parallel), else the host's probe (``HostCosts.spmd_factor``); None where neither
   says. ``like_model`` (a whole step over k devices, as the trial's): at a width the trial did
   not time, the probe's factor times the model's own over the probe's at the widest width
-  the trial timed (tiny MMT on 4 forced CPU devices: 7.1 against the probe's 2.2, so its step
-  over 2 devices, which the probe puts at 1.4, measured twice plain jit's time)."""
-  timed = layer_graph.graph.get("spmd", {})  # string keys: the graph goes to JSON
-  own = timed.get(str(k))
-  if own is not None:
-    return float(own)
-  probe = host.spmd_factor(k) if host is not None else None
-  if not like_model or probe is None or not timed:
-    return probe
-  w = max(int(x) for x in timed)
-  at_w = host.spmd_factor(w)
-  return max(1.0, probe * float(timed[str(w)]) / at_w) if at_w else probe
+  the trial timed, at least 1 (tiny MMT on 4 forced CPU devices: 7.1 against the probe's 2.2,
+  so its step over 2 devices, which the probe puts at 1.4, measured twice plain jit's time)."""
+  probe_at = host.spmd_factor if host is not None else (lambda _: None)
+  return _model_or_probe(layer_graph, "spmd", k, probe_at, like_model, 1.0)
 
 
 def spmd_call(host: Any, layer_graph: nx.DiGraph, k: int, like_model: bool = False) -> float:
   """The fixed seconds of one computation over ``k`` devices, whatever its size: the model's
   own where its step over ``k`` devices was timed (``layer_graph.graph["spmd_call"]``, set
   with its factor by the trial of jit data parallel), else the host's probe (``HostCosts
-  .spmd_call_seconds``; 0 for one device or where not measured). ``like_model`` as
-  ``spmd_factor`` takes it: at a width the trial did not time, the probe's seconds times the
-  model's own over the probe's at the widest width the trial timed."""
+  .spmd_call_seconds``; 0 for one device, without a host or where not measured);
+  ``like_model`` as ``spmd_factor`` takes it."""
   if k <= 1 or host is None:
     return 0.0
-  timed = layer_graph.graph.get("spmd_call", {})  # string keys: the graph goes to JSON
-  own = timed.get(str(k))
-  if own is not None:
-    return float(own)
-  probe = host.spmd_call_seconds(k)
-  if not like_model or not timed:
-    return probe
-  w = max(int(x) for x in timed)
-  at_w = host.spmd_call_seconds(w)
-  return probe * float(timed[str(w)]) / at_w if at_w else probe
+  v = _model_or_probe(layer_graph, "spmd_call", k, host.spmd_call_seconds, like_model, 0.0)
+  return 0.0 if v is None else v
 
 
 def _spmd_times(
