@@ -323,6 +323,80 @@ def _gathered(x):
   return _replicate_fn(x.sharding)(x).addressable_shards[0].data
 
 
+def packable(aval) -> bool:
+  """Whether an array of ``aval`` can travel inside ``transfer_packed``'s byte buffer."""
+  dtype = getattr(aval, "dtype", None)
+  return (
+    dtype is not None
+    and hasattr(aval, "shape")
+    and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+  )
+
+
+@functools.cache
+def _packers(avals: tuple[tuple[tuple[int, ...], Any], ...]):
+  """(pack, unpack, the packed array's aval) for arrays of ``avals`` ((shape, dtype) each):
+  their bytes one after another in one uint8 array, and back."""
+  import jax.numpy as jnp
+
+  u8 = jnp.uint8
+  sizes = []
+  for shape, dtype in avals:
+    dt = np.dtype(dtype)
+    sizes.append(int(np.prod(shape, dtype=np.int64)) * (1 if dt == np.bool_ else dt.itemsize))
+
+  def as_bytes(x):
+    x = x.reshape(-1)
+    return x.astype(u8) if x.dtype == np.bool_ else jax.lax.bitcast_convert_type(x, u8).reshape(-1)
+
+  def pack(*xs):
+    return jnp.concatenate([as_bytes(x) for x in xs])
+
+  def unpack(buf):
+    out, at = [], 0
+    for (shape, dtype), n in zip(avals, sizes):
+      part = buf[at : at + n]
+      at += n
+      dt = np.dtype(dtype)
+      if dt == np.bool_:
+        x = part != 0
+      elif dt.itemsize == 1:
+        x = jax.lax.bitcast_convert_type(part, dt)
+      else:
+        x = jax.lax.bitcast_convert_type(part.reshape(-1, dt.itemsize), dt)
+      out.append(x.reshape(shape))
+    return out
+
+  return jax.jit(pack), jax.jit(unpack), jax.ShapeDtypeStruct((sum(sizes),), u8)
+
+
+def transfer_packed(xs: Sequence[Any], avals: Sequence[Any], src, dst) -> list[Any]:
+  """``[transfer(x, dst) for x in xs]`` for arrays on the one device of ``src`` moving to the
+  one device of ``dst`` on another process, as one transfer: their bytes packed into one
+  buffer on the sender and unpacked on the receiver (every process calls it, like
+  ``transfer``; ``avals`` give the arrays' shapes and dtypes where this process holds only
+  placeholders).
+
+  JAX's cross-host transfers issued back to back from one process are held until that
+  process's device has run everything queued on it (measured with jax 0.10.2 on CPU: three
+  arrays of 1 MiB put one after another while two 160 ms computations were queued arrived
+  after both, 330 ms late; the same three packed into one arrived as soon as they were
+  computed). A pipeline stage sending an edge of several arrays then waits for the whole of
+  its neighbour's queued work: a 2-stage pipeline over two processes ran no faster than one
+  process."""
+  key = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in avals)
+  pack, unpack, packed = _packers(key)
+  here_src, here_dst = _has_local(src), _has_local(dst)
+
+  def empty(a, sharding):
+    return jax.make_array_from_single_device_arrays(tuple(a.shape), sharding, [], dtype=a.dtype)
+
+  if not (here_src or here_dst):
+    return [empty(a, dst) for a in avals]
+  moved = transfer(pack(*xs) if here_src else empty(packed, src), dst)
+  return list(unpack(moved)) if here_dst else [empty(a, dst) for a in avals]
+
+
 _IN_FLIGHT: list[list] = [[], []]
 
 
