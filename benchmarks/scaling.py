@@ -11,13 +11,17 @@ one device:
   plain_N     the same process given all N processes' cores (what XLA's own threads make of them)
   dp          JAX data parallel over the N processes (batch sharded over a global mesh,
               parameters replicated, gradients all-reduced by XLA over gloo)
-  graphpipe   the GraphPipe plan over the N processes' devices (calibrated layer times)
-  pipedream   the PipeDream plan, likewise
+  graphpipe   what ``graph_pipeline(planner="graphpipe", calibrate=True)`` runs over the N
+              processes' devices: the planner's pipeline, or plain jit / jit data parallel
+              where the host-aware prediction says one is faster (layer times, each process's
+              host and those two steps measured)
+  pipedream   the same with the PipeDream planner
 
-and prints samples/s, the ratios the targets name, the plans' stage counts and the simulator's
-devices-only prediction beside each pipelined measurement. Each pipelined row is the fastest of
-the micro-batch counts in ``--microbatches`` (all are kept in the JSON). Every run takes the host
-batch each step, as a training loop fed by a data loader does. With N = 1 the pipelined rows
+and prints samples/s, the ratios the targets name, what was chosen (its stages, width and
+micro-batches) and the one prediction it was chosen by beside each measurement. Each planner's
+row is the fastest of its runs with the micro-batch counts in ``--microbatches`` (all are kept
+in the JSON). Every run takes the host batch each step, as a training loop fed by a data
+loader does. With N = 1 the pipelined rows
 are one stage on one device: one jitted step (``runtime.fused``) with M = 1.
 """
 
@@ -200,14 +204,20 @@ def worker_pipe() -> None:
   finally:
     jax.device_put = real_put
   if jax.process_index() == 0:
-    predicted = reporting.predicted_timeline(pp, cluster).iteration_time
+    planned = pp.compiled.planned
+    devices_only = reporting.predicted_timeline(pp, cluster).iteration_time
     _report(
       kind="pipe",
       planner=FLAGS.planner,
+      chosen=pp.plan.planner,
       seconds=t,
-      predicted=predicted,
+      predicted=planned.predicted_s if planned.predicted_s is not None else devices_only,
+      devices_only=devices_only,
       stages=len(pp.plan.stages),
-      microbatches=FLAGS.worker_microbatches,
+      width=len(pp.plan.stages[0].devices),
+      microbatches=pp.plan.num_microbatches,
+      asked_microbatches=FLAGS.worker_microbatches,
+      alternatives=dict(planned.alternatives or {}),
       puts_per_step=puts[0],
     )
 
@@ -249,7 +259,7 @@ def measure(model: str, n: int, cores: list[int], env: dict) -> dict:
     args = ["--worker=pipe", f"--planner={planner}", *base]
     runs = [_launched([*args, f"--worker_microbatches={m}"], n, env) for m in FLAGS.microbatches]
     row[planner] = min(runs, key=lambda r: r["seconds"])
-    row[planner]["tried"] = {r["microbatches"]: r["seconds"] for r in runs}
+    row[planner]["tried"] = {r["asked_microbatches"]: r["seconds"] for r in runs}
   return row
 
 
@@ -261,8 +271,9 @@ def _fmt(row: dict, key: str, batch: int) -> str:
   if "predicted" in r:
     err = (r["predicted"] - r["seconds"]) / r["seconds"] * 100
     s += (
-      f" (M={r['microbatches']}, {r['stages']} st, sim {r['predicted'] * 1e3:.0f} ms {err:+.0f}%"
-      f", {r.get('puts_per_step', '?')} puts/step)"
+      f" ({r.get('chosen', '?')}: M={r['microbatches']}, {r['stages']} st x{r.get('width', '?')}"
+      f", predicted {r['predicted'] * 1e3:.0f} ms {err:+.0f}%, {r.get('puts_per_step', '?')} "
+      "puts/step)"
     )
   return s
 

@@ -85,6 +85,38 @@ def test_devices_that_share_cores_do_not_pay_for_a_pipeline():
   assert devices_only["pipeline"] < devices_only["plain jit"]
 
 
+def test_processes_issue_on_their_own_and_share_the_cores_measured_across_them():
+  """Two processes, a stage on each: each issues its own stage's instructions (a SEND both),
+  so a dispatch-bound pipeline that one thread issues in turn overlaps; their computations
+  share the cores that ``parallel`` (measured across the processes) says there are: with
+  one, the stages compute in turn whatever issues them."""
+  from gpp_jax.cost.simulator import simulate
+
+  g = chain(10e-3, 4096)
+  two = candidates(g)["pipeline"]
+  cluster = cpu_cluster(2)
+  assert dataclasses.replace(host(0, 1.0), processes=2).lane_processes([(0,), (1,), (0, 1)], 2) == [
+    (0,),
+    (1,),
+    (0, 1),
+    (0, 1),
+  ]
+  assert host(0, 1.0).lane_processes([(0,), (1,)], 2) is None
+
+  def predicted(g, per_op: float, parallel: float, processes: int) -> float:
+    h = dataclasses.replace(host(per_op, parallel), processes=processes)
+    return simulate(candidates(g)["pipeline"], g, cluster, host=h).iteration_time
+
+  # Layers of 0.1 ms, instructions of 2 ms to issue, cores to spare: two threads issue faster.
+  quick = chain(1e-4, 4096)
+  one_thread, threads = predicted(quick, 2e-3, 4.0, 1), predicted(quick, 2e-3, 4.0, 2)
+  assert threads < 0.9 * one_thread, (threads, one_thread)
+  # One core between them: both layers' 10 + 20 ms a batch, in turn; with a core for each
+  # stage and one for issuing, they overlap as devices-only.
+  assert predicted(g, 0.0, 1.0, 2) >= 0.06 > predicted(g, 0.0, 3.0, 2)
+  assert predicted(g, 0.0, 3.0, 2) == pytest.approx(simulate(two, g, cluster).iteration_time)
+
+
 def test_gradient_accumulation_is_not_chosen_where_plain_jit_fits():
   """The planner's one stage of 4 micro-batches on one device is predicted a hair faster
   than plain jit (the cost model is linear in the micro-batch, so they tie up to the

@@ -37,9 +37,10 @@ def _env(i, port):
 def manual_plans():
   """One launch runs the three manual plans in turn ("check", "span", "widths": one start-up
   and one reference step for the three); the RESULT lines of each, by mode."""
-  r = _launch_worker("check,span,widths", timeout_s=500)
-  results = _results(r, modes=3)
-  return {m: [l for l in results if l.endswith(f" mode={m}")] for m in ("check", "span", "widths")}
+  modes = ("check", "span", "widths", "pack", "jitdp", "jit0")
+  r = _launch_worker(",".join(modes), timeout_s=500)
+  results = _results(r, modes=len(modes))
+  return {m: [l for l in results if l.endswith(f" mode={m}")] for m in modes}
 
 
 def test_two_processes_match_one_device_reference(manual_plans):
@@ -125,6 +126,9 @@ def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference(
   assert len(plans) == 1, results  # one plan on both processes
   checked = [int(l.split("checked=")[1].split()[0]) for l in results]
   assert sum(checked) >= 13, results  # the parameters, optimizer state and loss, somewhere
+  # The host's costs, each process's own probe, process 0's numbers: one issuing thread and
+  # its cores per process in the prediction the plan was chosen by.
+  assert all("host_processes=2 " in l for l in results), results
 
 
 def _results(r, modes=1) -> list[str]:
@@ -145,6 +149,31 @@ def test_a_stage_spanning_two_processes_matches_the_reference(manual_plans):
   # Process 1 holds l1 (its shard of the spanning stage) and l2: both checked there.
   checked = {l.split("process=")[1][0]: int(l.split("checked=")[1].split()[0]) for l in results}
   assert checked["1"] >= 12, results
+
+
+def test_an_edge_of_several_arrays_crosses_the_processes_packed(manual_plans):
+  """Two arrays each way between a stage on each process go as one packed transfer (JAX
+  holds back-to-back cross-process transfers until the sender's device is idle); the values
+  on both processes still match the reference."""
+  results = manual_plans["pack"]
+  assert len(results) == 2, results
+  assert max(float(l.split("maxdiff=")[1].split()[0]) for l in results) <= 1e-5, results
+  packed = [int(l.split("packed=")[1].split()[0]) for l in results]
+  assert packed[0] == packed[1] >= 2, results  # both ways, every micro-batch: same on both
+
+
+@pytest.mark.parametrize("mode", ["jitdp", "jit0"])
+def test_one_stage_runs_as_one_jitted_step_over_processes(manual_plans, mode):
+  """Jit data parallel over devices of both processes (one SPMD step each calls), and plain
+  jit on process 0's device while process 1 idles: fused, and equal to the reference."""
+  results = manual_plans[mode]
+  assert len(results) == 2, results
+  assert all("fused=True" in l for l in results), results
+  assert max(float(l.split("maxdiff=")[1].split()[0]) for l in results) <= 1e-5, results
+  checked = {l.split("process=")[1][0]: int(l.split("checked=")[1].split()[0]) for l in results}
+  assert checked["0"] >= 13, results  # the parameters, optimizer state and loss
+  if mode == "jitdp":  # process 1 holds its shards of them
+    assert checked["1"] >= 13, results
 
 
 def test_run_steps_over_two_processes_equals_one_call_per_step():

@@ -35,6 +35,13 @@ simulator needs to include the host, measured like the layer times:
 * ``send_extra``: what each array beyond the first of a stage edge adds to its SEND, as a
   share of a lone put: the executor puts the arrays of one edge with one ``jax.device_put``
   (about a third on forced CPU devices). None where not measured: each array a lone put.
+* ``processes``: how many processes drive the devices (``jax.distributed``), each on a block
+  of the devices in order (the first ``num_devices / processes`` on process 0, ...), with an
+  issuing thread of its own: a stage's instructions are issued by the processes holding its
+  devices (a stage over devices of several, by each), every SEND by its two ends'
+  processes. ``parallel`` is then measured across the processes (their computations share
+  the machine's cores and memory), the per-op costs are process 0's, measured on its own
+  devices. 1: one process.
 * ``input_send``: what a SEND from the host lane costs: the step's arguments put where they
   go, mostly already there (a committed array on its sharding is kept as it is), so far less
   than a put between stages (``per_op["SEND"]``, the stages' own). None where not measured:
@@ -72,6 +79,7 @@ class HostCosts:
   wide_per_stage: Mapping[int, float] | None = None
   send_extra: float | None = None
   input_send: float | None = None
+  processes: int = 1
 
   def op_costs(self, width: int = 1) -> dict[Op, float]:
     """Seconds per op of a compiled step's program (``simulate_program(host_cost=)``), for a
@@ -117,6 +125,19 @@ class HostCosts:
     if width <= 1 or not self.wide_per_stage:
       return self.per_stage
     return _interpolated(self.wide_per_stage, width, self.per_stage)
+
+  def lane_processes(
+    self, stage_devices: Sequence[Sequence[int]], num_devices: int
+  ) -> list[tuple[int, ...]] | None:
+    """Per lane of a program over stages on ``stage_devices`` (of ``num_devices``; the host
+    lane last: every process), the processes that issue its instructions; None for one
+    process (``simulate_program(processes=)``)."""
+    if self.processes <= 1:
+      return None
+    per = max(num_devices // self.processes, 1)
+    last = self.processes - 1
+    lanes = [tuple(sorted({min(d // per, last) for d in devs})) for devs in stage_devices]
+    return [*lanes, tuple(range(self.processes))]
 
   def compute_servers(self) -> int | None:
     """Device computations at full speed at once (``simulate_times(cores=)``), or None."""

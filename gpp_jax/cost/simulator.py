@@ -189,6 +189,7 @@ def simulate_times(
   cores: int | None = None,
   channels: Mapping[tuple[str, int, int], Any] | None = None,
   timeline: bool = True,
+  processes: Sequence[Sequence[int]] | None = None,
 ) -> SimResult:
   """Schedule + explicit times -> SimResult: the schedule's lowered program
   (``passes.lowering.lower_schedule``: one activation and one cotangent per stage edge and
@@ -223,6 +224,8 @@ def simulate_times(
     timeline: False leaves the result's ``actions`` and ``transfers`` empty (the times,
       bubbles and memory are the same): what a planner needs of each of its candidates,
       without building thousands of records it does not read.
+    processes: per lane (the stages', then the host lane), the processes that issue its
+      instructions, each with its own issuing thread and cores (``simulate_program``).
   """
   S = schedule.num_stages
   tf = _per_action(forward, "forward", S)
@@ -280,6 +283,7 @@ def simulate_times(
     activation_memory=activation_memory,
     stage_devices=stage_devices,
     num_microbatches=schedule.num_microbatches,
+    processes=processes,
   )
   return res if timeline else dataclasses.replace(res, actions=(), transfers=())
 
@@ -601,6 +605,7 @@ def simulate_program(
   activation_memory: Sequence[float] | None = None,
   stage_devices: Sequence[Sequence[int]] | None = None,
   num_microbatches: int | None = None,
+  processes: Sequence[Sequence[int]] | None = None,
 ) -> SimResult:
   """Times a lowered program (``ir.program``): the instructions in its dispatch order.
 
@@ -624,6 +629,13 @@ def simulate_program(
   .send_extra``) the host pays for such a group at its first SEND, a lone put plus
   ``send_extra`` of one for each other array, and issues the others with it (without it,
   each SEND is a lone put).
+
+  ``processes``: per lane, the processes that issue its instructions (several processes,
+  ``HostCosts.lane_processes``): each process has an issuing thread of its own; an
+  instruction is issued by each of its lane's processes (a SEND by those of both its ends)
+  and starts once all have issued it. ``cores`` are then what all processes' computations
+  and threads share (processes on one machine slow each other down: how many compute at full
+  speed at once is measured across them). None: one thread issues everything.
   """
   S = program.num_stages
   instrs = program.instrs
@@ -643,6 +655,12 @@ def simulate_program(
   widths = [
     max(1, min(len(devs[lane]) if lane < S else 1, cores or 1)) for lane in range(program.num_lanes)
   ]
+  issuers = [tuple(p) for p in processes] if processes is not None else None
+  if issuers is not None and len(issuers) != program.num_lanes:
+    raise ValueError(f"processes for {len(issuers)} lanes, not {program.num_lanes}")
+  # Each process's issuing thread's clock (one process: one thread issues everything).
+  host_clock = [0.0] * (1 + max((max(p) for p in issuers or () if p), default=0))
+  one = (0,)
   if host_cost is None or isinstance(host_cost, Mapping):
     lane_host = [host_cost or {}] * program.num_lanes
   else:
@@ -663,7 +681,6 @@ def simulate_program(
     for members in puts_together(instrs, where):
       share[members[0]] = 1.0 + (len(members) - 1) * send_extra
       share.update(dict.fromkeys(members[1:], 0.0))
-  host_t = 0.0
   actions: list[ActionTime] = []
   transfers: list[TransferTime] = []
   one_step = program.steps == 1
@@ -679,13 +696,18 @@ def simulate_program(
         cost *= send_factors.get((i.lane, i.peer)) or send_factors.get((i.peer, i.lane)) or 1.0
       cost *= share.get(n, 1.0)
     if cost is not None:
-      if core_free is None:
-        host_t += cost
-      else:  # the issuing thread needs a core as well
-        k = min(range(len(core_free)), key=core_free.__getitem__)
-        host_t = max(host_t, core_free[k]) + cost
-        core_free[k] = host_t
-      issued = host_t
+      who = one if issuers is None else issuers[i.lane]
+      if op is SEND and issuers is not None and i.lane != program.host:
+        who = tuple(sorted({*who, *issuers[i.peer]}))
+      for p in who:
+        if core_free is None:
+          host_clock[p] += cost
+        else:  # the issuing thread needs a core as well
+          k = min(range(len(core_free)), key=core_free.__getitem__)
+          host_clock[p] = max(host_clock[p], core_free[k]) + cost
+          core_free[k] = host_clock[p]
+        if host_clock[p] > issued:
+          issued = host_clock[p]
     dep = 0.0
     for b in i.reads:
       if ready[b] > dep:
@@ -851,7 +873,9 @@ def simulate(
     )
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
   outside = 0.0
+  processes = None
   if host is not None:
+    processes = host.lane_processes([s.devices for s in plan.stages], cluster.num_devices)
     host_cost = host.lane_costs([len(s.devices) for s in plan.stages], schedule=program is None)
     cores = host.compute_servers()
     outside = host.outside
@@ -876,6 +900,7 @@ def simulate(
       activation_memory=pc.activation_memory,
       stage_devices=[s.devices for s in plan.stages],
       num_microbatches=schedule.num_microbatches,
+      processes=processes,
     )
     # The program knows its buffers' sizes and lifetimes: its memory, not the cost model's.
     from gpp_jax.cost.memory import program_memory
@@ -908,6 +933,7 @@ def simulate(
     send_factors=host.send_factors(pc.edge_arrays) if host is not None else None,
     cores=cores,
     timeline=timeline,
+    processes=processes,
   )
   if outside:
     res = dataclasses.replace(res, iteration_time=res.iteration_time + outside)

@@ -71,7 +71,13 @@ from gpp_jax.runtime.executor import Executor, Kernels, StageKernels
 from gpp_jax.runtime.fused import fused_step
 from gpp_jax.runtime.input_checks import check_loss_is_pure
 from gpp_jax.runtime.loss_state import StatePair, check_state_returned, split_state, state_carries
-from gpp_jax.runtime.placement import StagePlacement, pack_limit, stage_placements, transfer
+from gpp_jax.runtime.placement import (
+  StagePlacement,
+  pack_limit,
+  place_input,
+  stage_placements,
+  transfer,
+)
 from gpp_jax.runtime.processes import check_same_plan, exchange
 
 
@@ -361,7 +367,8 @@ class Planned:
     plan: the validated plan (stages, devices, micro-batches, schedule name).
     layer_graph: the LayerGraph planned over (calibrated times where measured).
     calibration: the measured layer times (``calibrate=True``), else None.
-    host: the host's measured costs (``calibrate=True``, one process), else None.
+    host: the host's measured costs (``calibrate=True``; with several processes, process
+      0's of its own devices, ``probe_host``), else None.
     predicted_s: seconds per step predicted for the plan on this machine (with ``host``).
     alternatives: what else was predicted: candidate name -> seconds ("pipeline": the
       planner's plan, "plain jit", "jit data parallel").
@@ -404,8 +411,8 @@ def plan_step(
   if opts.calibrate:
     calibration = calibrate(captured, opts)
     graph = calibration.apply(graph)
-    if jax.process_count() == 1 and opts.host_probe is not None:
-      host = opts.host_probe(opts.devices)
+    if opts.host_probe is not None:
+      host = probe_host(opts)
   B = captured.batch_size
   plan = make_plan(graph, B, opts)
   cluster = planner_cluster(opts)
@@ -503,6 +510,37 @@ def pipeline_anyway(
   return out, note
 
 
+def probe_host(opts: Options) -> HostCosts | None:
+  """The host's costs of driving ``opts.devices`` (``opts.host_probe``). With several
+  processes, each holding an equal block of the devices in order, each probes its own block
+  (its issuing thread's costs) and all take process 0's numbers, so that all plan alike
+  (``HostCosts.processes``); how many device computations run at full speed at once is
+  measured across the processes (``runtime.host.measure_parallel_across``: processes on one
+  machine share its cores). Devices spread over the processes otherwise leave the host out
+  (None: the planner's plan is kept)."""
+  assert opts.host_probe is not None
+  P, here = jax.process_count(), jax.process_index()
+  if P == 1:
+    return opts.host_probe(opts.devices)
+  owners = [d.process_index for d in opts.devices]
+  per = len(owners) // P
+  if len(owners) % P or owners != [k // per for k in range(len(owners))]:
+    logging.info(
+      "graph_pipeline: the devices are not in equal blocks per process (process of each: "
+      "%s), so the host's costs are left out of the choice of plan",
+      owners,
+    )
+    return None
+  from gpp_jax.runtime.host import measure_parallel_across
+
+  mine = opts.host_probe([d for d in opts.devices if d.process_index == here])
+  first = HostCosts.from_json(exchange("host", mine.to_json(), opts.timeout_s)[0])
+  parallel = first.parallel
+  if parallel is not None:  # CPU devices
+    parallel = measure_parallel_across(opts.devices, opts.timeout_s)
+  return dataclasses.replace(first, processes=P, parallel=parallel)
+
+
 def _timed(
   trials: dict[str, tuple[Any, float]],
   name: str,
@@ -516,6 +554,11 @@ def _timed(
     trials[name] = trial(plan)
   except PlanError:
     candidates.pop(name, None)
+    return
+  if jax.process_count() > 1:  # process 0's clock (plain jit runs there alone), for all
+    step, seconds = trials[name]
+    times = exchange("trial", repr(seconds), step.opts.timeout_s)
+    trials[name] = (step, float(times[0]))
 
 
 def choose_plan(
@@ -1076,11 +1119,11 @@ def _check_mixed(counts: Sequence[int], state: Sequence[StatePair], roles) -> No
 
 def fuses(opts: Options, plan: Plan, sched: Schedule, captured: Captured) -> bool:
   """Whether the step runs as one jitted function: one stage is gradient accumulation, not a
-  pipeline (``runtime.fused``): plain jit on one device, jit data parallel on several."""
+  pipeline (``runtime.fused``): plain jit on one device, jit data parallel on several (with
+  several processes, a stage over devices of each is one SPMD program that each calls)."""
   return (
     opts.fuse
     and plan.num_stages == 1
-    and jax.process_count() == 1
     and weight_delays(sched) is None  # stale-weight schedules keep older versions
     and not captured.state  # state carried between micro-batches runs in the executor
   )
@@ -1433,24 +1476,39 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
   would be timed as the step: a stage over several devices keeps them replicated over its
   mesh (the batch arrives as a training loop's data does, on the stage's first device). A
   step that consumes arguments (``donate_argnums``) gets fresh copies of them for every run,
-  made before the clock starts: the caller's arrays survive."""
+  made before the clock starts: the caller's arrays survive.
+
+  With several processes every process runs the same number of runs (a stage over devices of
+  several processes is one SPMD program that each calls), ``repeats``, the batch stays on the
+  host, and each process's own clock is returned: the caller takes one process's."""
+  multi = jax.process_count() > 1
   if c.staged.placements:
     place, batch = c.staged.placements[0], set(c.staged.spec.batch_leaves)
+
+    def home(i: int, x: Any) -> Any:
+      if multi:
+        return x if i in batch else place_input(x, place.replicated)
+      return jax.device_put(x, place.devices[0] if i in batch else place.replicated)
+
+    given = list(leaves)
     leaves = [
-      jax.device_put(x, place.devices[0] if i in batch else place.replicated)
-      if isinstance(x, jax.Array) and x.is_fully_addressable
-      else x
+      home(i, x) if isinstance(x, jax.Array) and x.is_fully_addressable else x
       for i, x in enumerate(leaves)
     ]
   donated = set(c.staged.spec.donated) if c.fused else set()
+
+  def fresh(i: int, x: Any) -> Any:  # a copy the step may consume
+    if multi and c.staged.placements and isinstance(given[i], jax.Array):
+      return home(i, jax.device_put(given[i], may_alias=False))  # placed, not yet global
+    return jax.device_put(x, may_alias=False)
+
   times: list[float] = []
   k = 0
   # At least ``repeats`` runs, more while they add up to under TIME_STEP_SECONDS: a step of a
   # few milliseconds on a shared machine needs dozens for a median that holds.
-  while len(times) < repeats or (sum(times) < TIME_STEP_SECONDS and len(times) < 100):
+  while len(times) < repeats or (not multi and sum(times) < TIME_STEP_SECONDS and len(times) < 100):
     run = [
-      jax.device_put(x, may_alias=False) if i in donated and isinstance(x, jax.Array) else x
-      for i, x in enumerate(leaves)
+      fresh(i, x) if i in donated and isinstance(x, jax.Array) else x for i, x in enumerate(leaves)
     ]
     jax.block_until_ready(run)
     t = time.perf_counter()

@@ -12,30 +12,62 @@ from typing import Any
 from gpp_jax.cost.host import HostCosts, host_costs_from_timeline
 
 
-def measure_parallel(devices: Sequence[Any], size: int = 192, reps: int = 5) -> float:
-  """How many of ``devices`` compute at full speed at once: a matrix chain's time on one
-  device, times the number of devices, over its time on all of them together (1: they take
-  turns; len(devices): independent)."""
+def _chain(devices: Sequence[Any], size: int) -> tuple[Callable[[Sequence[Any]], float], list]:
+  """A matrix chain compiled and placed on each of ``devices``: (seconds of one run of it on
+  each of the given inputs at once, the inputs)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
-  if len(devices) < 2:
-    return 1.0
   f = jax.jit(lambda x: jax.lax.fori_loop(0, 24, lambda i, h: jnp.tanh(h @ x), x))
   xs = [jax.device_put(np.ones((size, size), np.float32) / size, d) for d in devices]
   jax.block_until_ready([f(x) for x in xs])
 
-  def timed(args) -> float:
-    best = float("inf")
-    for _ in range(reps):
-      t = time.perf_counter()
-      jax.block_until_ready([f(x) for x in args])
-      best = min(best, time.perf_counter() - t)
-    return best
+  def once(args: Sequence[Any]) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready([f(x) for x in args])
+    return time.perf_counter() - t
 
-  one, together = timed(xs[:1]), timed(xs)
+  return once, xs
+
+
+def measure_parallel(devices: Sequence[Any], size: int = 192, reps: int = 5) -> float:
+  """How many of ``devices`` compute at full speed at once: a matrix chain's time on one
+  device, times the number of devices, over its time on all of them together (1: they take
+  turns; len(devices): independent)."""
+  if len(devices) < 2:
+    return 1.0
+  once, xs = _chain(devices, size)
+  one = min(once(xs[:1]) for _ in range(reps))
+  together = min(once(xs) for _ in range(reps))
   return float(min(max(len(xs) * one / together, 1.0), len(xs)))
+
+
+def measure_parallel_across(
+  devices: Sequence[Any], timeout_s: float, size: int = 192, reps: int = 5
+) -> float:
+  """``measure_parallel`` over several processes (each process calls it, at the same point):
+  each runs the chain on its own devices among ``devices`` (up to 4 of them), first process
+  0 on one device alone while the others wait, then every process on all of its at once.
+  Processes on one machine share its cores and memory: two processes pinned to a core each
+  of a 2-core machine slowed each other's stage of a pipeline 2x where they computed at the
+  same time. Process 0's time alone, times the devices that ran, over the slowest process's
+  median time together (each process's own; the same on all: process 0's numbers)."""
+  import jax
+
+  from gpp_jax.runtime.processes import exchange
+
+  here = jax.process_index()
+  mine = [d for d in devices if d.process_index == here][:4]
+  once, xs = _chain(mine, size)
+  exchange("parallel", "compiled", timeout_s)
+  one = min(once(xs[:1]) for _ in range(reps)) if here == 0 else 0.0
+  exchange("parallel", "alone", timeout_s)
+  together = statistics.median(once(xs) for _ in range(reps))
+  runs = [v.split() for v in exchange("parallel", f"{together} {len(xs)}", timeout_s)]
+  n = sum(int(k) for _, k in runs)
+  slowest = max(float(t) for t, _ in runs)
+  return float(min(max(n * one / slowest, 1.0), n))
 
 
 def measure_spmd(
@@ -117,13 +149,14 @@ def measure_send_extra(devices: Sequence[Any], n: int = 4, reps: int = 40) -> fl
   """What each array beyond the first adds to a put of ``n`` arrays from one device to
   another in one ``jax.device_put`` (``runtime.placement.transfer_all``, as the executor puts
   a stage edge's arrays), as a share of a lone put: the best of ``reps`` puts of 1 and of
-  ``n`` small arrays, taking turns. None for fewer than 2 devices."""
+  ``n`` small arrays, taking turns. None for fewer than 2 devices, and with several
+  processes, whose executors put each array on its own (``runtime.executor._send``)."""
   import jax
   import numpy as np
 
   from gpp_jax.runtime.placement import transfer_all
 
-  if len(devices) < 2:
+  if len(devices) < 2 or jax.process_count() > 1:
     return None
   to = jax.sharding.SingleDeviceSharding(devices[1])
   xs = [jax.device_put(np.full((16, 64), k, np.float32), devices[0]) for k in range(n)]
