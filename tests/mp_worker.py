@@ -237,6 +237,7 @@ def main(mode):
     f"RESULT process={jax.process_index()} checked={checked} maxdiff={max(diffs, default=0.0):.3g} "
     f"edges={sorted(pp.plan.edges)} plan={pp.plan.fingerprint()[:12]} fused={pp.compiled.fused} "
     f"host_processes={getattr(pp.compiled.planned.host, 'processes', None)} "
+    f"host_parallel={getattr(pp.compiled.planned.host, 'parallel', None)} "
     f"packed={packed_sends(pp)} "
     f"devices={[tuple(pp.devices[d].id for d in st.devices) for st in pp.plan.stages]} "
     f"seconds={time.monotonic() - t:.1f} mode={mode}",

@@ -129,6 +129,9 @@ def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference(
   # The host's costs, each process's own probe, process 0's numbers: one issuing thread and
   # its cores per process in the prediction the plan was chosen by.
   assert all("host_processes=2 " in l for l in results), results
+  # How many compute at once, measured across the processes: the same number on each.
+  parallel = {l.split("host_parallel=")[1].split()[0] for l in results}
+  assert len(parallel) == 1 and float(parallel.pop()) >= 1.0, results
 
 
 def _results(r, modes=1) -> list[str]:

@@ -434,7 +434,7 @@ def plan_step(
     # Layers timed one call each add up to more than XLA makes of the whole model (it fuses
     # across layers): plain jit, compiled and timed, says by how much.
     plain = candidates.get("plain jit") or baseline_plans(graph, B, opts, (1,))["plain jit"]
-    _timed(trials, "plain jit", plain, trial, candidates)
+    _timed(trials, "plain jit", plain, trial, candidates, opts.timeout_s)
     if trials:
       graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1])
     # Jit data parallel timed too: how much slower than 1/k of plain jit's time its step is
@@ -443,7 +443,7 @@ def plan_step(
     # off: BUILD_NOTES, fidelity). It is what a user would run: measured, not modelled.
     dp = candidates.get("jit data parallel")
     if dp is not None:
-      _timed(trials, "jit data parallel", dp, trial, candidates)
+      _timed(trials, "jit data parallel", dp, trial, candidates, opts.timeout_s)
       if "jit data parallel" in trials:
         graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1])
   choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host)
@@ -547,18 +547,24 @@ def _timed(
   plan: Plan,
   trial: Callable[[Plan], tuple[Any, float]],
   candidates: dict[str, Plan],
+  timeout_s: float,
 ) -> None:
   """Runs ``trial(plan)`` into ``trials[name]``; a candidate that does not fit the memory
-  budget (its compiled program says so) leaves the candidates."""
+  budget (its compiled program says so) leaves the candidates. With several processes all
+  take process 0's clock (plain jit runs there alone), and a candidate that does not fit on
+  one process leaves them on all, so that all choose alike."""
   try:
-    trials[name] = trial(plan)
+    result: tuple[Any, float] | None = trial(plan)
   except PlanError:
+    result = None
+  if jax.process_count() > 1:
+    times = exchange("trial", "-" if result is None else repr(result[1]), timeout_s)
+    if result is not None:
+      result = None if "-" in times else (result[0], float(times[0]))
+  if result is None:
     candidates.pop(name, None)
-    return
-  if jax.process_count() > 1:  # process 0's clock (plain jit runs there alone), for all
-    step, seconds = trials[name]
-    times = exchange("trial", repr(seconds), step.opts.timeout_s)
-    trials[name] = (step, float(times[0]))
+  else:
+    trials[name] = result
 
 
 def choose_plan(

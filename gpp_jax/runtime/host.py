@@ -64,10 +64,11 @@ def measure_parallel_across(
   one = min(once(xs[:1]) for _ in range(reps)) if here == 0 else 0.0
   exchange("parallel", "alone", timeout_s)
   together = statistics.median(once(xs) for _ in range(reps))
-  runs = [v.split() for v in exchange("parallel", f"{together} {len(xs)}", timeout_s)]
-  n = sum(int(k) for _, k in runs)
-  slowest = max(float(t) for t, _ in runs)
-  return float(min(max(n * one / slowest, 1.0), n))
+  runs = [v.split() for v in exchange("parallel", f"{together} {len(xs)} {one}", timeout_s)]
+  n = sum(int(k) for _, k, _ in runs)
+  slowest = max(float(t) for t, _, _ in runs)
+  alone = float(runs[0][2])  # process 0's
+  return float(min(max(n * alone / slowest, 1.0), n))
 
 
 def measure_spmd(
