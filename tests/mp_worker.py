@@ -19,9 +19,6 @@ the values it holds against a one-device reference it computes itself.
   mode "widths": as "check", with every placement a stage can have: one device of process 0,
                 two devices of process 1 fed from it, two devices spanning both processes,
                 two devices of process 0 (so each kind of transfer crosses the processes).
-  mode "pack": as "check", two stages (l0, l1 on device 0; l2, l3 on device 4): the edge
-                between them carries two arrays each way (h1, and h0 for the skip), sent as one
-                packed transfer.
   mode "jitdp": as "check", one stage over devices of both processes (0, 1, 4, 5): jit data
                 parallel, run as one jitted step that both processes call.
   mode "jit0": as "check", one stage on device 0 (plain jit on process 0; process 1 idles).
@@ -107,12 +104,6 @@ def arm_death(point):
     executor_mod.Executor.run = lambda *a, **k: die(point)
 
 
-def packed_sends(pp) -> int:
-  """How many groups of transfers the last step's executor sends packed."""
-  ex = pp.compiled.last[0]
-  return sum(getattr(call, "__name__", "") == "put_packed" for call, _ in ex.in_order)
-
-
 def main(mode):
   timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
   dying = mode == "die" and str(jax.process_index()) == os.environ["GPP_TEST_DIE_PROCESS"]
@@ -141,8 +132,6 @@ def main(mode):
     plan = gpp_jax.manual_plan(
       {"l0": 0, "l1": 1, "l2": 2, "l3": 3}, devices={0: 0, 1: (4, 5), 2: (3, 6), 3: (1, 2)}
     )
-  if mode == "pack":
-    plan = gpp_jax.manual_plan({"l0": 0, "l1": 0, "l2": 1, "l3": 1}, devices={0: 0, 1: 4})
   if mode == "jitdp":
     plan = gpp_jax.manual_plan(dict.fromkeys(params, 0), devices={0: (0, 1, 4, 5)})
   if mode == "jit0":
@@ -238,7 +227,6 @@ def main(mode):
     f"edges={sorted(pp.plan.edges)} plan={pp.plan.fingerprint()[:12]} fused={pp.compiled.fused} "
     f"host_processes={getattr(pp.compiled.planned.host, 'processes', None)} "
     f"host_parallel={getattr(pp.compiled.planned.host, 'parallel', None)} "
-    f"packed={packed_sends(pp)} "
     f"devices={[tuple(pp.devices[d].id for d in st.devices) for st in pp.plan.stages]} "
     f"seconds={time.monotonic() - t:.1f} mode={mode}",
     flush=True,

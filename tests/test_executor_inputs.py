@@ -65,32 +65,3 @@ def test_host_batch_is_put_once_per_step_and_cut_on_the_device(monkeypatch):
   batch_puts = [s for s in host_puts if s[:1] == (16,)]
   assert sorted(batch_puts) == [(16, 3), (16, 3), (16, 6), (16, 6)]  # x and y, 2 steps
   assert not [s for s in host_puts if s[:1] == (4,)], "a micro-batch was put from the host"
-
-
-def test_packed_transfer_bytes_round_trip_every_dtype():
-  """What ``placement.transfer_packed`` sends between processes: the arrays' bytes one after
-  another in one buffer, and back, exactly (floats of every width, integers, booleans,
-  scalars)."""
-  import jax.numpy as jnp
-  import numpy as np
-
-  from gpp_jax.runtime.placement import _packers, packable
-
-  rng = np.random.default_rng(0)
-  xs = [
-    jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
-    jnp.asarray(rng.normal(size=(4,)), jnp.bfloat16),
-    jnp.asarray(rng.integers(-9, 9, size=(2, 2)), jnp.int32),
-    jnp.asarray(rng.integers(0, 2, size=(7,)), bool),
-    jnp.asarray(3, jnp.int8),
-    jnp.asarray(rng.normal(size=(2, 3)), jnp.float16),
-  ]
-  assert all(packable(x) for x in xs)
-  assert not packable(jax.random.key(0))
-  pack, unpack, packed = _packers(tuple((x.shape, np.dtype(x.dtype)) for x in xs))
-  buf = pack(*xs)
-  assert buf.dtype == jnp.uint8 and buf.shape == packed.shape
-  assert buf.size == sum(x.size * (1 if x.dtype == bool else x.dtype.itemsize) for x in xs)
-  for x, y in zip(xs, unpack(buf)):
-    assert y.dtype == x.dtype and y.shape == x.shape
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))

@@ -34,7 +34,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from gpp_jax.errors import GppError, ScheduleError
 from gpp_jax.ir.program import Instr, Op, puts_together
@@ -43,11 +42,9 @@ from gpp_jax.runtime import liveness
 from gpp_jax.runtime.placement import (
   StagePlacement,
   new_send_epoch,
-  packable,
   place_input,
   transfer,
   transfer_all,
-  transfer_packed,
 )
 
 
@@ -328,8 +325,6 @@ class Executor:
     # What a plain run calls: runs of transfers between stages batched (the measuring runs
     # call each instruction on its own, ``code``).
     self.in_order = _batched_sends(self.code, self.instrs)
-    if self.multiprocess:
-      self.in_order = _packed_sends(self.in_order, self.instrs)
     self._timeline: Timeline | Callable[[], Timeline] | None = None
     self.history = history if history is not None else []
     self.census: Any = None  # the last memory-measuring run's (``runtime.memory.Census``)
@@ -635,14 +630,6 @@ def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
 
   if not ex.multiprocess:  # a run of such puts may go as one (``_batched_sends``)
     send.batch = ((src_lst, si), (dst_lst, di), sharding)  # type: ignore[attr-defined]
-  else:  # one device to one on another process: a run of them goes packed (``_packed_sends``)
-    src_place = ex.lanes[ins.lane].placement
-    assert src_place is not None
-    a, b = src_place.devices[0], place.devices[0]
-    one_each = len(src_place.devices) == len(place.devices) == 1
-    if one_each and a.process_index != b.process_index and packable(aval):
-      where = (SingleDeviceSharding(a), sharding)
-      send.packed = ((src_lst, si), (dst_lst, di), where, aval)  # type: ignore[attr-defined]
   return send
 
 
@@ -677,37 +664,6 @@ def _batched_sends(
         lst[i] = y
 
     out[members[0]] = (put_all, code[members[0]][1])
-    for i in members[1:]:
-      out[i] = (_nothing, code[i][1])
-  return out
-
-
-def _packed_sends(
-  code: Sequence[tuple[Callable[[], None], Any]], instrs: Sequence[Instr]
-) -> list[tuple[Callable[[], None], Any]]:
-  """With several processes: ``code`` with each group of ``ir.program.puts_together`` among
-  the transfers from one device to one on another process (by the pair of devices) issued
-  as one ``placement.transfer_packed`` at its first member (the others do nothing): JAX
-  holds back-to-back cross-process transfers until the sender's device is idle, which a
-  packed one escapes (see there). Frees are kept as in ``_batched_sends``."""
-  out = list(code)
-
-  def key(i: int) -> Any:
-    packed = getattr(code[i][0], "packed", None)
-    return None if packed is None else packed[2]
-
-  for members in puts_together(instrs, key):
-    srcs = [code[i][0].packed[0] for i in members]  # type: ignore[attr-defined]
-    dsts = [code[i][0].packed[1] for i in members]  # type: ignore[attr-defined]
-    avals = [code[i][0].packed[3] for i in members]  # type: ignore[attr-defined]
-    src, dst = key(members[0])
-
-    def put_packed(srcs=srcs, dsts=dsts, avals=avals, src=src, dst=dst) -> None:
-      moved = transfer_packed([lst[i] for lst, i in srcs], avals, src, dst)
-      for (lst, i), y in zip(dsts, moved):
-        lst[i] = y
-
-    out[members[0]] = (put_packed, code[members[0]][1])
     for i in members[1:]:
       out[i] = (_nothing, code[i][1])
   return out
