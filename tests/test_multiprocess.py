@@ -223,6 +223,34 @@ def test_train_program_runs_an_nnx_model_over_two_processes_for_several_steps():
   assert len(logged) == 2, out[-3000:]
 
 
+def test_readme_two_process_launch_chooses_with_the_host_measured_across_processes():
+  """The README's 2-process command (calibrated, as a user runs it): the host is probed on
+  both processes, plain jit and jit data parallel are timed across them, both processes choose
+  the same and print the one prediction the choice was made by."""
+  env = child_env()
+  r = subprocess.run(
+    [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
+    + ["--platform=cpu", "--grace_s=5", "--", "--model=mmt", "--planner=graphpipe"]
+    + ["--num_devices=8", "--steps=3", "--log_every=1", "--timeout_s=120"]
+    + [f"--run_dir={os.environ.get('TMPDIR', '/tmp')}/gpp-mp-readme"],
+    capture_output=True,
+    text=True,
+    timeout=400,
+    env=env,
+  )
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out[-3000:]
+  predicted = [l for l in out.splitlines() if l.startswith("[0] predicted step time")]
+  assert len(predicted) == 1, out[-3000:]
+  for name in ("pipeline", "plain jit", "jit data parallel"):  # every candidate, predicted
+    assert f"{name} " in predicted[0].split("candidates:")[1], predicted
+  built = [l for l in out.splitlines() if "compile.py" in l and " stages (" in l]
+  last = {p: [l.split("] ", 2)[-1] for l in built if l.startswith(f"[{p}]")][-1:] for p in "01"}
+  assert last["0"] and last["0"] == last["1"], built  # the last build, alike on both
+  logged = [l for l in out.splitlines() if "train.py" in l and " step 3/3 loss" in l]
+  assert len(logged) == 2, out[-3000:]
+
+
 def test_every_placement_kind_runs_over_two_processes(manual_plans):
   """One device to two devices of the other process, to a stage spanning both, to two devices
   of the first: each transfer between them crosses the processes and matches the reference."""
