@@ -227,6 +227,7 @@ def main(mode):
     f"edges={sorted(pp.plan.edges)} plan={pp.plan.fingerprint()[:12]} fused={pp.compiled.fused} "
     f"host_processes={getattr(pp.compiled.planned.host, 'processes', None)} "
     f"host_parallel={getattr(pp.compiled.planned.host, 'parallel', None)} "
+    f"host_link={','.join(map(repr, getattr(pp.compiled.planned.host, 'cross_link', None) or ()))} "
     f"devices={[tuple(pp.devices[d].id for d in st.devices) for st in pp.plan.stages]} "
     f"seconds={time.monotonic() - t:.1f} mode={mode}",
     flush=True,

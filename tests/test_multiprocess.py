@@ -133,6 +133,11 @@ def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference(
   # How many compute at once, measured across the processes: the same number on each.
   parallel = {l.split("host_parallel=")[1].split()[0] for l in results}
   assert len(parallel) == 1 and float(parallel.pop()) >= 1.0, results
+  # The link between the processes, measured (round trips of two sizes): alike on both.
+  links = {l.split("host_link=")[1].split()[0] for l in results}
+  assert len(links) == 1, results
+  alpha, beta = map(float, links.pop().split(","))
+  assert alpha >= 0 and beta > 0, results
 
 
 def _results(r, modes=1) -> list[str]:

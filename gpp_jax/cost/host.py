@@ -42,6 +42,9 @@ simulator needs to include the host, measured like the layer times:
   processes. ``parallel`` is then measured across the processes (their computations share
   the machine's cores and memory), the per-op costs are process 0's, measured on its own
   devices. 1: one process.
+* ``cross_link``: (alpha seconds, beta bytes per second) of a transfer between two processes'
+  devices, measured (``runtime.host.measure_link_across``); planning replaces the cluster's
+  link between nodes with it. None: one process, or not measured.
 * ``input_send``: what a SEND from the host lane costs: the step's arguments put where they
   go, mostly already there (a committed array on its sharding is kept as it is), so far less
   than a put between stages (``per_op["SEND"]``, the stages' own). None where not measured:
@@ -80,6 +83,7 @@ class HostCosts:
   send_extra: float | None = None
   input_send: float | None = None
   processes: int = 1
+  cross_link: tuple[float, float] | None = None
 
   def op_costs(self, width: int = 1) -> dict[Op, float]:
     """Seconds per op of a compiled step's program (``simulate_program(host_cost=)``), for a
@@ -176,6 +180,8 @@ class HostCosts:
     for key in _BY_WIDTH:
       if d.get(key) is not None:  # JSON keys are strings
         d[key] = {int(k): float(v) for k, v in d[key].items()}
+    if d.get("cross_link") is not None:
+      d["cross_link"] = tuple(float(v) for v in d["cross_link"])
     if d.get("wide_ops") is not None:
       d["wide_ops"] = {
         int(w): {op: float(v) for op, v in ops.items()} for w, ops in d["wide_ops"].items()

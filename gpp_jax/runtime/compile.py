@@ -31,7 +31,7 @@ from absl import logging
 from flax import nnx
 from jax.extend import core as xc
 
-from gpp_jax.cost.cluster import as_cluster, devices_cluster
+from gpp_jax.cost.cluster import Link, as_cluster, devices_cluster
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.host import HostCosts
 from gpp_jax.cost.simulator import predict_fused, simulate
@@ -413,6 +413,7 @@ def plan_step(
     graph = calibration.apply(graph)
     if opts.host_probe is not None:
       host = probe_host(opts)
+      opts = with_measured_link(opts, host)
   B = captured.batch_size
   plan = make_plan(graph, B, opts)
   cluster = planner_cluster(opts)
@@ -531,14 +532,28 @@ def probe_host(opts: Options) -> HostCosts | None:
       owners,
     )
     return None
-  from gpp_jax.runtime.host import measure_parallel_across
+  from gpp_jax.runtime.host import measure_link_across, measure_parallel_across
 
   mine = opts.host_probe([d for d in opts.devices if d.process_index == here])
   first = HostCosts.from_json(exchange("host", mine.to_json(), opts.timeout_s)[0])
   parallel = first.parallel
   if parallel is not None:  # CPU devices
     parallel = measure_parallel_across(opts.devices, opts.timeout_s)
-  return dataclasses.replace(first, processes=P, parallel=parallel)
+  link = measure_link_across(opts.devices, opts.timeout_s)
+  return dataclasses.replace(first, processes=P, parallel=parallel, cross_link=link)
+
+
+def with_measured_link(opts: Options, host: HostCosts | None) -> Options:
+  """``opts`` whose cluster's link between nodes (processes) is the one measured
+  (``HostCosts.cross_link``), where there is both."""
+  if host is None or host.cross_link is None:
+    return opts
+  cluster = planner_cluster(opts)
+  if cluster.inter_link is None:
+    return opts
+  alpha, beta = host.cross_link
+  link = Link(alpha=alpha, beta=beta, name="cross-process, measured")
+  return dataclasses.replace(opts, cluster=cluster.replace(inter_link=link))
 
 
 def _timed(

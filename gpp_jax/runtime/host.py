@@ -71,6 +71,58 @@ def measure_parallel_across(
   return float(min(max(n * alone / slowest, 1.0), n))
 
 
+def measure_link_across(
+  devices: Sequence[Any],
+  timeout_s: float,
+  sizes: tuple[int, int] = (1 << 12, 1 << 22),
+  reps: int = 7,
+) -> tuple[float, float]:
+  """(alpha seconds, beta bytes per second) of a transfer between processes, ``alpha + bytes
+  / beta``: process 0's first device among ``devices`` puts an array to process 1's first,
+  which puts it back, the median of ``reps`` round trips at each of the two ``sizes`` (bytes)
+  halved, and the line through the two. Every process calls it at the same point; the others
+  only take process 0's numbers."""
+  import jax
+  import numpy as np
+  from jax.sharding import SingleDeviceSharding
+
+  from gpp_jax.runtime.placement import new_send_epoch, transfer
+  from gpp_jax.runtime.processes import exchange
+
+  here = jax.process_index()
+  a = next(d for d in devices if d.process_index == 0)
+  b = next(d for d in devices if d.process_index == 1)
+  to_a, to_b = SingleDeviceSharding(a), SingleDeviceSharding(b)
+
+  def absent(shape, sharding):  # what the other process holds
+    return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=np.float32)
+
+  halves = []
+  for size in sizes:
+    shape = (size // 4,)
+    x = jax.device_put(np.ones(shape, np.float32), a) if here == 0 else None
+    times = []
+    for r in range(reps + 1):  # the first warms the connection
+      if here > 1:
+        break
+      t = time.perf_counter()
+      there = transfer(x if here == 0 else absent(shape, to_a), to_b)
+      back = transfer(there if here == 1 else absent(shape, to_b), to_a)
+      if here == 0:
+        back.block_until_ready()
+        if r:
+          times.append((time.perf_counter() - t) / 2)
+      else:  # one round behind process 0 at most: its transfers outlive two epochs
+        there.block_until_ready()
+      new_send_epoch()
+    halves.append(statistics.median(times) if times else 0.0)
+  mine = " ".join(map(repr, halves))
+  t0, t1 = map(float, exchange("link", mine, timeout_s)[0].split())
+  (n0, n1) = sizes
+  beta = (n1 - n0) / max(t1 - t0, 1e-9)
+  return max(t0 - n0 / beta, 0.0), beta
+
+
 def measure_spmd(
   devices: Sequence[Any],
   batches: tuple[int, int] = (16, 256),
