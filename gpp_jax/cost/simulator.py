@@ -634,7 +634,7 @@ def simulate_program(
   ``HostCosts.lane_processes``): each process has an issuing thread of its own; an
   instruction is issued by each of its lane's processes (a SEND by those of both its ends)
   and starts once all have issued it. ``cores`` are then what all processes' computations
-  and threads share (processes on one machine slow each other down: how many compute at full
+  and threads share (processes on one machine share its cores: how many compute at full
   speed at once is measured across them). None: one thread issues everything.
   """
   S = program.num_stages

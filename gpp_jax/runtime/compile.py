@@ -1519,8 +1519,10 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
   donated = set(c.staged.spec.donated) if c.fused else set()
 
   def fresh(i: int, x: Any) -> Any:  # a copy the step may consume
-    if multi and c.staged.placements and isinstance(given[i], jax.Array):
-      return home(i, jax.device_put(given[i], may_alias=False))  # placed, not yet global
+    if multi and c.staged.placements:
+      mine = given[i]
+      if isinstance(mine, jax.Array) and mine.is_fully_addressable:  # not yet global
+        return home(i, jax.device_put(mine, may_alias=False))
     return jax.device_put(x, may_alias=False)
 
   times: list[float] = []

@@ -48,11 +48,9 @@ def measure_parallel_across(
 ) -> float:
   """``measure_parallel`` over several processes (each process calls it, at the same point):
   each runs the chain on its own devices among ``devices`` (up to 4 of them), first process
-  0 on one device alone while the others wait, then every process on all of its at once.
-  Processes on one machine share its cores and memory: two processes pinned to a core each
-  of a 2-core machine slowed each other's stage of a pipeline 2x where they computed at the
-  same time. Process 0's time alone, times the devices that ran, over the slowest process's
-  median time together (each process's own; the same on all: process 0's numbers)."""
+  0 on one device alone while the others wait, then every process on all of its at once
+  (processes on one machine share its cores). Process 0's time alone, times the devices that
+  ran, over the slowest process's median time together; the same number on every process."""
   import jax
 
   from gpp_jax.runtime.processes import exchange
