@@ -95,12 +95,9 @@ def test_processes_issue_on_their_own_and_share_the_cores_measured_across_them()
   g = chain(10e-3, 4096)
   two = candidates(g)["pipeline"]
   cluster = cpu_cluster(2)
-  assert dataclasses.replace(host(0, 1.0), processes=2).lane_processes([(0,), (1,), (0, 1)], 2) == [
-    (0,),
-    (1,),
-    (0, 1),
-    (0, 1),
-  ]
+  two_processes = dataclasses.replace(host(0, 1.0), processes=2)
+  lanes = two_processes.lane_processes([(0,), (1,), (0, 1)], 2)
+  assert lanes == [(0,), (1,), (0, 1), (0, 1)]  # the host lane last: both
   assert host(0, 1.0).lane_processes([(0,), (1,)], 2) is None
 
   def predicted(g, per_op: float, parallel: float, processes: int) -> float:

@@ -127,8 +127,8 @@ def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference(
   assert len(plans) == 1, results  # one plan on both processes
   checked = [int(l.split("checked=")[1].split()[0]) for l in results]
   assert sum(checked) >= 13, results  # the parameters, optimizer state and loss, somewhere
-  # The host's costs, each process's own probe, process 0's numbers: one issuing thread and
-  # its cores per process in the prediction the plan was chosen by.
+  # The host's costs, each process's own probe, process 0's numbers: one issuing thread per
+  # process in the prediction the plan was chosen by.
   assert all("host_processes=2 " in l for l in results), results
   # How many compute at once, measured across the processes: the same number on each.
   parallel = {l.split("host_parallel=")[1].split()[0] for l in results}
@@ -230,8 +230,9 @@ def test_train_program_runs_an_nnx_model_over_two_processes_for_several_steps():
 
 def test_readme_two_process_launch_chooses_with_the_host_measured_across_processes():
   """The README's 2-process command (calibrated, as a user runs it): the host is probed on
-  both processes, plain jit and jit data parallel are timed across them, both processes choose
-  the same and print the one prediction the choice was made by."""
+  both processes, plain jit and jit data parallel are timed across them, and process 0 prints
+  the one prediction the choice was made by. The processes chose alike: before the first step
+  they compare plans, and a difference is a PlanError (the run would fail)."""
   env = child_env()
   r = subprocess.run(
     [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
@@ -249,9 +250,6 @@ def test_readme_two_process_launch_chooses_with_the_host_measured_across_process
   assert len(predicted) == 1, out[-3000:]
   for name in ("pipeline", "plain jit", "jit data parallel"):  # every candidate, predicted
     assert f"{name} " in predicted[0].split("candidates:")[1], predicted
-  built = [l for l in out.splitlines() if "compile.py" in l and " stages (" in l]
-  last = {p: [l.split("] ", 2)[-1] for l in built if l.startswith(f"[{p}]")][-1:] for p in "01"}
-  assert last["0"] and last["0"] == last["1"], built  # the last build, alike on both
   logged = [l for l in out.splitlines() if "train.py" in l and " step 3/3 loss" in l]
   assert len(logged) == 2, out[-3000:]
 
