@@ -160,6 +160,37 @@ def test_a_stage_spanning_two_processes_matches_the_reference(manual_plans):
   assert checked["1"] >= 12, results
 
 
+def test_processes_that_cannot_send_to_each_other_plan_with_the_preset_link():
+  """Without JAX's cross-host transfers (no transfer address: a user whose stages never cross
+  processes), the calibrated plan still comes about: the link is not measured (the cluster's
+  preset stands) and the processes choose alike (here plain jit, which needs no transfer)."""
+  port = free_port()
+  envs = [_env(i, port) for i in range(2)]
+  for e in envs:
+    e.pop(dist.ENV_TRANSFER_ADDRESS)
+  procs = [
+    subprocess.Popen(
+      [sys.executable, WORKER, "calibrate", "60"],
+      env=e,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for e in envs
+  ]
+  try:
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+  results = [l for out in outs for l in out.splitlines() if l.startswith("RESULT process=")]
+  assert len(results) == 2, outs
+  assert all("host_processes=2 host_parallel=" in l and "host_link= " in l for l in results)
+  assert len({l.split("plan=")[1].split()[0] for l in results}) == 1, results
+
+
 @pytest.mark.parametrize("mode", ["jitdp", "jit0"])
 def test_one_stage_runs_as_one_jitted_step_over_processes(manual_plans, mode):
   """Jit data parallel over devices of both processes (one SPMD step each calls), and plain

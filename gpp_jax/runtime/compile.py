@@ -539,7 +539,11 @@ def probe_host(opts: Options) -> HostCosts | None:
   parallel = first.parallel
   if parallel is not None:  # CPU devices
     parallel = measure_parallel_across(opts.devices, opts.timeout_s)
-  link = measure_link_across(opts.devices, opts.timeout_s)
+  # Measured where every process can send to the others (JAX's cross-host transfers need a
+  # socket address per process: ``initialize(transfer_address=)``); else the cluster's link.
+  address = getattr(jax.config, "values", {}).get("jax_cross_host_transfer_socket_address")
+  can = exchange("transfers", "1" if address else "0", opts.timeout_s)
+  link = measure_link_across(opts.devices, opts.timeout_s) if "0" not in can else None
   return dataclasses.replace(first, processes=P, parallel=parallel, cross_link=link)
 
 
