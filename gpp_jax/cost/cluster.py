@@ -343,6 +343,18 @@ def cpu_cluster(num_devices: int, memory_per_device: float = 4 * GiB) -> Cluster
   )
 
 
+def process_blocks(procs: Sequence[int]) -> int | None:
+  """Devices per process where the devices (their processes ``procs``, in order) come in
+  equal blocks, each of one process; else None."""
+  n = len(procs)
+  if not n:
+    return None
+  per = procs.count(procs[0])
+  if n % per or any(procs[i] != procs[(i // per) * per] for i in range(n)):
+    return None
+  return per
+
+
 def process_cluster(devices: Sequence[Any], memory_per_device: float = 4 * GiB) -> Cluster:
   """The cluster of the given JAX devices as a planner sees it: forced CPU devices, one node
   per process (cross-process transfers go over the loopback socket JAX's cross-host
@@ -352,9 +364,8 @@ def process_cluster(devices: Sequence[Any], memory_per_device: float = 4 * GiB) 
   n = len(devices)
   if len(set(procs)) <= 1:
     return cpu_cluster(n, memory_per_device)
-  per = procs.count(procs[0])
-  grouped = all(procs[i] == procs[(i // per) * per] for i in range(n))
-  if n % per or not grouped:
+  per = process_blocks(procs)
+  if per is None:
     return cpu_cluster(n, memory_per_device)
   return cpu_cluster(n, memory_per_device).replace(
     devices_per_node=per,

@@ -31,7 +31,7 @@ from absl import logging
 from flax import nnx
 from jax.extend import core as xc
 
-from gpp_jax.cost.cluster import Link, as_cluster, devices_cluster
+from gpp_jax.cost.cluster import Link, as_cluster, devices_cluster, process_blocks
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.host import HostCosts
 from gpp_jax.cost.simulator import predict_fused, simulate
@@ -524,8 +524,8 @@ def probe_host(opts: Options) -> HostCosts | None:
   if P == 1:
     return opts.host_probe(opts.devices)
   owners = [d.process_index for d in opts.devices]
-  per = len(owners) // P
-  if len(owners) % P or owners != [k // per for k in range(len(owners))]:
+  per = process_blocks(owners)
+  if per is None or owners[::per] != list(range(P)):  # block k: process k's devices
     logging.info(
       "graph_pipeline: the devices are not in equal blocks per process (process of each: "
       "%s), so the host's costs are left out of the choice of plan",

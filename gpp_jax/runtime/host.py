@@ -100,9 +100,7 @@ def measure_link_across(
     shape = (size // 4,)
     x = jax.device_put(np.ones(shape, np.float32), a) if here == 0 else None
     times = []
-    for r in range(reps + 1):  # the first warms the connection
-      if here > 1:
-        break
+    for r in range(reps + 1 if here <= 1 else 0):  # the first warms the connection
       t = time.perf_counter()
       there = transfer(x if here == 0 else absent(shape, to_a), to_b)
       back = transfer(there if here == 1 else absent(shape, to_b), to_a)
