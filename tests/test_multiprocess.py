@@ -237,26 +237,33 @@ def test_a_process_that_never_sets_up_fails_the_others_after_the_timeout():
 def test_train_program_runs_an_nnx_model_over_two_processes_for_several_steps():
   """The state an update leaves on another process than the stage that reads it next step
   (a (1,)-shaped bias whose update used to follow the global norm to stage 0) moves there."""
-  env = child_env()
+  out = _train_over_two_processes(
+    2,
+    ["--model=dlrm", "--num_devices=4", "--planner=balanced", "--nocalibrate"]
+    + ["--batch_size=8", "--num_microbatches=2", "--steps=4", "--timeout_s=60"],
+    "gpp-mp-dlrm",
+    timeout=300,
+  )
+  logged = [l for l in out.splitlines() if "train.py" in l and " step 4/4 loss" in l]
+  assert len(logged) == 2, out[-3000:]
+
+
+def _train_over_two_processes(devices_per_process: int, args, run_dir: str, timeout: int) -> str:
+  """``python -m gpp_jax.train`` with ``args`` (logging every step, into ``run_dir`` under
+  the temporary directory) launched over 2 processes on CPU devices; its output, once it
+  has exited 0."""
   r = subprocess.run(
-    [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=2"]
-    + ["--platform=cpu", "--grace_s=5", "--", "--model=dlrm", "--num_devices=4"]
-    + ["--planner=balanced", "--nocalibrate", "--batch_size=8", "--num_microbatches=2"]
-    + [
-      "--steps=4",
-      "--log_every=1",
-      "--timeout_s=60",
-      f"--run_dir={os.environ.get('TMPDIR', '/tmp')}/gpp-mp-dlrm",
-    ],
+    [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2"]
+    + [f"--devices_per_process={devices_per_process}", "--platform=cpu", "--grace_s=5", "--"]
+    + [*args, "--log_every=1", f"--run_dir={os.environ.get('TMPDIR', '/tmp')}/{run_dir}"],
     capture_output=True,
     text=True,
-    timeout=300,
-    env=env,
+    timeout=timeout,
+    env=child_env(),
   )
   out = r.stdout + r.stderr
   assert r.returncode == 0, out[-3000:]
-  logged = [l for l in out.splitlines() if "train.py" in l and " step 4/4 loss" in l]
-  assert len(logged) == 2, out[-3000:]
+  return out
 
 
 def test_readme_two_process_launch_chooses_with_the_host_measured_across_processes():
@@ -264,19 +271,12 @@ def test_readme_two_process_launch_chooses_with_the_host_measured_across_process
   both processes, plain jit and jit data parallel are timed across them, and process 0 prints
   the one prediction the choice was made by. The processes chose alike: before the first step
   they compare plans, and a difference is a PlanError (the run would fail)."""
-  env = child_env()
-  r = subprocess.run(
-    [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
-    + ["--platform=cpu", "--grace_s=5", "--", "--model=mmt", "--planner=graphpipe"]
-    + ["--num_devices=8", "--steps=3", "--log_every=1", "--timeout_s=120"]
-    + [f"--run_dir={os.environ.get('TMPDIR', '/tmp')}/gpp-mp-readme"],
-    capture_output=True,
-    text=True,
+  out = _train_over_two_processes(
+    4,
+    ["--model=mmt", "--planner=graphpipe", "--num_devices=8", "--steps=3", "--timeout_s=120"],
+    "gpp-mp-readme",
     timeout=400,
-    env=env,
   )
-  out = r.stdout + r.stderr
-  assert r.returncode == 0, out[-3000:]
   predicted = [l for l in out.splitlines() if l.startswith("[0] predicted step time")]
   assert len(predicted) == 1, out[-3000:]
   for name in ("pipeline", "plain jit", "jit data parallel"):  # every candidate, predicted
