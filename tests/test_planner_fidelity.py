@@ -182,17 +182,19 @@ def test_milp_lower_bound_is_below_every_plan():
 
 
 def test_milp_identical_path_layers_share_a_class_and_the_fill_bound_keeps_the_plain_one():
-  """A tower of identical layers on the heaviest path is one class (the fill counts how many of
-  them the sink's stage holds), so the program stays small; the bound with the fill is never
-  below the one without it, and still below GraphPipe's plan."""
+  """A tower of identical layers on a path into the sink is one class (the fill counts how many
+  of them the sink's stage holds), so the program stays small; the bound with the fill is never
+  below the one without it, more paths never lower it, and it stays below GraphPipe's plan."""
   g = build_graph("mmt", "tiny", batch_size=64)  # towers of identical layers
   cluster = v100_cluster(8)
   plain = iteration_lower_bound(g, cluster, 64, fill=False, sizes=[8])
+  one = iteration_lower_bound(g, cluster, 64, sizes=[8], fill_paths=1)
   tight = iteration_lower_bound(g, cluster, 64, sizes=[8])
-  # The path's layers are kept apart from the others: the tower's layers one class, its input
-  # projection another; one class per path layer would be 8 more.
-  assert plain.classes < tight.classes <= plain.classes + 2 < tight.layers
-  assert tight.optimal and tight.seconds >= plain.seconds
+  # The heaviest path's layers are kept apart from the others: its tower's layers one class,
+  # its input projection another; one class per path layer would be 8 more. With a path from
+  # every tower's input, each tower is two classes.
+  assert plain.classes < one.classes <= plain.classes + 2 < tight.classes < tight.layers
+  assert one.optimal and tight.optimal and tight.seconds >= one.seconds >= plain.seconds
   gp = PLANNERS["graphpipe"](g, cluster, 64, num_microbatches=8)
   assert tight.seconds <= gp.predicted["iteration_time"] * (1 + 1e-9)
 
@@ -209,3 +211,15 @@ def test_milp_fill_and_drain_tighten_the_bound_and_keep_it_below_the_optimum():
     tight = iteration_lower_bound(g, cluster, 64)
     opt = PLANNERS["exhaustive"](g, cluster, 64).predicted["iteration_time"]
     assert tight.optimal and plain.seconds * 1.02 < tight.seconds <= opt * (1 + 1e-9)
+
+
+def test_milp_fill_along_every_source_path_tightens_the_bound_below_the_optimum():
+  """The sink stage waits for micro-batch 0 along the path from every source, each path layer
+  on its own group's devices: more paths give a higher bound, still below the exhaustive
+  optimum."""
+  cluster = cpu_cluster(4).replace(intra_link=Link(20e-6, 2e9))
+  g = mg.random_dag(5, num_layers=6, edge_prob=0.4, batch_size=64)
+  one = iteration_lower_bound(g, cluster, 64, fill_paths=1)
+  every = iteration_lower_bound(g, cluster, 64)
+  opt = PLANNERS["exhaustive"](g, cluster, 64).predicted["iteration_time"]
+  assert every.optimal and one.seconds * 1.02 < every.seconds <= opt * (1 + 1e-9)

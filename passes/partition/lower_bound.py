@@ -18,23 +18,25 @@ plan at micro-batch b, and the minimum over micro-batch sizes is a lower bound f
 It is exact for the relaxation, not for the plans: the gap to the best plan includes what the
 relaxation leaves out.
 
-Pipeline fill and drain (``fill=True``, default). Take the heaviest path (by the layers'
-smallest F + B) that ends at a sink layer v, and the stage S holding v (group 0 of the
-program). S cannot start its first forward before micro-batch 0 has gone forward through the
-path's layers outside S (stages are convex, so those precede S on the path), each at least its
-smallest forward time over the device counts, plus one transfer over the fastest link of the
-smallest path edge when some path layer lies outside S; after its M forwards and M backwards,
-its update follows, and the last micro-batch's backward must still travel back along the same
-layers (the drain). So
+Pipeline fill and drain (``fill=True``, default). Take the sink layer v that ends the heaviest
+path (by the layers' smallest F + B), the stage S holding v (group 0 of the program), and from
+each source layer that reaches v (up to ``fill_paths`` of them, heaviest first) the heaviest
+path to v. A stage runs a micro-batch's forward once all its inputs are there, so S cannot
+start its first forward before micro-batch 0 has gone forward through every such path's layers
+outside S (stages are convex, so those precede S on the path), each on its own group's devices
+(its forward time at that group's device count), plus one transfer over the fastest link of the
+path's smallest edge when some of its layers lie outside S; after its M forwards and M
+backwards, its update follows, and the last micro-batch's backward must still travel back along
+the same layers (the drain). So, for every path,
 
     iteration >= fill + M * (F_S + B_S) + U_S   and   iteration >= fill + M * (F_S + B_S) + drain
 
 The drain term holds when a stage's last input-gradient backward is its last computation, which
-is not so for schedules that split the backward (``split_backward=True`` drops it). The path's
-layers are kept in classes apart from the other layers, and its sink in a class of its own, so
-the program knows how many of them group 0 holds; the fill and drain are linear in those
-counts, so identical layers of the path (a branch of identical layers) share one class. Group 0
-is exempt from the device-count ordering below.
+is not so for schedules that split the backward (``split_backward=True`` drops it). The paths'
+layers are kept in classes apart from the other layers (the layers of a class lie on the same
+paths), and the sink in a class of its own, so the program knows on which group each path's
+layers lie; identical layers of a path (a branch of identical layers) still share one class.
+Group 0 is exempt from the device-count ordering below.
 
 Symmetry breaking. Layers with identical costs (the layers of identical branches) are
 interchangeable in the relaxation, so each class of identical layers is one integer variable
@@ -89,19 +91,19 @@ def _layer_classes(rows: np.ndarray) -> list[list[int]]:
 
 @dataclasses.dataclass(frozen=True)
 class Fill:
-  """The pipeline fill and drain of the stage (group 0) that holds the sink layer of the
-  heaviest path: ``sink`` is its class (the sink alone), ``path`` the classes of the path's
-  other layers (each class holds only path layers, ``size`` of them; identical layers of the
-  path are one class) with the smallest forward and backward times ``fwd``, ``bwd`` of one of
-  its layers (seconds per micro-batch), ``transfer`` the smallest time of one micro-batch
-  crossing a path edge, and ``compute[c, k]`` the M forwards and backwards alone (without the
-  update) of a class-c layer on ``dps[k]`` devices."""
+  """The pipeline fill and drain of the stage (group 0) that holds the sink layer ``sink`` (its
+  class, the sink alone) of the paths into it: ``paths[p]`` the classes of path p's other
+  layers (a class lies on a path entirely or not at all; identical layers of the same paths are
+  one class) and ``transfer[p]`` the smallest time of one micro-batch crossing one of its edges;
+  ``fwd[c, k]``, ``bwd[c, k]`` the forward and backward times of one micro-batch through a
+  class-c layer on ``dps[k]`` devices, and ``compute[c, k]`` its M forwards and backwards
+  alone (without the update)."""
 
   sink: int
-  path: list[int]
-  fwd: list[float]
-  bwd: list[float]
-  transfer: float
+  paths: list[list[int]]
+  fwd: np.ndarray
+  bwd: np.ndarray
+  transfer: list[float]
   compute: np.ndarray
   drain: bool
 
@@ -121,14 +123,16 @@ def _min_max_groups(
   <= K; with ``fill``, group 0 holds the sink and also pays the fill (and drain) of the path
   layers outside it. Returns (the optimum or the solver's dual bound, solved to optimality)."""
   C, D = a.shape
-  # Variables: cnt[c, j] (integer), y[j, k] (binary), v[c, j, k] (continuous), z, w (binary:
-  # some path layer lies outside group 0).
+  # Variables: cnt[c, j] (integer), y[j, k] (binary), v[c, j, k] (continuous), z, and w[p]
+  # (binary: some layer of path p lies outside group 0).
   n_cnt, n_y, n_v = C * J, J * D, C * J * D
-  nv = n_cnt + n_y + n_v + 2
+  n_w = len(fill.paths) if fill is not None else 0
+  nv = n_cnt + n_y + n_v + 1 + n_w
   cnt = lambda c, j: c * J + j
   yv = lambda j, k: n_cnt + j * D + k
   vv = lambda c, j, k: n_cnt + n_y + (c * J + j) * D + k
-  z, w = nv - 2, nv - 1
+  z = n_cnt + n_y + n_v
+  wv = lambda p: z + 1 + p
   rows: list[tuple[dict[int, float], float, float]] = []
   for c in range(C):  # every layer in some group
     rows.append(({cnt(c, j): 1.0 for j in range(J)}, size[c], size[c]))
@@ -153,19 +157,21 @@ def _min_max_groups(
   rows.append(({yv(j, k): float(d) for j in range(J) for k, d in enumerate(dps)}, 0.0, K))
   if fill is not None:
     rows.append(({cnt(fill.sink, 0): 1.0}, 1.0, 1.0))
-    for c in fill.path:  # w = 1 when some layer of path class c is outside group 0
-      rows.append(({w: float(size[c]), cnt(c, 0): 1.0}, float(size[c]), np.inf))
-    # z >= fill + M (F + B) + update of group 0; the fill counts the path layers outside it.
-    r = {vv(c, 0, k): -float(a[c, k]) for c in range(C) for k in range(D)}
-    r.update({cnt(c, 0): f for c, f in zip(fill.path, fill.fwd, strict=True)})
-    r[z], r[w] = 1.0, -fill.transfer
-    rows.append((r, sum(f * size[c] for c, f in zip(fill.path, fill.fwd)), np.inf))
-    if fill.drain:  # z >= fill + M (F + B) + drain (the backward back along the path)
-      r = {vv(c, 0, k): -float(fill.compute[c, k]) for c in range(C) for k in range(D)}
-      fb = [f + b for f, b in zip(fill.fwd, fill.bwd, strict=True)]
-      r.update({cnt(c, 0): x for c, x in zip(fill.path, fb, strict=True)})
-      r[z], r[w] = 1.0, -2 * fill.transfer
-      rows.append((r, sum(x * size[c] for c, x in zip(fill.path, fb)), np.inf))
+    for p, (layers, transfer) in enumerate(zip(fill.paths, fill.transfer, strict=True)):
+      path = sorted(set(layers[:-1]))
+      for c in path:  # w[p] = 1 when some layer of path class c is outside group 0
+        rows.append(({wv(p): float(size[c]), cnt(c, 0): 1.0}, float(size[c]), np.inf))
+      # z >= fill + M (F + B) + update of group 0: the fill is the path's layers outside it,
+      # each on its own group's devices, and one transfer; z >= fill + M (F + B) + drain (the
+      # backward back along the same layers, and one transfer back).
+      for drain in (False, True) if fill.drain else (False,):
+        t = fill.fwd + fill.bwd if drain else fill.fwd
+        own = fill.compute if drain else a
+        r = {vv(c, 0, k): -float(own[c, k]) for c in range(C) for k in range(D)}
+        for c in path:
+          r.update({vv(c, j, k): -float(t[c, k]) for j in range(1, J) for k in range(D)})
+        r[z], r[wv(p)] = 1.0, -(2 if drain else 1) * transfer
+        rows.append((r, 0.0, np.inf))
   A = lil_matrix((len(rows), nv))
   lo, hi = np.empty(len(rows)), np.empty(len(rows))
   for i, (r, l_, h_) in enumerate(rows):
@@ -176,10 +182,10 @@ def _min_max_groups(
   cost[z] = 1.0
   integrality = np.zeros(nv)
   integrality[: n_cnt + n_y] = 1
-  integrality[w] = 1
+  integrality[z + 1 :] = 1
   lb, ub = np.zeros(nv), np.full(nv, np.inf)
   lb[z] = floor
-  ub[w] = 1.0
+  ub[z + 1 :] = 1.0
   for c in range(C):
     for j in range(J):
       ub[cnt(c, j)] = size[c]
@@ -224,6 +230,34 @@ def heaviest_path(n: int, edges, weight: np.ndarray) -> list[int]:
   return path[::-1]
 
 
+def paths_into(n: int, edges, weight: np.ndarray, sink: int, limit: int) -> list[list[int]]:
+  """From each source layer that reaches ``sink``, the heaviest path (by ``weight``) to it,
+  heaviest first, at most ``limit`` of them (positions in topological order)."""
+  succs: list[list[int]] = [[] for _ in range(n)]
+  has_in = np.zeros(n, dtype=bool)
+  for u, v, _ in edges:
+    succs[u].append(v)
+    has_in[v] = True
+  to_sink = np.full(n, -np.inf)  # heaviest path from a layer to the sink, sink included
+  nxt = [-1] * n
+  to_sink[sink] = float(weight[sink])
+  for u in range(sink - 1, -1, -1):
+    for v in succs[u]:
+      if to_sink[v] + weight[u] > to_sink[u]:
+        to_sink[u], nxt[u] = to_sink[v] + weight[u], v
+  sources = sorted(
+    (u for u in range(n) if not has_in[u] and np.isfinite(to_sink[u]) and u != sink),
+    key=lambda u: -to_sink[u],
+  )
+  paths = []
+  for u in sources[:limit]:
+    path = [u]
+    while path[-1] != sink:
+      path.append(nxt[path[-1]])
+    paths.append(path)
+  return paths
+
+
 def iteration_lower_bound(
   layer_graph: nx.DiGraph,
   cluster: Cluster | int | None = None,
@@ -234,10 +268,13 @@ def iteration_lower_bound(
   sizes: Sequence[int] | None = None,
   time_limit: float = 60.0,
   fill: bool = True,
+  fill_paths: int = 8,
   split_backward: bool = False,
 ) -> LowerBound:
   """The lower bound (see the module docstring) over ``sizes`` (default: the planners' sweep of
-  micro-batch sizes). ``fill``: add the sink stage's pipeline fill and drain; the drain term
+  micro-batch sizes). ``fill``: add the sink stage's pipeline fill and drain along the paths
+  from up to ``fill_paths`` source layers into its sink (more paths: a tighter bound and a
+  larger program); the drain term
   holds when a stage's last input-gradient backward is its last computation, i.e. not for
   schedules that split the backward (``split_backward=True`` leaves it out, for zero-bubble)."""
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
@@ -255,10 +292,10 @@ def iteration_lower_bound(
     # Per layer and d: M * (F + B) at b/d samples per device + its share of the update.
     compute = np.zeros((n, len(dps)))
     work = np.zeros((n, len(dps)))
-    fwd, bwd = np.full(n, np.inf), np.full(n, np.inf)
+    fwd, bwd = np.zeros((n, len(dps))), np.zeros((n, len(dps)))
     for k, d in enumerate(dps):
       tf, tb = cm.layer_times(costs, cluster.device, b / d)
-      fwd, bwd = np.minimum(fwd, tf), np.minimum(bwd, tb)
+      fwd[:, k], bwd[:, k] = tf, tb
       if d > 1:
         c = cluster
         inter = c.devices_per_node is not None and d > c.devices_per_node
@@ -269,27 +306,35 @@ def iteration_lower_bound(
       per_byte = ar + cm.update_traffic / cluster.device.memory_bandwidth
       compute[:, k] = M * (tf + tb)
       work[:, k] = compute[:, k] + per_byte * costs.param_bytes
-    # The path's layers are classes apart from the others, and its sink a class of its own
-    # (group 0 holds it). The fill and drain only count the path layers outside group 0, so
-    # identical layers of the path (a branch of identical layers) can be one class.
-    path = heaviest_path(n, costs.edges, fwd + bwd) if fill else []
+    # The paths' layers are classes apart from the others (a class lies on the same paths), and
+    # the sink a class of its own (group 0 holds it). The fill and drain only count the path
+    # layers outside group 0, so identical layers of a path (a branch of identical layers) can
+    # be one class.
+    paths = []
+    if fill:
+      sink = heaviest_path(n, costs.edges, (fwd + bwd).min(axis=1))[-1]
+      into = paths_into(n, costs.edges, (fwd + bwd).min(axis=1), sink, fill_paths)
+      paths = [p for p in into if len(p) > 1]
     mark = np.zeros((n, 1))
-    mark[path[:-1]] = 1
-    mark[path[-1:]] = 2
-    classes = _layer_classes(np.hstack([work, compute, fwd[:, None], bwd[:, None], mark]))
+    for i, path in enumerate(paths):
+      mark[path[:-1], 0] += 2.0**i
+      mark[path[-1], 0] = -1.0
+    classes = _layer_classes(np.hstack([work, compute, fwd, bwd, mark]))
     n_classes = len(classes)
     of = {l: ci for ci, c in enumerate(classes) for l in c}
     fill_terms = None
-    if len(path) > 1:
-      on_path = set(itertools.pairwise(path))
-      nbytes = [by * b for u, v, by in costs.edges if (u, v) in on_path]
-      path_classes = sorted({of[l] for l in path[:-1]})
+    if paths:
+      transfer = []
+      for path in paths:
+        on_path = set(itertools.pairwise(path))
+        nbytes = [by * b for u, v, by in costs.edges if (u, v) in on_path]
+        transfer.append(min(min(link.time(x) for link in links) for x in nbytes))
       fill_terms = Fill(
-        sink=of[path[-1]],
-        path=path_classes,
-        fwd=[float(fwd[classes[c][0]]) for c in path_classes],
-        bwd=[float(bwd[classes[c][0]]) for c in path_classes],
-        transfer=min(min(link.time(x) for link in links) for x in nbytes),
+        sink=of[paths[0][-1]],
+        paths=[[of[l] for l in path] for path in paths],
+        fwd=np.array([fwd[c[0]] for c in classes]),
+        bwd=np.array([bwd[c[0]] for c in classes]),
+        transfer=transfer,
         compute=np.array([compute[c[0]] for c in classes]),
         drain=not split_backward,
       )
