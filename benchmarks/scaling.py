@@ -218,6 +218,7 @@ def worker_pipe() -> None:
       microbatches=pp.plan.num_microbatches,
       asked_microbatches=FLAGS.worker_microbatches,
       alternatives=dict(planned.alternatives or {}),
+      timed=dict(planned.measured),
       puts_per_step=puts[0],
     )
 
@@ -275,6 +276,10 @@ def _fmt(row: dict, key: str, batch: int) -> str:
       f", predicted {r['predicted'] * 1e3:.0f} ms {err:+.0f}%, {r.get('puts_per_step', '?')} "
       "puts/step)"
     )
+    if r.get("timed"):
+      s += "; timed while choosing: " + ", ".join(
+        f"{k} {v * 1e3:.0f} ms" for k, v in r["timed"].items()
+      )
   return s
 
 

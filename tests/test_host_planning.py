@@ -687,3 +687,48 @@ def test_jit_data_parallel_is_timed_and_chosen_where_it_measures_fastest(dag, mo
   assert "jit data parallel is predicted fastest" in planned.note
   assert pp.compiled.fused and pp.compiled.planned is planned
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
+
+
+@pytest.mark.parametrize("pipeline_s", [0.05, 0.002])
+def test_a_pipeline_predicted_fastest_is_timed_before_it_is_taken(dag, monkeypatch, pipeline_s):
+  """Instructions that cost the host nothing and devices that compute at once: the planner's
+  pipeline is predicted fastest. It is compiled and timed like the baselines before it is
+  taken: measured slower than plain jit, plain jit runs and the note and explain() say why;
+  measured faster, it runs, compiled once (the trial's step). Either way the step's values
+  are the plain step's."""
+  from gpp_jax.runtime import host as host_mod
+
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: host(0.0, 4.0))
+  asked = []
+
+  def fake(c, leaves, repeats=5):
+    p = c.planned.plan
+    asked.append(p.num_stages)
+    if p.num_stages > 1:
+      return pipeline_s
+    return 0.01 if len(p.stages[0].devices) == 1 else 0.03
+
+  monkeypatch.setattr(cp, "time_step", fake)
+  built = []
+  build_step = cp.build_step
+  monkeypatch.setattr(cp, "build_step", lambda *a, **k: built.append(1) or build_step(*a, **k))
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner="balanced", calibrate=True
+  )
+  out = pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  # Plain jit and jit data parallel timed, then the pipeline predicted fastest.
+  assert asked[:2] == [1, 1] and len(asked) == 3 and asked[2] > 1, asked
+  assert planned.alternatives["pipeline"] < planned.alternatives["plain jit"]
+  assert planned.measured["pipeline"] == pytest.approx(pipeline_s)
+  assert "compiled and timed while choosing: plain jit 10.00 ms" in pp.explain()
+  if pipeline_s > 0.01:
+    assert pp.plan.planner == "plain jit"
+    assert "measured 50.00 ms per step, slower than plain jit's 10.00 ms" in planned.note
+    assert planned.note in pp.explain()
+    assert planned.predicted_s == pytest.approx(0.01, rel=1e-6)
+  else:
+    assert pp.plan.num_stages > 1 and pp.plan.planner == "balanced" and not planned.note
+    assert len(built) == 3  # the pipeline's trial step is the one that runs
+  assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5

@@ -59,7 +59,8 @@ def step_time_summary(
   the host's measured costs when the layers were calibrated, else devices only);
   ``predicted_devices_ms``: the simulator's devices-only view (every device computes
   independently, the host costs nothing), kept for comparison; ``candidates_ms``: what else
-  was predicted (plain jit, jit data parallel, ...). ``predicted``: the devices-only
+  was predicted (plain jit, jit data parallel, ...); ``timed_ms``: the candidates compiled and
+  timed while choosing (seconds per call of the step). ``predicted``: the devices-only
   SimResult when the caller has it already (``write_predicted_timeline``).
   """
   planned = pipeline.compiled.planned
@@ -74,6 +75,7 @@ def step_time_summary(
     "prediction_error": (one - measured) / measured if measured else None,
     "predicted_devices_ms": devices_ms,
     "candidates_ms": {k: v * 1e3 for k, v in planned.alternatives.items()},
+    "timed_ms": {k: v * 1e3 for k, v in planned.measured.items()},
     "choice": planned.note or None,
     "cores": len(os.sched_getaffinity(0)),
   }

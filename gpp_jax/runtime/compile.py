@@ -373,6 +373,8 @@ class Planned:
     alternatives: what else was predicted: candidate name -> seconds ("pipeline": the
       planner's plan, "plain jit", "jit data parallel").
     note: one line saying what was chosen and why ("" for a plan the user gave).
+    measured: the candidates compiled and timed while choosing: name -> seconds per call of
+      the compiled step (the host's time outside it not included).
   """
 
   plan: Plan
@@ -383,6 +385,7 @@ class Planned:
   alternatives: Mapping[str, float] = dataclasses.field(default_factory=dict)
   note: str = ""
   trial: Any = None  # the chosen plan's compiled step, when a trial compiled it already
+  measured: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 def plan_step(
@@ -449,7 +452,12 @@ def plan_step(
         graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1])
   choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host)
   note = ""
-  if choice != "pipeline" and host is None:
+  if trial is not None and not given and choice not in trials:
+    choice, note = checked_by_trial(choice, trials, candidates, predicted, trial, opts.timeout_s)
+  if note:
+    logging.info("graph_pipeline: %s", note)
+    plan = candidates[choice]
+  elif choice != "pipeline" and host is None:
     # Devices-only layer estimates are not this machine's: say so, keep the planner's plan.
     if predicted[choice] < predicted["pipeline"]:
       note = (
@@ -485,7 +493,39 @@ def plan_step(
   if jax.process_count() > 1:
     check_same_plan(plan, opts.timeout_s)
   kept = trials[choice][0] if choice in trials else None
-  return Planned(plan, graph, calibration, host, predicted[choice], predicted, note, kept)
+  measured = {k: t for k, (_, t) in trials.items()}
+  return Planned(plan, graph, calibration, host, predicted[choice], predicted, note, kept, measured)
+
+
+def checked_by_trial(
+  choice: str,
+  trials: dict[str, tuple[Any, float]],
+  candidates: dict[str, Plan],
+  predicted: Mapping[str, float],
+  trial: Callable[[Plan], tuple[Any, float]],
+  timeout_s: float,
+) -> tuple[str, str]:
+  """The candidate predicted fastest, compiled and timed like the baselines before it is
+  taken: (the choice, "" where it stands; else the fastest candidate timed, and the note that
+  says why). Where no baseline among ``candidates`` was timed, the prediction stands alone.
+  The predictions of one-call steps are their measurements; a pipeline's is the simulator's,
+  which misses what the host and the devices do to it on some machines (BUILD_NOTES,
+  fidelity). Its compiled step is kept, so a pipeline that stands is compiled once."""
+  timed = [k for k in trials if k in candidates]
+  if not timed:
+    return choice, ""
+  _timed(trials, choice, candidates[choice], trial, candidates, timeout_s)
+  best = min(timed, key=lambda k: trials[k][1])
+  what = f"{choice} ({predicted[choice] * 1e3:.2f} ms predicted)"
+  if choice not in trials:
+    return best, f"{what} does not fit the memory budget as compiled: {best} runs instead"
+  mine, theirs = trials[choice][1], trials[best][1]
+  if mine <= theirs:
+    return choice, ""
+  return best, (
+    f"{what} measured {mine * 1e3:.2f} ms per step, slower than {best}'s {theirs * 1e3:.2f} ms: "
+    f"{best} runs instead (min_stages=2 runs a pipeline regardless)"
+  )
 
 
 def pipeline_anyway(

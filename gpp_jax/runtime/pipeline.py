@@ -184,10 +184,13 @@ class GraphPipeline:
     if c.planned.predicted_s is not None:
       how = "with the host's measured costs" if c.planned.host else "devices only"
       alts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.planned.alternatives.items())
-      lines += [
-        f"predicted step time {c.planned.predicted_s * 1e3:.2f} ms ({how}; candidates: {alts})",
-        "",
-      ]
+      lines.append(
+        f"predicted step time {c.planned.predicted_s * 1e3:.2f} ms ({how}; candidates: {alts})"
+      )
+      if c.planned.measured:
+        timed = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.planned.measured.items())
+        lines.append(f"compiled and timed while choosing: {timed}")
+      lines.append("")
     if c.fused:
       lines += [
         "runs as one jitted step: one stage on one device is gradient accumulation, so the "
