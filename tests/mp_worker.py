@@ -22,6 +22,10 @@ the values it holds against a one-device reference it computes itself.
   mode "jitdp": as "check", one stage over devices of both processes (0, 1, 4, 5): jit data
                 parallel, run as one jitted step that both processes call.
   mode "jit0": as "check", one stage on device 0 (plain jit on process 0; process 1 idles).
+  mode "timed": as "calibrate", by the balanced planner, with a host that issues for free and
+                a link that costs nothing, so that its pipeline (stages on both processes) is
+                predicted faster than plain jit and jit data parallel and is compiled and timed
+                over both processes before it is taken.
   mode "die":  the process GPP_TEST_DIE_PROCESS exits (os._exit(7)) at the point
                 GPP_TEST_DIE_AT: "setup" (before building the pipeline), "compile" (in the
                 first call, after the plan check, before compiling), "first" (when the first
@@ -141,6 +145,16 @@ def main(mode):
   options = {}
   if mode == "calibrate":
     options = dict(planner="graphpipe", calibrate=True)
+  elif mode == "timed":
+    from gpp_jax.cost.host import HostCosts
+    from gpp_jax.runtime import host as host_mod
+
+    ops = ("F", "B", "W", "UPDATE", "SEND", "RECV", "STEP")
+    free = HostCosts(per_op=dict.fromkeys(ops, 0.0), parallel=None, cores=2, device="cpu:0")
+    host_mod.measure_host = lambda devices, *_: free
+    host_mod.measure_link_across = lambda devices, timeout_s: (1e-6, 1e12)
+    devs = jax.devices()  # two of each process's, in blocks: stages on both processes
+    options = dict(planner="balanced", calibrate=True, devices=devs[:2] + devs[4:6])
   elif mode.startswith("four-"):
     options = dict(planner=mode.split("-", 1)[1], devices=jax.devices(), min_stages=4)
   elif mode.startswith("planned-"):
@@ -220,8 +234,19 @@ def main(mode):
       checked += 1
   # A planner may leave a process without stages; the manual plan gives each some.
   ok = max(diffs, default=0.0) <= 1e-5 and (
-    checked > 0 or mode in ("calibrate", "jit0") or mode.startswith(("planned-", "four-"))
+    checked > 0 or mode in ("calibrate", "jit0", "timed") or mode.startswith(("planned-", "four-"))
   )
+  if mode == "timed":  # the planner's own pipeline, which was timed, and why it ran or not
+    from gpp_jax.runtime.compile import make_plan
+
+    c = pp.compiled
+    own = make_plan(c.planned.layer_graph, c.batch_size, c.opts)
+    on = sorted({pp.devices[d].process_index for st in own.stages for d in st.devices})
+    print(
+      f"PIPELINE process={jax.process_index()} stages={own.num_stages} on_processes={on} "
+      f"note={c.planned.note}",
+      flush=True,
+    )
   print(
     f"RESULT process={jax.process_index()} checked={checked} maxdiff={max(diffs, default=0.0):.3g} "
     f"edges={sorted(pp.plan.edges)} plan={pp.plan.fingerprint()[:12]} fused={pp.compiled.fused} "
@@ -229,6 +254,7 @@ def main(mode):
     f"host_parallel={getattr(pp.compiled.planned.host, 'parallel', None)} "
     f"host_link={','.join(map(repr, getattr(pp.compiled.planned.host, 'cross_link', None) or ()))} "
     f"devices={[tuple(pp.devices[d].id for d in st.devices) for st in pp.plan.stages]} "
+    f"timed={'+'.join(k.replace(' ', '_') for k in pp.compiled.planned.measured) or '-'} "
     f"seconds={time.monotonic() - t:.1f} mode={mode}",
     flush=True,
   )

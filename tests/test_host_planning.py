@@ -732,3 +732,27 @@ def test_a_pipeline_predicted_fastest_is_timed_before_it_is_taken(dag, monkeypat
     assert pp.plan.num_stages > 1 and pp.plan.planner == "balanced" and not planned.note
     assert len(built) == 3  # the pipeline's trial step is the one that runs
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
+
+
+def test_a_pipeline_trial_puts_each_stage_state_on_its_stage(dag):
+  """Timing a pipeline, its parameters and optimizer state go where its program keeps them
+  (each stage's on its devices, as a training loop's later steps find them), its batch stays
+  where it was given; the timed step leaves the caller's arrays as they were."""
+  from gpp_jax.runtime.executor import leaf_homes
+
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner="balanced"
+  )
+  pp(params, opt_state, batch)
+  c = pp.compiled
+  assert pp.plan.num_stages > 1
+  batch_leaves = set(c.staged.spec.batch_leaves)
+  homes = {i: s for i, s in leaf_homes(c.executor_for(1)).items() if i not in batch_leaves}
+  placed = {frozenset(s.device_set) for s in homes.values()}
+  stages = {frozenset(pp.devices[d] for d in st.devices) for st in pp.plan.stages}
+  assert placed <= stages and len(placed) > 1, (placed, stages)
+  leaves = jax.tree.leaves((params, opt_state, batch))
+  before = [np.asarray(x) for x in leaves]
+  assert cp.time_step(c, leaves) > 0
+  assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, leaves))

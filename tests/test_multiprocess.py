@@ -117,6 +117,27 @@ def _launch_worker(mode, timeout="120", timeout_s=300):
   )
 
 
+def test_a_pipeline_over_two_processes_is_timed_before_it_is_taken():
+  """The balanced planner's pipeline, its stages on both processes, predicted fastest (a host
+  that issues for free): both processes compile and time it together after plain jit and jit
+  data parallel (each stage's state placed where its program keeps it: placed on the first
+  stage's devices, the trial waited for transfers that never came), choose alike by the
+  times, and train to the one-device reference's values."""
+  r = _launch_worker("timed")
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out[-3000:]
+  results = [l for l in out.splitlines() if "RESULT" in l]
+  assert len(results) == 2, out[-3000:]
+  assert all("timed=plain_jit+jit_data_parallel+pipeline " in l for l in results), results
+  assert len({l.split("plan=")[1].split()[0] for l in results}) == 1, results
+  pipelines = [l.split("PIPELINE ")[1] for l in out.splitlines() if "PIPELINE " in l]
+  assert len(pipelines) == 2 and all("stages=4 on_processes=[0, 1] " in l for l in pipelines)
+  notes = {l.split("note=")[1] for l in pipelines}
+  assert len(notes) == 1, notes  # the same times on both: process 0's
+  note = notes.pop()
+  assert note == "" or "predicted) measured" in note, note
+
+
 def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference():
   r = _launch_worker("calibrate")
   out = r.stdout + r.stderr

@@ -67,7 +67,7 @@ from gpp_jax.passes.staging import StagedProgram, stage_functions, stage_program
 from gpp_jax.passes.step_split import StepProgram, split_step
 from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.capture_step import PureStep, recording, value_and_grad_p
-from gpp_jax.runtime.executor import Executor, Kernels, StageKernels
+from gpp_jax.runtime.executor import Executor, Kernels, StageKernels, leaf_homes
 from gpp_jax.runtime.fused import fused_step
 from gpp_jax.runtime.input_checks import check_loss_is_pure
 from gpp_jax.runtime.loss_state import StatePair, check_state_returned, split_state, state_carries
@@ -1539,7 +1539,8 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
   where the step keeps them first: on the first call a model's arrays are not yet where a
   training loop's later steps find them (the step's own outputs), and moving them every run
   would be timed as the step: a stage over several devices keeps them replicated over its
-  mesh (the batch arrives as a training loop's data does, on the stage's first device). A
+  mesh (the batch arrives as a training loop's data does, on the stage's first device), and
+  a pipeline's parameters and optimizer state go where its program puts them. A
   step that consumes arguments (``donate_argnums``) gets fresh copies of them for every run,
   made before the clock starts: the caller's arrays survive.
 
@@ -1549,8 +1550,16 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
   multi = jax.process_count() > 1
   if c.staged.placements:
     place, batch = c.staged.placements[0], set(c.staged.spec.batch_leaves)
+    # A pipeline's parameters and optimizer state go to their stages (where its program puts
+    # them); its batch stays where it was given.
+    homes = leaf_homes(c.executor_for(1)) if not c.fused else None
 
     def home(i: int, x: Any) -> Any:
+      if homes is not None:
+        there = homes.get(i) if i not in batch else None
+        if there is None:
+          return x
+        return place_input(x, there) if multi else jax.device_put(x, there)
       if multi:
         return x if i in batch else place_input(x, place.replicated)
       return jax.device_put(x, place.devices[0] if i in batch else place.replicated)

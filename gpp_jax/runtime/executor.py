@@ -598,17 +598,37 @@ class Executor:
 # ---------------------------------------------------------------------------- rules per op
 
 
-def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
-  (src_lst, si), (dst_lst, di) = ex.where[ins.reads[0]], ex.where[ins.writes[0]]
+def send_sharding(ex: Executor, ins: Instr) -> Any:
+  """Where a SEND puts its array: its destination stage's sharding for the array's kind."""
   place = ex.lanes[ins.peer].placement
   assert place is not None, "a SEND to the host lane"
   aval = ex.lowered.avals[ins.writes[0]]
   if ins.arg in ("act", "ct", "batch") and aval is not None:
-    sharding = place.for_array(aval)
-  elif ins.arg == "stacked":  # micro-batches stacked: each split over the devices
-    sharding = place.stacked
-  else:
-    sharding = place.replicated
+    return place.for_array(aval)
+  if ins.arg == "stacked":  # micro-batches stacked: each split over the devices
+    return place.stacked
+  return place.replicated
+
+
+def leaf_homes(ex: Executor) -> dict[int, Any]:
+  """Argument leaf index -> the sharding the program puts it on, for the leaves of the first
+  step that go to one place only (a stage's parameters and optimizer state)."""
+  P = ex.program
+  leaf_of = {
+    b: binding.index
+    for b, binding in zip(P.inputs, ex.lowered.bindings)
+    if binding.kind == "leaf" and binding.step == 0
+  }
+  homes: dict[int, list[Any]] = {}
+  for ins in P.instrs:
+    if ins.op is Op.SEND and ins.lane == P.host and ins.reads[0] in leaf_of:
+      homes.setdefault(leaf_of[ins.reads[0]], []).append(send_sharding(ex, ins))
+  return {i: s[0] for i, s in homes.items() if all(x == s[0] for x in s)}
+
+
+def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
+  (src_lst, si), (dst_lst, di) = ex.where[ins.reads[0]], ex.where[ins.writes[0]]
+  sharding = send_sharding(ex, ins)
   if ins.lane == ex.program.host:  # what the caller passed: each process has its own copy
     # Most arguments are last step's outputs, already where they go: an equal sharding on a
     # committed array says so in a microsecond, where ``place_input``'s general test takes a
