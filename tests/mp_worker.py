@@ -152,7 +152,7 @@ def main(mode):
     ops = ("F", "B", "W", "UPDATE", "SEND", "RECV", "STEP")
     free = HostCosts(per_op=dict.fromkeys(ops, 0.0), parallel=None, cores=2, device="cpu:0")
     host_mod.measure_host = lambda devices, *_: free
-    host_mod.measure_link_across = lambda devices, timeout_s: (1e-6, 1e12)
+    host_mod.measure_link_across = lambda devices, timeout_s: (1e-6, 1e12)  # type: ignore[misc]
     devs = jax.devices()  # two of each process's, in blocks: stages on both processes
     options = dict(planner="balanced", calibrate=True, devices=devs[:2] + devs[4:6])
   elif mode.startswith("four-"):
