@@ -254,8 +254,9 @@ def main(mode):
     f"host_parallel={getattr(pp.compiled.planned.host, 'parallel', None)} "
     f"host_link={','.join(map(repr, getattr(pp.compiled.planned.host, 'cross_link', None) or ()))} "
     f"devices={[tuple(pp.devices[d].id for d in st.devices) for st in pp.plan.stages]} "
+    f"seconds={time.monotonic() - t:.1f} "
     f"timed={'+'.join(k.replace(' ', '_') for k in pp.compiled.planned.measured) or '-'} "
-    f"seconds={time.monotonic() - t:.1f} mode={mode}",
+    f"mode={mode}",
     flush=True,
   )
   return ok
