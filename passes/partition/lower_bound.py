@@ -92,9 +92,10 @@ def _layer_classes(rows: np.ndarray) -> list[list[int]]:
 @dataclasses.dataclass(frozen=True)
 class Fill:
   """The pipeline fill and drain of the stage (group 0) that holds the sink layer ``sink`` (its
-  class, the sink alone) of the paths into it: ``paths[p]`` the classes of path p's other
-  layers (a class lies on a path entirely or not at all; identical layers of the same paths are
-  one class) and ``transfer[p]`` the smallest time of one micro-batch crossing one of its edges;
+  class, the sink alone) of the paths into it: ``paths[p]`` the class of each layer of path p
+  in order, the sink last (a class lies on a path entirely or not at all; identical layers of
+  the same paths are one class) and ``transfer[p]`` the smallest time of one micro-batch
+  crossing one of its edges;
   ``fwd[c, k]``, ``bwd[c, k]`` the forward and backward times of one micro-batch through a
   class-c layer on ``dps[k]`` devices, and ``compute[c, k]`` its M forwards and backwards
   alone (without the update)."""
