@@ -736,8 +736,8 @@ def test_a_pipeline_predicted_fastest_is_timed_before_it_is_taken(dag, monkeypat
 
 def test_a_pipeline_trial_puts_each_stage_state_on_its_stage(dag):
   """Timing a pipeline, its parameters and optimizer state go where its program keeps them
-  (each stage's on its devices, as a training loop's later steps find them), its batch stays
-  where it was given; the timed step leaves the caller's arrays as they were."""
+  (each stage's on its devices, as a training loop's later steps find them); the timed step
+  leaves the caller's arrays as they were."""
   from gpp_jax.runtime.executor import leaf_homes
 
   step, params, opt_state, batch = dag
