@@ -313,8 +313,9 @@ def iteration_lower_bound(
     # be one class.
     paths = []
     if fill:
-      sink = heaviest_path(n, costs.edges, (fwd + bwd).min(axis=1))[-1]
-      into = paths_into(n, costs.edges, (fwd + bwd).min(axis=1), sink, fill_paths)
+      fastest = (fwd + bwd).min(axis=1)  # each layer's smallest F + B over the device counts
+      sink = heaviest_path(n, costs.edges, fastest)[-1]
+      into = paths_into(n, costs.edges, fastest, sink, fill_paths)
       paths = [p for p in into if len(p) > 1]
     mark = np.zeros((n, 1))
     for i, path in enumerate(paths):
