@@ -648,6 +648,32 @@ def test_the_model_own_spmd_factor_makes_the_prediction_its_measurement(calls):
         assert extra - cp.predict_seconds(more, free, cluster, h)[0] == pytest.approx(4 * r * 1e-3)
 
 
+def test_two_timings_of_one_width_fit_its_factor_and_fixed_seconds_apart():
+  """``calibrate_spmd(pieces=)``: jit data parallel and the same step in 4 micro-batches over
+  the same devices, both timed, fit the SPMD factor and the fixed seconds per sharded call
+  each on its own: both predictions are their measurements, where one ratio on the probe's
+  pair misses the one in micro-batches. Times that would take negative fixed seconds keep
+  the ratio's fit."""
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  h = spmd_host({2: 3.0, 4: 6.0}, calls={2: 1e-3, 4: 3e-3})
+  dp, acc = candidates(g, 1)["jit data parallel"], candidates(g, 4)["jit data parallel"]
+  truth = g.copy()
+  truth.graph["spmd"], truth.graph["spmd_call"] = {"2": 3.5}, {"2": 15e-3}
+  t1, t4 = (cp.predict_seconds(p, truth, cluster, h)[0] for p in (dp, acc))
+  tuned = cp.calibrate_spmd(g, 8, dp, cluster, h, t1, (acc, t4))
+  assert tuned.graph["spmd"]["2"] == pytest.approx(3.5)
+  assert tuned.graph["spmd_call"]["2"] == pytest.approx(15e-3)
+  for p, t in ((dp, t1), (acc, t4)):
+    assert cp.predict_seconds(p, tuned, cluster, h)[0] == pytest.approx(t)
+  ratio = cp.calibrate_spmd(g, 8, dp, cluster, h, t1)
+  assert cp.predict_seconds(dp, ratio, cluster, h)[0] == pytest.approx(t1)
+  assert abs(cp.predict_seconds(acc, ratio, cluster, h)[0] / t4 - 1) > 0.15
+  # Four micro-batches no slower than one: no fixed seconds per call can say that.
+  kept = cp.calibrate_spmd(g, 8, dp, cluster, h, t1, (acc, 0.9 * t1))
+  assert kept.graph == ratio.graph
+
+
 def timed_by_width(monkeypatch, seconds_for):
   """``time_step`` patched to say ``seconds_for(width of the step's stage)``; returns the
   widths it was asked for, in order."""
@@ -680,12 +706,66 @@ def test_jit_data_parallel_is_timed_and_chosen_where_it_measures_fastest(dag, mo
   )
   out = pp(params, opt_state, batch)
   planned = pp.compiled.planned
-  assert asked == [1, 4]
+  assert asked[:2] == [1, 4]
   assert pp.plan.planner == "jit data parallel" and len(pp.plan.stages[0].devices) == 4
   assert planned.predicted_s == pytest.approx(0.01, rel=1e-6)
   assert planned.alternatives["plain jit"] == pytest.approx(0.02, rel=1e-6)
   assert "jit data parallel is predicted fastest" in planned.note
   assert pp.compiled.fused and pp.compiled.planned is planned
+  assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
+
+
+def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel(dag, monkeypatch):
+  """A planner's plan that is jit data parallel's step in micro-batches over the same devices
+  (gradient accumulation) is timed beside it: the two times fit the model's factor and fixed
+  seconds per sharded call apart, so each prediction is its measurement (plus the host's time
+  outside the step). It is not chosen: the one-call step runs."""
+  from gpp_jax.passes.partition.plan_assembly import assemble_plan
+  from gpp_jax.runtime import host as host_mod
+
+  probe = HostCosts(
+    per_op=dict.fromkeys(OPS, 5e-5),
+    parallel=1.0,
+    cores=2,
+    device="cpu:0",
+    spmd={4: 2.0},
+    spmd_call={4: 1e-4},
+    outside=2e-4,
+  )
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: probe)
+  seconds = {(1, 1): 0.02, (4, 1): 0.01, (4, 4): 0.016}  # (width, micro-batches) -> seconds
+
+  def fake(c, leaves, repeats=5):
+    p = c.planned.plan
+    return seconds[len(p.stages[0].devices), p.num_microbatches]
+
+  monkeypatch.setattr(cp, "time_step", fake)
+
+  def accumulate(layer_graph, cluster, batch_size, *, num_microbatches=None):
+    return assemble_plan(
+      layer_graph,
+      cluster,
+      [(list(lg.topo_layers(layer_graph)), 4)],
+      microbatch=batch_size // num_microbatches,
+      batch_size=batch_size,
+      planner="accumulate",
+      sequential=True,
+    )
+
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=4, devices=jax.devices()[:4], planner=accumulate, calibrate=True
+  )
+  out = pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  assert planned.measured == pytest.approx(
+    {"plain jit": 0.02, "jit data parallel": 0.01, "pipeline": 0.016}
+  )
+  assert planned.alternatives["jit data parallel"] == pytest.approx(0.01 + 2e-4)
+  assert planned.alternatives["pipeline"] == pytest.approx(0.016 + 2e-4)
+  assert set(planned.layer_graph.graph["spmd_call"]) == {"4"}
+  assert pp.plan.planner == "jit data parallel"
+  assert "16.20 ms for accumulate's one stage of 4 micro-batches" in planned.note
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
 
 

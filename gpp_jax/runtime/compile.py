@@ -449,7 +449,18 @@ def plan_step(
     if dp is not None:
       _timed(trials, "jit data parallel", dp, trial, candidates, opts.timeout_s)
       if "jit data parallel" in trials:
-        graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1])
+        # The planner's plan is the same step in micro-batches (gradient accumulation over
+        # the same devices): timed too, the two times tell the fixed seconds each of its
+        # sharded micro-batches pays from the share of work that divides.
+        pieces = None
+        acc = candidates["pipeline"]
+        same = acc.num_stages == 1 and acc.stages[0].devices == dp.stages[0].devices
+        if same and acc.num_microbatches > 1:
+          # A throwaway dict: a plan over the memory budget leaves no candidate here.
+          _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
+          if "pipeline" in trials:
+            pieces = (acc, trials["pipeline"][1])
+        graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
   choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host)
   note = ""
   if trial is not None and not given and choice not in trials:
@@ -675,7 +686,13 @@ def calibrate_fusion(
 
 
 def calibrate_spmd(
-  graph: nx.DiGraph, batch_size: int, plan: Plan, cluster: Any, host: HostCosts, seconds: float
+  graph: nx.DiGraph,
+  batch_size: int,
+  plan: Plan,
+  cluster: Any,
+  host: HostCosts,
+  seconds: float,
+  pieces: tuple[Plan, float] | None = None,
 ) -> nx.DiGraph:
   """``graph`` with the model's own step over k devices (the one-stage ``plan``, timed:
   ``seconds`` per call, to which the host's time outside the step adds): ``graph.graph
@@ -683,13 +700,24 @@ def calibrate_spmd(
   seconds of one computation over k devices (``cost.simulator.spmd_factor`` and
   ``spmd_call``), both the host's probe's times one ratio r, the r at which the plan's
   prediction is the measurement. One timing cannot tell a fixed cost from a proportional one;
-  the probe's split holds for the model: tiny DLRM and MMT on 4 forced CPU devices, whose
-  steps there measured 3x and 5.5x what the probe's fit says, paid 3x and 5.7x the probe's
-  fixed seconds for each further micro-batch of a step. Where the probe has no factor for k,
-  the factor alone is fitted (the probe's seconds as they are). The factor is at least a
-  quarter (a quarter of perfect division is beyond any machine's)."""
+  the probe's split holds for the model roughly: tiny DLRM and MMT on 4 forced CPU devices,
+  whose steps there measured 3x and 5.5x what the probe's fit says, paid 3x and 5.7x the
+  probe's fixed seconds for each further micro-batch of a step. Where the probe has no factor
+  for k, the factor alone is fitted (the probe's seconds as they are). The factor is at least
+  a quarter (a quarter of perfect division is beyond any machine's).
+
+  ``pieces``: the same step over the same devices in M > 1 micro-batches, timed too ((its
+  plan, seconds per call)). Two timings tell the two apart: the factor and the fixed seconds
+  are fitted each on its own so that both predictions are their measurements (the ratio
+  above put tiny DLRM's step in 4 micro-batches at +57% of its measurement, MMT's at -31%),
+  unless that takes a factor under the floor or negative seconds (then the ratio, as
+  without ``pieces``)."""
   k = str(len(plan.stages[0].devices))
   probe, call = host.spmd_factor(int(k)), host.spmd_call_seconds(int(k))
+  if pieces is not None:
+    both = _fitted_apart(graph, batch_size, [(plan, seconds), pieces], cluster, host, k)
+    if both is not None:
+      return both
 
   def set_spmd(g: nx.DiGraph, r: float) -> None:
     g.graph["spmd"] = {**graph.graph.get("spmd", {}), k: r * probe if probe else r}
@@ -698,6 +726,43 @@ def calibrate_spmd(
 
   floor = 0.25 / probe if probe else 0.25
   return _calibrated(graph, batch_size, plan, cluster, host, seconds, set_spmd, floor)
+
+
+def _fitted_apart(
+  graph: nx.DiGraph,
+  batch_size: int,
+  timed: Sequence[tuple[Plan, float]],
+  cluster: Any,
+  host: HostCosts,
+  k: str,
+) -> nx.DiGraph | None:
+  """A copy of ``graph`` with the SPMD factor and the fixed seconds per computation over
+  ``k`` devices at which the predictions of the two one-stage plans ``timed`` (over those
+  devices, different micro-batch counts) are their seconds plus the host's time outside the
+  step; None where that takes a factor under a quarter or negative seconds. A prediction is
+  linear in both, so three predictions of each plan solve it."""
+
+  def with_both(factor: float, seconds: float) -> nx.DiGraph:
+    g = graph.copy()
+    g.graph["spmd"] = {**graph.graph.get("spmd", {}), k: factor}
+    g.graph["spmd_call"] = {**graph.graph.get("spmd_call", {}), k: seconds}
+    return g
+
+  rows, rhs = [], []
+  for plan, seconds in timed:
+    at = [
+      predict_seconds(plan, lg.scaled(with_both(f, c), batch_size), cluster, host)[0]
+      for f, c in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0))
+    ]
+    rows.append([at[1] - at[0], at[2] - at[0]])
+    rhs.append(seconds + host.outside - at[0])
+  try:
+    factor, call = np.linalg.solve(np.array(rows), np.array(rhs))
+  except np.linalg.LinAlgError:  # the same micro-batch count twice
+    return None
+  if factor < 0.25 or call < 0.0:
+    return None
+  return with_both(float(factor), float(call))
 
 
 def _calibrated(
