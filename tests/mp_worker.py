@@ -26,6 +26,8 @@ the values it holds against a one-device reference it computes itself.
                 a link that costs nothing, so that its pipeline (stages on both processes) is
                 predicted faster than plain jit and jit data parallel and is compiled and timed
                 over both processes before it is taken.
+  mode "accumulate": as "timed", by a user's planner that returns one stage over those 4
+                devices with 4 micro-batches: timed beside jit data parallel over both.
   mode "die":  the process GPP_TEST_DIE_PROCESS exits (os._exit(7)) at the point
                 GPP_TEST_DIE_AT: "setup" (before building the pipeline), "compile" (in the
                 first call, after the plan check, before compiling), "first" (when the first
@@ -44,6 +46,7 @@ same processes, one RESULT line each (ending mode=<mode>); the exit code is 1 if
 import os
 import sys
 import time
+from typing import Any
 
 from gpp_jax.runtime import processes as distributed
 
@@ -145,7 +148,7 @@ def main(mode):
   options = {}
   if mode == "calibrate":
     options = dict(planner="graphpipe", calibrate=True)
-  elif mode == "timed":
+  elif mode in ("timed", "accumulate"):
     from gpp_jax.cost.host import HostCosts
     from gpp_jax.runtime import host as host_mod
 
@@ -154,7 +157,24 @@ def main(mode):
     host_mod.measure_host = lambda devices, *_: free
     host_mod.measure_link_across = lambda devices, timeout_s: (1e-6, 1e12)  # type: ignore[misc]
     devs = jax.devices()  # two of each process's, in blocks: stages on both processes
-    options = dict(planner="balanced", calibrate=True, devices=devs[:2] + devs[4:6])
+    planner: Any = "balanced"
+    if mode == "accumulate":  # one stage over the 4 devices of both processes, 4 micro-batches
+
+      def planner(layer_graph, cluster, batch_size, *, num_microbatches=None):
+        from gpp_jax.ir.layer_graph import topo_layers
+        from gpp_jax.passes.partition.plan_assembly import assemble_plan
+
+        return assemble_plan(
+          layer_graph,
+          cluster,
+          [(list(topo_layers(layer_graph)), 4)],
+          microbatch=batch_size // num_microbatches,
+          batch_size=batch_size,
+          planner="accumulate",
+          sequential=True,
+        )
+
+    options = dict(planner=planner, calibrate=True, devices=devs[:2] + devs[4:6])
   elif mode.startswith("four-"):
     options = dict(planner=mode.split("-", 1)[1], devices=jax.devices(), min_stages=4)
   elif mode.startswith("planned-"):
@@ -234,7 +254,9 @@ def main(mode):
       checked += 1
   # A planner may leave a process without stages; the manual plan gives each some.
   ok = max(diffs, default=0.0) <= 1e-5 and (
-    checked > 0 or mode in ("calibrate", "jit0", "timed") or mode.startswith(("planned-", "four-"))
+    checked > 0
+    or mode in ("calibrate", "jit0", "timed", "accumulate")
+    or mode.startswith(("planned-", "four-"))
   )
   if mode == "timed":  # the planner's own pipeline, which was timed, and why it ran or not
     from gpp_jax.runtime.compile import make_plan

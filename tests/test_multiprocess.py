@@ -138,6 +138,20 @@ def test_a_pipeline_over_two_processes_is_timed_before_it_is_taken():
   assert note == "" or "predicted) measured" in note, note
 
 
+def test_the_planner_own_step_in_micro_batches_over_two_processes_is_timed_beside_jit_dp():
+  """A user's planner that accumulates over devices of both processes (one stage, 4
+  micro-batches): both processes time it together after plain jit and jit data parallel over
+  the same devices, fit the model's costs from process 0's times, choose alike, and train to
+  the one-device reference's values."""
+  r = _launch_worker("accumulate")
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out[-3000:]
+  results = [l for l in out.splitlines() if "RESULT" in l]
+  assert len(results) == 2, out[-3000:]
+  assert all("timed=plain_jit+jit_data_parallel+pipeline " in l for l in results), results
+  assert len({l.split("plan=")[1].split()[0] for l in results}) == 1, results
+
+
 def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference():
   r = _launch_worker("calibrate")
   out = r.stdout + r.stderr
