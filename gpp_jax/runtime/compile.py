@@ -408,7 +408,11 @@ def plan_step(
   the measured step calibrates the layer times' sum against what XLA makes of the whole
   model (``fusion``: their ratio, applied to the one-stage candidates, which XLA compiles as
   one program; a pipeline's stages are compiled apart, as the layers were timed), and if
-  plain jit is chosen its compiled step is kept (``Planned.trial``)."""
+  plain jit is chosen its compiled step is kept (``Planned.trial``). Jit data parallel is
+  timed the same way (``calibrate_spmd``), and beside it the planner's plan where that is
+  the same step in micro-batches over the same devices: the two times fit the model's SPMD
+  factor and fixed seconds per call apart. The candidate then predicted fastest, if none of
+  these, is timed before it is taken (``checked_by_trial``)."""
   graph = captured.layering.graph
   calibration = host = None
   if opts.calibrate:
