@@ -124,12 +124,10 @@ def test_a_pipeline_over_two_processes_is_timed_before_it_is_taken():
   stage's devices, the trial waited for transfers that never came), choose alike by the
   times, and train to the one-device reference's values."""
   r = _launch_worker("timed")
-  out = r.stdout + r.stderr
-  assert r.returncode == 0, out[-3000:]
-  results = [l for l in out.splitlines() if "RESULT" in l]
-  assert len(results) == 2, out[-3000:]
+  results = _results(r)
   assert all("timed=plain_jit+jit_data_parallel+pipeline " in l for l in results), results
   assert len({l.split("plan=")[1].split()[0] for l in results}) == 1, results
+  out = r.stdout + r.stderr
   pipelines = [l.split("PIPELINE ")[1] for l in out.splitlines() if "PIPELINE " in l]
   assert len(pipelines) == 2 and all("stages=4 on_processes=[0, 1] " in l for l in pipelines)
   notes = {l.split("note=")[1] for l in pipelines}
@@ -143,21 +141,13 @@ def test_the_planner_own_step_in_micro_batches_over_two_processes_is_timed_besid
   micro-batches): both processes time it together after plain jit and jit data parallel over
   the same devices, fit the model's costs from process 0's times, choose alike, and train to
   the one-device reference's values."""
-  r = _launch_worker("accumulate")
-  out = r.stdout + r.stderr
-  assert r.returncode == 0, out[-3000:]
-  results = [l for l in out.splitlines() if "RESULT" in l]
-  assert len(results) == 2, out[-3000:]
+  results = _results(_launch_worker("accumulate"))
   assert all("timed=plain_jit+jit_data_parallel+pipeline " in l for l in results), results
   assert len({l.split("plan=")[1].split()[0] for l in results}) == 1, results
 
 
 def test_two_processes_plan_alike_from_calibrated_times_and_match_the_reference():
-  r = _launch_worker("calibrate")
-  out = r.stdout + r.stderr
-  assert r.returncode == 0, out[-3000:]
-  results = [l for l in out.splitlines() if "RESULT" in l]
-  assert len(results) == 2, out[-3000:]
+  results = _results(_launch_worker("calibrate"))
   plans = {l.split("plan=")[1].split()[0] for l in results}
   assert len(plans) == 1, results  # one plan on both processes
   checked = [int(l.split("checked=")[1].split()[0]) for l in results]

@@ -689,6 +689,9 @@ def calibrate_fusion(
   return _calibrated(graph, batch_size, plain, cluster, host, seconds, set_fusion, 0.05)
 
 
+SPMD_FLOOR = 0.25  # the smallest SPMD factor fitted: a quarter of perfect division
+
+
 def calibrate_spmd(
   graph: nx.DiGraph,
   batch_size: int,
@@ -728,7 +731,7 @@ def calibrate_spmd(
     if probe:
       g.graph["spmd_call"] = {**graph.graph.get("spmd_call", {}), k: r * call}
 
-  floor = 0.25 / probe if probe else 0.25
+  floor = SPMD_FLOOR / probe if probe else SPMD_FLOOR
   return _calibrated(graph, batch_size, plan, cluster, host, seconds, set_spmd, floor)
 
 
@@ -764,7 +767,7 @@ def _fitted_apart(
     factor, call = np.linalg.solve(np.array(rows), np.array(rhs))
   except np.linalg.LinAlgError:  # the same micro-batch count twice
     return None
-  if factor < 0.25 or call < 0.0:
+  if factor < SPMD_FLOOR or call < 0.0:
     return None
   return with_both(float(factor), float(call))
 
