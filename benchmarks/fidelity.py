@@ -14,8 +14,10 @@ would otherwise fall on one candidate only) beside that prediction:
 
   plain jit           the step jitted on one device (one-stage plan, one jitted call)
   jit data parallel   one stage over all devices (each micro-batch split over them)
-  <planner>           each planner's pipeline (``--planners``), planned on the same calibrated
-                      layer graph
+  <planner>           each planner's own plan (``--planners``), predicted by a calibrated run
+                      with that planner (``--own_runs``: what its user is shown; the
+                      baselines are GraphPipe's run's), else planned on GraphPipe's
+                      calibrated layer graph
 
 and prints per candidate: its devices per stage and micro-batches, measured ms, predicted ms,
 the error, the prediction and error with the host's probe only (without the model's own SPMD
@@ -23,8 +25,9 @@ factor), without any SPMD factor (the model before them) and without the host's 
 seconds per call over several devices (``HostCosts.spmd_call``; the factors as calibrated
 with them) and with every stage's instructions issued at one device's costs (without
 ``HostCosts.wide_ops``), and the prediction from the lowered program the executor ran (its
-step pieces and batched puts included, ``simulate(program=)``); then the planner's choice,
-the best measured candidate and the regret (measured time of the choice / best measured).
+step pieces and batched puts included, ``simulate(program=)``); then GraphPipe's choice,
+the best measured candidate and the regret (measured time of the choice / best measured),
+and with ``--own_runs`` each planner's run's choice and its regret.
 With ``--json_out`` the rows go to a JSON file too. The 2-process rows are
 ``benchmarks/scaling.py``.
 """
@@ -64,6 +67,12 @@ flags.DEFINE_integer("microbatches", 4, "micro-batches per step")
 flags.DEFINE_integer("steps", 10, "timed steps per candidate (median reported)")
 flags.DEFINE_integer("rounds", 5, "rounds the timed steps are taken in, candidates in turn")
 flags.DEFINE_string("json_out", None, "also write the rows to this JSON file")
+flags.DEFINE_bool(
+  "own_runs",
+  True,
+  "predict each planner's plan by a calibrated run with that planner, as its user would see "
+  "it (else on GraphPipe's calibrated layer graph)",
+)
 
 
 def setup(model, size):
@@ -104,107 +113,131 @@ def measure(run, data, trains: list[Any]) -> list[float]:
   return [statistics.median(found) for found in times]
 
 
-def one(model, size, n):
-  run = setup(model, size)
-  data = run.batches(FLAGS.batch_size, 2)
-  devices = jax.devices()[:n]
+def calibrated(run, data, devices, planner) -> tuple[Any, Any, float]:
+  """``planner``'s run as a user would start it (``calibrate=True``): (its ``Planned``, its
+  compiled step, seconds of set-up: calibration, the trials, compiling the choice)."""
   pp = gpp_jax.graph_pipeline(
     run.train_step,
     num_microbatches=FLAGS.microbatches,
     devices=devices,
-    planner="graphpipe",
+    planner=planner,
     calibrate=True,
     layer_depth=run.spec.layer_depth,
   )
   t = time.perf_counter()
   jax.block_until_ready(pp(run.model, run.optimizer, data[0]))
-  setup_s = time.perf_counter() - t
-  c = pp.compiled
-  # The options as given: a chosen baseline's compiled step keeps its one micro-batch.
-  planned, B = c.planned, c.batch_size
-  opts = dataclasses.replace(c.opts, num_microbatches=FLAGS.microbatches)
-  graph = planned.layer_graph
+  return pp.compiled.planned, pp.compiled, time.perf_counter() - t
+
+
+def shape(plan):
+  return [(s.layers, s.devices) for s in plan.stages], plan.num_microbatches
+
+
+def columns(plan, planned, B, cluster, compiled) -> dict[str, float]:
+  """Seconds ``plan`` is predicted at by the run that ``planned`` it (its calibrated graph and
+  host), and by that model less one thing at a time: without the model's own SPMD factor
+  (the host's probe's), without any SPMD factor, without the host's fixed seconds per call
+  over several devices (the factors as calibrated with them), with every stage issued at one
+  device's costs (no ``HostCosts.wide_ops``); and the lowered program
+  ``compiled`` ran, timed with the same host costs (step pieces and batched puts included)."""
+  graph, host = planned.layer_graph, planned.host
   scaled = lg.scaled(graph, B)
+  bare = scaled.copy()
+  bare.graph.pop("spmd", None)
+  unfactored = narrow = no_call = None
+  if host is not None:
+    unfactored = dataclasses.replace(host, spmd=None)
+    no_call = dataclasses.replace(host, spmd_call=None)
+    narrow = dataclasses.replace(host, wide_ops=None, wide_per_stage=None)
+  predicted = predict_seconds(plan, scaled, cluster, host)[0]
+  program = predicted  # a one-stage plan is one jitted step either way
+  if plan.num_stages > 1:
+    program = simulate(plan, scaled, cluster, program=compiled.program, host=host).iteration_time
+  return dict(
+    predicted=predicted,
+    probe=predict_seconds(plan, bare, cluster, host)[0],
+    without_spmd=predict_seconds(plan, bare, cluster, unfactored)[0],
+    without_call=predict_seconds(plan, scaled, cluster, no_call)[0],
+    narrow_issue=predict_seconds(plan, scaled, cluster, narrow)[0],
+    program=program,
+  )
+
+
+def one(model, size, n):
+  run = setup(model, size)
+  data = run.batches(FLAGS.batch_size, 2)
+  devices = jax.devices()[:n]
+  # GraphPipe's run: its calibration predicts the baselines (and, without --own_runs, every
+  # planner's plan, planned on its calibrated layer graph).
+  planned, compiled, setup_s = calibrated(run, data, devices, "graphpipe")
+  B = compiled.batch_size
+  # The options as given: a chosen baseline's compiled step keeps its one micro-batch.
+  opts = dataclasses.replace(compiled.opts, num_microbatches=FLAGS.microbatches)
+  graph = planned.layer_graph
   cluster = planner_cluster(opts)
-  candidates = dict(baseline_plans(graph, B, opts))
+  candidates = {k: (p, planned) for k, p in baseline_plans(graph, B, opts).items()}
+  runs = {"graphpipe": planned}
   for name in FLAGS.planners:
     try:
-      candidates[name] = make_plan(graph, B, dataclasses.replace(opts, planner=name))
+      if name == "graphpipe" and "pipeline" in planned.candidates:
+        candidates[name] = (planned.candidates["pipeline"], planned)
+      elif name == "graphpipe" or not FLAGS.own_runs:
+        candidates[name] = (make_plan(graph, B, dataclasses.replace(opts, planner=name)), planned)
+      else:  # as a user who runs this planner sees it: its own calibration and choice
+        runs[name] = calibrated(run, data, devices, name)[0]
+        candidates[name] = (runs[name].candidates["pipeline"], runs[name])
     except PlanError as e:
       print(f"  {name}: no plan ({e})")
 
-  def shape(plan):
-    return [(s.layers, s.devices) for s in plan.stages], plan.num_microbatches
-
-  # The same host without its measured SPMD factors, and the graph without the model's own
-  # (jit data parallel timed in the trial): what the prediction was before them.
-  unfactored = dataclasses.replace(planned.host, spmd=None) if planned.host is not None else None
-  # The host without its fixed seconds per call over several devices (the factors as they are).
-  no_call = dataclasses.replace(planned.host, spmd_call=None) if planned.host is not None else None
-  # The host issuing every stage's instructions at one device's costs (no ``wide_ops``).
-  narrow = (
-    dataclasses.replace(planned.host, wide_ops=None, wide_per_stage=None)
-    if planned.host is not None
-    else None
-  )
-  bare = scaled.copy()
-  bare.graph.pop("spmd", None)
-  rows = []
-  # Every candidate compiled first, then measured side by side; the choice too where it is
-  # none of them (e.g. the planner's plan on fewer devices).
-  chosen_index = next(
-    (i for i, p in enumerate(candidates.values()) if shape(p) == shape(pp.plan)), None
-  )
-  plans = list(candidates.values()) + ([pp.plan] if chosen_index is None else [])
+  # Every candidate compiled first, then measured side by side; each run's choice too where
+  # it is none of them (e.g. a planner's plan on fewer devices).
+  plans = [p for p, _ in candidates.values()]
+  for r in runs.values():
+    if all(shape(p) != shape(r.plan) for p in plans):
+      plans.append(r.plan)
   prepared = [prepare(run, data, plan, devices) for plan in plans]
   times = measure(run, data, [train for train, _ in prepared])
-  chosen = times[-1 if chosen_index is None else chosen_index]
-  for (name, plan), measured, (_, compiled) in zip(candidates.items(), times, prepared):
-    predicted, _ = predict_seconds(plan, scaled, cluster, planned.host)
-    without, _ = predict_seconds(plan, bare, cluster, unfactored)
-    probe, _ = predict_seconds(plan, bare, cluster, planned.host)
-    callless, _ = predict_seconds(plan, scaled, cluster, no_call)
-    one_width, _ = predict_seconds(plan, scaled, cluster, narrow)
-    # The lowered program the executor ran (step pieces and batched puts included), timed
-    # with the same host costs; a one-stage plan is one jitted step either way.
-    program = predicted
-    if plan.num_stages > 1:
-      res = simulate(plan, scaled, cluster, program=compiled.program, host=planned.host)
-      program = res.iteration_time
-    rows.append(
-      dict(
-        candidate=name,
-        stages=plan.num_stages,
-        widths="+".join(str(len(s.devices)) for s in plan.stages),
-        microbatches="+".join(map(str, sorted(set(stage_microbatch_counts(plan, B))))),
-        depth=plan.depth(),
-        measured_ms=measured * 1e3,
-        predicted_ms=predicted * 1e3,
-        error=(predicted - measured) / measured,
-        predicted_probe_ms=probe * 1e3,
-        error_probe=(probe - measured) / measured,
-        predicted_without_spmd_ms=without * 1e3,
-        error_without_spmd=(without - measured) / measured,
-        predicted_without_call_ms=callless * 1e3,
-        error_without_call=(callless - measured) / measured,
-        predicted_narrow_issue_ms=one_width * 1e3,
-        error_narrow_issue=(one_width - measured) / measured,
-        predicted_program_ms=program * 1e3,
-        error_program=(program - measured) / measured,
-      )
+  by_shape = {repr(shape(p)): t for p, t in zip(plans, times)}
+  rows = []
+  for (name, (plan, owner)), measured, (_, c) in zip(candidates.items(), times, prepared):
+    cols = columns(plan, owner, B, cluster, c)
+    row = dict(
+      candidate=name,
+      stages=plan.num_stages,
+      widths="+".join(str(len(s.devices)) for s in plan.stages),
+      microbatches="+".join(map(str, sorted(set(stage_microbatch_counts(plan, B))))),
+      depth=plan.depth(),
+      measured_ms=measured * 1e3,
     )
+    for k, v in cols.items():
+      key = "predicted_ms" if k == "predicted" else f"predicted_{k}_ms"
+      row[key] = v * 1e3
+      row["error" if k == "predicted" else f"error_{k}"] = (v - measured) / measured
+    rows.append(row)
   best = min(rows, key=lambda r: r["measured_ms"])
+  choices = {
+    name: dict(
+      choice=r.plan.planner,
+      stages=r.plan.num_stages,
+      predicted_ms=r.predicted_s * 1e3,
+      measured_ms=by_shape[repr(shape(r.plan))] * 1e3,
+      regret=by_shape[repr(shape(r.plan))] * 1e3 / best["measured_ms"],
+    )
+    for name, r in runs.items()
+  }
+  mine = choices["graphpipe"]
   return dict(
     model=model,
     size=size,
     devices=n,
-    choice=pp.plan.planner,
-    choice_stages=pp.plan.num_stages,
-    choice_predicted_ms=planned.predicted_s * 1e3,
-    choice_measured_ms=chosen * 1e3,
+    choice=mine["choice"],
+    choice_stages=mine["stages"],
+    choice_predicted_ms=mine["predicted_ms"],
+    choice_measured_ms=mine["measured_ms"],
     best=best["candidate"],
     best_ms=best["measured_ms"],
-    regret=chosen * 1e3 / best["measured_ms"],
+    regret=mine["regret"],
+    choices=choices,
     fusion=graph.graph.get("fusion"),
     spmd=dict(planned.host.spmd or {}) if planned.host is not None else None,
     spmd_call_ms={k: v * 1e3 for k, v in (planned.host.spmd_call or {}).items()}
@@ -261,13 +294,22 @@ def main(_):
           f"{r['choice_measured_ms']:.2f} ms, predicted {r['choice_predicted_ms']:.2f} ms; "
           f"best: {r['best']} {r['best_ms']:.2f} ms; regret {r['regret']:.2f}"
         )
+        others = [
+          f"{k}: {c['choice']} {c['measured_ms']:.2f} ms ({c['regret']:.2f})"
+          for k, c in r["choices"].items()
+          if k != "graphpipe"
+        ]
+        if others:
+          print("  each planner's run chose (measured, regret): " + "; ".join(others))
   errs = [abs(row["error"]) for r in out for row in r["rows"]]
   prog = [abs(row["error_program"]) for r in out for row in r["rows"]]
+  regrets = [c["regret"] for r in out for c in r["choices"].values()]
   print(
     f"\n{len(errs)} candidates: |error| median {statistics.median(errs) * 100:.0f}%, "
     f"max {max(errs) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in errs)}; regret max "
     f"{max(r['regret'] for r in out):.2f}, <= 1.05: {sum(r['regret'] <= 1.05 for r in out)}"
-    f"/{len(out)}; the programs' predictions: |error| median "
+    f"/{len(out)} (every planner's run: max {max(regrets):.2f}, <= 1.05: "
+    f"{sum(x <= 1.05 for x in regrets)}/{len(regrets)}); the programs' predictions: |error| median "
     f"{statistics.median(prog) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in prog)}"
   )
   if FLAGS.json_out:

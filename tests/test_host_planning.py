@@ -765,6 +765,10 @@ def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel
   assert planned.alternatives["pipeline"] == pytest.approx(0.016 + 2e-4)
   assert set(planned.layer_graph.graph["spmd_call"]) == {"4"}
   assert pp.plan.planner == "jit data parallel"
+  # The planner's own plan stays at hand beside the one chosen, as predicted.
+  assert set(planned.candidates) == set(planned.alternatives)
+  assert planned.candidates["pipeline"].planner == "accumulate"
+  assert planned.candidates["jit data parallel"] == pp.plan
   assert "16.20 ms for accumulate's one stage of 4 micro-batches" in planned.note
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
 

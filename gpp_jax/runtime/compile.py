@@ -375,6 +375,9 @@ class Planned:
     note: one line saying what was chosen and why ("" for a plan the user gave).
     measured: the candidates compiled and timed while choosing: name -> seconds per call of
       the compiled step (the host's time outside it not included).
+    candidates: the plans ``alternatives`` predicted, by the same names (the planner's own
+      plan is ``"pipeline"``, whichever was chosen), less any a trial found over the memory
+      budget as compiled.
   """
 
   plan: Plan
@@ -386,6 +389,7 @@ class Planned:
   note: str = ""
   trial: Any = None  # the chosen plan's compiled step, when a trial compiled it already
   measured: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  candidates: Mapping[str, Plan] = dataclasses.field(default_factory=dict)
 
 
 def plan_step(
@@ -509,7 +513,10 @@ def plan_step(
     check_same_plan(plan, opts.timeout_s)
   kept = trials[choice][0] if choice in trials else None
   measured = {k: t for k, (_, t) in trials.items()}
-  return Planned(plan, graph, calibration, host, predicted[choice], predicted, note, kept, measured)
+  plans = {k: candidates[k] for k in predicted if k in candidates}
+  return Planned(
+    plan, graph, calibration, host, predicted[choice], predicted, note, kept, measured, plans
+  )
 
 
 def checked_by_trial(
