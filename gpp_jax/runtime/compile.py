@@ -19,6 +19,7 @@ and returns one typed result:
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -396,6 +397,7 @@ def plan_step(
   captured: Captured,
   opts: Options,
   trial: Callable[[Plan], tuple[Any, float]] | None = None,
+  again: Callable[[Any], float] | None = None,
 ) -> Planned:
   """Calibrates (if asked), plans, validates; with several processes, checks that every
   process has the same plan.
@@ -416,7 +418,11 @@ def plan_step(
   timed the same way (``calibrate_spmd``), and beside it the planner's plan where that is
   the same step in micro-batches over the same devices: the two times fit the model's SPMD
   factor and fixed seconds per call apart. The candidate then predicted fastest, if none of
-  these, is timed before it is taken (``checked_by_trial``)."""
+  these, is timed before it is taken (``checked_by_trial``).
+
+  ``again(compiled step)`` times a trial's step once more (seconds per call): the steps
+  compared are then timed in turns (``_interleaved``), so that a slow or fast spell of the
+  machine does not fall on one of them only."""
   graph = captured.layering.graph
   calibration = host = None
   if opts.calibrate:
@@ -447,32 +453,34 @@ def plan_step(
     # across layers): plain jit, compiled and timed, says by how much.
     plain = candidates.get("plain jit") or baseline_plans(graph, B, opts, (1,))["plain jit"]
     _timed(trials, "plain jit", plain, trial, candidates, opts.timeout_s)
-    if trials:
-      graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1])
     # Jit data parallel timed too: how much slower than 1/k of plain jit's time its step is
     # over k devices depends on the model (its share of work per device against the
     # collectives), which the host's probe of a small MLP only guesses (measured 0.5x to 3.5x
     # off: BUILD_NOTES, fidelity). It is what a user would run: measured, not modelled.
     dp = candidates.get("jit data parallel")
+    acc = candidates["pipeline"]
     if dp is not None:
       _timed(trials, "jit data parallel", dp, trial, candidates, opts.timeout_s)
-      if "jit data parallel" in trials:
-        # The planner's plan is the same step in micro-batches (gradient accumulation over
-        # the same devices): timed too, the two times tell the fixed seconds each of its
-        # sharded micro-batches pays from the share of work that divides.
-        pieces = None
-        acc = candidates["pipeline"]
-        same = acc.num_stages == 1 and acc.stages[0].devices == dp.stages[0].devices
-        if same and acc.num_microbatches > 1:
-          # A throwaway dict: a plan over the memory budget leaves no candidate here.
-          _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
-          if "pipeline" in trials:
-            pieces = (acc, trials["pipeline"][1])
-        graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
+      # The planner's plan is the same step in micro-batches (gradient accumulation over
+      # the same devices): timed too, the two times tell the fixed seconds each of its
+      # sharded micro-batches pays from the share of work that divides.
+      same = acc.num_stages == 1 and acc.stages[0].devices == dp.stages[0].devices
+      if "jit data parallel" in trials and same and acc.num_microbatches > 1:
+        # A throwaway dict: a plan over the memory budget leaves no candidate here.
+        _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
+    if again is not None:
+      _interleaved(trials, list(trials), again, opts.timeout_s)
+    if "plain jit" in trials:
+      graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1])
+    if dp is not None and "jit data parallel" in trials:
+      pieces = (acc, trials["pipeline"][1]) if "pipeline" in trials else None
+      graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
   choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host)
   note = ""
   if trial is not None and not given and choice not in trials:
-    choice, note = checked_by_trial(choice, trials, candidates, predicted, trial, opts.timeout_s)
+    choice, note = checked_by_trial(
+      choice, trials, candidates, predicted, trial, opts.timeout_s, again
+    )
   if note:
     logging.info("graph_pipeline: %s", note)
     plan = candidates[choice]
@@ -526,13 +534,15 @@ def checked_by_trial(
   predicted: Mapping[str, float],
   trial: Callable[[Plan], tuple[Any, float]],
   timeout_s: float,
+  again: Callable[[Any], float] | None = None,
 ) -> tuple[str, str]:
   """The candidate predicted fastest, compiled and timed like the baselines before it is
   taken: (the choice, "" where it stands; else the fastest candidate timed, and the note that
   says why). Where no baseline among ``candidates`` was timed, the prediction stands alone.
   The predictions of one-call steps are their measurements; a pipeline's is the simulator's,
   which misses what the host and the devices do to it on some machines (BUILD_NOTES,
-  fidelity). Its compiled step is kept, so a pipeline that stands is compiled once."""
+  fidelity). Its compiled step is kept, so a pipeline that stands is compiled once. With
+  ``again``, it and the fastest baseline are then timed in turns (``_interleaved``)."""
   timed = [k for k in trials if k in candidates]
   if not timed:
     return choice, ""
@@ -541,6 +551,8 @@ def checked_by_trial(
   what = f"{choice} ({predicted[choice] * 1e3:.2f} ms predicted)"
   if choice not in trials:
     return best, f"{what} does not fit the memory budget as compiled: {best} runs instead"
+  if again is not None:  # the two compared, timed in turns
+    _interleaved(trials, [best, choice], again, timeout_s)
   mine, theirs = trials[choice][1], trials[best][1]
   if mine <= theirs:
     return choice, ""
@@ -646,6 +658,38 @@ def _timed(
     candidates.pop(name, None)
   else:
     trials[name] = result
+
+
+TRIAL_ROUNDS = 2  # rounds of timing in turns after the trials (``_interleaved``)
+
+
+def _interleaved(
+  trials: dict[str, tuple[Any, float]],
+  names: Sequence[str],
+  again: Callable[[Any], float],
+  timeout_s: float,
+  rounds: int = TRIAL_ROUNDS,
+) -> None:
+  """The trials ``names`` timed ``rounds`` more times in turns (``again(compiled step)``),
+  backwards and forwards in alternate rounds; each keeps the median of its times, the
+  trial's own included. Trials taken one after another fall in different spells of a shared
+  machine's speed, which last from milliseconds to seconds: on 2 cores, one step measured
+  1.4x apart in one run (BUILD_NOTES, fidelity), enough to flip a choice between steps
+  within 20% of each other. With several processes every process times the same steps in
+  the same order, and all take process 0's clock, as ``_timed`` does."""
+  names = [k for k in names if k in trials]
+  if len(names) < 2:
+    return
+  seen = {k: [trials[k][1]] for k in names}
+  for r in range(rounds):
+    order = names[::-1] if r % 2 == 0 else names
+    times = [again(trials[k][0]) for k in order]
+    if jax.process_count() > 1:
+      times = json.loads(exchange("retime", json.dumps(times), timeout_s)[0])
+    for k, t in zip(order, times):
+      seen[k].append(t)
+  for k in names:
+    trials[k] = (trials[k][0], statistics.median(seen[k]))
 
 
 def choose_plan(
@@ -1562,7 +1606,7 @@ def compile_step(
     c = build(Planned(plan, captured.layering.graph), dataclasses.replace(opts, planner=plan), True)
     return c, time_step(c, leaves)
 
-  planned = plan_step(captured, opts, trial)
+  planned = plan_step(captured, opts, trial, lambda c: time_step(c, leaves))
   if planned.trial is not None:  # its options: the user's, at the trial's micro-batches
     kept = planned.trial
     return dataclasses.replace(
