@@ -185,7 +185,11 @@ def one(model, size, n):
         candidates[name] = (make_plan(graph, B, dataclasses.replace(opts, planner=name)), planned)
       else:  # as a user who runs this planner sees it: its own calibration and choice
         runs[name] = calibrated(run, data, devices, name)[0]
-        candidates[name] = (runs[name].candidates["pipeline"], runs[name])
+        own = runs[name].candidates.get("pipeline")
+        if own is None:
+          print(f"  {name}: its plan does not fit the memory budget as compiled")
+          continue
+        candidates[name] = (own, runs[name])
     except PlanError as e:
       print(f"  {name}: no plan ({e})")
 
