@@ -668,9 +668,10 @@ def _interleaved(
   names: Sequence[str],
   again: Callable[[Any], float],
   timeout_s: float,
-  rounds: int = TRIAL_ROUNDS,
+  rounds: int | None = None,
 ) -> None:
-  """The trials ``names`` timed ``rounds`` more times in turns (``again(compiled step)``),
+  """The trials ``names`` timed ``rounds`` (default ``TRIAL_ROUNDS``) more times in turns
+  (``again(compiled step)``),
   backwards and forwards in alternate rounds; each keeps the median of its times, the
   trial's own included. Trials taken one after another fall in different spells of a shared
   machine's speed, which last from milliseconds to seconds: on 2 cores, one step measured
@@ -678,7 +679,8 @@ def _interleaved(
   within 20% of each other. With several processes every process times the same steps in
   the same order, and all take process 0's clock, as ``_timed`` does."""
   names = [k for k in names if k in trials]
-  if len(names) < 2:
+  rounds = TRIAL_ROUNDS if rounds is None else rounds
+  if len(names) < 2 or rounds < 1:
     return
   seen = {k: [trials[k][1]] for k in names}
   for r in range(rounds):
