@@ -114,3 +114,24 @@ def compare_steps(step, args, batch, steps=3, **pp_kwargs):
       p_out = pp(*p_args, batch)
       r_args, p_args = r_out[:-1], p_out[:-1]
   return r_out, p_out, pp
+
+
+def accumulating_planner(width: int):
+  """A user's planner (``planner=callable``) that returns the whole model as one stage over
+  ``width`` devices in the step's micro-batches: gradient accumulation, planner "accumulate"."""
+
+  def planner(layer_graph, cluster, batch_size, *, num_microbatches=None):
+    from gpp_jax.ir.layer_graph import topo_layers
+    from gpp_jax.passes.partition.plan_assembly import assemble_plan
+
+    return assemble_plan(
+      layer_graph,
+      cluster,
+      [(list(topo_layers(layer_graph)), width)],
+      microbatch=batch_size // num_microbatches,
+      batch_size=batch_size,
+      planner="accumulate",
+      sequential=True,
+    )
+
+  return planner

@@ -159,21 +159,9 @@ def main(mode):
     devs = jax.devices()  # two of each process's, in blocks: stages on both processes
     planner: Any = "balanced"
     if mode == "accumulate":  # one stage over the 4 devices of both processes, 4 micro-batches
+      from harness import accumulating_planner
 
-      def planner(layer_graph, cluster, batch_size, *, num_microbatches=None):
-        from gpp_jax.ir.layer_graph import topo_layers
-        from gpp_jax.passes.partition.plan_assembly import assemble_plan
-
-        return assemble_plan(
-          layer_graph,
-          cluster,
-          [(list(topo_layers(layer_graph)), 4)],
-          microbatch=batch_size // num_microbatches,
-          batch_size=batch_size,
-          planner="accumulate",
-          sequential=True,
-        )
-
+      planner = accumulating_planner(4)
     options = dict(planner=planner, calibrate=True, devices=devs[:2] + devs[4:6])
   elif mode.startswith("four-"):
     options = dict(planner=mode.split("-", 1)[1], devices=jax.devices(), min_stages=4)

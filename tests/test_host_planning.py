@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from harness import dag_model, dag_params, make_batch, max_diff, mse_step
+from harness import accumulating_planner, dag_model, dag_params, make_batch, max_diff, mse_step
 
 import gpp_jax
 from gpp_jax.cost.cluster import cpu_cluster
@@ -764,7 +764,6 @@ def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel
   (gradient accumulation) is timed beside it: the two times fit the model's factor and fixed
   seconds per sharded call apart, so each prediction is its measurement (plus the host's time
   outside the step). It is not chosen: the one-call step runs."""
-  from gpp_jax.passes.partition.plan_assembly import assemble_plan
   from gpp_jax.runtime import host as host_mod
 
   probe = HostCosts(
@@ -785,20 +784,13 @@ def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel
 
   monkeypatch.setattr(cp, "time_step", fake)
 
-  def accumulate(layer_graph, cluster, batch_size, *, num_microbatches=None):
-    return assemble_plan(
-      layer_graph,
-      cluster,
-      [(list(lg.topo_layers(layer_graph)), 4)],
-      microbatch=batch_size // num_microbatches,
-      batch_size=batch_size,
-      planner="accumulate",
-      sequential=True,
-    )
-
   step, params, opt_state, batch = dag
   pp = gpp_jax.graph_pipeline(
-    step, num_microbatches=4, devices=jax.devices()[:4], planner=accumulate, calibrate=True
+    step,
+    num_microbatches=4,
+    devices=jax.devices()[:4],
+    planner=accumulating_planner(4),
+    calibrate=True,
   )
   out = pp(params, opt_state, batch)
   planned = pp.compiled.planned

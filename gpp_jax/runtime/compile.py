@@ -671,13 +671,12 @@ def _interleaved(
   rounds: int | None = None,
 ) -> None:
   """The trials ``names`` timed ``rounds`` (default ``TRIAL_ROUNDS``) more times in turns
-  (``again(compiled step)``),
-  backwards and forwards in alternate rounds; each keeps the median of its times, the
-  trial's own included. Trials taken one after another fall in different spells of a shared
-  machine's speed, which last from milliseconds to seconds: on 2 cores, one step measured
-  1.4x apart in one run (BUILD_NOTES, fidelity), enough to flip a choice between steps
-  within 20% of each other. With several processes every process times the same steps in
-  the same order, and all take process 0's clock, as ``_timed`` does."""
+  (``again(compiled step)``), backwards and forwards in alternate rounds; each keeps the
+  median of its times, the trial's own included. Trials taken one after another fall in
+  different spells of a shared machine's speed, which last from milliseconds to seconds: on
+  2 cores, one step measured 1.4x apart in one run (BUILD_NOTES, fidelity), enough to flip a
+  choice between steps within 20% of each other. With several processes every process times
+  the same steps in the same order, and all take process 0's clock, as ``_timed`` does."""
   names = [k for k in names if k in trials]
   rounds = TRIAL_ROUNDS if rounds is None else rounds
   if len(names) < 2 or rounds < 1:
