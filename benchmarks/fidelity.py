@@ -137,17 +137,20 @@ def columns(plan, planned, B, cluster, compiled) -> dict[str, float]:
   """Seconds ``plan`` is predicted at by the run that ``planned`` it (its calibrated graph and
   host), and by that model less one thing at a time: without the model's own SPMD factor
   (the host's probe's), without any SPMD factor, without the host's fixed seconds per call
-  over several devices (the factors as calibrated with them), with every stage issued at one
-  device's costs (no ``HostCosts.wide_ops``); and the lowered program
+  over several devices (the factors as calibrated with them), without the gradients'
+  all-reduce in every backward over several devices (``HostCosts.allreduce``: the cost model's
+  once per step instead), with every stage issued at one device's costs (no
+  ``HostCosts.wide_ops``); and the lowered program
   ``compiled`` ran, timed with the same host costs (step pieces and batched puts included)."""
   graph, host = planned.layer_graph, planned.host
   scaled = lg.scaled(graph, B)
   bare = scaled.copy()
   bare.graph.pop("spmd", None)
-  unfactored = narrow = no_call = None
+  unfactored = narrow = no_call = no_reduce = None
   if host is not None:
     unfactored = dataclasses.replace(host, spmd=None)
     no_call = dataclasses.replace(host, spmd_call=None)
+    no_reduce = dataclasses.replace(host, allreduce=None)
     narrow = dataclasses.replace(host, wide_ops=None, wide_per_stage=None)
   predicted = predict_seconds(plan, scaled, cluster, host)[0]
   program = predicted  # a one-stage plan is one jitted step either way
@@ -158,6 +161,7 @@ def columns(plan, planned, B, cluster, compiled) -> dict[str, float]:
     probe=predict_seconds(plan, bare, cluster, host)[0],
     without_spmd=predict_seconds(plan, bare, cluster, unfactored)[0],
     without_call=predict_seconds(plan, scaled, cluster, no_call)[0],
+    without_allreduce=predict_seconds(plan, scaled, cluster, no_reduce)[0],
     narrow_issue=predict_seconds(plan, scaled, cluster, narrow)[0],
     program=program,
   )
@@ -247,10 +251,24 @@ def one(model, size, n):
     spmd_call_ms={k: v * 1e3 for k, v in (planned.host.spmd_call or {}).items()}
     if planned.host is not None
     else {},
+    allreduce_ms_per_mib={k: v * 2**20 * 1e3 for k, v in (planned.host.allreduce or {}).items()}
+    if planned.host is not None
+    else {},
     model_spmd={int(k): f for k, f in graph.graph.get("spmd", {}).items()},
     setup_s=setup_s,
     rows=rows,
   )
+
+
+# The columns after the prediction, in the order printed (``columns``' keys).
+ABLATIONS = (
+  "probe",
+  "without_spmd",
+  "without_call",
+  "without_allreduce",
+  "narrow_issue",
+  "program",
+)
 
 
 def spmd_text(factors, digits: int = 1) -> str:
@@ -273,25 +291,26 @@ def main(_):
           f"\n{model} {size}, {n} devices, batch {FLAGS.batch_size}, M={FLAGS.microbatches} "
           f"(fusion {r['fusion']:.2f}, SPMD factors {spmd_text(r['spmd'])}, the model's "
           f"{spmd_text(r['model_spmd'])}, ms per call over k devices "
-          f"{spmd_text(r['spmd_call_ms'], 2)}, set-up {r['setup_s']:.0f} s)"
+          f"{spmd_text(r['spmd_call_ms'], 2)}, all-reduce ms per MiB over k devices "
+          f"{spmd_text(r['allreduce_ms_per_mib'], 2)}, set-up {r['setup_s']:.0f} s)"
         )
         head = ("candidate", "devices", "M", "measured", "predicted", "err", "probe", "err")
-        head += ("no SPMD", "err", "no call", "err", "1-dev issue", "err", "program", "err")
+        head += ("no SPMD", "err", "no call", "err", "no all-red", "err")
+        head += ("1-dev issue", "err", "program", "err")
         print(
           "  {:20s} {:>8s} {:>3s}".format(*head[:3])
           + " {:>10s} {:>10s} {:>6s}".format(*head[3:6])
-          + (" {:>10s} {:>6s}" * 5).format(*head[6:])
+          + (" {:>10s} {:>6s}" * 6).format(*head[6:])
         )
         for row in r["rows"]:
           print(
             f"  {row['candidate']:20s} {row['widths']:>8s} {row['microbatches']:>3s} "
             f"{row['measured_ms']:8.2f}ms {row['predicted_ms']:8.2f}ms "
-            f"{row['error'] * 100:+5.0f}% {row['predicted_probe_ms']:8.2f}ms "
-            f"{row['error_probe'] * 100:+5.0f}% {row['predicted_without_spmd_ms']:8.2f}ms "
-            f"{row['error_without_spmd'] * 100:+5.0f}% {row['predicted_without_call_ms']:8.2f}ms "
-            f"{row['error_without_call'] * 100:+5.0f}% {row['predicted_narrow_issue_ms']:8.2f}ms "
-            f"{row['error_narrow_issue'] * 100:+5.0f}% {row['predicted_program_ms']:8.2f}ms "
-            f"{row['error_program'] * 100:+5.0f}%"
+            f"{row['error'] * 100:+5.0f}%"
+            + "".join(
+              f" {row[f'predicted_{k}_ms']:8.2f}ms {row[f'error_{k}'] * 100:+5.0f}%"
+              for k in ABLATIONS
+            )
           )
         print(
           f"  choice: {r['choice']} ({r['choice_stages']} stages) measured "

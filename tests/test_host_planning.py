@@ -422,6 +422,60 @@ def test_spmd_call_seconds_are_paid_per_action_of_a_stage_and_per_microbatch_of_
   assert spmd_host({2: 2.0}).spmd_call_seconds(2) == 0.0
 
 
+def test_a_stage_over_several_devices_all_reduces_its_gradients_in_every_backward():
+  """With the all-reduce's cost measured (``HostCosts.allreduce``, seconds per byte), a stage
+  over 2 devices pays it for its parameter bytes in every backward (in its W where the
+  schedule splits the backward), its UPDATE no longer pays the cost model's all-reduce once
+  per step, and a fused step over k devices pays it once per micro-batch; one device, and a
+  host that did not measure it, price as before."""
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import predict_fused, simulate
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  per_byte = 1e-9
+  stage_b = Stage(1, ("b",), (2,))
+  plan = Plan((Stage(0, ("a",), (0, 1)), stage_b), ((0, 1),), 4, planner="x", batch_size=8)
+  pc = plan_costs(plan, g, cluster)
+  assert pc.param_bytes[0] > 0
+  reduce = per_byte * pc.param_bytes[0]
+  optimizer = plan_costs(plan.replace(stages=(Stage(0, ("a",), (0,)), stage_b)), g, cluster)
+
+  def durations(res, kinds=("F", "B", "W", "UPDATE")):
+    return {(a.kind, a.stage): a.end - a.start for a in res.actions if a.kind in kinds}
+
+  base = durations(simulate(plan, g, cluster, host=spmd_host({2: 3.0})))
+  host = dataclasses.replace(spmd_host({2: 3.0}), allreduce={2: per_byte})
+  paid = durations(simulate(plan, g, cluster, host=host))
+  assert paid[("B", 0)] == pytest.approx(base[("B", 0)] + reduce)
+  assert paid[("F", 0)] == pytest.approx(base[("F", 0)])
+  assert paid[("B", 1)] == pytest.approx(base[("B", 1)])  # one device
+  assert pc.update[0] > optimizer.update[0]  # the cost model's all-reduce, once per step
+  assert paid[("UPDATE", 0)] == pytest.approx(optimizer.update[0])
+  assert paid[("UPDATE", 1)] == pytest.approx(base[("UPDATE", 1)])
+  # A zero-bubble schedule computes the parameter gradients, and reduces them, in W.
+  zb = plan.replace(schedule="zero-bubble")
+  base_zb = durations(simulate(zb, g, cluster, host=spmd_host({2: 3.0})))
+  paid_zb = durations(simulate(zb, g, cluster, host=host))
+  assert paid_zb[("W", 0)] == pytest.approx(base_zb[("W", 0)] + reduce)
+  assert paid_zb[("B", 0)] == pytest.approx(base_zb[("B", 0)])
+  # Jit data parallel: every micro-batch of its loop reduces the whole model's gradients.
+  for M in (1, 4):
+    dp, plain = candidates(g, M)["jit data parallel"], candidates(g, M)["plain jit"]
+    dpc, one_step = plan_costs(dp, g, cluster), plan_costs(plain, g, cluster)
+    assert predict_fused(dp, g, cluster, host) == pytest.approx(
+      predict_fused(dp, g, cluster, spmd_host({2: 3.0}))
+      + M * per_byte * dpc.param_bytes[0]
+      - (dpc.update[0] - one_step.update[0])
+    )
+  # Widths between the measured ones are interpolated; one device and no bytes pay nothing.
+  h = dataclasses.replace(host, allreduce={2: 1e-9, 8: 4e-9})
+  assert [h.allreduce_seconds(k, 1e6) for k in (1, 2, 4, 8, 16)] == pytest.approx(
+    [0, 1e-3, 2e-3, 4e-3, 4e-3]
+  )
+  assert h.allreduce_seconds(2, 0) == 0.0 and spmd_host({2: 3.0}).allreduce_seconds(2, 1e6) is None
+
+
 def test_a_fractional_parallel_interpolates_between_its_whole_neighbours():
   """Devices that compute 1.25 at a time: the iteration time is a quarter of the way from
   one server's to two servers', continuous in the measured value (rounding it put a pipeline
@@ -550,10 +604,16 @@ def test_host_costs_json_round_trips_with_and_without_spmd():
   import json
 
   with_spmd = HostCosts(
-    per_op={"F": 1e-4}, parallel=1.5, cores=2, spmd={2: 2.5, 4: 6.0}, spmd_call={2: 1e-3}
+    per_op={"F": 1e-4},
+    parallel=1.5,
+    cores=2,
+    spmd={2: 2.5, 4: 6.0},
+    spmd_call={2: 1e-3},
+    allreduce={2: 1e-9, 4: 3e-9},
   )
   back = HostCosts.from_json(with_spmd.to_json())
   assert back == with_spmd and back.spmd_factor(4) == 6.0 and back.spmd_call_seconds(2) == 1e-3
+  assert back.allreduce_seconds(4, 1e6) == pytest.approx(3e-3)
   without = HostCosts(per_op={"F": 1e-4}, parallel=None)
   assert HostCosts.from_json(without.to_json()) == without
   wide = dataclasses.replace(
@@ -567,10 +627,19 @@ def test_host_costs_json_round_trips_with_and_without_spmd():
   assert back == wide and back.issue_seconds("F", 4) == 6e-4 and back.stage_seconds(2) == 1e-3
   # HostCosts saved before the fields existed still load.
   old = json.loads(wide.to_json())
-  for k in ("spmd", "spmd_call", "wide_ops", "wide_per_stage", "send_extra", "input_send"):
+  for k in (
+    "spmd",
+    "spmd_call",
+    "allreduce",
+    "wide_ops",
+    "wide_per_stage",
+    "send_extra",
+    "input_send",
+  ):
     del old[k]
   back = HostCosts.from_json(json.dumps(old))
   assert back.spmd is None and back.spmd_call is None and back.spmd_call_seconds(2) == 0.0
+  assert back.allreduce is None and back.allreduce_seconds(2, 1e6) is None
   assert back.wide_ops is None and back.issue_seconds("F", 4) == 1e-4 and back.send_extra is None
   assert back.input_send is None
 
@@ -604,6 +673,19 @@ def test_measure_spmd_on_forced_cpu_devices():
   assert math.isfinite(factors[2]) and 1.0 <= factors[2] < 1e3
   assert 0.0 <= seconds[2] < 1.0
   assert measure_spmd(jax.devices()[:1]) == ({}, {})
+
+
+def test_measure_allreduce_on_forced_cpu_devices():
+  """Seconds per byte of gradients a backward over 2 devices pays beyond one device's: finite,
+  never negative, under a second per MiB; none for one device."""
+  import math
+
+  from gpp_jax.runtime.host import measure_allreduce
+
+  per_byte = measure_allreduce(jax.devices()[:2], sizes=(1 << 20, 2 << 20), reps=2)
+  assert set(per_byte) == {2}
+  assert math.isfinite(per_byte[2]) and 0.0 <= per_byte[2] * 2**20 < 1.0
+  assert measure_allreduce(jax.devices()[:1]) == {}
 
 
 @pytest.mark.parametrize("calls", [None, {2: 1e-3, 4: 3e-3}])

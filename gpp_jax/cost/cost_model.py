@@ -20,7 +20,9 @@ Backward is ``time_b`` scaled the same way when measured, else ``backward_factor
 forward. A stage that is data parallel over ``d`` devices runs ``microbatch / d`` samples per
 device. Transfers cost ``alpha + bytes / beta`` on the link between the two stages' devices.
 Gradients of a stage with ``d > 1`` devices are all-reduced once per iteration with a ring:
-``2 (d - 1) alpha + 2 (d - 1) / d * param_bytes / beta``.
+``2 (d - 1) alpha + 2 (d - 1) / d * param_bytes / beta``. (The executor all-reduces them in
+every backward; the host-aware model charges that where the host measured it,
+``cost.host.HostCosts.allreduce``.)
 
 Memory per device of a stage:
 ``param_bytes * (1 + gradient_factor + optimizer_state_factor)``   (weights, grads, Adam m, v)

@@ -25,6 +25,15 @@ simulator needs to include the host, measured like the layer times:
   A pipeline stage over k devices pays that per action, so a factor alone, measured on a whole
   step, put its small micro-batches' actions at a fraction of their time. None where not
   measured (accelerators; ``spmd_call`` in costs saved before it was measured).
+* ``allreduce``: per number of devices k, seconds per byte of parameter gradients that a
+  backward sharded over k devices pays beyond the same backward on one device (``runtime.host
+  .measure_allreduce``). A stage over k devices keeps its parameters replicated and its batch
+  split, so XLA all-reduces the gradients in each of its backward calls, once per micro-batch,
+  not once per step; on forced CPU devices each of the k devices writes its whole partial
+  gradient and the reduction reads them all on the host's shared cores (over 2 of a 2-core
+  host about 1 ms per MiB, over 8 about 3-8: more than a stage's own compute). None where not
+  measured (accelerators; costs saved before it was measured): the cost model's all-reduce,
+  once per step in the stage's UPDATE, stands in.
 * ``wide_ops`` and ``wide_per_stage``: ``per_op`` and ``per_stage`` for a stage over k > 1
   devices, measured on the same small pipeline with stages that wide. Issuing a sharded
   computation or a put onto k devices handles k buffers per array: over 2 forced CPU devices of
@@ -78,6 +87,7 @@ class HostCosts:
   device: str = ""
   spmd: Mapping[int, float] | None = None
   spmd_call: Mapping[int, float] | None = None
+  allreduce: Mapping[int, float] | None = None
   wide_ops: Mapping[int, Mapping[str, float]] | None = None
   wide_per_stage: Mapping[int, float] | None = None
   send_extra: float | None = None
@@ -167,6 +177,16 @@ class HostCosts:
       return 0.0
     return _interpolated(self.spmd_call, k, 0.0)
 
+  def allreduce_seconds(self, k: int, nbytes: float) -> float | None:
+    """Seconds one backward over ``k`` devices pays for all-reducing ``nbytes`` of parameter
+    gradients (``allreduce``, interpolated like ``spmd_factor``; 0 for one device or no
+    bytes); None where not measured."""
+    if k <= 1 or nbytes <= 0:
+      return 0.0
+    if not self.allreduce:
+      return None
+    return _interpolated(self.allreduce, k, 0.0) * nbytes
+
   def to_json(self) -> str:
     d = dataclasses.asdict(self)
     for key in (*_BY_WIDTH, "wide_ops"):
@@ -189,7 +209,8 @@ class HostCosts:
     return cls(**d)
 
 
-_BY_WIDTH = ("spmd", "spmd_call", "wide_per_stage")  # HostCosts fields keyed by a number of devices
+# HostCosts fields keyed by a number of devices
+_BY_WIDTH = ("spmd", "spmd_call", "allreduce", "wide_per_stage")
 
 
 def _interpolated(by_width: Mapping[int, float], k: int, at_one: float) -> float:

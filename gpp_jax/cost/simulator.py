@@ -7,7 +7,9 @@ have arrived:
   F(s, m)  waits for the activation of micro-batch m from every predecessor stage;
   B(s, m)  waits for F(s, m) and for the cotangent of m from every successor stage;
   W(s, m)  waits for B(s, m);
-  UPDATE   runs after the lane's last backward (gradient all-reduce + optimizer).
+  UPDATE   runs after the lane's last backward (gradient all-reduce + optimizer; with a
+           host that measured it, ``cost.host.HostCosts.allreduce``, the all-reduce is paid in
+           every backward of a stage over several devices instead, as the executor does).
 
 An activation leaves stage p for stage s when F(p, m) ends, a cotangent leaves s for p when
 B(s, m) ends. With per-stage micro-batch counts (``Schedule.counts``) each chunk is sent as it
@@ -39,7 +41,7 @@ from typing import Any, NamedTuple
 import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel, LayerCosts, plan_costs
+from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, plan_costs
 from gpp_jax.ir.program import Instr, Op, Program, puts_together
 from gpp_jax.ir.schedule import Action, Schedule, chunk_range, lanes_with_updates
 
@@ -882,6 +884,13 @@ def simulate(
     fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, costs, pc, host)
     pc = dataclasses.replace(pc, forward=fw, backward=bw)
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
+  reduced = _reduced_per_backward(plan, pc, cluster, cost_model, host)
+  if reduced is not None:  # the gradients' all-reduce: in each backward, not in the UPDATE
+    per_call, update = reduced
+    grads = weight if weight is not None else backward
+    for i, t in enumerate(per_call):
+      grads[i] += t
+    pc = dataclasses.replace(pc, update=update)
   from gpp_jax.passes.weight_versions import weight_delays
 
   static = list(pc.static_memory)
@@ -1031,6 +1040,29 @@ def _spmd_times(
   return tuple(fw), tuple(bw)
 
 
+def _reduced_per_backward(
+  plan, pc: Any, cluster: Cluster, cost_model: CostModel | None, host: Any
+) -> tuple[list[float], tuple[float, ...]] | None:
+  """Where the host measured what all-reducing gradients costs (``HostCosts.allreduce``): per
+  stage, the seconds each of its backward calls pays for it (the executor's stage over k > 1
+  devices all-reduces its gradients in every backward, ``runtime.placement.StagePlacement``),
+  and the stages' UPDATE seconds without the cost model's all-reduce once per step. None
+  without a host, where it was not measured, or with no stage over several devices."""
+  if host is None or not any(len(s.devices) > 1 for s in plan.stages):
+    return None
+  per_call = [host.allreduce_seconds(len(s.devices), pc.param_bytes[s.index]) for s in plan.stages]
+  if any(t is None for t in per_call):
+    return None
+  cm = cost_model or DEFAULT_COST_MODEL
+  update = tuple(
+    cm.update_time(pc.param_bytes[s.index], cluster.device, 1, cluster.group_link(s.devices))
+    if len(s.devices) > 1
+    else pc.update[s.index]
+    for s in plan.stages
+  )
+  return [float(t) for t in per_call], update
+
+
 def predict_fused(
   plan,
   layer_graph: nx.DiGraph,
@@ -1045,7 +1077,9 @@ def predict_fused(
   devices, ``spmd_call`` with ``like_model``, per micro-batch: each micro-batch of the step's
   loop is a sharded computation of its own, with its collectives; where no factor is
   measured, the share's time times k over the devices that compute at once), the gradient
-  all-reduce and update, and the host's issue and time outside the step."""
+  all-reduce and update (where the host measured the all-reduce, ``HostCosts.allreduce``, it
+  is paid by every micro-batch's backward instead), and the host's issue and time outside
+  the step."""
   if plan.num_stages != 1:
     raise ValueError(f"predict_fused takes a one-stage plan, not {plan.num_stages} stages")
   pc = plan_costs(plan, layer_graph, cluster, cost_model)
@@ -1058,9 +1092,14 @@ def predict_fused(
     call = spmd_call(host, layer_graph, k, like_model=True)
   elif host is not None and host.compute_servers():  # not measured: k over the servers
     slowdown = k / min(host.compute_servers(), k)
+  update = pc.update[0]
+  reduced = _reduced_per_backward(plan, pc, cluster, cost_model, host)
+  if reduced is not None:  # each micro-batch's backward all-reduces the gradients
+    call += reduced[0][0]
+    update = reduced[1][0]
   compute = plan.num_microbatches * ((fw[0] + bw[0]) * slowdown + call)
   issue = host.per_op.get("STEP", host.per_op.get("F", 0.0)) + host.outside if host else 0.0
-  return compute + pc.update[0] + issue
+  return compute + update + issue
 
 
 def step_durations(

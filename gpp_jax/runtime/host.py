@@ -194,6 +194,69 @@ def measure_spmd(
   return factors, seconds
 
 
+def measure_allreduce(
+  devices: Sequence[Any], sizes: tuple[int, int] = (2 << 20, 8 << 20), reps: int = 5
+) -> dict[int, float]:
+  """Per number of devices k (the powers of two from 2 to ``len(devices)``), seconds per byte
+  of parameter gradients that a backward sharded over k devices pays beyond the same backward
+  on one device (``cost.host.HostCosts.allreduce``). The backward is a stage's as the executor
+  runs it: the gradient of replicated weights from a batch split over the k devices, added to
+  a donated running sum, so XLA all-reduces it in the call. Timed at two weight sizes (the
+  best of ``reps`` calls each, all taking turns), the slope over k devices less the slope on
+  one device is the cost (at least 0). CPU devices only (forced CPU devices share the host's
+  cores: each writes its whole partial gradient and the reduction reads them all); empty for
+  accelerators or one device.
+
+  The slope rises with the size as the gradient leaves the caches (over 2 forced CPU devices of
+  a 2-core host 0.5 ms per MiB between 2 and 8 MiB, 1.5 between 4 and 16; over 8 devices 3.6
+  and 7.4). A stage's gradients are many arrays of a few MiB each: medium CANDLE-Uno's stages
+  over 2 devices, 5-20 MiB of parameters, paid 0.8-0.9 ms per MiB in their backward, measured
+  one instruction at a time, so the default sizes are the small ones."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  if len(devices) < 2 or devices[0].platform != "cpu":
+    return {}
+  rows, cols = 16, 128
+
+  def backward(w, x, acc):
+    return acc + jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+
+  def compiled(k: int, nbytes: int) -> Callable[[], Any]:
+    mesh = Mesh(np.asarray(devices[:k]), ("data",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    n = max(nbytes // (4 * cols), 1)
+    f = jax.jit(backward, donate_argnums=(2,), out_shardings=replicated)
+    w = jax.device_put(np.full((n, cols), 0.01, np.float32), replicated)
+    x = jax.device_put(
+      np.full((rows, n), 0.01, np.float32), NamedSharding(mesh, PartitionSpec("data"))
+    )
+    acc = [jax.device_put(np.zeros((n, cols), np.float32), replicated)]
+
+    def call():
+      acc[0] = f(w, x, acc[0])
+      return jax.block_until_ready(acc[0])
+
+    call()
+    return call
+
+  widths = [1]
+  while widths[-1] * 2 <= len(devices) and rows % (widths[-1] * 2) == 0:
+    widths.append(widths[-1] * 2)
+  calls = {(k, b): compiled(k, b) for b in sizes for k in widths}
+  best = dict.fromkeys(calls, float("inf"))
+  for _ in range(reps):
+    for key, call in calls.items():
+      t = time.perf_counter()
+      call()
+      best[key] = min(best[key], time.perf_counter() - t)
+  small, large = sizes
+  slope = {k: (best[k, large] - best[k, small]) / (large - small) for k in widths}
+  return {k: max(slope[k] - slope[1], 0.0) for k in widths[1:]}
+
+
 def measure_send_extra(devices: Sequence[Any], n: int = 4, reps: int = 40) -> float | None:
   """What each array beyond the first adds to a put of ``n`` arrays from one device to
   another in one ``jax.device_put`` (``runtime.placement.transfer_all``, as the executor puts
@@ -303,6 +366,7 @@ def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> Hos
     w *= 2
   cpu = devices[0].platform == "cpu"
   spmd = measure_spmd(list(devices)) if cpu else ({}, {})
+  allreduce = measure_allreduce(list(devices)) if cpu else {}
   return HostCosts(
     per_op=per_op,
     per_stage=statistics.median(h.per_stage for h in found),
@@ -312,6 +376,7 @@ def _measure(devices: tuple[Any, ...], repeats: int, graph_pipeline: Any) -> Hos
     device=str(devices[0]),
     spmd=spmd[0] or None,
     spmd_call=spmd[1] or None,
+    allreduce=allreduce or None,
     wide_ops=wide_ops or None,
     wide_per_stage=wide_per_stage or None,
     send_extra=measure_send_extra(devices),
@@ -329,7 +394,9 @@ def measure_host(devices: Sequence[Any], graph_pipeline: Any, repeats: int = 7) 
   arrays at once (``measure_send_extra``); on CPU devices a
   matrix chain on each of them measures how many compute at once (``measure_parallel``) and a
   small data-parallel step over 2, 4, ... of them how much slower than perfect division it
-  runs and what each of its calls costs whatever its size (``measure_spmd``). Seconds in all;
+  runs and what each of its calls costs whatever its size (``measure_spmd``), and what a
+  backward over them pays per byte of gradients it all-reduces (``measure_allreduce``).
+  Seconds in all;
   measured once per process and devices. ``graph_pipeline``: the decorator that builds the
   small pipeline (``runtime.pipeline``'s, passed in so that this module does not import the
   runtime that calls it)."""
