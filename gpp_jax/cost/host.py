@@ -30,8 +30,9 @@ simulator needs to include the host, measured like the layer times:
   .measure_allreduce``). A stage over k devices keeps its parameters replicated and its batch
   split, so XLA all-reduces the gradients in each of its backward calls, once per micro-batch,
   not once per step; on forced CPU devices each of the k devices writes its whole partial
-  gradient and the reduction reads them all on the host's shared cores (over 2 of a 2-core
-  host about 1 ms per MiB, over 8 about 3-8: more than a stage's own compute). None where not
+  gradient and the reduction reads them all on the host's shared cores (on a 2-core host
+  0.5-0.9 ms per MiB over 2 devices, 3-4 over 8, more as the gradients outgrow the caches:
+  more than a medium model's stage computes). None where not
   measured (accelerators; costs saved before it was measured): the cost model's all-reduce,
   once per step in the stage's UPDATE, stands in.
 * ``wide_ops`` and ``wide_per_stage``: ``per_op`` and ``per_stage`` for a stage over k > 1
