@@ -119,6 +119,30 @@ def measure_link_across(
   return max(t0 - n0 / beta, 0.0), beta
 
 
+def _best_in_turns(
+  num_devices: int,
+  divides: int,
+  points: Sequence[int],
+  compiled: Callable[[int, int], Callable[[], Any]],
+  reps: int,
+) -> tuple[list[int], dict[tuple[int, int], float]]:
+  """(the widths 1, 2, 4, ... up to ``num_devices`` that divide ``divides``, the best of
+  ``reps`` seconds of ``compiled(width, point)()`` per width and point), every call taking
+  its turn in each round, so that a busy spell of the host does not fall on one of them
+  only."""
+  widths = [1]
+  while widths[-1] * 2 <= num_devices and divides % (widths[-1] * 2) == 0:
+    widths.append(widths[-1] * 2)
+  calls = {(k, x): compiled(k, x) for x in points for k in widths}
+  best = dict.fromkeys(calls, float("inf"))
+  for _ in range(reps):
+    for key, call in calls.items():
+      t = time.perf_counter()
+      call()
+      best[key] = min(best[key], time.perf_counter() - t)
+  return widths, best
+
+
 def measure_spmd(
   devices: Sequence[Any],
   batches: tuple[int, int] = (16, 256),
@@ -173,16 +197,7 @@ def measure_spmd(
     jax.block_until_ready(f(*args))
     return lambda: jax.block_until_ready(f(*args))
 
-  widths = [1]
-  while widths[-1] * 2 <= len(devices) and min(batches) % (widths[-1] * 2) == 0:
-    widths.append(widths[-1] * 2)
-  calls = {(k, b): compiled(k, b) for b in batches for k in widths}
-  best = dict.fromkeys(calls, float("inf"))
-  for _ in range(reps):
-    for key, call in calls.items():
-      t = time.perf_counter()
-      call()
-      best[key] = min(best[key], time.perf_counter() - t)
+  widths, best = _best_in_turns(len(devices), min(batches), batches, compiled, reps)
   factors, seconds = {}, {}
   for k in widths[1:]:
     (x0, y0), (x1, y1) = [(best[1, b], best[k, b]) for b in batches]
@@ -242,16 +257,7 @@ def measure_allreduce(
     call()
     return call
 
-  widths = [1]
-  while widths[-1] * 2 <= len(devices) and rows % (widths[-1] * 2) == 0:
-    widths.append(widths[-1] * 2)
-  calls = {(k, b): compiled(k, b) for b in sizes for k in widths}
-  best = dict.fromkeys(calls, float("inf"))
-  for _ in range(reps):
-    for key, call in calls.items():
-      t = time.perf_counter()
-      call()
-      best[key] = min(best[key], time.perf_counter() - t)
+  widths, best = _best_in_turns(len(devices), rows, sizes, compiled, reps)
   small, large = sizes
   slope = {k: (best[k, large] - best[k, small]) / (large - small) for k in widths}
   return {k: max(slope[k] - slope[1], 0.0) for k in widths[1:]}
