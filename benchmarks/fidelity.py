@@ -24,8 +24,10 @@ the error, the prediction and error with the host's probe only (without the mode
 factor), without any SPMD factor (the model before them) and without the host's fixed
 seconds per call over several devices (``HostCosts.spmd_call``; the factors as calibrated
 with them) and with every stage's instructions issued at one device's costs (without
-``HostCosts.wide_ops``), and the prediction from the lowered program the executor ran (its
-step pieces and batched puts included, ``simulate(program=)``); then GraphPipe's choice,
+``HostCosts.wide_ops``), without the layers' times measured over a stage's devices ("no
+widths": the SPMD factor's instead), and the prediction from the lowered program the
+executor ran (its step pieces and batched puts included, ``simulate(program=)``); then
+GraphPipe's choice,
 the best measured candidate and the regret (measured time of the choice / best measured),
 and with ``--own_runs`` each planner's run's choice and its regret.
 With ``--json_out`` the rows go to a JSON file too. The 2-process rows are
@@ -53,7 +55,13 @@ from gpp_jax.errors import PlanError
 from gpp_jax.experiments import zoo
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import stage_microbatch_counts
-from gpp_jax.runtime.compile import baseline_plans, make_plan, planner_cluster, predict_seconds
+from gpp_jax.runtime.compile import (
+  baseline_plans,
+  calibrate_widths,
+  make_plan,
+  planner_cluster,
+  predict_seconds,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "zoo models")
@@ -140,10 +148,15 @@ def columns(plan, planned, B, cluster, compiled) -> dict[str, float]:
   over several devices (the factors as calibrated with them), without the gradients'
   all-reduce in every backward over several devices (``HostCosts.allreduce``: the cost model's
   once per step instead), with every stage issued at one device's costs (no
-  ``HostCosts.wide_ops``); and the lowered program
+  ``HostCosts.wide_ops``), without the layers' times measured over a stage's devices (the
+  SPMD factor's instead, ``runtime.compile.calibrate_widths``); and the lowered program
   ``compiled`` ran, timed with the same host costs (step pieces and batched puts included)."""
   graph, host = planned.layer_graph, planned.host
   scaled = lg.scaled(graph, B)
+  one_device = scaled.copy()
+  for _, d in one_device.nodes(data=True):
+    d.pop("time_f_at", None)
+    d.pop("time_b_at", None)
   bare = scaled.copy()
   bare.graph.pop("spmd", None)
   unfactored = narrow = no_call = no_reduce = None
@@ -163,6 +176,7 @@ def columns(plan, planned, B, cluster, compiled) -> dict[str, float]:
     without_call=predict_seconds(plan, scaled, cluster, no_call)[0],
     without_allreduce=predict_seconds(plan, scaled, cluster, no_reduce)[0],
     narrow_issue=predict_seconds(plan, scaled, cluster, narrow)[0],
+    without_widths=predict_seconds(plan, one_device, cluster, host)[0],
     program=program,
   )
 
@@ -197,6 +211,15 @@ def one(model, size, n):
     except PlanError as e:
       print(f"  {name}: no plan ({e})")
 
+  # Plans made on GraphPipe's graph have their stages' widths timed there, as a run would.
+  mine = [p for p, owner in candidates.values() if owner is planned]
+  wider = calibrate_widths(compiled.captured, graph, mine, planned.host, devices)
+  if wider is not graph:
+    planned = dataclasses.replace(planned, layer_graph=wider)
+    candidates = {
+      k: (p, planned if owner is runs["graphpipe"] else owner)
+      for k, (p, owner) in candidates.items()
+    }
   # Every candidate compiled first, then measured side by side; each run's choice too where
   # it is none of them (e.g. a planner's plan on fewer devices).
   plans = [p for p, _ in candidates.values()]
@@ -267,6 +290,7 @@ ABLATIONS = (
   "without_call",
   "without_allreduce",
   "narrow_issue",
+  "without_widths",
   "program",
 )
 
@@ -296,11 +320,11 @@ def main(_):
         )
         head = ("candidate", "devices", "M", "measured", "predicted", "err", "probe", "err")
         head += ("no SPMD", "err", "no call", "err", "no all-red", "err")
-        head += ("1-dev issue", "err", "program", "err")
+        head += ("1-dev issue", "err", "no widths", "err", "program", "err")
         print(
           "  {:20s} {:>8s} {:>3s}".format(*head[:3])
           + " {:>10s} {:>10s} {:>6s}".format(*head[3:6])
-          + (" {:>10s} {:>6s}" * 6).format(*head[6:])
+          + (" {:>10s} {:>6s}" * len(ABLATIONS)).format(*head[6:])
         )
         for row in r["rows"]:
           print(
@@ -326,6 +350,7 @@ def main(_):
           print("  each planner's run chose (measured, regret): " + "; ".join(others))
   errs = [abs(row["error"]) for r in out for row in r["rows"]]
   prog = [abs(row["error_program"]) for r in out for row in r["rows"]]
+  bare = [abs(row["error_without_widths"]) for r in out for row in r["rows"]]
   regrets = [c["regret"] for r in out for c in r["choices"].values()]
   print(
     f"\n{len(errs)} candidates: |error| median {statistics.median(errs) * 100:.0f}%, "
@@ -333,7 +358,9 @@ def main(_):
     f"{max(r['regret'] for r in out):.2f}, <= 1.05: {sum(r['regret'] <= 1.05 for r in out)}"
     f"/{len(out)} (every planner's run: max {max(regrets):.2f}, <= 1.05: "
     f"{sum(x <= 1.05 for x in regrets)}/{len(regrets)}); the programs' predictions: |error| median "
-    f"{statistics.median(prog) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in prog)}"
+    f"{statistics.median(prog) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in prog)}; "
+    f"without the layers timed over stages' devices: |error| median "
+    f"{statistics.median(bare) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in bare)}"
   )
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as f:

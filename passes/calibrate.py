@@ -18,6 +18,11 @@ different plan. Three things keep the numbers, and so the plans, stable from run
 
 ``Calibration`` records the per-layer times and how they were obtained; the training entry
 point writes it to the run folder.
+
+Layers can also be timed as a stage over k devices runs them (``placement``: the micro-batch
+split over the devices, parameters replicated, the gradients all-reduced in the backward):
+on devices that share a host's cores, what that costs depends on the model's ops more than any
+small probe says (``runtime.compile.calibrate_widths``).
 """
 
 from __future__ import annotations
@@ -98,28 +103,39 @@ class Calibration:
   def from_json(cls, s: str) -> Calibration:
     return cls(**json.loads(s))
 
-  def apply(self, graph: nx.DiGraph) -> nx.DiGraph:
+  def apply(self, graph: nx.DiGraph, width: int = 1) -> nx.DiGraph:
     """A copy of ``graph`` with these ``time_f`` / ``time_b``, less the cost of calling a
     jitted function (``settings["call_overhead"]``, measured with the layers): each layer was
     timed as a call of its own, while a stage runs its layers in one call (and the host's issue
-    of that call is priced by ``cost.host``). A layer keeps at least a quarter of its time."""
+    of that call is priced by ``cost.host``). A layer keeps at least a quarter of its time.
+
+    ``width`` > 1: the layers were timed as a stage over that many devices runs them
+    (``measure_layers(placement=)``); the times go to the layers' ``time_f_at`` /
+    ``time_b_at`` under ``str(width)`` (``ir.layer_graph.at_width``), beside the one-device
+    times."""
     over = self.settings.get("call_overhead", 0.0)
     out = graph.copy()
     for n in out:
       tf, tb = self.time_f[n], self.time_b[n]
-      out.nodes[n]["time_f"] = max(tf - over, 0.25 * tf)
-      out.nodes[n]["time_b"] = max(tb - over, 0.25 * tb)
+      tf, tb = max(tf - over, 0.25 * tf), max(tb - over, 0.25 * tb)
+      d = out.nodes[n]
+      if width == 1:
+        d["time_f"], d["time_b"] = tf, tb
+      else:  # new dicts: the copy shares the old ones with ``graph``
+        d["time_f_at"] = {**d.get("time_f_at", {}), str(width): tf}
+        d["time_b_at"] = {**d.get("time_b_at", {}), str(width): tb}
     return out
 
 
-def _example(aval, device, rng):
+def _example(aval, place, rng):
+  """An array of ``aval``'s shape put where ``place(array)`` says."""
   if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
-    return jax.device_put(jax.random.key(0), device)
-  if jnp.issubdtype(aval.dtype, jnp.floating):
+    x = jax.random.key(0)
+  elif jnp.issubdtype(aval.dtype, jnp.floating):
     x = rng.standard_normal(aval.shape).astype(aval.dtype)
   else:
     x = np.zeros(aval.shape, aval.dtype)
-  return jax.device_put(x, device)
+  return jax.device_put(x, place(x))
 
 
 def measure_layers(
@@ -136,14 +152,23 @@ def measure_layers(
   resolution: float = 0.05,
   share_identical: bool = True,
   timer: Timer = time_once,
+  placement: Any = None,
 ) -> Calibration:
   """Times every layer of ``graph`` on ``device`` (see the module docstring).
 
   ``repeats``, ``max_rounds``, ``quantile`` and ``rel_tol`` set the robust timing
   (``robust_time``), ``resolution`` the grid times are snapped to (0: none), and
   ``share_identical`` whether layers with the same stage program share one measurement.
-  ``timer`` times one call (the default measures wall-clock time).
+  ``timer`` times one call (the default measures wall-clock time). ``placement`` (a
+  ``runtime.placement.StagePlacement``): each layer runs as a stage over its devices does,
+  micro-batch arrays split over them and the rest replicated (default: all on ``device``).
   """
+  if placement is None:
+    one = jax.sharding.SingleDeviceSharding(device)
+    place: Callable[[Any], Any] = lambda x: one
+    replicated = one
+  else:
+    place, replicated = placement.for_array, placement.replicated
   layers = topo_layers(graph)
   index = {l: i for i, l in enumerate(layers)}
   stages = tuple(Stage(i, (l,), (0,)) for i, l in enumerate(layers))
@@ -167,15 +192,15 @@ def measure_layers(
     groups[layer] = layer
     fns = stage_functions(st)
     avals = [v.aval for v in st.jaxpr.jaxpr.invars]
-    args = [_example(a, device, rng) for a in avals]
+    args = [_example(a, place, rng) for a in avals]
     diff = [a for a, r in zip(args, st.inputs) if r.diff]
     nondiff = [a for a, r in zip(args, st.inputs) if not r.diff]
     outs, res = fns.fwd(diff, nondiff)
     cts = [
-      (jax.device_put(jnp.ones_like(o), device),) if r.diff else ()
+      (jax.device_put(jnp.ones_like(o), place(o)),) if r.diff else ()
       for o, r in zip(outs, st.outputs)
     ]
-    zeros = jax.jit(fns.zeros_acc, out_shardings=jax.sharding.SingleDeviceSharding(device))
+    zeros = jax.jit(fns.zeros_acc, out_shardings=replicated)
     fwd = functools.partial(fns.fwd, diff, nondiff)
     jax.block_until_ready(fwd())
 
@@ -192,7 +217,7 @@ def measure_layers(
     time_f[layer], time_b[layer] = snap(t_f, resolution), snap(t_b, resolution)
   overhead = 0.0
   if timer is time_once:  # a trivial jitted call, timed like the layers
-    tiny = jax.device_put(np.zeros((), np.float32), device)
+    tiny = jax.device_put(np.zeros((), np.float32), replicated)
     bump = jax.jit(lambda x: x + 1)
     jax.block_until_ready(bump(tiny))
     overhead, _ = robust_time(

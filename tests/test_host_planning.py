@@ -476,6 +476,131 @@ def test_a_stage_over_several_devices_all_reduces_its_gradients_in_every_backwar
   assert h.allreduce_seconds(2, 0) == 0.0 and spmd_host({2: 3.0}).allreduce_seconds(2, 1e6) is None
 
 
+def test_layers_timed_over_a_stage_devices_price_that_stage():
+  """Where every layer of a stage over k devices was timed as such a stage runs it
+  (``time_f_at`` / ``time_b_at``), the host-aware simulator gives the stage those times,
+  scaled to its micro-batch as one-device times are, in place of the SPMD factor and its
+  fixed seconds per call; the measured backward holds the gradients' all-reduce, so nothing
+  is added to it and its UPDATE has no all-reduce either. Other stages, other widths and the
+  devices-only model price as before."""
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import measured_width_times, simulate
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  stage_b = Stage(1, ("b",), (2,))
+  plan = Plan((Stage(0, ("a",), (0, 1)), stage_b), ((0, 1),), 4, planner="x", batch_size=8)
+  h = dataclasses.replace(spmd_host({2: 3.0}, calls={2: 1e-3}), allreduce={2: 1e-9})
+
+  def durations(graph, host=h):
+    res = simulate(plan, graph, cluster, host=host)
+    return {(a.kind, a.stage): a.end - a.start for a in res.actions}
+
+  before = durations(g)
+  assert measured_width_times(plan, g, cluster) == {}
+  timed = g.copy()
+  timed.nodes["a"].update(time_f_at={"2": 30e-3}, time_b_at={"2": 70e-3})
+  timed.nodes["b"].update(time_f_at={"4": 1.0}, time_b_at={"4": 1.0})  # not b's width
+  # Scaled to the micro-batch as the one-device time (10 ms, 20 ms backward) is.
+  one_device = plan.replace(stages=(Stage(0, ("a",), (0,)), stage_b))
+  one = plan_costs(one_device, g, cluster)
+  f, b = 3.0 * one.forward[0], 3.5 * one.backward[0]
+  assert measured_width_times(plan, timed, cluster) == {0: pytest.approx((f, b))}
+  after = durations(timed)
+  assert after[("F", 0)] == pytest.approx(f) and after[("B", 0)] == pytest.approx(b)
+  for key in ("F", 1), ("B", 1), ("UPDATE", 1):
+    assert after[key] == pytest.approx(before[key])
+  assert after[("UPDATE", 0)] == pytest.approx(one.update[0])
+  # Without the all-reduce measured, the stage's UPDATE still leaves it out (it is measured).
+  assert durations(timed, dataclasses.replace(h, allreduce=None))[("UPDATE", 0)] == (
+    pytest.approx(after[("UPDATE", 0)])
+  )
+  # The devices-only model does not read them.
+  assert simulate(plan, timed, cluster).iteration_time == pytest.approx(
+    simulate(plan, g, cluster).iteration_time
+  )
+  assert lg.widths_measured(timed, ["a"]) == {2} and lg.widths_measured(timed, ["b"]) == {4}
+  assert lg.widths_measured(timed, ["a", "b"]) == set() == lg.widths_measured(g, ["a"])
+  # Rescaled with the graph, as the one-device times are.
+  big = lg.scaled(timed, 16)
+  assert big.nodes["a"]["time_b_at"] == {"2": pytest.approx(140e-3)}
+  assert timed.nodes["a"]["time_b_at"] == {"2": 70e-3}
+  assert lg.at_width(big, 2).nodes["a"]["time_b"] == pytest.approx(140e-3)
+  # A stage with one layer not timed at its width keeps the factor.
+  timed.nodes["a"].update(time_f_at={"4": 1.0}, time_b_at={"2": 70e-3})
+  assert durations(timed)[("F", 0)] == pytest.approx(before[("F", 0)])
+
+
+def test_layers_are_timed_over_the_widths_of_the_candidates_stages(dag, monkeypatch):
+  """With calibrate=True on CPU devices, a candidate pipeline with a stage over 2 devices has
+  every layer timed the way such a stage runs it, beside its one-device time (the
+  calibration's graph untouched), its prediction takes those times, and the step's values
+  are the plain step's."""
+  from gpp_jax.cost.simulator import measured_width_times
+  from gpp_jax.passes.calibrate import measure_layers
+  from gpp_jax.passes.partition.plan_assembly import assemble_plan
+  from gpp_jax.runtime import host as host_mod
+  from gpp_jax.runtime.placement import StagePlacement
+
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: spmd_host({2: 3.0, 4: 6.0}))
+  timed_by_width(monkeypatch, lambda k: 0.01 if k == 1 else 0.03)
+
+  def halves(layer_graph, cluster, batch_size, *, num_microbatches=None):
+    layers = list(lg.topo_layers(layer_graph))
+    cut = len(layers) // 2
+    return assemble_plan(
+      layer_graph,
+      cluster,
+      [(layers[:cut], 2), (layers[cut:], 1)],
+      microbatch=batch_size // num_microbatches,
+      batch_size=batch_size,
+      planner="halves",
+      sequential=True,
+    )
+
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step,
+    num_microbatches=2,
+    devices=jax.devices()[:4],
+    planner=halves,
+    calibrate=True,
+    min_stages=2,
+  )
+  out = pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  assert [len(s.devices) for s in pp.plan.stages] == [2, 1]
+  graph = planned.layer_graph
+  assert lg.widths_measured(graph, graph.nodes) == {2}
+  for n in graph:
+    assert graph.nodes[n]["time_f_at"]["2"] > 0 and graph.nodes[n]["time_b_at"]["2"] > 0
+    assert "time_f_at" not in pp.compiled.captured.layering.graph.nodes[n]
+  cluster = cp.planner_cluster(pp.compiled.opts)
+  scaled = lg.scaled(graph, pp.batch_size)
+  assert set(measured_width_times(pp.plan, scaled, cluster)) == {0}
+  assert planned.alternatives["pipeline"] == pytest.approx(
+    cp.predict_seconds(pp.plan, scaled, cluster, planned.host)[0]
+  )
+  assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
+  # Timing layers over 2 devices puts the batch-sized arrays split over them.
+  lay = pp.compiled.captured.layering
+  seen = []
+  measure_layers(
+    pp.compiled.captured.loss,
+    lay.eqn_layer,
+    lay.param_layer,
+    lay.graph,
+    jax.devices()[0],
+    placement=StagePlacement(tuple(jax.devices()[:2]), pp.compiled.captured.microbatch_size),
+    timer=lambda layer, role, fn: seen.append(jax.block_until_ready(fn())) or 1e-3,
+    max_rounds=1,
+    repeats=1,
+  )
+  assert seen and all(
+    len(x.sharding.device_set) == 2 for out in seen for x in jax.tree.leaves(out)
+  )
+
+
 def test_a_fractional_parallel_interpolates_between_its_whole_neighbours():
   """Devices that compute 1.25 at a time: the iteration time is a quarter of the way from
   one server's to two servers', continuous in the measured value (rounding it put a pipeline

@@ -34,7 +34,7 @@ import functools
 import json
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import chain
 from typing import Any, NamedTuple
 
@@ -42,6 +42,7 @@ import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, plan_costs
+from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.program import Instr, Op, Program, puts_together
 from gpp_jax.ir.schedule import Action, Schedule, chunk_range, lanes_with_updates
 
@@ -876,15 +877,17 @@ def simulate(
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
   outside = 0.0
   processes = None
+  wide: dict[int, tuple[float, float]] = {}
   if host is not None:
     processes = host.lane_processes([s.devices for s in plan.stages], cluster.num_devices)
     host_cost = host.lane_costs([len(s.devices) for s in plan.stages], schedule=program is None)
     cores = host.compute_servers()
     outside = host.outside
-    fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, costs, pc, host)
+    wide = measured_width_times(plan, layer_graph, cluster, cost_model)
+    fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, costs, pc, host, wide=wide)
     pc = dataclasses.replace(pc, forward=fw, backward=bw)
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
-  reduced = _reduced_per_backward(plan, pc, cluster, cost_model, host)
+  reduced = _reduced_per_backward(plan, pc, cluster, cost_model, host, inside=wide)
   if reduced is not None:  # the gradients' all-reduce: in each backward, not in the UPDATE
     per_call, update = reduced
     grads = weight if weight is not None else backward
@@ -1000,6 +1003,34 @@ def spmd_call(host: Any, layer_graph: nx.DiGraph, k: int, like_model: bool = Fal
   return 0.0 if v is None else v
 
 
+def _narrow(plan):
+  """``plan`` with every stage on its first device only."""
+  return plan.replace(
+    stages=tuple(dataclasses.replace(s, devices=s.devices[:1]) for s in plan.stages)
+  )
+
+
+def measured_width_times(
+  plan, layer_graph: nx.DiGraph, cluster: Cluster, cost_model: Any = None
+) -> dict[int, tuple[float, float]]:
+  """Per stage over k > 1 devices whose layers were all timed as a stage over k devices runs
+  them (``ir.layer_graph.widths_measured``, ``runtime.compile.calibrate_widths``): its
+  (forward, backward) seconds per micro-batch, those times summed and scaled to its
+  micro-batch as one-device times are (``plan_costs``). They hold what the layers pay over k
+  devices (the split work, the devices' sharing of the host's cores, each op's cost on every
+  device, the gradients' all-reduce in the backward), which the SPMD factor only guesses."""
+  by_width: dict[int, list[int]] = {}
+  for s in plan.stages:
+    k = len(s.devices)
+    if k > 1 and k in lg.widths_measured(layer_graph, s.layers):
+      by_width.setdefault(k, []).append(s.index)
+  out: dict[int, tuple[float, float]] = {}
+  for k, stages in by_width.items():
+    pc = plan_costs(_narrow(plan), lg.at_width(layer_graph, k), cluster, cost_model)
+    out.update({i: (float(pc.forward[i]), float(pc.backward[i])) for i in stages})
+  return out
+
+
 def _spmd_times(
   plan,
   layer_graph: nx.DiGraph,
@@ -1010,28 +1041,32 @@ def _spmd_times(
   host: Any,
   per_call: bool = True,
   like_model: bool = False,
+  wide: Mapping[int, tuple[float, float]] | None = None,
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-  """Per stage (forward, backward) seconds under the host-aware model: a stage over k > 1
-  devices computes 1/k of its micro-batch's one-device time times the SPMD factor for k
+  """Per stage (forward, backward) seconds under the host-aware model: a stage in ``wide``
+  (``measured_width_times``) takes its measured times; another stage over k > 1 devices
+  computes 1/k of its micro-batch's one-device time times the SPMD factor for k
   (``spmd_factor``, measured against that same 1/k: it includes the devices' smaller shares
   and their sharing of the cores), and each of its forwards and backwards, one sharded call
   each, pays the host's fixed seconds per call over k devices (``HostCosts
   .spmd_call_seconds``); other stages, and widths not measured, as ``pc`` has them (the cost
   model's time of each device's share). ``per_call=False`` leaves the fixed seconds out;
   ``like_model`` as ``spmd_factor`` takes it."""
+  wide = wide or {}
   factors = {
     s.index: spmd_factor(host, layer_graph, len(s.devices), like_model)
     for s in plan.stages
-    if len(s.devices) > 1
+    if len(s.devices) > 1 and s.index not in wide
   }
   factors = {i: f for i, f in factors.items() if f is not None}
-  if not factors:
+  if not factors and not wide:
     return tuple(pc.forward), tuple(pc.backward)
-  narrow = plan.replace(
-    stages=tuple(dataclasses.replace(s, devices=s.devices[:1]) for s in plan.stages)
-  )
-  one = plan_costs(narrow, layer_graph, cluster, cost_model, costs)
   fw, bw = list(pc.forward), list(pc.backward)
+  for i, (tf, tb) in wide.items():
+    fw[i], bw[i] = tf, tb
+  if not factors:
+    return tuple(fw), tuple(bw)
+  one = plan_costs(_narrow(plan), layer_graph, cluster, cost_model, costs)
   for i, f in factors.items():
     k = len(plan.stages[i].devices)
     call = host.spmd_call_seconds(k) if per_call else 0.0
@@ -1041,26 +1076,40 @@ def _spmd_times(
 
 
 def _reduced_per_backward(
-  plan, pc: Any, cluster: Cluster, cost_model: CostModel | None, host: Any
+  plan,
+  pc: Any,
+  cluster: Cluster,
+  cost_model: CostModel | None,
+  host: Any,
+  inside: Collection[int] = (),
 ) -> tuple[list[float], tuple[float, ...]] | None:
   """Where the host measured what all-reducing gradients costs (``HostCosts.allreduce``): per
   stage, the seconds each of its backward calls pays for it (the executor's stage over k > 1
   devices all-reduces its gradients in every backward, ``runtime.placement.StagePlacement``),
-  and the stages' UPDATE seconds without the cost model's all-reduce once per step. None
-  without a host, where it was not measured, or with no stage over several devices."""
-  if host is None or not any(len(s.devices) > 1 for s in plan.stages):
-    return None
-  per_call = [host.allreduce_seconds(len(s.devices), pc.param_bytes[s.index]) for s in plan.stages]
-  if any(t is None for t in per_call):
+  and the stages' UPDATE seconds without the cost model's all-reduce once per step. Stages in
+  ``inside`` (their backward's measured time holds the all-reduce, ``measured_width_times``)
+  pay nothing more in the backward and no all-reduce in the UPDATE either; a stage over
+  several devices where neither says keeps the all-reduce in its UPDATE. None without a host
+  or where nothing changes."""
+  if host is None:
     return None
   cm = cost_model or DEFAULT_COST_MODEL
-  update = tuple(
-    cm.update_time(pc.param_bytes[s.index], cluster.device, 1, cluster.group_link(s.devices))
-    if len(s.devices) > 1
-    else pc.update[s.index]
-    for s in plan.stages
-  )
-  return [float(t) for t in per_call], update
+  per_call, update, changed = [], [], False
+  for s in plan.stages:
+    i, k = s.index, len(s.devices)
+    if i in inside:
+      t: float | None = 0.0
+    else:
+      t = host.allreduce_seconds(k, pc.param_bytes[i]) if k > 1 and host.allreduce else None
+    if t is None:
+      per_call.append(0.0)
+      update.append(pc.update[i])
+      continue
+    changed = True
+    per_call.append(float(t))
+    link = cluster.group_link(s.devices)
+    update.append(cm.update_time(pc.param_bytes[i], cluster.device, 1, link))
+  return (per_call, tuple(update)) if changed else None
 
 
 def predict_fused(

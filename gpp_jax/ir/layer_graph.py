@@ -15,6 +15,8 @@ Node (layer) attributes, all for ``batch_size`` samples, forward pass only:
   order: int          position in a topological order of the source program (deterministic)
   time_f, time_b: float (optional)  measured forward/backward seconds at ``batch_size``;
                       a cost model uses them instead of the roofline when present.
+  time_f_at, time_b_at: dict (optional)  the same, measured as a stage over k > 1 devices
+                      runs the layer, keyed by ``str(k)`` (``at_width``).
   param_read_bytes: float (optional)  parameter bytes the forward reads once per call whatever
                       the batch size (default: param_bytes if bytes >= param_bytes, else 0,
                       as for a sparse embedding gather).
@@ -31,6 +33,7 @@ Edge attributes:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import networkx as nx
@@ -115,8 +118,33 @@ def scaled(g: nx.DiGraph, batch_size: int) -> nx.DiGraph:
     for a in ("flops", "bytes", "act_bytes", "saved_bytes", "time_f", "time_b"):
       if a in d:
         d[a] = d[a] * f
+    for a in ("time_f_at", "time_b_at"):
+      if a in d:
+        d[a] = {k: t * f for k, t in d[a].items()}
   for _, _, d in h.edges(data=True):
     d["bytes"] *= f
+  return h
+
+
+def widths_measured(g: nx.DiGraph, layers: Iterable[str]) -> set[int]:
+  """The widths (devices per stage, > 1) at which every one of ``layers`` has measured
+  times (``time_f_at`` and ``time_b_at``, set by ``passes.calibrate``)."""
+  found: set[int] | None = None
+  for n in layers:
+    d = g.nodes[n]
+    have = {int(k) for k in d.get("time_f_at", {})} & {int(k) for k in d.get("time_b_at", {})}
+    found = have if found is None else found & have
+  return found or set()
+
+
+def at_width(g: nx.DiGraph, k: int) -> nx.DiGraph:
+  """A copy whose layers' ``time_f`` / ``time_b`` are their times measured as a stage over
+  ``k`` devices runs them (``time_f_at`` / ``time_b_at``), where measured."""
+  h = g.copy()
+  key = str(k)
+  for _, d in h.nodes(data=True):
+    if key in d.get("time_f_at", {}) and key in d.get("time_b_at", {}):
+      d["time_f"], d["time_b"] = d["time_f_at"][key], d["time_b_at"][key]
   return h
 
 

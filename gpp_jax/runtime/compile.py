@@ -22,7 +22,7 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -446,6 +446,8 @@ def plan_step(
     candidates = {
       k: p for k, p in candidates.items() if k == "pipeline" or p.num_stages >= opts.min_stages
     }
+  if calibration is not None:  # stages over several devices: their layers timed so
+    graph = calibrate_widths(captured, graph, candidates.values(), host, opts.devices)
   trials: dict[str, tuple[Any, float]] = {}
   # The plain step, timed, calibrates one-stage predictions (a given pipeline needs none).
   if host is not None and trial is not None and (not given or plan.num_stages == 1):
@@ -934,6 +936,48 @@ def calibrate(captured: Captured, opts: Options) -> Calibration:
     return cal
   first = Calibration.from_json(exchange("calibration", cal.to_json(), opts.timeout_s)[0])
   return dataclasses.replace(first, device=f"{first.device} on process 0")
+
+
+def calibrate_widths(
+  captured: Captured,
+  graph: nx.DiGraph,
+  plans: Iterable[Plan],
+  host: HostCosts | None,
+  devices: Sequence[Any],
+) -> nx.DiGraph:
+  """``graph`` with its layers also timed as a stage over k devices runs them, for each width
+  k > 1 of a stage of a pipeline among ``plans`` not yet measured (``measure_layers
+  (placement=)``, on that stage's devices; ``Calibration.apply(width=)``): the simulator
+  then takes those times for such stages (``cost.simulator.measured_width_times``) instead
+  of the host's SPMD factor. Only on CPU devices of one process, where the host measured the
+  factor: devices that share a host's cores pay per op, per device and per collective what
+  no small probe tells (medium MMT's stages over 4 of 8 forced CPU devices measured 2.3-2.7x
+  the factor's time, the layers timed this way added up to within 10% of them: BUILD_NOTES,
+  "Stages over several devices, timed layer by layer"). A width that does not divide the
+  micro-batch is left out. ``devices``: what the plans' device numbers index."""
+  if host is None or not host.spmd or jax.process_count() > 1:
+    return graph
+  mb = captured.microbatch_size
+  groups: dict[int, tuple[Any, ...]] = {}
+  for p in plans:
+    for s in p.stages if p.num_stages > 1 else ():
+      devs = tuple(devices[d] for d in s.devices)
+      if len(devs) > 1 and mb % len(devs) == 0 and devs[0].platform == "cpu":
+        groups.setdefault(len(devs), devs)
+  lay = captured.layering
+  for k, devs in sorted(groups.items()):
+    if k in lg.widths_measured(graph, graph.nodes):
+      continue
+    cal = measure_layers(
+      captured.loss,
+      lay.eqn_layer,
+      lay.param_layer,
+      lay.graph,
+      devs[0],
+      placement=StagePlacement(devs, mb),
+    )
+    graph = cal.apply(graph, width=k)
+  return graph
 
 
 def planner_cluster(opts: Options) -> Any:
