@@ -581,6 +581,7 @@ def test_layers_are_timed_over_the_widths_of_the_candidates_stages(dag, monkeypa
   assert planned.alternatives["pipeline"] == pytest.approx(
     cp.predict_seconds(pp.plan, scaled, cluster, planned.host)[0]
   )
+  assert "layers also timed as a stage over 2 devices runs them" in pp.explain()
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
   # Timing layers over 2 devices puts the batch-sized arrays split over them.
   lay = pp.compiled.captured.layering
@@ -596,9 +597,7 @@ def test_layers_are_timed_over_the_widths_of_the_candidates_stages(dag, monkeypa
     max_rounds=1,
     repeats=1,
   )
-  assert seen and all(
-    len(x.sharding.device_set) == 2 for out in seen for x in jax.tree.leaves(out)
-  )
+  assert seen and all(len(x.sharding.device_set) == 2 for out in seen for x in jax.tree.leaves(out))
 
 
 def test_a_fractional_parallel_interpolates_between_its_whole_neighbours():

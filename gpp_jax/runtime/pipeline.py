@@ -22,6 +22,7 @@ from flax import nnx
 
 from gpp_jax.cost.memory import format_bytes
 from gpp_jax.errors import BatchError, GppError
+from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan
 from gpp_jax.ir.program import Program
 from gpp_jax.passes.calibrate import Calibration
@@ -190,6 +191,13 @@ class GraphPipeline:
       if c.planned.measured:
         timed = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.planned.measured.items())
         lines.append(f"compiled and timed while choosing: {timed}")
+      widths = sorted(lg.widths_measured(g, g.nodes))
+      if widths:
+        lines.append(
+          "layers also timed as a stage over "
+          + " and ".join(map(str, widths))
+          + " devices runs them, for the candidates' stages that wide"
+        )
       lines.append("")
     if c.fused:
       lines += [
