@@ -25,7 +25,8 @@ factor), without any SPMD factor (the model before them) and without the host's 
 seconds per call over several devices (``HostCosts.spmd_call``; the factors as calibrated
 with them) and with every stage's instructions issued at one device's costs (without
 ``HostCosts.wide_ops``), without the layers' times measured over a stage's devices ("no
-widths": the SPMD factor's instead), and the prediction from the lowered program the
+widths": the SPMD factor's instead), with the cost model's update in place of the step's own
+timed ("cm update"), and the prediction from the lowered program the
 executor ran (its step pieces and batched puts included, ``simulate(program=)``); then
 GraphPipe's choice,
 the best measured candidate and the regret (measured time of the choice / best measured),
@@ -149,7 +150,8 @@ def columns(plan, planned, B, cluster, compiled) -> dict[str, float]:
   all-reduce in every backward over several devices (``HostCosts.allreduce``: the cost model's
   once per step instead), with every stage issued at one device's costs (no
   ``HostCosts.wide_ops``), without the layers' times measured over a stage's devices (the
-  SPMD factor's instead, ``runtime.compile.calibrate_widths``); and the lowered program
+  SPMD factor's instead, ``runtime.compile.calibrate_widths``), with the cost model's update
+  (not the step's own, ``passes.calibrate.measure_update``); and the lowered program
   ``compiled`` ran, timed with the same host costs (step pieces and batched puts included)."""
   graph, host = planned.layer_graph, planned.host
   scaled = lg.scaled(graph, B)
@@ -157,6 +159,8 @@ def columns(plan, planned, B, cluster, compiled) -> dict[str, float]:
   for _, d in one_device.nodes(data=True):
     d.pop("time_f_at", None)
     d.pop("time_b_at", None)
+  guessed_update = scaled.copy()
+  guessed_update.graph.pop("update_per_byte", None)
   bare = scaled.copy()
   bare.graph.pop("spmd", None)
   unfactored = narrow = no_call = no_reduce = None
@@ -177,6 +181,7 @@ def columns(plan, planned, B, cluster, compiled) -> dict[str, float]:
     without_allreduce=predict_seconds(plan, scaled, cluster, no_reduce)[0],
     narrow_issue=predict_seconds(plan, scaled, cluster, narrow)[0],
     without_widths=predict_seconds(plan, one_device, cluster, host)[0],
+    guessed_update=predict_seconds(plan, guessed_update, cluster, host)[0],
     program=program,
   )
 
@@ -278,6 +283,7 @@ def one(model, size, n):
     if planned.host is not None
     else {},
     model_spmd={int(k): f for k, f in graph.graph.get("spmd", {}).items()},
+    update_ms_per_mib=graph.graph.get("update_per_byte", float("nan")) * 2**20 * 1e3,
     setup_s=setup_s,
     rows=rows,
   )
@@ -291,6 +297,7 @@ ABLATIONS = (
   "without_allreduce",
   "narrow_issue",
   "without_widths",
+  "guessed_update",
   "program",
 )
 
@@ -316,11 +323,12 @@ def main(_):
           f"(fusion {r['fusion']:.2f}, SPMD factors {spmd_text(r['spmd'])}, the model's "
           f"{spmd_text(r['model_spmd'])}, ms per call over k devices "
           f"{spmd_text(r['spmd_call_ms'], 2)}, all-reduce ms per MiB over k devices "
-          f"{spmd_text(r['allreduce_ms_per_mib'], 2)}, set-up {r['setup_s']:.0f} s)"
+          f"{spmd_text(r['allreduce_ms_per_mib'], 2)}, update ms per MiB "
+          f"{r['update_ms_per_mib']:.2f}, set-up {r['setup_s']:.0f} s)"
         )
         head = ("candidate", "devices", "M", "measured", "predicted", "err", "probe", "err")
         head += ("no SPMD", "err", "no call", "err", "no all-red", "err")
-        head += ("1-dev issue", "err", "no widths", "err", "program", "err")
+        head += ("1-dev issue", "err", "no widths", "err", "cm update", "err", "program", "err")
         print(
           "  {:20s} {:>8s} {:>3s}".format(*head[:3])
           + " {:>10s} {:>10s} {:>6s}".format(*head[3:6])

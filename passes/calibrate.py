@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import networkx as nx
 import numpy as np
+from jax.extend import core as xc
 
 from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan, Stage
@@ -109,12 +110,17 @@ class Calibration:
     timed as a call of its own, while a stage runs its layers in one call (and the host's issue
     of that call is priced by ``cost.host``). A layer keeps at least a quarter of its time.
 
+    The step's own update, where measured (``settings["update_per_byte"]``, seconds per
+    parameter byte, ``measure_update``), goes to ``graph.graph["update_per_byte"]``.
+
     ``width`` > 1: the layers were timed as a stage over that many devices runs them
     (``measure_layers(placement=)``); the times go to the layers' ``time_f_at`` /
     ``time_b_at`` under ``str(width)`` (``ir.layer_graph.at_width``), beside the one-device
     times."""
     over = self.settings.get("call_overhead", 0.0)
     out = graph.copy()
+    if width == 1 and "update_per_byte" in self.settings:
+      out.graph["update_per_byte"] = self.settings["update_per_byte"]
     for n in out:
       tf, tb = self.time_f[n], self.time_b[n]
       tf, tb = max(tf - over, 0.25 * tf), max(tb - over, 0.25 * tb)
@@ -237,6 +243,48 @@ def measure_layers(
     "share_identical": float(share_identical),
   }
   return Calibration(time_f, time_b, groups, total, str(device), settings)
+
+
+def measure_update(
+  step,
+  marker_index: int,
+  device,
+  *,
+  repeats: int = 5,
+  max_rounds: int = 6,
+  quantile: float = 0.2,
+  rel_tol: float = 0.02,
+) -> float:
+  """Seconds of the step's work after its loss and gradients (the optimizer update, and
+  whatever else the step computes from them) on ``device``: the step's ClosedJaxpr ``step``
+  split around its pipeline marker (``passes.step_split``) with every value on one stage,
+  each piece after the marker jitted and timed on inputs of the right shapes (as
+  ``measure_layers`` times layers), the pieces' times summed. A cost model's update is a
+  guess of the optimizer's memory traffic at a preset bandwidth (on forced CPU devices 1.7x
+  this measurement for Adam on medium CANDLE-Uno); this is the step's own."""
+  from gpp_jax.passes.step_split import split_step
+
+  marker = step.jaxpr.eqns[marker_index]
+  prog = split_step(step, marker_index, [0] * len(marker.invars), [0] * len(marker.outvars))
+  one = jax.sharding.SingleDeviceSharding(device)
+  rng = np.random.default_rng(0)
+  total = 0.0
+  for piece in prog.after:
+    closed = piece.jaxpr
+    if closed.effects:  # a print or callback of the user's: not run on made-up values
+      continue
+    args = [_example(v.aval, lambda x: one, rng) for v in closed.jaxpr.invars]
+    f = jax.jit(xc.jaxpr_as_fun(closed))
+    jax.block_until_ready(f(*args))
+    t, _ = robust_time(
+      functools.partial(time_once, "update", "fwd", functools.partial(f, *args)),
+      repeats=repeats,
+      max_rounds=max_rounds,
+      quantile=quantile,
+      rel_tol=rel_tol,
+    )
+    total += t
+  return total
 
 
 def calibrate_layers(

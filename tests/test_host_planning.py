@@ -600,6 +600,69 @@ def test_layers_are_timed_over_the_widths_of_the_candidates_stages(dag, monkeypa
   assert seen and all(len(x.sharding.device_set) == 2 for out in seen for x in jax.tree.leaves(out))
 
 
+def test_the_step_own_update_timed_prices_the_update():
+  """Where the step's update was timed (``update_per_byte``, seconds per parameter byte), the
+  host-aware model's UPDATE is that times the stage's parameter bytes, plus the all-reduce
+  where it stays in the UPDATE (a stage over 2 devices, the all-reduce not measured), in the
+  pipeline and in the fused step alike; the devices-only model keeps the cost model's."""
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.cost.simulator import predict_fused, simulate
+
+  g = chain(10e-3, 4 * MiB)
+  cluster = cpu_cluster(4)
+  plan = Plan(
+    (Stage(0, ("a",), (0, 1)), Stage(1, ("b",), (2,))), ((0, 1),), 4, planner="x", batch_size=8
+  )
+  h = spmd_host({2: 3.0})
+  timed = g.copy()
+  timed.graph["update_per_byte"] = per_byte = 2e-11
+  pc = plan_costs(plan, g, cluster)
+  cm = plan_costs(plan.replace(stages=(Stage(0, ("a",), (0,)), plan.stages[1])), g, cluster)
+  allreduce = pc.update[0] - cm.update[0]
+  assert allreduce > 0
+
+  def updates(graph, host=h):
+    res = simulate(plan, graph, cluster, host=host)
+    done = {a.stage: a.end - a.start for a in res.actions if a.kind == "UPDATE"}
+    return [done[0], done[1]]
+
+  assert updates(g) == pytest.approx(pc.update)
+  assert updates(timed) == pytest.approx([per_byte * 4 * MiB + allreduce, per_byte * 4 * MiB])
+  assert per_byte * 4 * MiB < pc.update[1] / 10  # far from the cost model's guess
+  measured = dataclasses.replace(h, allreduce={2: 1e-9})  # all-reduced in the backward
+  assert updates(timed, measured) == pytest.approx([per_byte * 4 * MiB] * 2)
+  assert simulate(plan, timed, cluster).iteration_time == pytest.approx(
+    simulate(plan, g, cluster).iteration_time
+  )
+  plain = candidates(g)["plain jit"]
+  whole = plan_costs(plain, g, cluster).update[0]
+  assert predict_fused(plain, timed, cluster, h) == pytest.approx(
+    predict_fused(plain, g, cluster, h) - whole + per_byte * 8 * MiB
+  )
+
+
+def test_calibration_times_the_step_own_update(dag, monkeypatch):
+  """calibrate=True times the step's work after its gradients (Adam's update here) on one
+  device: the calibration records it per parameter byte and the planned graph carries it."""
+  from gpp_jax.passes.calibrate import measure_update
+  from gpp_jax.runtime import host as host_mod
+
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: host(0.0, 1.0))
+  timed_by_width(monkeypatch, lambda k: 0.01 if k == 1 else 0.03)
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:2], planner="graphpipe", calibrate=True
+  )
+  pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  per_byte = planned.calibration.settings["update_per_byte"]
+  assert planned.layer_graph.graph["update_per_byte"] == per_byte > 0
+  captured = pp.compiled.captured
+  seconds = measure_update(captured.step, captured.marker_index, jax.devices()[0])
+  param_bytes = sum(d["param_bytes"] for _, d in captured.layering.graph.nodes(data=True))
+  assert 0 < seconds < 1.0 and param_bytes > 0
+
+
 def test_a_fractional_parallel_interpolates_between_its_whole_neighbours():
   """Devices that compute 1.25 at a time: the iteration time is a quarter of the way from
   one server's to two servers', continuous in the measured value (rounding it put a pipeline

@@ -101,12 +101,22 @@ class CostModel:
       return 0.0
     return 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes / link.beta
 
-  def update_time(self, param_bytes: float, device: DeviceSpec, n: int, link: Link) -> float:
-    """Gradient all-reduce over the stage's ``n`` devices plus the optimizer update."""
-    return (
-      self.allreduce_time(param_bytes, n, link)
-      + self.update_traffic * param_bytes / device.memory_bandwidth
-    )
+  def update_time(
+    self,
+    param_bytes: float,
+    device: DeviceSpec,
+    n: int,
+    link: Link,
+    per_byte: float | None = None,
+  ) -> float:
+    """Gradient all-reduce over the stage's ``n`` devices plus the optimizer update: its
+    ``update_traffic`` at the device's memory bandwidth, or ``per_byte`` seconds per
+    parameter byte where measured (``passes.calibrate.measure_update``)."""
+    if per_byte is None:
+      step = self.update_traffic * param_bytes / device.memory_bandwidth
+    else:
+      step = per_byte * param_bytes
+    return self.allreduce_time(param_bytes, n, link) + step
 
   # -- memory -------------------------------------------------------------------------------
   def static_memory(self, param_bytes: _Bytes) -> _Bytes:

@@ -887,9 +887,8 @@ def simulate(
     fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, costs, pc, host, wide=wide)
     pc = dataclasses.replace(pc, forward=fw, backward=bw)
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
-  reduced = _reduced_per_backward(plan, pc, cluster, cost_model, host, inside=wide)
-  if reduced is not None:  # the gradients' all-reduce: in each backward, not in the UPDATE
-    per_call, update = reduced
+  if host is not None:  # the gradients' all-reduce in each backward; the step's own update
+    per_call, update = _host_updates(plan, pc, layer_graph, cluster, cost_model, host, wide)
     grads = weight if weight is not None else backward
     for i, t in enumerate(per_call):
       grads[i] += t
@@ -1075,41 +1074,47 @@ def _spmd_times(
   return tuple(fw), tuple(bw)
 
 
-def _reduced_per_backward(
+def _host_updates(
   plan,
   pc: Any,
+  layer_graph: nx.DiGraph,
   cluster: Cluster,
   cost_model: CostModel | None,
   host: Any,
   inside: Collection[int] = (),
-) -> tuple[list[float], tuple[float, ...]] | None:
-  """Where the host measured what all-reducing gradients costs (``HostCosts.allreduce``): per
-  stage, the seconds each of its backward calls pays for it (the executor's stage over k > 1
-  devices all-reduces its gradients in every backward, ``runtime.placement.StagePlacement``),
-  and the stages' UPDATE seconds without the cost model's all-reduce once per step. Stages in
-  ``inside`` (their backward's measured time holds the all-reduce, ``measured_width_times``)
-  pay nothing more in the backward and no all-reduce in the UPDATE either; a stage over
-  several devices where neither says keeps the all-reduce in its UPDATE. None without a host
-  or where nothing changes."""
-  if host is None:
-    return None
+) -> tuple[list[float], tuple[float, ...]]:
+  """Per stage, under the host-aware model: the seconds each of its backward calls pays for
+  all-reducing its gradients, and its UPDATE seconds.
+
+  Where the host measured what the all-reduce costs (``HostCosts.allreduce``), a stage over
+  k > 1 devices pays it in every backward (the executor's stage all-reduces its gradients in
+  each, ``runtime.placement.StagePlacement``) and its UPDATE leaves out the cost model's
+  all-reduce once per step; a stage in ``inside`` (its backward's measured time holds the
+  all-reduce, ``measured_width_times``) pays nothing more in the backward and none in the
+  UPDATE either; other stages keep the all-reduce in the UPDATE. The update itself is the
+  step's own, timed (``layer_graph.graph["update_per_byte"]``, ``passes.calibrate
+  .measure_update``), where measured, else the cost model's. Without either measurement these
+  are ``pc``'s UPDATE seconds and no all-reduce in the backward."""
   cm = cost_model or DEFAULT_COST_MODEL
-  per_call, update, changed = [], [], False
+  per_byte = layer_graph.graph.get("update_per_byte") if host is not None else None
+  per_call: list[float] = []
+  update: list[float] = []
   for s in plan.stages:
-    i, k = s.index, len(s.devices)
+    i, k, nbytes = s.index, len(s.devices), pc.param_bytes[s.index]
     if i in inside:
       t: float | None = 0.0
     else:
-      t = host.allreduce_seconds(k, pc.param_bytes[i]) if k > 1 and host.allreduce else None
-    if t is None:
-      per_call.append(0.0)
+      ok = host is not None and k > 1 and host.allreduce
+      t = host.allreduce_seconds(k, nbytes) if ok else None
+    per_call.append(0.0 if t is None else float(t))
+    if t is None and per_byte is None:
       update.append(pc.update[i])
       continue
-    changed = True
-    per_call.append(float(t))
-    link = cluster.group_link(s.devices)
-    update.append(cm.update_time(pc.param_bytes[i], cluster.device, 1, link))
-  return (per_call, tuple(update)) if changed else None
+    n = k if t is None else 1  # the all-reduce stays in the UPDATE, or is paid elsewhere
+    update.append(
+      cm.update_time(nbytes, cluster.device, n, cluster.group_link(s.devices), per_byte)
+    )
+  return per_call, tuple(update)
 
 
 def predict_fused(
@@ -1127,8 +1132,8 @@ def predict_fused(
   loop is a sharded computation of its own, with its collectives; where no factor is
   measured, the share's time times k over the devices that compute at once), the gradient
   all-reduce and update (where the host measured the all-reduce, ``HostCosts.allreduce``, it
-  is paid by every micro-batch's backward instead), and the host's issue and time outside
-  the step."""
+  is paid by every micro-batch's backward instead; the update is the step's own where timed,
+  ``_host_updates``), and the host's issue and time outside the step."""
   if plan.num_stages != 1:
     raise ValueError(f"predict_fused takes a one-stage plan, not {plan.num_stages} stages")
   pc = plan_costs(plan, layer_graph, cluster, cost_model)
@@ -1142,10 +1147,10 @@ def predict_fused(
   elif host is not None and host.compute_servers():  # not measured: k over the servers
     slowdown = k / min(host.compute_servers(), k)
   update = pc.update[0]
-  reduced = _reduced_per_backward(plan, pc, cluster, cost_model, host)
-  if reduced is not None:  # each micro-batch's backward all-reduces the gradients
-    call += reduced[0][0]
-    update = reduced[1][0]
+  if host is not None:  # each micro-batch's backward all-reduces the gradients
+    per_call, updates = _host_updates(plan, pc, layer_graph, cluster, cost_model, host)
+    call += per_call[0]
+    update = updates[0]
   compute = plan.num_microbatches * ((fw[0] + bw[0]) * slowdown + call)
   issue = host.per_op.get("STEP", host.per_op.get("F", 0.0)) + host.outside if host else 0.0
   return compute + update + issue

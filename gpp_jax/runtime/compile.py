@@ -47,7 +47,7 @@ from gpp_jax.ir.plan import (
 )
 from gpp_jax.ir.program import Program
 from gpp_jax.ir.schedule import Schedule
-from gpp_jax.passes.calibrate import Calibration, measure_layers
+from gpp_jax.passes.calibrate import Calibration, measure_layers, measure_update
 from gpp_jax.passes.capture import inline_calls
 from gpp_jax.passes.layering import Layering, layer_program
 from gpp_jax.passes.lowering import (
@@ -926,12 +926,21 @@ def predict_seconds(
 
 
 def calibrate(captured: Captured, opts: Options) -> Calibration:
-  """Times the layers on this process's first device of the pipeline; with several
-  processes, every process takes process 0's numbers so that all plan alike."""
+  """Times the layers, and the step's work after them (the optimizer update, ``measure_update``),
+  on this process's first device of the pipeline; with several processes, every process takes
+  process 0's numbers so that all plan alike."""
   here = jax.process_index()
   device = next((d for d in opts.devices if d.process_index == here), jax.local_devices()[0])
   lay = captured.layering
   cal = measure_layers(captured.loss, lay.eqn_layer, lay.param_layer, lay.graph, device)
+  param_bytes = sum(d["param_bytes"] for _, d in lay.graph.nodes(data=True))
+  if param_bytes > 0:  # the step's own optimizer update, per parameter byte
+    try:
+      update = measure_update(captured.step, captured.marker_index, device) / param_bytes
+    except Exception as e:  # the cost model's guess then; the step itself is not at stake
+      logging.warning("graph_pipeline: the step's update could not be timed (%s)", e)
+    else:
+      cal = dataclasses.replace(cal, settings={**cal.settings, "update_per_byte": update})
   if jax.process_count() == 1:
     return cal
   first = Calibration.from_json(exchange("calibration", cal.to_json(), opts.timeout_s)[0])
