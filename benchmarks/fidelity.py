@@ -243,6 +243,9 @@ def one(model, size, n):
       widths="+".join(str(len(s.devices)) for s in plan.stages),
       microbatches="+".join(map(str, sorted(set(stage_microbatch_counts(plan, B))))),
       depth=plan.depth(),
+      # How many devices compute at once, as the run that predicted it measured (each
+      # planner's run with --own_runs measures its own).
+      parallel=owner.host.parallel if owner.host is not None else None,
       measured_ms=measured * 1e3,
     )
     for k, v in cols.items():
@@ -326,17 +329,19 @@ def main(_):
           f"{spmd_text(r['allreduce_ms_per_mib'], 2)}, update ms per MiB "
           f"{r['update_ms_per_mib']:.2f}, set-up {r['setup_s']:.0f} s)"
         )
-        head = ("candidate", "devices", "M", "measured", "predicted", "err", "probe", "err")
+        head = ("candidate", "devices", "M", "par")
+        head += ("measured", "predicted", "err", "probe", "err")
         head += ("no SPMD", "err", "no call", "err", "no all-red", "err")
         head += ("1-dev issue", "err", "no widths", "err", "cm update", "err", "program", "err")
         print(
-          "  {:20s} {:>8s} {:>3s}".format(*head[:3])
-          + " {:>10s} {:>10s} {:>6s}".format(*head[3:6])
-          + (" {:>10s} {:>6s}" * len(ABLATIONS)).format(*head[6:])
+          "  {:20s} {:>8s} {:>3s} {:>4s}".format(*head[:4])
+          + " {:>10s} {:>10s} {:>6s}".format(*head[4:7])
+          + (" {:>10s} {:>6s}" * len(ABLATIONS)).format(*head[7:])
         )
         for row in r["rows"]:
           print(
             f"  {row['candidate']:20s} {row['widths']:>8s} {row['microbatches']:>3s} "
+            f"{'-' if row['parallel'] is None else format(row['parallel'], '.1f'):>4s} "
             f"{row['measured_ms']:8.2f}ms {row['predicted_ms']:8.2f}ms "
             f"{row['error'] * 100:+5.0f}%"
             + "".join(
