@@ -19,7 +19,8 @@ would otherwise fall on one candidate only) beside that prediction:
                       baselines are GraphPipe's run's), else planned on GraphPipe's
                       calibrated layer graph
 
-and prints per candidate: its devices per stage and micro-batches, measured ms, predicted ms,
+and prints per candidate: its devices per stage and micro-batches, how many devices compute at
+once as the run that predicted it measured ("par"), measured ms, predicted ms,
 the error, the prediction and error with the host's probe only (without the model's own SPMD
 factor), without any SPMD factor (the model before them) and without the host's fixed
 seconds per call over several devices (``HostCosts.spmd_call``; the factors as calibrated

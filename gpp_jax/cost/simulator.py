@@ -823,7 +823,9 @@ def simulate(
   buffers' sizes and lifetimes, without the executables' temporaries). ``host``: the machine's
   ``cost.host.HostCosts`` (per-op issue costs, compute servers, the time outside the program,
   added to the iteration time; a stage over k devices computes 1/k of its one-device time
-  times the SPMD factor for k, ``spmd_factor``; a fractional ``parallel`` interpolates the
+  times the SPMD factor for k, ``spmd_factor``, or in its layers' times measured over k
+  devices where the graph has them, ``measured_width_times``; the gradients' all-reduce and
+  the update as ``_host_updates`` prices them; a fractional ``parallel`` interpolates the
   iteration time between its two whole neighbours); without a program the schedule's
   lowering is timed with them.
 
