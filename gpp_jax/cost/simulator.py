@@ -1098,7 +1098,7 @@ def _host_updates(
   .measure_update``), where measured, else the cost model's. Without either measurement these
   are ``pc``'s UPDATE seconds and no all-reduce in the backward."""
   cm = cost_model or DEFAULT_COST_MODEL
-  per_byte = layer_graph.graph.get("update_per_byte") if host is not None else None
+  per_byte = layer_graph.graph.get("update_per_byte")
   per_call: list[float] = []
   update: list[float] = []
   for s in plan.stages:
@@ -1106,8 +1106,7 @@ def _host_updates(
     if i in inside:
       t: float | None = 0.0
     else:
-      ok = host is not None and k > 1 and host.allreduce
-      t = host.allreduce_seconds(k, nbytes) if ok else None
+      t = host.allreduce_seconds(k, nbytes) if k > 1 and host.allreduce else None
     per_call.append(0.0 if t is None else float(t))
     if t is None and per_byte is None:
       update.append(pc.update[i])
