@@ -17,7 +17,12 @@ would otherwise fall on one candidate only) beside that prediction:
   <planner>           each planner's own plan (``--planners``), predicted by a calibrated run
                       with that planner (``--own_runs``: what its user is shown; the
                       baselines are GraphPipe's run's), else planned on GraphPipe's
-                      calibrated layer graph
+                      calibrated layer graph; every planner searches with its run's
+                      measured host costs (``PlanningProblem.host``)
+  <planner> dev-only  the same planner's search without the host (the devices-only model),
+                      on the same calibrated graph, where its plan differs
+                      (``--devices_only_search``): the speed-up planning with the host
+                      brought, measured
 
 and prints per candidate: its devices per stage and micro-batches, how many devices compute at
 once as the run that predicted it measured ("par"), measured ms, predicted ms,
@@ -77,6 +82,12 @@ flags.DEFINE_integer("microbatches", 4, "micro-batches per step")
 flags.DEFINE_integer("steps", 10, "timed steps per candidate (median reported)")
 flags.DEFINE_integer("rounds", 5, "rounds the timed steps are taken in, candidates in turn")
 flags.DEFINE_string("json_out", None, "also write the rows to this JSON file")
+flags.DEFINE_bool(
+  "devices_only_search",
+  True,
+  "also run each planner's plan as its search finds it without the host's costs (the "
+  "devices-only model, as before planners searched with the host), where it differs",
+)
 flags.DEFINE_bool(
   "own_runs",
   True,
@@ -217,6 +228,25 @@ def one(model, size, n):
     except PlanError as e:
       print(f"  {name}: no plan ({e})")
 
+  # Each planner's search without the host (the devices-only model) on the same calibrated
+  # graph, where its plan differs: what planning with the host changed, measured.
+  if FLAGS.devices_only_search:
+    for name in FLAGS.planners:
+      if name not in candidates:
+        continue
+      owner = runs.get(name, planned)
+      try:
+        plain = make_plan(owner.layer_graph, B, dataclasses.replace(opts, planner=name))
+      except PlanError as e:
+        print(f"  {name}, devices-only search: no plan ({e})")
+        continue
+      if shape(plain) == shape(candidates[name][0]):
+        continue
+      timed = calibrate_widths(compiled.captured, owner.layer_graph, [plain], owner.host, devices)
+      if timed is not owner.layer_graph:
+        owner = dataclasses.replace(owner, layer_graph=timed)
+      candidates[f"{name} dev-only"] = (plain, owner)
+
   # Plans made on GraphPipe's graph have their stages' widths timed there, as a run would.
   mine = [p for p, owner in candidates.values() if owner is planned]
   wider = calibrate_widths(compiled.captured, graph, mine, planned.host, devices)
@@ -266,6 +296,12 @@ def one(model, size, n):
     for name, r in runs.items()
   }
   mine = choices["graphpipe"]
+  ms = {row["candidate"]: row["measured_ms"] for row in rows}
+  searched = {
+    name: dict(host_ms=ms[name], devices_only_ms=ms.get(f"{name} dev-only", ms[name]))
+    for name in FLAGS.planners
+    if name in ms
+  }
   return dict(
     model=model,
     size=size,
@@ -289,6 +325,7 @@ def one(model, size, n):
     model_spmd={int(k): f for k, f in graph.graph.get("spmd", {}).items()},
     update_ms_per_mib=graph.graph.get("update_per_byte", float("nan")) * 2**20 * 1e3,
     setup_s=setup_s,
+    searched=searched,
     rows=rows,
   )
 
@@ -362,10 +399,33 @@ def main(_):
         ]
         if others:
           print("  each planner's run chose (measured, regret): " + "; ".join(others))
+        gains = [
+          f"{k} {v['devices_only_ms'] / v['host_ms']:.2f}x"
+          for k, v in r["searched"].items()
+          if v["devices_only_ms"] != v["host_ms"]
+        ]
+        if FLAGS.devices_only_search:
+          print(
+            "  each planner's plan searched with the host, measured against its devices-only "
+            "search's (devices-only ms / host-aware ms): "
+            + ("; ".join(gains) if gains else "the same plans")
+          )
   errs = [abs(row["error"]) for r in out for row in r["rows"]]
   prog = [abs(row["error_program"]) for r in out for row in r["rows"]]
   bare = [abs(row["error_without_widths"]) for r in out for row in r["rows"]]
   regrets = [c["regret"] for r in out for c in r["choices"].values()]
+  gains = [
+    v["devices_only_ms"] / v["host_ms"]
+    for r in out
+    for k, v in r["searched"].items()
+    if v["devices_only_ms"] != v["host_ms"]
+  ]
+  if gains:
+    print(
+      f"\nplanners' plans searched with the host against their devices-only search: "
+      f"{len(gains)} differ; measured speed-up median {statistics.median(gains):.2f}x, "
+      f"min {min(gains):.2f}x, max {max(gains):.2f}x"
+    )
   print(
     f"\n{len(errs)} candidates: |error| median {statistics.median(errs) * 100:.0f}%, "
     f"max {max(errs) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in errs)}; regret max "

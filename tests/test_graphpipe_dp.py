@@ -215,7 +215,12 @@ def test_the_handed_out_plan_is_polished_where_it_beats_every_starting_plan(monk
 
   monkeypatch.setattr(search, "polish", fake_polish)
   problem = SimpleNamespace(
-    layer_graph=None, cluster=None, cost_model=None, costs=None, simulations=lambda: {}
+    layer_graph=None,
+    cluster=None,
+    cost_model=None,
+    costs=None,
+    host=None,
+    simulations=lambda: {},
   )
   opts = search.GraphPipeOptions()
   starts = [plan(1.0, "dp"), plan(1.2, "dp")]

@@ -4,6 +4,7 @@ parallel among the candidates, and the one prediction a plan is chosen by."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -176,8 +177,75 @@ def test_calibrated_host_cost_is_used(dag, monkeypatch):
   assert planned.predicted_s == pytest.approx(seconds)
   # The measured plain step calibrated the layer times (XLA's fusion of the whole model).
   assert planned.layer_graph.graph["fusion"] > 0
+  # The planner searched with the same host: its own plan was predicted for this machine.
+  own = planned.candidates["pipeline"]
+  assert own.predicted["host_aware"] and "searched with the host's measured costs" in pp.explain()
   ref = jax.jit(step)(params, opt_state, batch)
   assert max_diff(ref, out) < 1e-5
+
+
+def four_layer_chain(seconds: float) -> object:
+  """Four layers a -> b -> c -> d of ``seconds`` forward (twice that backward) per batch of
+  16 and 32 MiB of parameters each (data parallel all-reduces them): a pipeline of four
+  stages over four devices by the devices-only model."""
+  g = lg.new_layer_graph("chain4", 16)
+  names = ("a", "b", "c", "d")
+  for name in names:
+    lg.add_layer(
+      g, name, flops=1e9, param_bytes=32 * MiB, act_bytes=1024, time_f=seconds, time_b=2 * seconds
+    )
+  for u, v in itertools.pairwise(names):
+    lg.add_edge(g, u, v, 1024)
+  return g
+
+
+@pytest.mark.parametrize("planner", ["graphpipe", "pipedream", "piper", "bapipe", "luo"])
+def test_every_planner_searches_with_the_host_it_is_given(planner):
+  """A planner given the machine's host costs compares its plans by the prediction for that
+  machine: devices that take turns on the cores (parallel 1) and instructions of 2 ms to
+  issue make its devices-only pipeline slower than fewer stages. The plan it returns carries
+  the one prediction (``predict_seconds``), is no slower on that machine than its
+  devices-only plan, and has fewer stages."""
+  from gpp_jax.passes.partition import get_planner
+
+  g, cluster, h = four_layer_chain(10e-3), cpu_cluster(4, 8 * 2**30), host(2e-3, 1.0)
+  plan = get_planner(planner)
+  devices_only = plan(g, cluster, 16, num_microbatches=4)
+  on_host = plan(g, cluster, 16, num_microbatches=4, host=h)
+  assert devices_only.num_stages > 1 and "host_aware" not in devices_only.predicted
+  assert on_host.predicted["host_aware"]
+  seconds, fits = cp.predict_seconds(on_host, g, cluster, h)
+  assert fits and on_host.predicted["iteration_time"] == pytest.approx(seconds)
+  assert seconds <= cp.predict_seconds(devices_only, g, cluster, h)[0] * (1 + 1e-9)
+  assert on_host.num_stages < devices_only.num_stages
+  # Without the host the same planner's plan is the devices-only one, as the papers plan.
+  again = plan(g, cluster, 16, num_microbatches=4)
+  assert again.stages == devices_only.stages
+
+
+def test_a_user_planner_is_given_the_host_where_it_takes_one():
+  """``run_planner``: a callable planner whose signature takes ``host`` gets the measured
+  host costs; one that does not is called as before."""
+  from gpp_jax.passes.partition import get_planner
+
+  g, cluster, h = four_layer_chain(10e-3), cpu_cluster(4, 8 * 2**30), host(2e-3, 1.0)
+  seen = []
+
+  def with_host(graph, cl, batch_size, *, num_microbatches=None, host=None):
+    seen.append(host)
+    return get_planner("graphpipe")(
+      graph, cl, batch_size, num_microbatches=num_microbatches, host=host
+    )
+
+  def without(graph, cl, batch_size, *, num_microbatches=None):
+    seen.append("called")
+    return get_planner("graphpipe")(graph, cl, batch_size, num_microbatches=num_microbatches)
+
+  opts = cp.Options(num_microbatches=4, devices=tuple(jax.devices()[:4]))
+  plan = cp.run_planner(with_host, g, cluster, 16, opts, h)
+  assert seen == [h] and plan.predicted["host_aware"]
+  plan = cp.run_planner(without, g, cluster, 16, opts, h)
+  assert seen[-1] == "called" and "host_aware" not in plan.predicted
 
 
 def test_min_stages_keeps_a_pipeline(dag, monkeypatch):

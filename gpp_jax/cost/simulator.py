@@ -1157,6 +1157,55 @@ def predict_fused(
   return compute + update + issue
 
 
+def fused_times(layer_graph: nx.DiGraph) -> nx.DiGraph:
+  """``layer_graph`` with its layer times scaled by what XLA makes of the whole step where it
+  was measured (``graph.graph["fusion"]``, ``runtime.compile.calibrate_fusion``): the times
+  of a one-stage plan compiled as one program. Layers' times measured over several devices
+  (``time_f_at`` / ``time_b_at``) are left as measured. The graph itself where none."""
+  factor = layer_graph.graph.get("fusion")
+  if factor is None:
+    return layer_graph
+  out = layer_graph.copy()
+  for n in out:
+    for k in ("time_f", "time_b"):
+      if out.nodes[n].get(k) is not None:
+        out.nodes[n][k] = out.nodes[n][k] * factor
+  out.graph.pop("fusion", None)  # applied
+  return out
+
+
+def simulate_on_host(
+  plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  host: Any,
+  *,
+  schedule: Schedule | None = None,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+) -> SimResult:
+  """The one prediction of ``plan`` on the machine ``host`` measured (``cost.host.HostCosts``):
+  a pipeline is its schedule's program issued by the host (``simulate(host=)``), a one-stage
+  plan runs as one jitted step (``predict_fused``, its layer times scaled by the measured
+  ``fusion``, ``fused_times``), whose time replaces the simulated iteration time; memory and
+  bubbles are the simulation's. What the training program chooses among its candidates by,
+  and what planners given a host (``PlanningProblem.host``) search with."""
+  res = simulate(
+    plan,
+    layer_graph,
+    cluster,
+    schedule=schedule,
+    cost_model=cost_model,
+    costs=costs,
+    host=host,
+    timeline=False,
+  )
+  if plan.num_stages != 1:
+    return res
+  seconds = predict_fused(plan, fused_times(layer_graph), cluster, host, cost_model)
+  return dataclasses.replace(res, iteration_time=seconds)
+
+
 def step_durations(
   program: Program,
   plan,

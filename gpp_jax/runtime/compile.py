@@ -35,7 +35,7 @@ from jax.extend import core as xc
 from gpp_jax.cost.cluster import Link, as_cluster, devices_cluster, process_blocks
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.host import HostCosts
-from gpp_jax.cost.simulator import predict_fused, simulate
+from gpp_jax.cost.simulator import simulate, simulate_on_host
 from gpp_jax.errors import BatchError, CaptureError, PlanError
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import (
@@ -60,7 +60,7 @@ from gpp_jax.passes.lowering import (
   lower_fused,
   lower_step,
 )
-from gpp_jax.passes.partition import get_planner
+from gpp_jax.passes.partition import KeywordPlanner, get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.scan_split import ScanSplit, split_scans
 from gpp_jax.passes.schedules import plan_schedule, stream_schedule
@@ -432,7 +432,9 @@ def plan_step(
       host = probe_host(opts)
       opts = with_measured_link(opts, host)
   B = captured.batch_size
-  plan = make_plan(graph, B, opts)
+  # The planner searches with the host's measured costs: every plan it compares is
+  # predicted for this machine, as the candidates below are.
+  plan = make_plan(graph, B, opts, host)
   cluster = planner_cluster(opts)
   given = isinstance(opts.planner, (Plan, ManualPlan))
   anyway = ""
@@ -442,7 +444,7 @@ def plan_step(
   if not given:
     candidates.update(baseline_plans(graph, B, opts))
     if host is not None:  # where the host is the bottleneck, fewer devices can be faster
-      candidates.update(fewer_device_plans(graph, B, opts))
+      candidates.update(fewer_device_plans(graph, B, opts, host))
     candidates = {
       k: p for k, p in candidates.items() if k == "pipeline" or p.num_stages >= opts.min_stages
     }
@@ -852,16 +854,6 @@ def _calibrated(
   return out
 
 
-def _scaled_times(graph: nx.DiGraph, factor: float) -> nx.DiGraph:
-  out = graph.copy()
-  for n in out:
-    for k in ("time_f", "time_b"):
-      if out.nodes[n].get(k) is not None:
-        out.nodes[n][k] = out.nodes[n][k] * factor
-  out.graph.pop("fusion", None)  # applied
-  return out
-
-
 BASELINES = ("plain jit", "jit data parallel")  # what a user would run instead of a pipeline
 
 
@@ -884,10 +876,13 @@ def baseline_plans(
   return out
 
 
-def fewer_device_plans(graph: nx.DiGraph, batch_size: int, opts: Options) -> dict[str, Plan]:
+def fewer_device_plans(
+  graph: nx.DiGraph, batch_size: int, opts: Options, host: HostCosts | None = None
+) -> dict[str, Plan]:
   """The planner's plans on the first 2, 4, 8, ... of the devices (fewer than all), for a
   machine where more devices do not compute more at once (forced CPU devices sharing the
-  host's cores) or each action's issue costs more than it saves."""
+  host's cores) or each action's issue costs more than it saves (searched with ``host``, as
+  ``make_plan``)."""
   out: dict[str, Plan] = {}
   n = len(opts.devices)
   cluster = planner_cluster(opts)
@@ -900,7 +895,7 @@ def fewer_device_plans(graph: nx.DiGraph, batch_size: int, opts: Options) -> dic
     )
     try:
       out[f"{opts.planner if isinstance(opts.planner, str) else 'planner'} on {k} devices"] = (
-        make_plan(graph, batch_size, sub)
+        make_plan(graph, batch_size, sub, host)
       )
     except PlanError as e:
       logging.info("graph_pipeline: no plan on %d devices: %s", k, e)
@@ -912,17 +907,13 @@ def predict_seconds(
   plan: Plan, graph: nx.DiGraph, cluster: Any, host: HostCosts | None
 ) -> tuple[float, bool]:
   """(seconds per step on this machine, whether its predicted memory fits the cluster's
-  memory per device): a one-stage plan runs as one jitted step (``predict_fused``), a
-  pipeline as its schedule's program issued by the host (``simulate``); ``graph.graph
-  ["fusion"]``, where measured, scales a one-stage plan's compute (``calibrate_fusion``)."""
+  memory per device): ``simulate_on_host`` (a one-stage plan runs as one jitted step,
+  ``predict_fused``, a pipeline as its schedule's program issued by the host; ``graph.graph
+  ["fusion"]``, where measured, scales a one-stage plan's compute)."""
   if not plan.batch_size:  # a plan given without its batch: the graph's
     plan = plan.replace(batch_size=graph.graph["batch_size"])
-  res = simulate(plan, graph, cluster, host=host)
-  fits = max(res.stage_memory, default=0.0) <= cluster.memory_per_device
-  if plan.num_stages == 1:
-    fused = _scaled_times(graph, graph.graph["fusion"]) if "fusion" in graph.graph else graph
-    return predict_fused(plan, fused, cluster, host), fits
-  return res.iteration_time, fits
+  res = simulate_on_host(plan, graph, cluster, host)
+  return res.iteration_time, max(res.stage_memory, default=0.0) <= cluster.memory_per_device
 
 
 def calibrate(captured: Captured, opts: Options) -> Calibration:
@@ -1045,18 +1036,35 @@ def check_memory(c: CompiledStep, opts: Options, planned_by_user: bool) -> None:
   raise PlanError(msg)
 
 
-def run_planner(p: Any, graph: nx.DiGraph, cluster: Any, batch_size: int, opts: Options) -> Plan:
+def run_planner(
+  p: Any,
+  graph: nx.DiGraph,
+  cluster: Any,
+  batch_size: int,
+  opts: Options,
+  host: HostCosts | None = None,
+) -> Plan:
   """A named planner's or a callable's plan for ``graph`` on ``cluster``, which fits its memory
   per device as the simulator predicts it (a planner that does not look at memory is held to
-  it here: ``PlanError`` when over)."""
+  it here: ``PlanError`` when over). With ``host`` (the machine's measured costs) the planner
+  searches with the prediction for this machine (``PlanningProblem.host``); a callable gets
+  it where its signature takes ``host``."""
   M = opts.num_microbatches
   if isinstance(p, str):
     fn = get_planner(p)
+    with_host = {} if host is None else {"host": host}
     plan = fn(
-      lg.scaled(graph, batch_size), cluster, batch_size, num_microbatches=M, **opts.planner_options
+      lg.scaled(graph, batch_size),
+      cluster,
+      batch_size,
+      num_microbatches=M,
+      **with_host,
+      **opts.planner_options,
     )
   else:
-    plan = p(graph, cluster, batch_size, num_microbatches=M)
+    takes = KeywordPlanner("planner", p).accepts()
+    with_host = {"host": host} if host is not None and (takes is None or "host" in takes) else {}
+    plan = p(graph, cluster, batch_size, num_microbatches=M, **with_host)
   if plan.num_microbatches != M:
     plan = plan.replace(num_microbatches=M)
   if opts.schedule is not None:
@@ -1124,8 +1132,11 @@ def budget_error(
   )
 
 
-def make_plan(graph: nx.DiGraph, batch_size: int, opts: Options) -> Plan:
-  """The plan for ``graph``: the given Plan, a resolved manual plan, or a planner's."""
+def make_plan(
+  graph: nx.DiGraph, batch_size: int, opts: Options, host: HostCosts | None = None
+) -> Plan:
+  """The plan for ``graph``: the given Plan, a resolved manual plan, or a planner's (searched
+  with ``host``, the machine's measured costs, where given: ``run_planner``)."""
   M = opts.num_microbatches
   p = opts.planner
   nd = len(opts.devices)
@@ -1140,7 +1151,7 @@ def make_plan(graph: nx.DiGraph, batch_size: int, opts: Options) -> Plan:
   elif isinstance(p, str) or callable(p):
     cluster = planner_cluster(opts)
     try:
-      plan = run_planner(p, graph, cluster, batch_size, opts)
+      plan = run_planner(p, graph, cluster, batch_size, opts, host)
     except PlanError as e:
       raise budget_error(e, graph, cluster, batch_size, opts) from e
   else:

@@ -191,6 +191,12 @@ class GraphPipeline:
       if c.planned.measured:
         timed = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.planned.measured.items())
         lines.append(f"compiled and timed while choosing: {timed}")
+      own = c.planned.candidates.get("pipeline")
+      if own is not None and own.predicted.get("host_aware"):
+        lines.append(
+          f"{own.planner} searched with the host's measured costs: every plan it compared "
+          "was predicted for this machine"
+        )
       widths = sorted(lg.widths_measured(g, g.nodes))
       if widths:
         lines.append(

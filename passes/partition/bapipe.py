@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -127,6 +128,7 @@ def bapipe_search(problem: PlanningProblem, opts: BaPipeOptions) -> Plan:
       cost_model=cm,
       costs=costs,
       info={"bottleneck_tps": tps, "replicas": r},
+      host=problem.host,
     )
     best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
@@ -149,6 +151,7 @@ def bapipe_plan(
   modes: tuple[str, ...] = MODES,
   max_microbatches: int | None = MAX_MICROBATCHES,
   simulate_top: int = 8,
+  host: Any = None,
 ) -> Plan:
   """BaPipe: LayerGraph + Cluster -> sequential Plan: builds the ``PlanningProblem``
   (``cost_model``, ``num_microbatches``, ``max_microbatches``) and runs ``bapipe_search``
@@ -160,6 +163,7 @@ def bapipe_plan(
     num_microbatches=num_microbatches,
     cost_model=cost_model,
     max_microbatches=max_microbatches,
+    host=host,
     modes=modes,
     simulate_top=simulate_top,
   )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from typing import Any
 
 import networkx as nx
 
@@ -127,6 +128,7 @@ def best_at_size(
         best is not None
         and best.predicted["memory_ok"]
         and bound >= best.predicted["iteration_time"]
+        and (problem.host is None or len(blocks) > 1)  # one stage: one jitted step
       ):
         continue
       plan = assemble_plan(
@@ -139,6 +141,7 @@ def best_at_size(
         schedule=problem.schedule,
         cost_model=cm,
         costs=costs,
+        host=problem.host,
       )
       simulated += 1
       best = better(best, plan)
@@ -159,6 +162,7 @@ def exhaustive_plan(
   max_layers: int = 8,
   max_devices: int = 8,
   max_microbatches: int | None = MAX_MICROBATCHES,
+  host: Any = None,
 ) -> Plan:
   """Exhaustive search (see the module docstring); for at most ``max_layers`` layers and
   ``max_devices`` devices. Builds the ``PlanningProblem`` and runs ``exhaustive_search``."""
@@ -170,6 +174,7 @@ def exhaustive_plan(
     cost_model=cost_model,
     schedule=schedule,
     max_microbatches=max_microbatches,
+    host=host,
     max_layers=max_layers,
     max_devices=max_devices,
   )

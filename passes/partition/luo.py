@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -176,6 +177,7 @@ def luo_search(problem: PlanningProblem, opts: LuoOptions) -> Plan:
         cost_model=cm,
         costs=costs,
         info={"estimate": est, "replicas": r},
+        host=problem.host,
       )
       best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
@@ -198,6 +200,7 @@ def luo_plan(
   orders: tuple[str, ...] = ORDERS,
   max_microbatches: int | None = MAX_MICROBATCHES,
   simulate_top: int = 4,
+  host: Any = None,
 ) -> Plan:
   """Luo et al.: LayerGraph + Cluster -> sequential Plan: builds the ``PlanningProblem``
   (``cost_model``, ``num_microbatches``, ``max_microbatches``) and runs ``luo_search`` with
@@ -209,6 +212,7 @@ def luo_plan(
     num_microbatches=num_microbatches,
     cost_model=cost_model,
     max_microbatches=max_microbatches,
+    host=host,
     orders=orders,
     simulate_top=simulate_top,
   )

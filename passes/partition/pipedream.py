@@ -174,6 +174,7 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
       tables=chain_tables(problem),
       memo=problem.simulations(),
       keep_within=REFINE_WITHIN,
+      host=problem.host,
     )
     if not evaluated:
       raise no_plan_error("pipedream", problem.layer_graph, problem.cluster, problem.batch_size)
@@ -186,6 +187,7 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
       microbatch_sizes=sizes,
       memo=problem.simulations(),
       refine_within=REFINE_WITHIN,
+      host=problem.host,
     )
   pred = dict(plan.predicted)
   pred["search"] = {
@@ -294,6 +296,7 @@ def published_chain(
     cost_model=problem.cost_model,
     costs=costs,
     info={"bottleneck_tps": v, "selection": "published"},
+    host=problem.host,
   )
   if not plan.predicted["memory_ok"]:
     raise no_plan_error("pipedream", layer_graph, cluster, B)
@@ -318,6 +321,7 @@ def chain_candidates(
   tables: dict | None = None,
   memo: dict | None = None,
   keep_within: float | None = None,
+  host: Any = None,
 ) -> list[Plan]:
   """The simulated PipeDream DP optima within memory (see ``pipedream_plan``), unpolished;
   ``sweep=False`` skips simulating every stage count at the two best micro-batch sizes.
@@ -328,7 +332,10 @@ def chain_candidates(
   tables, so planners of the same problem can share them; ``memo`` their simulations
   (``plan_assembly.predict``). With ``keep_within``, the plans of the sweep whose pipeline
   lower bound is above ``keep_within`` times the best simulated time are left out
-  unsimulated: a polish that refines plans within that factor would not look at them.
+  unsimulated: a polish that refines plans within that factor would not look at them
+  (a one-stage plan, with ``host``, is always simulated: it runs as one jitted step, which
+  the bound does not see). ``host``: the machine's measured host costs, the prediction the
+  plans are simulated with (``plan_assembly.predict``).
   """
   cm = cost_model
   K = cluster.num_devices
@@ -370,7 +377,7 @@ def chain_candidates(
     done.add((b, s, rep))
     rc, A, dps = table(b, rep)
     ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s, unit)
-    if within is not None and evaluated:
+    if within is not None and evaluated and (host is None or len(ranges) > 1):
       best = min(p.predicted["iteration_time"] for p in evaluated)
       if bound(b, ranges) > within * best:
         return
@@ -388,6 +395,7 @@ def chain_candidates(
       costs=costs,
       info={"bottleneck_tps": float(A[0, -1, s])},
       memo=memo,
+      host=host,
     )
     if plan.predicted["memory_ok"]:
       evaluated.append(plan)

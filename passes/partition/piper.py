@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -402,13 +403,22 @@ def piper_search(problem: PlanningProblem, opts: PiperOptions) -> Plan:
       cost_model=cm,
       costs=costs,
       info={"bottleneck_tps": v, "downsets": len(pairs.sets), "selection": opts.selection},
+      host=problem.host,
     )
     best = better(best, plan)
     plans.append(plan)
   if best is None or not best.predicted.get("memory_ok", True):
     raise no_plan_error("piper", layer_graph, cluster, B)
   if opts.selection != "published":
-    best = polish(plans, layer_graph, cluster, cost_model=cm, costs=costs, microbatch_sizes=sizes)
+    best = polish(
+      plans,
+      layer_graph,
+      cluster,
+      cost_model=cm,
+      costs=costs,
+      microbatch_sizes=sizes,
+      host=problem.host,
+    )
   pred = dict(best.predicted)
   pred["search"] = {
     "seconds": time.perf_counter() - t0,
@@ -435,6 +445,7 @@ def piper_plan(
   max_pairs: int = 50_000_000,
   max_microbatches: int | None = MAX_MICROBATCHES,
   simulate_top: int = 6,
+  host: Any = None,
 ) -> Plan:
   """Piper: LayerGraph + Cluster -> sequential Plan over downset differences: builds the
   ``PlanningProblem`` (``cost_model``, ``schedule``, ``num_microbatches``,
@@ -448,6 +459,7 @@ def piper_plan(
     cost_model=cost_model,
     schedule=schedule,
     max_microbatches=max_microbatches,
+    host=host,
     selection=selection,
     max_downsets=max_downsets,
     max_pairs=max_pairs,

@@ -5,7 +5,10 @@ micro-batch size. ``assemble_plan`` turns that into a Plan: stages in topologica
 with a contiguous range of device indices, stage edges induced by the layer graph (plus any
 ordering edges the planner asks for), in-flight counts from the stage DAG, and the cost
 model's prediction (simulated iteration time, throughput, per-stage memory) in
-``plan.predicted``.
+``plan.predicted``: the devices-only simulation (every device computes on its own, the host
+costs nothing), or, given the machine's measured host (``cost.host.HostCosts``, ``host=``),
+the prediction for that machine (``cost.simulator.simulate_on_host``), which every planner's
+comparisons then go by.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from gpp_jax.cost.cost_model import (
   plan_costs,
 )
 from gpp_jax.cost.memory import format_bytes
-from gpp_jax.cost.simulator import SimResult, simulate
+from gpp_jax.cost.simulator import SimResult, simulate, simulate_on_host
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import validate_layer_graph
 from gpp_jax.ir.plan import Plan, Stage, has_mixed_microbatches, stage_edges
@@ -111,6 +114,7 @@ def assemble_plan(
   costs: LayerCosts | None = None,
   info: dict[str, Any] | None = None,
   memo: dict | None = None,
+  host: Any = None,
 ) -> Plan:
   """Stage choice -> Plan with devices, edges, in-flight counts and predictions.
 
@@ -129,6 +133,7 @@ def assemble_plan(
     device_order: the order in which device indices are handed out (default 0..n-1).
     info: extra entries for ``plan.predicted``.
     memo: simulations already run for this problem (``predict``).
+    host: the machine's measured host costs: the prediction is for that machine (``predict``).
   """
   costs = costs or layer_costs(layer_graph)
   cm = cost_model or DEFAULT_COST_MODEL
@@ -185,7 +190,15 @@ def assemble_plan(
     batch_size=batch_size,
   )
   return predict(
-    plan, layer_graph, cluster, cost_model=cm, costs=costs, info=info, idle=idle, memo=memo
+    plan,
+    layer_graph,
+    cluster,
+    cost_model=cm,
+    costs=costs,
+    info=info,
+    idle=idle,
+    memo=memo,
+    host=host,
   )
 
 
@@ -274,8 +287,12 @@ def predict(
   info: dict[str, Any] | None = None,
   idle: Sequence[int] = (),
   memo: dict | None = None,
+  host: Any = None,
 ) -> Plan:
-  """Plan -> the same Plan with ``predicted`` filled in from a simulation.
+  """Plan -> the same Plan with ``predicted`` filled in from a simulation: the devices-only
+  one, or with ``host`` (the machine's ``cost.host.HostCosts``) the prediction for that
+  machine (``cost.simulator.simulate_on_host``: the host issuing the program, the cores the
+  devices share, a one-stage plan as one jitted step), recorded as ``predicted["host_aware"]``.
 
   A zero-bubble plan gets its memory bound (``memory_bound``) as the stages' ``in_flight``,
   which is what its schedule is generated under (``passes.schedules.plan_schedule``).
@@ -291,12 +308,21 @@ def predict(
     plan = plan.replace(
       stages=tuple(dataclasses.replace(s, in_flight=n) for s, n in zip(plan.stages, bound))
     )
-  key = (id(layer_graph), id(cluster), id(cost_model), id(costs), plan.replace(planner=""))
+  key = (
+    id(layer_graph),
+    id(cluster),
+    id(cost_model),
+    id(costs),
+    id(host),
+    plan.replace(planner=""),
+  )
   res = None if memo is None else memo.get(key)
   if res is None:
-    res = _simulate(plan, layer_graph, cluster, bound, cost_model, costs)
+    res = _simulate(plan, layer_graph, cluster, bound, cost_model, costs, host)
     if memo is not None:
       memo[key] = res
+  if host is not None:
+    info = {**(info or {}), "host_aware": True}
   return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
 
 
@@ -307,13 +333,19 @@ def _simulate(
   bound: tuple[int, ...] | None,
   cost_model: CostModel | None,
   costs: LayerCosts | None,
+  host: Any = None,
 ) -> SimResult:
-  """The plan's simulation under its schedule (generated under ``bound`` if given)."""
+  """The plan's simulation under its schedule (generated under ``bound`` if given); with
+  ``host``, the prediction for that machine (``simulate_on_host``)."""
   if has_mixed_microbatches(plan):
     sched = plan_schedule(plan)  # per-stage counts from the stages' own sizes
   else:
     sched = _schedule(
       plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, bound
+    )
+  if host is not None:
+    return simulate_on_host(
+      plan, layer_graph, cluster, host, schedule=sched, cost_model=cost_model, costs=costs
     )
   return simulate(
     plan,

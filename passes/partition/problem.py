@@ -3,8 +3,10 @@
 A planning problem is what every planner starts from: the validated LayerGraph and its
 per-layer costs, the Cluster (its ``memory_per_device`` is the memory budget), the mini-batch
 size, the cost model, the schedule family the plan names and the micro-batch sizes a planner
-may choose from. ``PlanningProblem.build`` makes it from what users pass (a device count
-becomes a ``cpu_cluster``; the batch defaults to the LayerGraph's).
+may choose from, and, where the machine was measured, its host's costs (``host``: every
+planner's simulations are then the prediction for that machine, not the devices-only one).
+``PlanningProblem.build`` makes it from what users pass (a device count becomes a
+``cpu_cluster``; the batch defaults to the LayerGraph's).
 
 A planner is any callable ``planner(layer_graph, cluster, batch_size, *, num_microbatches=None,
 **options) -> Plan`` (``Planner``): a user's function passed as ``planner=`` qualifies. Every
@@ -43,6 +45,13 @@ class PlanningProblem:
     schedule: the schedule generator the plans name ("1f1b", "graph-1f1b", "gpipe", ...).
     num_microbatches: fixed M (micro-batch = batch / M), or None to sweep sizes.
     max_microbatches: a sweep skips sizes needing more micro-batches than this.
+    host: the machine's measured host costs (``cost.host.HostCosts``, ``runtime.host.
+      measure_host``), or None. Given, every simulation the planner compares plans by is the
+      prediction for that machine (``cost.simulator.simulate_on_host``: the host thread
+      issuing each instruction, the cores forced CPU devices share, a one-stage plan as one
+      jitted step); the planners' own objectives (per-stage times in their DPs) stay the
+      cost model's. None: the devices-only model (every device computes on its own, the host
+      costs nothing), as the papers' planners assume.
   """
 
   layer_graph: nx.DiGraph
@@ -53,6 +62,7 @@ class PlanningProblem:
   schedule: str = "1f1b"
   num_microbatches: int | None = None
   max_microbatches: int | None = MAX_MICROBATCHES
+  host: Any = None
   memo: dict = dataclasses.field(default_factory=dict, repr=False)  # work planners share
 
   @classmethod
@@ -66,6 +76,7 @@ class PlanningProblem:
     schedule: str = "1f1b",
     num_microbatches: int | None = None,
     max_microbatches: int | None = MAX_MICROBATCHES,
+    host: Any = None,
   ) -> PlanningProblem:
     """The problem from what a user passes: a device count becomes a ``cpu_cluster``, the
     batch defaults to the LayerGraph's ``batch_size``, the cost model to the default one."""
@@ -79,6 +90,7 @@ class PlanningProblem:
       schedule=schedule,
       num_microbatches=num_microbatches,
       max_microbatches=max_microbatches,
+      host=host,
     )
 
   @property
@@ -122,7 +134,7 @@ class Planner(Protocol):
 Options = TypeVar("Options")
 
 # The keyword arguments that make the problem rather than a planner's options.
-PROBLEM_KEYWORDS = ("cost_model", "schedule", "max_microbatches")
+PROBLEM_KEYWORDS = ("cost_model", "schedule", "max_microbatches", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +142,8 @@ class ProblemPlanner(Generic[Options]):
   """A built-in planner: ``plan(problem, options)`` with a frozen options dataclass.
 
   Calling it with the keyword form (``Planner``) builds the ``PlanningProblem`` (from
-  ``cost_model``, ``schedule``, ``max_microbatches`` and ``num_microbatches``) and the options
-  (every other keyword, checked against the options' fields) and runs ``plan``.
+  ``cost_model``, ``schedule``, ``max_microbatches``, ``host`` and ``num_microbatches``) and
+  the options (every other keyword, checked against the options' fields) and runs ``plan``.
   """
 
   name: str
@@ -189,7 +201,8 @@ def device_unit(num_devices: int, grid: int | None) -> int:
 class KeywordPlanner:
   """A planner written in the keyword form (``Planner``), e.g. a user's function, with the
   same ``plan(problem, options)`` as ``ProblemPlanner``: the problem's cost model, schedule
-  and micro-batch limit are passed to it where its signature takes them."""
+  and micro-batch limit are passed to it where its signature takes them, and its host costs
+  where it has them and the signature takes ``host``."""
 
   name: str
   fn: Callable[..., Plan]
@@ -211,6 +224,8 @@ class KeywordPlanner:
       "schedule": problem.schedule,
       "max_microbatches": problem.max_microbatches,
     }
+    if problem.host is not None:
+      given["host"] = problem.host
     kw = {k: v for k, v in given.items() if names is None or k in names}
     return self.fn(
       problem.layer_graph,

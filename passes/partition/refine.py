@@ -51,6 +51,7 @@ _PREDICTION_KEYS = (
   "depth",
   "cluster",
   "idle_devices",
+  "host_aware",
 )
 
 Stages = tuple[tuple[tuple[str, ...], int], ...]
@@ -69,6 +70,7 @@ def refine_plan(
   max_evals: int = 200,
   budget: list[int] | None = None,
   memo: dict | None = None,
+  host: Any = None,
 ) -> Plan:
   """Plan -> a plan at least as fast (see the module docstring).
 
@@ -82,6 +84,10 @@ def refine_plan(
     budget: a one-element list holding a simulation budget shared between calls (it is
       decremented; ``max_evals`` is ignored when given).
     memo: the problem's simulations (``plan_assembly.predict``).
+    host: the machine's measured host costs: moves are judged by the prediction for that
+      machine (``plan_assembly.predict``). The devices-only lower bound that skips moves
+      without simulating them is then kept for pipelines only: a one-stage plan runs as one
+      jitted step, which can be faster than its layers' times add up to.
   """
   costs = costs or layer_costs(layer_graph)
   info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
@@ -111,6 +117,7 @@ def refine_plan(
         costs=costs,
         info=info,
         memo=memo,
+        host=host,
       )
     return assemble_plan(
       layer_graph,
@@ -126,6 +133,7 @@ def refine_plan(
       costs=costs,
       info=info,
       memo=memo,
+      host=host,
     )
 
   cm = cost_model or DEFAULT_COST_MODEL
@@ -310,7 +318,7 @@ def refine_plan(
         continue
       target = (best or plan).predicted["iteration_time"] * (1 - 1e-4)
       # The budget counts simulations: a candidate the bound rules out costs none of it.
-      if bound(cand, *graph) >= target:
+      if (host is None or len(cand) > 1) and bound(cand, *graph) >= target:
         continue
       if budget[0] <= 0:
         break
@@ -434,6 +442,7 @@ def polish(
   max_evals: int = 200,
   microbatch_sizes: Sequence[int] = (),
   memo: dict | None = None,
+  host: Any = None,
 ) -> Plan:
   """The planners' last step: the fastest plan after local search on the simulated time.
 
@@ -444,7 +453,8 @@ def polish(
   what polishing only the best one misses. Last, the polished stages are tried (and
   refined) at the neighbouring micro-batch sizes (half and double) among ``microbatch_sizes``,
   the sizes the planner may choose from. ``memo``: the problem's simulations
-  (``plan_assembly.predict``).
+  (``plan_assembly.predict``); ``host``: the machine's measured host costs, the prediction
+  every step goes by (``refine_plan``).
   """
   plans = sorted(
     (p for p in plans if p.predicted.get("memory_ok", True)),
@@ -459,7 +469,14 @@ def polish(
 
   def refine(p: Plan) -> Plan:  # every refinement shares the budget and the simulations
     return refine_plan(
-      p, layer_graph, cluster, cost_model=cost_model, costs=costs, budget=budget, memo=memo
+      p,
+      layer_graph,
+      cluster,
+      cost_model=cost_model,
+      costs=costs,
+      budget=budget,
+      memo=memo,
+      host=host,
     )
 
   for plan in plans:
@@ -475,7 +492,7 @@ def polish(
   for b2 in (b // 2, 2 * b):
     if b2 not in microbatch_sizes:
       continue
-    moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs, memo)
+    moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs, memo, host)
     if moved.predicted["memory_ok"] and moved.predicted["iteration_time"] <= cutoff:
       best = better(best, refine(moved))
   return best
@@ -489,6 +506,7 @@ def _at_microbatch(
   cost_model: CostModel | None,
   costs: LayerCosts | None,
   memo: dict | None = None,
+  host: Any = None,
 ) -> Plan:
   """The same stages at micro-batch size ``b`` (device counts cut to divisors of ``b``)."""
   ok = data_parallel_degrees(b, cluster.num_devices)
@@ -512,4 +530,5 @@ def _at_microbatch(
     costs=costs,
     info=info,
     memo=memo,
+    host=host,
   )

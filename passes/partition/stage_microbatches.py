@@ -16,6 +16,7 @@ steps whose loss carries no state between micro-batches and reads no random key 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import networkx as nx
 
@@ -47,11 +48,13 @@ def assign_stage_microbatches(
   cost_model: CostModel | None = None,
   costs: LayerCosts | None = None,
   max_evals: int = 64,
+  host: Any = None,
 ) -> Plan:
   """Plan (one micro-batch size) -> the plan with per-stage sizes found by coordinate descent
   (see the module docstring); the plan re-simulated when no move helps. At most ``max_evals``
-  simulations. Moves that make every size equal again are skipped: a uniform plan is the
-  planner's own choice (its sweep over sizes), and its count is ``num_microbatches``."""
+  simulations (with ``host``, the prediction for that machine: ``plan_assembly.predict``).
+  Moves that make every size equal again are skipped: a uniform plan is the planner's own
+  choice (its sweep over sizes), and its count is ``num_microbatches``."""
   if plan.batch_size is None:
     raise PlanError("per-stage micro-batch sizes need the plan's batch_size; set Plan.batch_size")
   if plan.schedule not in PER_STAGE_COUNTS:
@@ -64,7 +67,7 @@ def assign_stage_microbatches(
   base = B // plan.num_microbatches
   sizes = tuple(s.microbatch_size or base for s in plan.stages)
   # The starting point simulated like every candidate, so that all compare alike.
-  best = predict(plan, layer_graph, cluster, cost_model=cost_model, costs=costs)
+  best = predict(plan, layer_graph, cluster, cost_model=cost_model, costs=costs, host=host)
   evals = 0
   improved = True
   while improved and evals < max_evals:
@@ -82,7 +85,7 @@ def assign_stage_microbatches(
         except PlanError:
           continue
         evals += 1
-        cand = predict(cand, layer_graph, cluster, cost_model=cost_model, costs=costs)
+        cand = predict(cand, layer_graph, cluster, cost_model=cost_model, costs=costs, host=host)
         if better(best, cand) is cand:
           best, sizes, improved = cand, trial, True
   return best.replace(
@@ -115,6 +118,7 @@ def graphpipe_stage_microbatch_search(
     cost_model=problem.cost_model,
     costs=problem.costs,
     max_evals=opts.max_evals,
+    host=problem.host,
   )
 
 

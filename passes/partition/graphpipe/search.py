@@ -230,6 +230,7 @@ class Candidates:
       costs=p.costs,
       info=info,
       memo=p.simulations(),
+      host=p.host,
     )
 
   def add(self, plan: Plan) -> None:
@@ -423,6 +424,7 @@ def chain_seed_plans(problem: PlanningProblem, sizes: list[int]) -> list[Plan]:
     unit=device_unit(problem.num_devices, PipeDreamOptions().device_grid),
     tables=chain_tables(problem),
     memo=problem.simulations(),
+    host=problem.host,
   )
 
 
@@ -447,6 +449,7 @@ def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates
       max_evals=max_evals,
       microbatch_sizes=sizes,
       memo=problem.simulations(),
+      host=problem.host,
     )
 
   start = min(p.predicted["iteration_time"] for p in cands.evaluated)
@@ -465,7 +468,9 @@ def seeded(problem: PlanningProblem, opts: GraphPipeOptions, best: Plan) -> tupl
     seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions()))
   n = 0
   for seed in seeds:
-    for plan in as_graphpipe(seed, problem.layer_graph, *_priced(problem), problem.simulations()):
+    for plan in as_graphpipe(
+      seed, problem.layer_graph, *_priced(problem), problem.simulations(), problem.host
+    ):
       n += 1
       best = better(best, plan)
   return best, n
@@ -483,6 +488,7 @@ def other_schedules(problem: PlanningProblem, names: Sequence[str], best: Plan) 
         costs=problem.costs,
         idle=best.predicted.get("idle_devices", ()),
         memo=problem.simulations(),
+        host=problem.host,
       )
       best = better(best, alt.replace(predicted={**best.predicted, **alt.predicted}))
   return best
@@ -582,6 +588,7 @@ def as_graphpipe(
   cm: CostModel,
   costs,
   memo: dict | None = None,
+  host: Any = None,
 ) -> list[Plan]:
   """Another planner's plan as GraphPipe candidates: its stages and devices as they are, and,
   for a chain, the same stages without the ordering edges no tensor flows along (``memo``:
@@ -610,6 +617,7 @@ def as_graphpipe(
       costs=costs,
       info={"seed": plan.planner},
       memo=memo,
+      host=host,
     )
     if p.predicted["memory_ok"]:
       out.append(p)
