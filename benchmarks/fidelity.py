@@ -240,22 +240,9 @@ def one(model, size, n):
       except PlanError as e:
         print(f"  {name}, devices-only search: no plan ({e})")
         continue
-      if shape(plain) == shape(candidates[name][0]):
-        continue
-      timed = calibrate_widths(compiled.captured, owner.layer_graph, [plain], owner.host, devices)
-      if timed is not owner.layer_graph:
-        owner = dataclasses.replace(owner, layer_graph=timed)
-      candidates[f"{name} dev-only"] = (plain, owner)
+      if shape(plain) != shape(candidates[name][0]):
+        candidates[f"{name} dev-only"] = (plain, owner)
 
-  # Plans made on GraphPipe's graph have their stages' widths timed there, as a run would.
-  mine = [p for p, owner in candidates.values() if owner is planned]
-  wider = calibrate_widths(compiled.captured, graph, mine, planned.host, devices)
-  if wider is not graph:
-    planned = dataclasses.replace(planned, layer_graph=wider)
-    candidates = {
-      k: (p, planned if owner is runs["graphpipe"] else owner)
-      for k, (p, owner) in candidates.items()
-    }
   # Every candidate compiled first, then measured side by side; each run's choice too where
   # it is none of them (e.g. a planner's plan on fewer devices).
   plans = [p for p, _ in candidates.values()]
@@ -263,6 +250,13 @@ def one(model, size, n):
     if all(shape(p) != shape(r.plan) for p in plans):
       plans.append(r.plan)
   prepared = [prepare(run, data, plan, devices) for plan in plans]
+  # A pipeline's stages over several devices have their layers timed at those widths on the
+  # graph that predicts it, as a run times its own candidates' (each with the capture at its
+  # micro-batch: a run whose choice is a baseline keeps the whole-batch one).
+  for (name, (plan, owner)), (_, c) in zip(list(candidates.items()), prepared):
+    timed = calibrate_widths(c.captured, owner.layer_graph, [plan], owner.host, devices)
+    if timed is not owner.layer_graph:
+      candidates[name] = (plan, dataclasses.replace(owner, layer_graph=timed))
   times = measure(run, data, [train for train, _ in prepared])
   by_shape = {repr(shape(p)): t for p, t in zip(plans, times)}
   rows = []

@@ -666,6 +666,38 @@ def test_layers_are_timed_over_the_widths_of_the_candidates_stages(dag, monkeypa
     repeats=1,
   )
   assert seen and all(len(x.sharding.device_set) == 2 for out in seen for x in jax.tree.leaves(out))
+  # Layers timed at another micro-batch than the graph's would be kept as if at the graph's.
+  captured = pp.compiled.captured
+  other = lg.scaled(captured.layering.graph, 2 * captured.microbatch_size)
+  with pytest.raises(ValueError, match="captured at micro-batch"):
+    cp.calibrate_widths(captured, other, [pp.plan], planned.host, jax.devices()[:4])
+
+
+def test_the_planner_searches_with_every_stage_width_timed(dag, monkeypatch):
+  """With calibrate=True on CPU devices, the planner is given the measured host and a layer
+  graph whose layers are already timed at every width a pipeline's stage may take (2 of 4
+  devices at micro-batch 8; 3 does not split it), before it searches."""
+  from gpp_jax.passes.partition import get_planner
+  from gpp_jax.runtime import host as host_mod
+
+  h = spmd_host({2: 3.0, 4: 6.0})
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: h)
+  timed_by_width(monkeypatch, lambda k: 0.01 if k == 1 else 0.03)
+  seen = []
+
+  def planner(layer_graph, cluster, batch_size, *, num_microbatches=None, host=None):
+    seen.append((host, lg.widths_measured(layer_graph, layer_graph.nodes)))
+    return get_planner("graphpipe")(
+      lg.scaled(layer_graph, batch_size), cluster, batch_size, num_microbatches=num_microbatches
+    )
+
+  assert cp.stage_widths(4, 8) == [2] and cp.stage_widths(8, 16) == [2, 4]
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner=planner, calibrate=True
+  )
+  pp(params, opt_state, batch)
+  assert seen and all(host is h and widths == {2} for host, widths in seen)
 
 
 def test_the_step_own_update_timed_prices_the_update():

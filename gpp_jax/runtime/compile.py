@@ -410,6 +410,11 @@ def plan_step(
   not measured) the planner's plan is kept and a faster baseline only noted. A plan the user
   gives is run as it is, with the same prediction.
 
+  When calibrating, the planner searches with the host's measured costs (``make_plan(host=)``:
+  every plan it compares is predicted for this machine), after the layers are timed at each
+  width a pipeline's stage may take (``stage_widths``, ``calibrate_widths``; on CPU devices of
+  one process).
+
   When calibrating, ``trial(plan)`` compiles and times plain jit (``(compiled step, seconds)``):
   the measured step calibrates the layer times' sum against what XLA makes of the whole
   model (``fusion``: their ratio, applied to the one-stage candidates, which XLA compiles as
@@ -432,11 +437,15 @@ def plan_step(
       host = probe_host(opts)
       opts = with_measured_link(opts, host)
   B = captured.batch_size
-  # The planner searches with the host's measured costs: every plan it compares is
-  # predicted for this machine, as the candidates below are.
+  given = isinstance(opts.planner, (Plan, ManualPlan))
+  if calibration is not None and host is not None and not given:
+    # The planner searches with the host's measured costs: every plan it compares is
+    # predicted for this machine, as the candidates below are. A stage over several devices
+    # is priced by its layers timed that wide, so each width a stage may take is timed first.
+    widths = stage_widths(len(opts.devices), captured.microbatch_size)
+    graph = calibrate_widths(captured, graph, (), host, opts.devices, widths)
   plan = make_plan(graph, B, opts, host)
   cluster = planner_cluster(opts)
-  given = isinstance(opts.planner, (Plan, ManualPlan))
   anyway = ""
   if not given and plan.num_stages < opts.min_stages:
     plan, anyway = pipeline_anyway(graph, B, opts, plan)
@@ -448,7 +457,7 @@ def plan_step(
     candidates = {
       k: p for k, p in candidates.items() if k == "pipeline" or p.num_stages >= opts.min_stages
     }
-  if calibration is not None:  # stages over several devices: their layers timed so
+  if calibration is not None:  # stages over several devices (of any width not timed yet)
     graph = calibrate_widths(captured, graph, candidates.values(), host, opts.devices)
   trials: dict[str, tuple[Any, float]] = {}
   # The plain step, timed, calibrates one-stage predictions (a given pipeline needs none).
@@ -944,9 +953,11 @@ def calibrate_widths(
   plans: Iterable[Plan],
   host: HostCosts | None,
   devices: Sequence[Any],
+  widths: Iterable[int] = (),
 ) -> nx.DiGraph:
   """``graph`` with its layers also timed as a stage over k devices runs them, for each width
-  k > 1 of a stage of a pipeline among ``plans`` not yet measured (``measure_layers
+  k > 1 of a stage of a pipeline among ``plans``, and each of ``widths`` (on the first k of
+  ``devices``), not yet measured (``measure_layers
   (placement=)``, on that stage's devices; ``Calibration.apply(width=)``): the simulator
   then takes those times for such stages (``cost.simulator.measured_width_times``) instead
   of the host's SPMD factor. Only on CPU devices of one process, where the host measured the
@@ -954,20 +965,27 @@ def calibrate_widths(
   no small probe tells (medium MMT's stages over 4 of 8 forced CPU devices measured 2.3-2.7x
   the factor's time, the layers timed this way added up to within 10% of them: BUILD_NOTES,
   "Stages over several devices, timed layer by layer"). A width that does not divide the
-  micro-batch is left out. ``devices``: what the plans' device numbers index."""
+  micro-batch is left out. ``devices``: what the plans' device numbers index. ``captured``
+  must be the capture ``graph`` was made from (its micro-batch is the graph's batch: the
+  times are kept as measured)."""
   if host is None or not host.spmd or jax.process_count() > 1:
     return graph
   mb = captured.microbatch_size
   groups: dict[int, tuple[Any, ...]] = {}
-  for p in plans:
-    for s in p.stages if p.num_stages > 1 else ():
-      devs = tuple(devices[d] for d in s.devices)
-      if len(devs) > 1 and mb % len(devs) == 0 and devs[0].platform == "cpu":
-        groups.setdefault(len(devs), devs)
+  stages = [tuple(s.devices) for p in plans if p.num_stages > 1 for s in p.stages]
+  for ds in stages + [tuple(range(k)) for k in widths if k <= len(devices)]:
+    devs = tuple(devices[d] for d in ds)
+    if len(devs) > 1 and mb % len(devs) == 0 and devs[0].platform == "cpu":
+      groups.setdefault(len(devs), devs)
   lay = captured.layering
   for k, devs in sorted(groups.items()):
     if k in lg.widths_measured(graph, graph.nodes):
       continue
+    if mb != graph.graph["batch_size"]:
+      raise ValueError(
+        f"calibrate_widths: the step was captured at micro-batch {mb} but the layer graph "
+        f"is at {graph.graph['batch_size']}; pass the capture the graph was made from"
+      )
     cal = measure_layers(
       captured.loss,
       lay.eqn_layer,
@@ -978,6 +996,12 @@ def calibrate_widths(
     )
     graph = cal.apply(graph, width=k)
   return graph
+
+
+def stage_widths(num_devices: int, microbatch: int) -> list[int]:
+  """The widths a stage of a pipeline over ``num_devices`` devices may take beyond one
+  device: those that leave a device for another stage and split the micro-batch evenly."""
+  return [k for k in range(2, num_devices) if microbatch % k == 0]
 
 
 def planner_cluster(opts: Options) -> Any:
