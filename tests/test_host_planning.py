@@ -223,6 +223,26 @@ def test_every_planner_searches_with_the_host_it_is_given(planner):
   assert again.stages == devices_only.stages
 
 
+def test_min_stages_takes_the_planner_devices_only_pipeline_where_its_host_plan_is_one_stage():
+  """Searched with a host on which one stage is fastest, a planner returns one stage;
+  min_stages=2 then runs the same planner's pipeline for devices that compute on their own
+  (not the balanced planner's), and says so."""
+  g, h = four_layer_chain(10e-3), host(2e-3, 1.0)
+  opts = cp.Options(
+    num_microbatches=4,
+    devices=tuple(jax.devices()[:4]),
+    planner="graphpipe",
+    cluster=cpu_cluster(4, 8 * 2**30),
+    min_stages=2,
+  )
+  one = cp.make_plan(g, 16, opts, h)
+  assert one.num_stages == 1
+  plan, note = cp.pipeline_anyway(g, 16, opts, one, h)
+  assert plan.planner == "graphpipe" and plan.num_stages >= 2
+  assert plan.stages == cp.make_plan(g, 16, opts).stages
+  assert "min_stages=2 runs its plan for devices that compute on their own" in note
+
+
 def test_a_user_planner_is_given_the_host_where_it_takes_one():
   """``run_planner``: a callable planner whose signature takes ``host`` gets the measured
   host costs; one that does not is called as before."""

@@ -448,7 +448,7 @@ def plan_step(
   cluster = planner_cluster(opts)
   anyway = ""
   if not given and plan.num_stages < opts.min_stages:
-    plan, anyway = pipeline_anyway(graph, B, opts, plan)
+    plan, anyway = pipeline_anyway(graph, B, opts, plan, host)
   candidates = {"pipeline": plan}
   if not given:
     candidates.update(baseline_plans(graph, B, opts))
@@ -576,10 +576,12 @@ def checked_by_trial(
 
 
 def pipeline_anyway(
-  graph: nx.DiGraph, batch_size: int, opts: Options, plan: Plan
+  graph: nx.DiGraph, batch_size: int, opts: Options, plan: Plan, host: HostCosts | None = None
 ) -> tuple[Plan, str]:
   """``min_stages``: the planner's own plan has fewer stages than asked (it finds no pipeline
-  faster); (the balanced planner's pipeline of ``min_stages`` stages, the note that says so).
+  faster); (a pipeline of at least ``min_stages`` stages, the note that says so): where the
+  planner searched with the host, its plan for devices that compute on their own if that has
+  enough stages, else the balanced planner's pipeline of ``min_stages`` stages.
   ``PlanError`` where the devices or the layers are fewer than the stages asked for."""
   k, nd, nl = opts.min_stages, len(opts.devices), graph.number_of_nodes()
   if k > min(nd, nl):
@@ -588,6 +590,19 @@ def pipeline_anyway(
       + (f"devices ({nd})" if nd < k else f"layers ({nl})")
       + "; pass a smaller min_stages"
     )
+  if host is not None:
+    try:
+      own = make_plan(graph, batch_size, opts)
+    except PlanError:
+      own = None
+    if own is not None and own.num_stages >= k:
+      note = (
+        f"{plan.planner}'s own plan on this machine has {plan.num_stages} stage(s) (it finds "
+        f"no pipeline faster here); min_stages={k} runs its plan for devices that compute on "
+        f"their own, {own.num_stages} stages"
+      )
+      logging.info("graph_pipeline: %s", note)
+      return own, note
   balanced = dataclasses.replace(opts, planner="balanced", planner_options={"num_stages": k})
   out = make_plan(graph, batch_size, balanced)
   note = (
