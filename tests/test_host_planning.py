@@ -720,6 +720,47 @@ def test_the_planner_searches_with_every_stage_width_timed(dag, monkeypatch):
   assert seen and all(host is h and widths == {2} for host, widths in seen)
 
 
+def test_the_planner_searches_again_with_what_the_trials_measured(dag, monkeypatch):
+  """The search runs before the trials fit the fusion and the model's own SPMD factor; with
+  them, the planner searches once more and its new plan (here: a 2-stage pipeline where
+  the first search found one stage over the devices) replaces the first as its candidate,
+  the first one's timing dropped."""
+  from gpp_jax.passes.partition.plan_assembly import assemble_plan
+  from gpp_jax.runtime import host as host_mod
+
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: spmd_host({2: 3.0, 4: 6.0}))
+  timed_by_width(monkeypatch, lambda k: 0.01 if k == 1 else 0.03)
+  seen = []
+
+  def planner(layer_graph, cluster, batch_size, *, num_microbatches=None, host=None):
+    calibrated = "fusion" in layer_graph.graph
+    seen.append(calibrated)
+    layers = list(lg.topo_layers(layer_graph))
+    n = cluster.num_devices
+    stages = [(layers[:2], 1), (layers[2:], 1)] if calibrated else [(layers, n)]
+    return assemble_plan(
+      layer_graph,
+      cluster,
+      stages,
+      microbatch=batch_size // num_microbatches,
+      batch_size=batch_size,
+      planner="mine",
+      sequential=True,
+    )
+
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner=planner, calibrate=True
+  )
+  out = pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  assert seen[0] is False and seen[-1] is True
+  assert planned.candidates["pipeline"].num_stages == 2
+  # The first plan's trial (one stage over 4 devices: 0.03 s) is not the new plan's timing.
+  assert planned.measured.get("pipeline", 0.01) == 0.01
+  assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
+
+
 def test_the_step_own_update_timed_prices_the_update():
   """Where the step's update was timed (``update_per_byte``, seconds per parameter byte), the
   host-aware model's UPDATE is that times the stage's parameter bytes, plus the all-reduce

@@ -488,6 +488,22 @@ def plan_step(
     if dp is not None and "jit data parallel" in trials:
       pieces = (acc, trials["pipeline"][1]) if "pipeline" in trials else None
       graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
+    if not given and not anyway and trials:
+      # The search ran before the trials said what XLA makes of a step in one program (the
+      # fusion, the model's own SPMD factor), so it priced one-stage plans with the host's
+      # probe only: searched again with them, the planner's plan replaces its first one.
+      better_plan = make_plan(graph, B, opts, host)
+      if better_plan.num_stages >= opts.min_stages and plan_shape(better_plan) != plan_shape(plan):
+        logging.info(
+          "graph_pipeline: searched again with the trials' calibration, %s's plan has %d "
+          "stage(s) (first: %d)",
+          better_plan.planner,
+          better_plan.num_stages,
+          plan.num_stages,
+        )
+        plan = candidates["pipeline"] = better_plan
+        trials.pop("pipeline", None)  # the first plan's timing
+        graph = calibrate_widths(captured, graph, [plan], host, opts.devices)
   choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host)
   note = ""
   if trial is not None and not given and choice not in trials:
@@ -538,6 +554,11 @@ def plan_step(
   return Planned(
     plan, graph, calibration, host, predicted[choice], predicted, note, kept, measured, plans
   )
+
+
+def plan_shape(plan: Plan) -> tuple:
+  """What makes two plans the same step: each stage's layers and devices, the micro-batches."""
+  return tuple((s.layers, s.devices) for s in plan.stages), plan.num_microbatches
 
 
 def checked_by_trial(
