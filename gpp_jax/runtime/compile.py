@@ -413,7 +413,8 @@ def plan_step(
   When calibrating, the planner searches with the host's measured costs (``make_plan(host=)``:
   every plan it compares is predicted for this machine), after the layers are timed at each
   width a pipeline's stage may take (``stage_widths``, ``calibrate_widths``; on CPU devices of
-  one process).
+  one process), and once more after the trials below have fitted the fusion and the model's
+  own SPMD factor (one-stage plans are priced with them only then).
 
   When calibrating, ``trial(plan)`` compiles and times plain jit (``(compiled step, seconds)``):
   the measured step calibrates the layer times' sum against what XLA makes of the whole
