@@ -36,7 +36,11 @@ timed ("cm update"), and the prediction from the lowered program the
 executor ran (its step pieces and batched puts included, ``simulate(program=)``); then
 GraphPipe's choice,
 the best measured candidate and the regret (measured time of the choice / best measured),
-and with ``--own_runs`` each planner's run's choice and its regret.
+and with ``--own_runs`` each planner's run's choice and its regret. Last, how repeatable
+the numbers are on this machine: per candidate, how far its rounds' medians lie apart
+("rounds") and how far the predictions of each planner's calibrated run lie apart ("runs",
+for plans without a pipeline stage over several devices), and per model how far the trials of
+the runs timed the same plain-jit and jit data-parallel steps.
 With ``--json_out`` the rows go to a JSON file too. The 2-process rows are
 ``benchmarks/scaling.py``.
 """
@@ -117,21 +121,27 @@ def prepare(run, data, planner, devices) -> tuple[Any, Any]:
   return train, pp.compiled
 
 
-def measure(run, data, trains: list[Any]) -> list[float]:
+def measure(run, data, trains: list[Any]) -> tuple[list[float], list[float]]:
   """Median wall seconds of a step (the call and its results ready) of each of ``trains``,
   as a training loop sees: ``--steps`` timed steps each, taken in ``--rounds`` rounds that
   visit the steps in turn (one untimed step first in each: the state moves to that plan's
-  devices), so that a slow or fast spell of the machine falls on all of them alike."""
+  devices), so that a slow or fast spell of the machine falls on all of them alike; and, of
+  each, how far its rounds' medians lie apart (the largest over the smallest, less one): the
+  measurement's own repeatability on this machine."""
   times: list[list[float]] = [[] for _ in trains]
+  rounds: list[list[float]] = [[] for _ in trains]
   per_round = -(-FLAGS.steps // FLAGS.rounds)
   for r in range(FLAGS.rounds):
-    for train, found in zip(trains, times):
+    for train, found, medians in zip(trains, times, rounds):
       jax.block_until_ready((train(data[r % len(data)]), jax.tree.leaves(run.model)))
+      these = []
       for i in range(per_round):
         t = time.perf_counter()
         jax.block_until_ready((train(data[i % len(data)]), jax.tree.leaves(run.model)))
-        found.append(time.perf_counter() - t)
-  return [statistics.median(found) for found in times]
+        these.append(time.perf_counter() - t)
+      found.extend(these)
+      medians.append(statistics.median(these))
+  return [statistics.median(found) for found in times], [max(m) / min(m) - 1 for m in rounds]
 
 
 def calibrated(run, data, devices, planner) -> tuple[Any, Any, float]:
@@ -257,10 +267,12 @@ def one(model, size, n):
     timed = calibrate_widths(c.captured, owner.layer_graph, [plan], owner.host, devices)
     if timed is not owner.layer_graph:
       candidates[name] = (plan, dataclasses.replace(owner, layer_graph=timed))
-  times = measure(run, data, [train for train, _ in prepared])
+  times, spreads = measure(run, data, [train for train, _ in prepared])
   by_shape = {repr(shape(p)): t for p, t in zip(plans, times)}
   rows = []
-  for (name, (plan, owner)), measured, (_, c) in zip(candidates.items(), times, prepared):
+  for (name, (plan, owner)), measured, apart, (_, c) in zip(
+    candidates.items(), times, spreads, prepared
+  ):
     cols = columns(plan, owner, B, cluster, c)
     row = dict(
       candidate=name,
@@ -272,6 +284,8 @@ def one(model, size, n):
       # planner's run with --own_runs measures its own).
       parallel=owner.host.parallel if owner.host is not None else None,
       measured_ms=measured * 1e3,
+      rounds_spread=apart,
+      across_runs_ms=across_runs(plan, runs, B, cluster),
     )
     for k, v in cols.items():
       key = "predicted_ms" if k == "predicted" else f"predicted_{k}_ms"
@@ -290,6 +304,11 @@ def one(model, size, n):
     for name, r in runs.items()
   }
   mine = choices["graphpipe"]
+  # The same compiled steps timed by every run's trials, minutes apart in one process.
+  trials = {
+    k: [r.measured[k] * 1e3 for r in runs.values() if k in r.measured]
+    for k in ("plain jit", "jit data parallel")
+  }
   ms = {row["candidate"]: row["measured_ms"] for row in rows}
   searched = {
     name: dict(host_ms=ms[name], devices_only_ms=ms.get(f"{name} dev-only", ms[name]))
@@ -320,8 +339,23 @@ def one(model, size, n):
     update_ms_per_mib=graph.graph.get("update_per_byte", float("nan")) * 2**20 * 1e3,
     setup_s=setup_s,
     searched=searched,
+    trials_ms=trials,
     rows=rows,
   )
+
+
+def across_runs(plan, runs, B, cluster) -> list[float] | None:
+  """ms ``plan`` is predicted at by each run's calibration (its layer graph and host), where
+  no stage of a pipeline spans several devices (those need the widths timed on each graph):
+  how far calibrations minutes apart on this machine disagree about one plan."""
+  if plan.num_stages > 1 and any(len(s.devices) > 1 for s in plan.stages):
+    return None
+  if len(runs) < 2:
+    return None
+  return [
+    predict_seconds(plan, lg.scaled(r.layer_graph, B), cluster, r.host)[0] * 1e3
+    for r in runs.values()
+  ]
 
 
 # The columns after the prediction, in the order printed (``columns``' keys).
@@ -335,6 +369,11 @@ ABLATIONS = (
   "guessed_update",
   "program",
 )
+
+
+def spread(values) -> float:
+  """How far ``values`` lie apart: the largest over the smallest, less one."""
+  return max(values) / min(values) - 1
 
 
 def spmd_text(factors, digits: int = 1) -> str:
@@ -365,10 +404,12 @@ def main(_):
         head += ("measured", "predicted", "err", "probe", "err")
         head += ("no SPMD", "err", "no call", "err", "no all-red", "err")
         head += ("1-dev issue", "err", "no widths", "err", "cm update", "err", "program", "err")
+        head += ("rounds", "runs")
         print(
           "  {:20s} {:>8s} {:>3s} {:>4s}".format(*head[:4])
           + " {:>10s} {:>10s} {:>6s}".format(*head[4:7])
-          + (" {:>10s} {:>6s}" * len(ABLATIONS)).format(*head[7:])
+          + (" {:>10s} {:>6s}" * len(ABLATIONS)).format(*head[7:-2])
+          + " {:>6s} {:>6s}".format(*head[-2:])
         )
         for row in r["rows"]:
           print(
@@ -379,6 +420,10 @@ def main(_):
             + "".join(
               f" {row[f'predicted_{k}_ms']:8.2f}ms {row[f'error_{k}'] * 100:+5.0f}%"
               for k in ABLATIONS
+            )
+            + f" {row['rounds_spread'] * 100:5.0f}% "
+            + (
+              f"{spread(row['across_runs_ms']) * 100:5.0f}%" if row["across_runs_ms"] else "     -"
             )
           )
         print(
@@ -393,6 +438,13 @@ def main(_):
         ]
         if others:
           print("  each planner's run chose (measured, regret): " + "; ".join(others))
+        timed = [
+          f"{k} {min(v):.2f}-{max(v):.2f} ms ({spread(v) * 100:.0f}% apart)"
+          for k, v in r["trials_ms"].items()
+          if len(v) > 1
+        ]
+        if timed:
+          print("  the same step timed by each run's trial: " + "; ".join(timed))
         gains = [
           f"{k} {v['devices_only_ms'] / v['host_ms']:.2f}x"
           for k, v in r["searched"].items()
@@ -429,6 +481,25 @@ def main(_):
     f"{statistics.median(prog) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in prog)}; "
     f"without the layers timed over stages' devices: |error| median "
     f"{statistics.median(bare) * 100:.0f}%, within 15%: {sum(e <= 0.15 for e in bare)}"
+  )
+  rounds = [row["rounds_spread"] for r in out for row in r["rows"]]
+  runs = [spread(row["across_runs_ms"]) for r in out for row in r["rows"] if row["across_runs_ms"]]
+  trials = [spread(v) for r in out for v in r["trials_ms"].values() if len(v) > 1]
+  print(
+    "the measurement's own repeatability: one candidate's rounds' medians lie "
+    f"{statistics.median(rounds) * 100:.0f}% apart (median; max {max(rounds) * 100:.0f}%)"
+    + (
+      f"; one plan predicted by each planner's calibrated run: {statistics.median(runs) * 100:.0f}%"
+      f" apart (median of {len(runs)} plans; max {max(runs) * 100:.0f}%)"
+      if runs
+      else ""
+    )
+    + (
+      f"; one compiled step timed by each run's trial: {statistics.median(trials) * 100:.0f}% "
+      f"apart (median; max {max(trials) * 100:.0f}%)"
+      if trials
+      else ""
+    )
   )
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as f:
