@@ -118,8 +118,8 @@ def test_processes_issue_on_their_own_and_share_the_cores_measured_across_them()
 def test_gradient_accumulation_is_not_chosen_where_plain_jit_fits():
   """The planner's one stage of 4 micro-batches on one device is predicted a hair faster
   than plain jit (the cost model is linear in the micro-batch, so they tie up to the
-  update): plain jit, the same computation in one call, is chosen while it fits; where it
-  does not fit, accumulation is."""
+  update): plain jit, the same computation in one call, is chosen while it fits, unless
+  trials measured the micro-batches faster; where it does not fit, accumulation is."""
   g = chain(10e-3, 4096)
   plans = candidates(g)
   layers = plans["plain jit"].stages[0].layers
@@ -142,6 +142,13 @@ def test_gradient_accumulation_is_not_chosen_where_plain_jit_fits():
   name, predicted = cp.choose_plan(for_wide, g, cpu_cluster(2), h)
   assert name == "jit data parallel", predicted
   assert predicted["pipeline"] <= predicted["jit data parallel"]  # it would have won
+  # Timed by trials: measured slower, not chosen; measured faster, chosen and predicted at
+  # plain jit's prediction times the ratio of the two measurements.
+  slower = {"plain jit": 0.010, "pipeline": 0.012}
+  assert cp.choose_plan(for_acc, g, cpu_cluster(2), h, slower)[0] == "plain jit"
+  name, predicted = cp.choose_plan(for_acc, g, cpu_cluster(2), h, {**slower, "pipeline": 0.008})
+  assert name == "pipeline"
+  assert predicted["pipeline"] == pytest.approx(0.8 * predicted["plain jit"])
 
 
 @pytest.fixture(scope="module")
@@ -761,6 +768,68 @@ def test_the_planner_searches_again_with_what_the_trials_measured(dag, monkeypat
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
 
 
+@pytest.mark.parametrize("acc_seconds", [0.013, 0.008])
+def test_the_planner_one_device_step_in_micro_batches_is_timed_and_searched_with(
+  dag, monkeypatch, acc_seconds
+):
+  """The planner's first plan is plain jit's step in micro-batches on its one device
+  (gradient accumulation), which the fusion alone prices near plain jit's time: timed beside
+  plain jit (0.01 s). At 1.3x its time, the two fit the fixed seconds each micro-batch pays,
+  the planner's second search, which sees them, returns its pipeline instead, and plain jit
+  runs. At 0.8x, no fixed seconds are fitted, the step in micro-batches stays the planner's
+  plan and runs, measured faster, and the note says so."""
+  from gpp_jax.passes.partition.plan_assembly import assemble_plan
+  from gpp_jax.runtime import host as host_mod
+
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: spmd_host({2: 3.0, 4: 6.0}))
+  asked = []
+
+  def fake(c, leaves, repeats=5):
+    plan = c.planned.plan
+    asked.append((len(plan.stages[0].devices), plan.num_microbatches))
+    if plan.num_stages == 1 and len(plan.stages[0].devices) == 1:
+      return acc_seconds if plan.num_microbatches > 1 else 0.01
+    return 0.05
+
+  monkeypatch.setattr(cp, "time_step", fake)
+  seen = []
+
+  def planner(layer_graph, cluster, batch_size, *, num_microbatches=None, host=None):
+    timed = "1" in layer_graph.graph.get("spmd_call", {})
+    seen.append(timed)
+    layers = list(lg.topo_layers(layer_graph))
+    stages = [(layers[:2], 1), (layers[2:], 1)] if timed else [(layers, 1)]
+    return assemble_plan(
+      layer_graph,
+      cluster,
+      stages,
+      microbatch=batch_size // num_microbatches,
+      batch_size=batch_size,
+      planner="mine",
+      sequential=True,
+    )
+
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step, num_microbatches=2, devices=jax.devices()[:4], planner=planner, calibrate=True
+  )
+  out = pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  assert (1, 2) in asked  # the step in micro-batches on one device, timed
+  if acc_seconds > 0.01:
+    assert seen[0] is False and seen[-1] is True
+    assert planned.layer_graph.graph["spmd_call"]["1"] > 0
+    assert planned.candidates["pipeline"].num_stages == 2
+    assert planned.measured.get("pipeline", 0.05) == 0.05  # not the first plan's timing
+    assert planned.plan.planner == "plain jit"
+  else:
+    assert not any(seen) and "1" not in planned.layer_graph.graph.get("spmd_call", {})
+    assert planned.plan.planner == "mine" and planned.plan.num_microbatches == 2
+    assert planned.predicted_s == pytest.approx(0.8 * planned.alternatives["plain jit"])
+    assert "micro-batches measured" in planned.note and "faster than plain jit" in planned.note
+  assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
+
+
 def test_the_step_own_update_timed_prices_the_update():
   """Where the step's update was timed (``update_per_byte``, seconds per parameter byte), the
   host-aware model's UPDATE is that times the stage's parameter bytes, plus the all-reduce
@@ -1104,6 +1173,46 @@ def test_two_timings_of_one_width_fit_its_factor_and_fixed_seconds_apart():
   assert kept.graph == ratio.graph
 
 
+def test_plain_jit_and_its_step_in_micro_batches_fit_the_fusion_and_fixed_seconds_apart():
+  """``calibrate_fusion(pieces=)``: plain jit and the same step in 4 micro-batches on its one
+  device (gradient accumulation), both timed, fit the fusion and the fixed seconds each
+  micro-batch pays (``spmd_call["1"]``) each on its own: both predictions are their
+  measurements, where the fusion alone misses the step in micro-batches.
+  A pipeline's stages and jit data parallel are priced as before; times that would take
+  negative fixed seconds keep the fusion alone."""
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  h = spmd_host({2: 3.0}, calls={2: 1e-3})
+  one, four = candidates(g, 1), candidates(g, 4)
+  plain, acc = one["plain jit"], four["plain jit"]
+  truth = g.copy()
+  truth.graph["fusion"], truth.graph["spmd_call"] = 0.6, {"1": 5e-3}
+  t1, t4 = (cp.predict_seconds(p, truth, cluster, h)[0] for p in (plain, acc))
+  bare = truth.copy()
+  bare.graph["spmd_call"] = {}
+  for p, M in ((plain, 1), (acc, 4)):  # each micro-batch pays it
+    extra = cp.predict_seconds(p, truth, cluster, h)[0] - cp.predict_seconds(p, bare, cluster, h)[0]
+    assert extra == pytest.approx(M * 5e-3)
+  tuned = cp.calibrate_fusion(g, 8, plain, cluster, h, t1, (acc, t4))
+  assert tuned.graph["fusion"] == pytest.approx(0.6)
+  assert tuned.graph["spmd_call"]["1"] == pytest.approx(5e-3)
+  for p, t in ((plain, t1), (acc, t4)):
+    assert cp.predict_seconds(p, tuned, cluster, h)[0] == pytest.approx(t)
+  alone = cp.calibrate_fusion(g, 8, plain, cluster, h, t1)
+  assert "spmd_call" not in alone.graph
+  assert abs(cp.predict_seconds(acc, alone, cluster, h)[0] / t4 - 1) > 0.15
+  # One device's fixed seconds are the fused step's only: not a pipeline's one-device stages,
+  # not a step over several devices.
+  free = tuned.copy()
+  free.graph["spmd_call"] = {}
+  for p in (four["pipeline"], one["jit data parallel"], four["jit data parallel"]):
+    assert cp.predict_seconds(p, tuned, cluster, h)[0] == cp.predict_seconds(p, free, cluster, h)[0]
+  assert cp.predict_seconds(acc, free, cluster, h)[0] < t4
+  # Four micro-batches faster than one: no fixed seconds per micro-batch can say that.
+  kept = cp.calibrate_fusion(g, 8, plain, cluster, h, t1, (acc, 0.9 * t1))
+  assert kept.graph == alone.graph
+
+
 def timed_by_width(monkeypatch, seconds_for):
   """``time_step`` patched to say ``seconds_for(width of the step's stage)``; returns the
   widths it was asked for, in order."""
@@ -1180,7 +1289,9 @@ def test_jit_data_parallel_is_timed_and_chosen_where_it_measures_fastest(dag, mo
   )
   out = pp(params, opt_state, batch)
   planned = pp.compiled.planned
-  assert asked[:2] == [1, 4]
+  # Plain jit first, then (after the planner's step in micro-batches on one device, where
+  # that is its plan) jit data parallel.
+  assert asked[0] == 1 and 4 in asked[1:3]
   assert pp.plan.planner == "jit data parallel" and len(pp.plan.stages[0].devices) == 4
   assert planned.predicted_s == pytest.approx(0.01, rel=1e-6)
   assert planned.alternatives["plain jit"] == pytest.approx(0.02, rel=1e-6)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import networkx as nx
 import numpy as np
@@ -191,6 +191,9 @@ class LayerCosts:
     edges: (u, v, bytes per sample) with u, v positions.
     edge_arrays: the arrays each edge carries (the edge attribute ``arrays``, default 1), in
       the order of ``edges``.
+    time_at: per width k > 1 at which layers were timed as a stage over k devices runs them
+      (``time_f_at`` / ``time_b_at``): (which were, every layer's forward and backward
+      seconds per sample at k where timed, else its one-device times); ``at_width``.
 
   Planners price thousands of candidate plans whose stages recur (a polish moves a few
   layers, a sweep tries every micro-batch size on one partition), so ``plan_costs`` keeps
@@ -217,13 +220,40 @@ class LayerCosts:
   edges: tuple[tuple[int, int, float], ...]
   rows_ps: np.ndarray
   edge_arrays: tuple[int, ...] = ()
+  time_at: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
+    default_factory=dict, repr=False
+  )
   _times: dict = dataclasses.field(default_factory=dict, repr=False)
   _stages: dict = dataclasses.field(default_factory=dict, repr=False)
   _stage_times: dict = dataclasses.field(default_factory=dict, repr=False)
   _stage_edges: dict = dataclasses.field(default_factory=dict, repr=False)
+  _widths: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def __len__(self) -> int:
     return len(self.layers)
+
+  def timed_at(self, k: int, idx: Sequence[int]) -> bool:
+    """Whether every layer at positions ``idx`` was timed as a stage over ``k`` devices runs
+    it (``time_at``; ``ir.layer_graph.widths_measured``)."""
+    return k in self.time_at and bool(self.time_at[k][0][idx].all())
+
+  def at_width(self, k: int) -> LayerCosts:
+    """These costs with each layer's times as measured over ``k`` devices where they were
+    (``time_at``; ``layer_costs`` of ``ir.layer_graph.at_width``), kept for as long as these
+    costs; what depends on the layers alone is shared with them."""
+    hit = self._widths.get(k)
+    if hit is None:
+      _, tf, tb = self.time_at[k]
+      hit = self._widths[k] = dataclasses.replace(
+        self,
+        time_f_ps=tf,
+        time_b_ps=np.where(np.isnan(tf), math.nan, tb),
+        time_at={},
+        _times={},
+        _stage_times={},
+        _widths={},
+      )
+    return hit
 
 
 def layer_costs(g: nx.DiGraph) -> LayerCosts:
@@ -263,7 +293,27 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
     rows_ps=rows,
     edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)),
     edge_arrays=tuple(int(d.get("arrays", 1)) for _, _, d in g.edges(data=True)),
+    time_at=_times_at_widths(nd, B, tf, tb),
   )
+
+
+def _times_at_widths(
+  nd: Sequence[Mapping[str, Any]], B: float, tf: np.ndarray, tb: np.ndarray
+) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """Per width k > 1 at which some layer was timed as a stage over k devices runs it
+  (``time_f_at`` and ``time_b_at``): which layers were (a mask), and every layer's seconds
+  per sample forward and backward, those measured over k where they were, else ``tf`` /
+  ``tb`` (the one-device times)."""
+  keys = {k for d in nd for k in d.get("time_f_at", {}) if k in d.get("time_b_at", {})}
+  out = {}
+  for key in sorted(keys, key=int):
+    timed = np.array([key in d.get("time_f_at", {}) and key in d.get("time_b_at", {}) for d in nd])
+    f, b = tf.copy(), tb.copy()
+    for i in np.flatnonzero(timed).tolist():
+      f[i] = nd[i]["time_f_at"][key] / B
+      b[i] = nd[i]["time_b_at"][key] / B
+    out[int(key)] = (timed, f, b)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

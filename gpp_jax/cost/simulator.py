@@ -41,8 +41,13 @@ from typing import Any, NamedTuple
 import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, plan_costs
-from gpp_jax.ir import layer_graph as lg
+from gpp_jax.cost.cost_model import (
+  DEFAULT_COST_MODEL,
+  CostModel,
+  LayerCosts,
+  layer_costs,
+  plan_costs,
+)
 from gpp_jax.ir.program import Instr, Op, Program, puts_together
 from gpp_jax.ir.schedule import Action, Schedule, chunk_range, lanes_with_updates
 
@@ -840,7 +845,22 @@ def simulate(
   (``nic_channels``). ``timeline=False`` leaves out the result's actions and transfers, as
   ``simulate_times`` does (without a program).
   """
-  if host is not None and host.parallel is not None:
+  run = _prepared(
+    plan,
+    layer_graph,
+    cluster,
+    schedule=schedule,
+    cost_model=cost_model,
+    costs=costs,
+    shared_nic=shared_nic,
+    program=program,
+    host_cost=host_cost,
+    host=host,
+    timeline=timeline,
+  )
+  if host is None:
+    return run(cores)
+  if host.parallel is not None:
     # A fractional number of computations at full speed at once (1.5: a second one runs
     # beside the first at about half speed) is between its two whole neighbours: the
     # iteration time is interpolated between them, the rest is the nearer one's. Rounding it
@@ -848,25 +868,31 @@ def simulate(
     lo = math.floor(host.parallel)
     w = host.parallel - lo
     if lo >= 1 and w > 1e-9:
-      again = functools.partial(
-        simulate,
-        plan,
-        layer_graph,
-        cluster,
-        schedule=schedule,
-        cost_model=cost_model,
-        costs=costs,
-        shared_nic=shared_nic,
-        program=program,
-        host_cost=host_cost,
-        cores=cores,
-        timeline=timeline,
-      )
-      below = again(host=dataclasses.replace(host, parallel=float(lo)))
-      above = again(host=dataclasses.replace(host, parallel=float(lo + 1)))
+      below, above = run(lo), run(lo + 1)
       near = below if w < 0.5 else above
       t = (1 - w) * below.iteration_time + w * above.iteration_time
       return dataclasses.replace(near, iteration_time=t)
+  return run(host.compute_servers())
+
+
+def _prepared(
+  plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  *,
+  schedule: Schedule | None,
+  cost_model: CostModel | None,
+  costs: LayerCosts | None,
+  shared_nic: bool,
+  program: Program | None,
+  host_cost: Mapping[Op, float] | None,
+  host: Any,
+  timeline: bool,
+) -> Callable[[int | None], SimResult]:
+  """``simulate``'s work that does not depend on how many computations run at once: the
+  plan's costs under the cost model, or the host-aware model's (``host``); and the function
+  that simulates the plan with ``cores`` compute servers (``simulate_times(cores=)``), which
+  ``simulate`` calls once, or twice for a fractional ``HostCosts.parallel``."""
   if schedule is None:
     from gpp_jax.passes.schedules import plan_schedule
 
@@ -876,6 +902,7 @@ def simulate(
       f"the schedule has {schedule.num_stages} stages but the plan "
       f"{plan.num_stages}; build the schedule from this plan"
     )
+  costs = costs or layer_costs(layer_graph)
   pc = plan_costs(plan, layer_graph, cluster, cost_model, costs)
   outside = 0.0
   processes = None
@@ -883,9 +910,8 @@ def simulate(
   if host is not None:
     processes = host.lane_processes([s.devices for s in plan.stages], cluster.num_devices)
     host_cost = host.lane_costs([len(s.devices) for s in plan.stages], schedule=program is None)
-    cores = host.compute_servers()
     outside = host.outside
-    wide = measured_width_times(plan, layer_graph, cluster, cost_model)
+    wide = measured_width_times(plan, layer_graph, cluster, cost_model, costs)
     fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, costs, pc, host, wide=wide)
     pc = dataclasses.replace(pc, forward=fw, backward=bw)
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
@@ -901,20 +927,10 @@ def simulate(
   delays = weight_delays(schedule)
   if delays is not None:
     static = [m + d * p for m, d, p in zip(static, delays, pc.param_bytes)]
+  stage_devices = [s.devices for s in plan.stages]
+  channels = nic_channels(plan, cluster) if shared_nic else None
   if program is not None:
-    res = simulate_program(
-      program,
-      step_durations(program, plan, cluster, pc, backward, weight),
-      host_cost=host_cost,
-      send_extra=host.send_extra if host is not None else None,
-      cores=cores,
-      channels=nic_channels(plan, cluster) if shared_nic else None,
-      static_memory=static,
-      activation_memory=pc.activation_memory,
-      stage_devices=[s.devices for s in plan.stages],
-      num_microbatches=schedule.num_microbatches,
-      processes=processes,
-    )
+    durations = step_durations(program, plan, cluster, pc, backward, weight)
     # The program knows its buffers' sizes and lifetimes: its memory, not the cost model's.
     from gpp_jax.cost.memory import program_memory
 
@@ -924,33 +940,55 @@ def simulate(
       float(max((mem.peak.get(d, 0) for d in s.devices), default=0)) for s in plan.stages
     )
     peak = {int(d): float(n) for d, n in mem.peak.items()}  # type: ignore[call-overload]
-    return dataclasses.replace(
-      res,
-      stage_memory=stage_memory,
-      peak_memory=peak,
-      iteration_time=res.iteration_time + outside,
+
+    def on_program(cores: int | None) -> SimResult:
+      res = simulate_program(
+        program,
+        durations,
+        host_cost=host_cost,
+        send_extra=host.send_extra if host is not None else None,
+        cores=cores,
+        channels=channels,
+        static_memory=static,
+        activation_memory=pc.activation_memory,
+        stage_devices=stage_devices,
+        num_microbatches=schedule.num_microbatches,
+        processes=processes,
+      )
+      return dataclasses.replace(
+        res,
+        stage_memory=stage_memory,
+        peak_memory=peak,
+        iteration_time=res.iteration_time + outside,
+      )
+
+    return on_program
+  send_factors = host.send_factors(pc.edge_arrays) if host is not None else None
+
+  def on_schedule(cores: int | None) -> SimResult:
+    res = simulate_times(
+      schedule,
+      pc.forward,
+      backward,
+      weight=weight,
+      update=pc.update,
+      activation_transfer=pc.activation_transfer,
+      cotangent_transfer=pc.cotangent_transfer,
+      static_memory=static,
+      activation_memory=pc.activation_memory,
+      stage_devices=stage_devices,
+      channels=channels,
+      host_dispatch=host_cost,
+      send_factors=send_factors,
+      cores=cores,
+      timeline=timeline,
+      processes=processes,
     )
-  res = simulate_times(
-    schedule,
-    pc.forward,
-    backward,
-    weight=weight,
-    update=pc.update,
-    activation_transfer=pc.activation_transfer,
-    cotangent_transfer=pc.cotangent_transfer,
-    static_memory=static,
-    activation_memory=pc.activation_memory,
-    stage_devices=[s.devices for s in plan.stages],
-    channels=nic_channels(plan, cluster) if shared_nic else None,
-    host_dispatch=host_cost,
-    send_factors=host.send_factors(pc.edge_arrays) if host is not None else None,
-    cores=cores,
-    timeline=timeline,
-    processes=processes,
-  )
-  if outside:
-    res = dataclasses.replace(res, iteration_time=res.iteration_time + outside)
-  return res
+    if outside:
+      res = dataclasses.replace(res, iteration_time=res.iteration_time + outside)
+    return res
+
+  return on_schedule
 
 
 def _model_or_probe(
@@ -971,9 +1009,10 @@ def _model_or_probe(
   if own is not None:
     return float(own)
   probe = probe_at(k)
-  if not like_model or probe is None or not timed:
+  wide = [int(x) for x in timed if int(x) > 1]  # one device's is no SPMD measure
+  if not like_model or probe is None or not wide:
     return probe
-  w = max(int(x) for x in timed)
+  w = max(wide)
   at_w = probe_at(w)
   return max(floor, probe * float(timed[str(w)]) / at_w) if at_w else probe
 
@@ -995,11 +1034,15 @@ def spmd_factor(
 def spmd_call(host: Any, layer_graph: nx.DiGraph, k: int, like_model: bool = False) -> float:
   """The fixed seconds of one computation over ``k`` devices, whatever its size: the model's
   own where its step over ``k`` devices was timed (``layer_graph.graph["spmd_call"]``, set
-  with its factor by the trial of jit data parallel), else the host's probe (``HostCosts
-  .spmd_call_seconds``; 0 for one device, without a host or where not measured);
-  ``like_model`` as ``spmd_factor`` takes it."""
-  if k <= 1 or host is None:
+  with its factor by the trial of jit data parallel, and for one device with the fusion by
+  the trials of plain jit and the step in micro-batches, ``runtime.compile
+  .calibrate_fusion``), else the host's probe (``HostCosts.spmd_call_seconds``; 0 for one
+  device, without a host or where not measured); ``like_model`` as ``spmd_factor`` takes
+  it."""
+  if host is None:
     return 0.0
+  if k <= 1:
+    return float(layer_graph.graph.get("spmd_call", {}).get("1", 0.0))
   v = _model_or_probe(layer_graph, "spmd_call", k, host.spmd_call_seconds, like_model, 0.0)
   return 0.0 if v is None else v
 
@@ -1012,22 +1055,30 @@ def _narrow(plan):
 
 
 def measured_width_times(
-  plan, layer_graph: nx.DiGraph, cluster: Cluster, cost_model: Any = None
+  plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  cost_model: Any = None,
+  costs: LayerCosts | None = None,
 ) -> dict[int, tuple[float, float]]:
   """Per stage over k > 1 devices whose layers were all timed as a stage over k devices runs
   them (``ir.layer_graph.widths_measured``, ``runtime.compile.calibrate_widths``): its
   (forward, backward) seconds per micro-batch, those times summed and scaled to its
-  micro-batch as one-device times are (``plan_costs``). They hold what the layers pay over k
-  devices (the split work, the devices' sharing of the host's cores, each op's cost on every
-  device, the gradients' all-reduce in the backward), which the SPMD factor only guesses."""
+  micro-batch as one-device times are (``plan_costs`` of ``LayerCosts.at_width``; ``costs``,
+  the graph's, keeps them between calls). They hold what the layers pay over k devices (the
+  split work, the devices' sharing of the host's cores, each op's cost on every device, the
+  gradients' all-reduce in the backward), which the SPMD factor only guesses."""
+  costs = costs or layer_costs(layer_graph)
+  if not costs.time_at:
+    return {}
   by_width: dict[int, list[int]] = {}
   for s in plan.stages:
     k = len(s.devices)
-    if k > 1 and k in lg.widths_measured(layer_graph, s.layers):
+    if k > 1 and costs.timed_at(k, [costs.index[n] for n in s.layers]):
       by_width.setdefault(k, []).append(s.index)
   out: dict[int, tuple[float, float]] = {}
   for k, stages in by_width.items():
-    pc = plan_costs(_narrow(plan), lg.at_width(layer_graph, k), cluster, cost_model)
+    pc = plan_costs(_narrow(plan), layer_graph, cluster, cost_model, costs.at_width(k))
     out.update({i: (float(pc.forward[i]), float(pc.backward[i])) for i in stages})
   return out
 

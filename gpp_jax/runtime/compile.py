@@ -421,10 +421,11 @@ def plan_step(
   model (``fusion``: their ratio, applied to the one-stage candidates, which XLA compiles as
   one program; a pipeline's stages are compiled apart, as the layers were timed), and if
   plain jit is chosen its compiled step is kept (``Planned.trial``). Jit data parallel is
-  timed the same way (``calibrate_spmd``), and beside it the planner's plan where that is
-  the same step in micro-batches over the same devices: the two times fit the model's SPMD
-  factor and fixed seconds per call apart. The candidate then predicted fastest, if none of
-  these, is timed before it is taken (``checked_by_trial``).
+  timed the same way (``calibrate_spmd``). The planner's plan, where it is the same step in
+  micro-batches over the devices of one of the two (gradient accumulation), is timed beside
+  it: the two times fit the fusion (one device) or the model's SPMD factor (several) and
+  the fixed seconds each micro-batch pays apart. The candidate then predicted fastest, if
+  none of these, is timed before it is taken (``checked_by_trial``).
 
   ``again(compiled step)`` times a trial's step once more (seconds per call): the steps
   compared are then timed in turns (``_interleaved``), so that a slow or fast spell of the
@@ -472,23 +473,29 @@ def plan_step(
     # collectives), which the host's probe of a small MLP only guesses (measured 0.5x to 3.5x
     # off: BUILD_NOTES, fidelity). It is what a user would run: measured, not modelled.
     dp = candidates.get("jit data parallel")
+    # Where the planner's plan is the same step in micro-batches over the devices of one of
+    # these (gradient accumulation), it is timed too: the two times tell the fixed seconds
+    # each micro-batch pays from the share of work that divides (``calibrate_fusion``,
+    # ``calibrate_spmd``). A throwaway dict: a plan over the memory budget leaves no
+    # candidate here.
     acc = candidates["pipeline"]
+    accumulates = acc.num_stages == 1 and acc.num_microbatches > 1
+    over = acc.stages[0].devices if accumulates else None
+    if "plain jit" in trials and over == plain.stages[0].devices:
+      _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
     if dp is not None:
       _timed(trials, "jit data parallel", dp, trial, candidates, opts.timeout_s)
-      # The planner's plan is the same step in micro-batches (gradient accumulation over
-      # the same devices): timed too, the two times tell the fixed seconds each of its
-      # sharded micro-batches pays from the share of work that divides.
-      same = acc.num_stages == 1 and acc.stages[0].devices == dp.stages[0].devices
-      if "jit data parallel" in trials and same and acc.num_microbatches > 1:
-        # A throwaway dict: a plan over the memory budget leaves no candidate here.
+      if "jit data parallel" in trials and over == dp.stages[0].devices:
         _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
     if again is not None:
       _interleaved(trials, list(trials), again, opts.timeout_s)
+    pieces = (acc, trials["pipeline"][1]) if "pipeline" in trials else None
     if "plain jit" in trials:
-      graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1])
+      mine = pieces if over == plain.stages[0].devices else None
+      graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1], mine)
     if dp is not None and "jit data parallel" in trials:
-      pieces = (acc, trials["pipeline"][1]) if "pipeline" in trials else None
-      graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
+      mine = pieces if over == dp.stages[0].devices else None
+      graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], mine)
     if not given and not anyway and trials:
       # The search ran before the trials said what XLA makes of a step in one program (the
       # fusion, the model's own SPMD factor), so it priced one-stage plans with the host's
@@ -505,7 +512,8 @@ def plan_step(
         plan = candidates["pipeline"] = better_plan
         trials.pop("pipeline", None)  # the first plan's timing
         graph = calibrate_widths(captured, graph, [plan], host, opts.devices)
-  choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host)
+  measured = {k: t for k, (_, t) in trials.items()}
+  choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host, measured)
   note = ""
   if trial is not None and not given and choice not in trials:
     choice, note = checked_by_trial(
@@ -545,6 +553,15 @@ def plan_step(
       note += " (min_stages=2 runs a pipeline regardless)"
     logging.info("graph_pipeline: %s", note)
     plan = candidates[choice]
+  elif choice == "pipeline" and plan.num_stages == 1 and plan.num_microbatches > 1:
+    base = "plain jit" if len(plan.stages[0].devices) == 1 else "jit data parallel"
+    if "pipeline" in measured and base in measured:  # chosen for its measurement
+      note = (
+        f"{plan.planner}'s one stage of {plan.num_microbatches} micro-batches measured "
+        f"{measured['pipeline'] * 1e3:.2f} ms per step, faster than {base}'s "
+        f"{measured[base] * 1e3:.2f} ms in one call"
+      )
+      logging.info("graph_pipeline: %s", note)
   if anyway:
     note = f"{anyway}; {note}" if note else anyway
   if jax.process_count() > 1:
@@ -744,7 +761,11 @@ def _interleaved(
 
 
 def choose_plan(
-  candidates: Mapping[str, Plan], graph: nx.DiGraph, cluster: Any, host: HostCosts | None
+  candidates: Mapping[str, Plan],
+  graph: nx.DiGraph,
+  cluster: Any,
+  host: HostCosts | None,
+  measured: Mapping[str, float] | None = None,
 ) -> tuple[str, dict[str, float]]:
   """(the name of the candidate predicted fastest, seconds predicted per candidate) over
   ``graph`` (scaled to the batch) on ``cluster`` with the host's costs (``predict_seconds``).
@@ -752,11 +773,16 @@ def choose_plan(
   planner's own plan, which fits by construction or was asked for); on a tie it wins.
 
   Gradient accumulation (one stage, several micro-batches) is the one-call step's
-  computation in pieces: it saves memory, never time, though the cost model, linear in the
-  micro-batch, ties the two (the loop measured 1.3-2.6x plain jit's step, on an H200 and on
-  forced CPU devices; over 4 forced CPU devices, 1.5-2.8x jit data parallel's). Where a
-  one-call candidate over the same number of devices fits (plain jit on one, jit data
-  parallel on all), it is not chosen."""
+  computation in pieces: it saves memory, mostly not time (the loop measured 1.3-2.6x plain
+  jit's step, on an H200 and on forced CPU devices; over 4 forced CPU devices, 1.5-2.8x jit
+  data parallel's), though the cost model, linear in the micro-batch, ties the two where the
+  fixed seconds each micro-batch pays were not fitted (``calibrate_fusion``,
+  ``calibrate_spmd``). Where a one-call candidate over the same number of devices fits (plain
+  jit on one, jit data parallel on all), it is not chosen, unless trials timed both
+  (``measured``: name -> seconds per call) and the step in micro-batches measured faster
+  (medium MMT on one forced CPU device in 4 micro-batches: 0.92x plain jit's time, BUILD_NOTES):
+  it is then predicted at the one-call step's prediction times the ratio of the two
+  measurements."""
   predicted = {}
   for name, p in candidates.items():
     seconds, fits = predict_seconds(p, graph, cluster, host)
@@ -766,29 +792,64 @@ def choose_plan(
   def one_stage_width(p: Plan) -> int | None:
     return len(p.stages[0].devices) if p.num_stages == 1 else None
 
-  in_one_call = {one_stage_width(candidates[k]) for k in predicted if k in BASELINES}
+  in_one_call = {one_stage_width(candidates[k]): k for k in predicted if k in BASELINES}
+  timed = measured or {}
 
   def accumulates(k: str) -> bool:
     p = candidates[k]
-    return k not in BASELINES and p.num_microbatches > 1 and one_stage_width(p) in in_one_call
+    base = in_one_call.get(one_stage_width(p))
+    if k in BASELINES or p.num_microbatches <= 1 or base is None:
+      return False
+    if k in timed and base in timed and timed[k] < timed[base]:
+      predicted[k] = predicted[base] * timed[k] / timed[base]
+      return False
+    return True
 
-  choosable = [k for k in predicted if not accumulates(k)]
+  choosable = [k for k in list(predicted) if not accumulates(k)]
   return min(choosable, key=lambda k: (predicted[k], k != "pipeline")), predicted
 
 
+FUSION_FLOOR = 0.05  # the smallest fusion fitted: the compute keeps 5% of the layers' sum
+
+
 def calibrate_fusion(
-  graph: nx.DiGraph, batch_size: int, plain: Plan, cluster: Any, host: HostCosts, seconds: float
+  graph: nx.DiGraph,
+  batch_size: int,
+  plain: Plan,
+  cluster: Any,
+  host: HostCosts,
+  seconds: float,
+  pieces: tuple[Plan, float] | None = None,
 ) -> nx.DiGraph:
   """``graph`` with ``graph.graph["fusion"]``: the factor by which its layer times scale so
   that plain jit's prediction equals its measured ``seconds`` per call of its compiled step
   plus the host's time outside the step, which ``seconds`` leaves out (``predict_seconds``
   applies it to one-stage plans; the host's issue and the update are not scaled). The
-  compute keeps at least 5% of the layers' sum."""
+  compute keeps at least 5% of the layers' sum.
+
+  ``pieces``: the same step on the same device in M > 1 micro-batches (gradient
+  accumulation), timed too ((its plan, seconds per call)). A micro-batch of the step's loop
+  pays what does not shrink with it (each backward's gradients of the whole parameters,
+  added to the sum; the loop's own work): plain jit's fusion alone priced medium CANDLE-Uno's
+  step in 4 micro-batches at -43% of its measurement. The two timings fit the fusion and
+  those fixed seconds per micro-batch (``graph.graph["spmd_call"]["1"]``, ``cost.simulator
+  .spmd_call`` of one device) each on its own, unless that takes a fusion under the floor
+  or negative seconds (then the fusion alone, as without ``pieces``)."""
 
   def set_fusion(g: nx.DiGraph, f: float) -> None:
     g.graph["fusion"] = f
 
-  return _calibrated(graph, batch_size, plain, cluster, host, seconds, set_fusion, 0.05)
+  if pieces is not None:
+
+    def set_both(g: nx.DiGraph, factor: float, call: float) -> None:
+      g.graph["fusion"] = factor
+      g.graph["spmd_call"] = {**graph.graph.get("spmd_call", {}), "1": call}
+
+    timed = [(plain, seconds), pieces]
+    both = _fitted_apart(graph, batch_size, timed, cluster, host, set_both, FUSION_FLOOR)
+    if both is not None:
+      return both
+  return _calibrated(graph, batch_size, plain, cluster, host, seconds, set_fusion, FUSION_FLOOR)
 
 
 SPMD_FLOOR = 0.25  # the smallest SPMD factor fitted: a quarter of perfect division
@@ -824,7 +885,13 @@ def calibrate_spmd(
   k = str(len(plan.stages[0].devices))
   probe, call = host.spmd_factor(int(k)), host.spmd_call_seconds(int(k))
   if pieces is not None:
-    both = _fitted_apart(graph, batch_size, [(plan, seconds), pieces], cluster, host, k)
+
+    def set_both(g: nx.DiGraph, factor: float, seconds: float) -> None:
+      g.graph["spmd"] = {**graph.graph.get("spmd", {}), k: factor}
+      g.graph["spmd_call"] = {**graph.graph.get("spmd_call", {}), k: seconds}
+
+    timed = [(plan, seconds), pieces]
+    both = _fitted_apart(graph, batch_size, timed, cluster, host, set_both, SPMD_FLOOR)
     if both is not None:
       return both
 
@@ -843,18 +910,19 @@ def _fitted_apart(
   timed: Sequence[tuple[Plan, float]],
   cluster: Any,
   host: HostCosts,
-  k: str,
+  set_both: Callable[[nx.DiGraph, float, float], None],
+  floor: float,
 ) -> nx.DiGraph | None:
-  """A copy of ``graph`` with the SPMD factor and the fixed seconds per computation over
-  ``k`` devices at which the predictions of the two one-stage plans ``timed`` (over those
-  devices, different micro-batch counts) are their seconds plus the host's time outside the
-  step; None where that takes a factor under a quarter or negative seconds. A prediction is
-  linear in both, so three predictions of each plan solve it."""
+  """A copy of ``graph`` with a factor and the fixed seconds per computation (``set_both``:
+  the SPMD factor over k devices, or the fusion on one) at which the predictions of the two
+  one-stage plans ``timed`` (over the same devices, different micro-batch counts) are their
+  seconds plus the host's time outside the step; None where that takes a factor under
+  ``floor`` or negative seconds. A prediction is linear in both, so three predictions of
+  each plan solve it."""
 
   def with_both(factor: float, seconds: float) -> nx.DiGraph:
     g = graph.copy()
-    g.graph["spmd"] = {**graph.graph.get("spmd", {}), k: factor}
-    g.graph["spmd_call"] = {**graph.graph.get("spmd_call", {}), k: seconds}
+    set_both(g, factor, seconds)
     return g
 
   rows, rhs = [], []
@@ -869,7 +937,7 @@ def _fitted_apart(
     factor, call = np.linalg.solve(np.array(rows), np.array(rhs))
   except np.linalg.LinAlgError:  # the same micro-batch count twice
     return None
-  if factor < SPMD_FLOOR or call < 0.0:
+  if factor < floor or call < 0.0:
     return None
   return with_both(float(factor), float(call))
 
