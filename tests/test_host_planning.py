@@ -230,6 +230,43 @@ def test_every_planner_searches_with_the_host_it_is_given(planner):
   assert again.stages == devices_only.stages
 
 
+@pytest.mark.parametrize("planner", ["bapipe", "luo"])
+def test_a_search_with_the_host_simulates_every_replication_and_stage_count(planner, monkeypatch):
+  """BaPipe and Luo simulate the best few candidates of their devices-only estimate; searched
+  with the host, also the best of every other (replication, stage count), which the
+  estimate ranks below the widest and deepest (``plan_assembly.shortlist``)."""
+  import importlib
+
+  from gpp_jax.passes.partition.plan_assembly import shortlist
+  from gpp_jax.passes.partition.problem import PlanningProblem
+
+  found = [(e, 4, r, S, "x") for e, r, S in [(1, 2, 4), (2, 2, 4), (3, 1, 8), (4, 2, 2), (5, 1, 8)]]
+  assert shortlist(found, 2, None) == found[:2]
+  assert shortlist(found, 2, object()) == found[:4]
+  module = importlib.import_module(f"passes.partition.{planner}")
+  ranked = module.ranked_candidates if planner == "bapipe" else module.mapped_candidates
+  simulated = []
+  real = module.assemble_plan
+
+  def counted(layer_graph, cluster, stages, **kw):
+    simulated.append((stages[0][1], len(stages)))
+    return real(layer_graph, cluster, stages, **kw)
+
+  monkeypatch.setattr(module, "assemble_plan", counted)
+  g, cluster, h = four_layer_chain(10e-3), cpu_cluster(4, 8 * 2**30), host(2e-3, 1.0)
+  shapes = set()
+  for on_host in (None, h):
+    problem = PlanningProblem.build(g, cluster, 16, num_microbatches=4, host=on_host)
+    args = (problem, ("1f1b", "gpipe")) if planner == "bapipe" else (problem,)
+    shapes = {(c[2], c[3]) for c in ranked(*args)}
+    simulated.clear()
+    getattr(module, f"{planner}_plan")(g, cluster, 16, num_microbatches=4, host=on_host)
+    if on_host is None:
+      assert set(simulated) < shapes  # the estimate's best few only
+    else:
+      assert set(simulated) == shapes
+
+
 def test_min_stages_takes_the_planner_devices_only_pipeline_where_its_host_plan_is_one_stage():
   """Searched with a host on which one stage is fastest, a planner returns one stage;
   min_stages=2 then runs the same planner's pipeline for devices that compute on their own
@@ -1317,7 +1354,8 @@ def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel
     outside=2e-4,
   )
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: probe)
-  seconds = {(1, 1): 0.02, (4, 1): 0.01, (4, 4): 0.016}  # (width, micro-batches) -> seconds
+  # (width, micro-batches) -> seconds
+  seconds = {(1, 1): 0.02, (1, 4): 0.026, (4, 1): 0.01, (4, 4): 0.016}
 
   def fake(c, leaves, repeats=5):
     p = c.planned.plan
@@ -1340,7 +1378,7 @@ def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel
   )
   assert planned.alternatives["jit data parallel"] == pytest.approx(0.01 + 2e-4)
   assert planned.alternatives["pipeline"] == pytest.approx(0.016 + 2e-4)
-  assert set(planned.layer_graph.graph["spmd_call"]) == {"4"}
+  assert set(planned.layer_graph.graph["spmd_call"]) == {"1", "4"}  # plain jit's pair too
   assert pp.plan.planner == "jit data parallel"
   # The planner's own plan stays at hand beside the one chosen, as predicted.
   assert set(planned.candidates) == set(planned.alternatives)
@@ -1379,9 +1417,9 @@ def test_a_pipeline_predicted_fastest_is_timed_before_it_is_taken(dag, monkeypat
   )
   out = pp(params, opt_state, batch)
   planned = pp.compiled.planned
-  # Plain jit and jit data parallel timed, then twice more in turns; then the pipeline
-  # predicted fastest, timed, and it and plain jit twice more in turns.
-  assert [a > 1 for a in asked] == [False] * 6 + [True, True, False, False, True], asked
+  # Plain jit, its step in micro-batches and jit data parallel timed, then twice more in
+  # turns; then the pipeline predicted fastest, timed, and it and plain jit twice more in turns.
+  assert [a > 1 for a in asked] == [False] * 9 + [True, True, False, False, True], asked
   assert planned.alternatives["pipeline"] < planned.alternatives["plain jit"]
   assert planned.measured["pipeline"] == pytest.approx(pipeline_s)
   assert "compiled and timed while choosing: plain jit 10.00 ms" in pp.explain()
@@ -1392,7 +1430,8 @@ def test_a_pipeline_predicted_fastest_is_timed_before_it_is_taken(dag, monkeypat
     assert planned.predicted_s == pytest.approx(0.01, rel=1e-6)
   else:
     assert pp.plan.num_stages > 1 and pp.plan.planner == "balanced" and not planned.note
-    assert len(built) == 3  # the pipeline's trial step is the one that runs
+    # Built for the four trials only: the pipeline's trial step is the one that runs.
+    assert len(built) == 4
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
 
 

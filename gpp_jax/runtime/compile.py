@@ -473,33 +473,41 @@ def plan_step(
     # collectives), which the host's probe of a small MLP only guesses (measured 0.5x to 3.5x
     # off: BUILD_NOTES, fidelity). It is what a user would run: measured, not modelled.
     dp = candidates.get("jit data parallel")
-    # Where the planner's plan is the same step in micro-batches over the devices of one of
-    # these (gradient accumulation), it is timed too: the two times tell the fixed seconds
-    # each micro-batch pays from the share of work that divides (``calibrate_fusion``,
-    # ``calibrate_spmd``). A throwaway dict: a plan over the memory budget leaves no
+    # Plain jit's step in the planner's micro-batches on its one device (gradient
+    # accumulation) is timed beside it, and where the planner's plan is jit data parallel's
+    # step in micro-batches, that too: the two times of one width tell the fixed seconds each
+    # micro-batch pays from the share of work that divides (``calibrate_fusion``,
+    # ``calibrate_spmd``). Timed whatever the planner's first plan, since the second search
+    # below may return it. A throwaway dict: a plan over the memory budget leaves no
     # candidate here.
     acc = candidates["pipeline"]
-    accumulates = acc.num_stages == 1 and acc.num_microbatches > 1
-    over = acc.stages[0].devices if accumulates else None
-    if "plain jit" in trials and over == plain.stages[0].devices:
-      _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
+    M = opts.num_microbatches or acc.num_microbatches
+    one_acc = plain.replace(num_microbatches=M) if M > 1 and B % M == 0 else None
+    if "plain jit" in trials and one_acc is not None and (not given or is_same(plan, one_acc)):
+      name = "pipeline" if is_same(acc, one_acc) else ACCUMULATED
+      _timed(trials, name, one_acc, trial, dict(candidates), opts.timeout_s)
+    wide_acc = dp is not None and acc.num_stages == 1 and acc.num_microbatches > 1
+    wide_acc = wide_acc and dp is not None and acc.stages[0].devices == dp.stages[0].devices
     if dp is not None:
       _timed(trials, "jit data parallel", dp, trial, candidates, opts.timeout_s)
-      if "jit data parallel" in trials and over == dp.stages[0].devices:
+      if "jit data parallel" in trials and wide_acc:
         _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
     if again is not None:
       _interleaved(trials, list(trials), again, opts.timeout_s)
-    pieces = (acc, trials["pipeline"][1]) if "pipeline" in trials else None
     if "plain jit" in trials:
-      mine = pieces if over == plain.stages[0].devices else None
-      graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1], mine)
+      timed = trials.get(ACCUMULATED)
+      if one_acc is not None and is_same(acc, one_acc):
+        timed = trials.get("pipeline")
+      pieces = (one_acc, timed[1]) if one_acc is not None and timed is not None else None
+      graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1], pieces)
     if dp is not None and "jit data parallel" in trials:
-      mine = pieces if over == dp.stages[0].devices else None
-      graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], mine)
+      pieces = (acc, trials["pipeline"][1]) if wide_acc and "pipeline" in trials else None
+      graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
     if not given and not anyway and trials:
       # The search ran before the trials said what XLA makes of a step in one program (the
-      # fusion, the model's own SPMD factor), so it priced one-stage plans with the host's
-      # probe only: searched again with them, the planner's plan replaces its first one.
+      # fusion, the model's own SPMD factor, the fixed seconds per micro-batch), so it priced
+      # one-stage plans with the host's probe only: searched again with them, the planner's
+      # plan replaces its first one.
       better_plan = make_plan(graph, B, opts, host)
       if better_plan.num_stages >= opts.min_stages and plan_shape(better_plan) != plan_shape(plan):
         logging.info(
@@ -511,7 +519,10 @@ def plan_step(
         )
         plan = candidates["pipeline"] = better_plan
         trials.pop("pipeline", None)  # the first plan's timing
+        if one_acc is not None and ACCUMULATED in trials and is_same(plan, one_acc):
+          trials["pipeline"] = trials[ACCUMULATED]  # the step it timed
         graph = calibrate_widths(captured, graph, [plan], host, opts.devices)
+    trials.pop(ACCUMULATED, None)  # not a candidate
   measured = {k: t for k, (_, t) in trials.items()}
   choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host, measured)
   note = ""
@@ -577,6 +588,16 @@ def plan_step(
 def plan_shape(plan: Plan) -> tuple:
   """What makes two plans the same step: each stage's layers and devices, the micro-batches."""
   return tuple((s.layers, s.devices) for s in plan.stages), plan.num_microbatches
+
+
+def is_same(a: Plan, b: Plan) -> bool:
+  """Whether ``a`` and ``b`` are the same step (``plan_shape``)."""
+  return plan_shape(a) == plan_shape(b)
+
+
+# The trial of plain jit's step in the planner's micro-batches (gradient accumulation on one
+# device), where that is not the planner's plan: it fits the fusion, it is not a candidate.
+ACCUMULATED = "plain jit in micro-batches"
 
 
 def checked_by_trial(

@@ -32,6 +32,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   assemble_plan,
   better,
   no_plan_error,
+  shortlist,
 )
 from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
 from gpp_jax.passes.partition.range_costs import RangeCosts
@@ -77,7 +78,8 @@ class BaPipeOptions:
 
   Attributes:
     modes: schedule modes to explore (default "1f1b" and "gpipe"; ALL_MODES adds "zero-bubble").
-    simulate_top: how many ranked candidates are simulated.
+    simulate_top: how many ranked candidates are simulated (searching with the host, also
+      the best of every other replication and stage count, ``plan_assembly.shortlist``).
   """
 
   modes: tuple[str, ...] = MODES
@@ -114,7 +116,7 @@ def bapipe_search(problem: PlanningProblem, opts: BaPipeOptions) -> Plan:
   cluster, cm, B, costs = problem.inputs()
   found = ranked_candidates(problem, opts.modes)
   best = None
-  for _est, b, r, _S, mode, ranges, tps in found[: opts.simulate_top]:
+  for _est, b, r, _S, mode, ranges, tps in shortlist(found, opts.simulate_top, problem.host):
     stages = [(costs.layers[i:j], r) for i, j in ranges]
     plan = assemble_plan(
       layer_graph,

@@ -42,6 +42,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   assemble_plan,
   better,
   no_plan_error,
+  shortlist,
 )
 from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
 from gpp_jax.passes.partition.range_costs import RangeCosts
@@ -126,7 +127,9 @@ class LuoOptions:
   Attributes:
     orders: micro-batch processing orders (schedule generators) to choose from (ALL_ORDERS adds
       "zero-bubble" to the default three).
-    simulate_top: how many partitions (best estimates first) are simulated in every order.
+    simulate_top: how many partitions (best estimates first) are simulated in every order
+      (searching with the host, also the best of every other replication and stage count,
+      ``plan_assembly.shortlist``).
   """
 
   orders: tuple[str, ...] = ORDERS
@@ -161,7 +164,7 @@ def luo_search(problem: PlanningProblem, opts: LuoOptions) -> Plan:
   cluster, cm, B, costs = problem.inputs()
   found = mapped_candidates(problem)
   best = None
-  for est, b, r, _S, ranges in found[: opts.simulate_top]:
+  for est, b, r, _S, ranges in shortlist(found, opts.simulate_top, problem.host):
     stages = [(costs.layers[i:j], r) for i, j in ranges]
     for mode in opts.orders:
       plan = assemble_plan(

@@ -419,6 +419,25 @@ def better(a: Plan | None, b: Plan | None) -> Plan | None:
   return b if key(b) < key(a) else a
 
 
+def shortlist(found: Sequence[tuple], top: int, host: Any) -> list[tuple]:
+  """Which of ``found`` (candidate tuples ``(estimate, micro-batch, replication, stages,
+  ...)``, best estimate first) a planner simulates: the first ``top``; where it searches with
+  the host (``PlanningProblem.host``), also the best estimate of every other (replication,
+  stage count). The estimate prices the devices only, so its best are the widest and deepest
+  plans, which issue the most instructions and share the host's cores most; the host-aware
+  simulation that ranks them would otherwise never see a shallower one (medium MMT over 8
+  forced CPU devices: BaPipe's best 8 by its estimate were all stages over 2-4 devices)."""
+  out = list(found[:top])
+  if host is None:
+    return out
+  seen = {(c[2], c[3]) for c in out}
+  for c in found[top:]:
+    if (c[2], c[3]) not in seen:
+      seen.add((c[2], c[3]))
+      out.append(c)
+  return out
+
+
 def no_plan_error(
   planner: str, layer_graph: nx.DiGraph, cluster: Cluster, batch_size: int, why: str = ""
 ) -> PlanError:
