@@ -421,11 +421,12 @@ def plan_step(
   model (``fusion``: their ratio, applied to the one-stage candidates, which XLA compiles as
   one program; a pipeline's stages are compiled apart, as the layers were timed), and if
   plain jit is chosen its compiled step is kept (``Planned.trial``). Jit data parallel is
-  timed the same way (``calibrate_spmd``). The planner's plan, where it is the same step in
-  micro-batches over the devices of one of the two (gradient accumulation), is timed beside
-  it: the two times fit the fusion (one device) or the model's SPMD factor (several) and
-  the fixed seconds each micro-batch pays apart. The candidate then predicted fastest, if
-  none of these, is timed before it is taken (``checked_by_trial``).
+  timed the same way (``calibrate_spmd``). Plain jit's step in the planner's micro-batches
+  on its device (gradient accumulation) is timed beside plain jit, and the planner's plan
+  where it is jit data parallel's step in micro-batches beside that: the two times of one
+  width fit the fusion (one device) or the model's SPMD factor (several) and the fixed
+  seconds each micro-batch pays apart. The candidate then predicted fastest, if none of
+  these, is timed before it is taken (``checked_by_trial``).
 
   ``again(compiled step)`` times a trial's step once more (seconds per call): the steps
   compared are then timed in turns (``_interleaved``), so that a slow or fast spell of the
