@@ -816,18 +816,15 @@ def choose_plan(
 
   in_one_call = {one_stage_width(candidates[k]): k for k in predicted if k in BASELINES}
   timed = measured or {}
-
-  def accumulates(k: str) -> bool:
+  choosable = []
+  for k in predicted:
     p = candidates[k]
     base = in_one_call.get(one_stage_width(p))
     if k in BASELINES or p.num_microbatches <= 1 or base is None:
-      return False
-    if k in timed and base in timed and timed[k] < timed[base]:
+      choosable.append(k)  # not gradient accumulation beside a one-call step
+    elif k in timed and base in timed and timed[k] < timed[base]:
       predicted[k] = predicted[base] * timed[k] / timed[base]
-      return False
-    return True
-
-  choosable = [k for k in list(predicted) if not accumulates(k)]
+      choosable.append(k)  # measured faster than the one-call step
   return min(choosable, key=lambda k: (predicted[k], k != "pipeline")), predicted
 
 
