@@ -1,7 +1,8 @@
 """Calibration pass: LayerGraph -> LayerGraph with measured ``time_f`` / ``time_b`` per layer.
 
 Each layer is cut out of the loss with the staging pass (one stage per layer), jitted on the
-given device like a real stage, and timed (forward, and backward with its vjp) on inputs of the
+given device like a real stage, and timed (forward, and backward with its vjp, less the call
+that zeroes the gradient sum it consumes, which a stage makes once per step) on inputs of the
 right shapes. The times are for the traced micro-batch size, the LayerGraph's ``batch_size``.
 
 Measured times move with the machine's load, and a planner fed different numbers may choose a
@@ -46,7 +47,10 @@ from gpp_jax.ir.plan import Plan, Stage
 from gpp_jax.passes.staging import stage_functions, stage_program
 
 Timer = Callable[[str, str, Callable[[], Any]], float]
-"""``timer(layer, role, fn)``: seconds of one call of ``fn`` (role ``"fwd"`` or ``"bwd"``)."""
+"""``timer(layer, role, fn)``: seconds of one call of ``fn`` (role ``"fwd"``, ``"bwd"``, or
+``"zeros"``: the zeroed gradient sum that each timed backward consumes, timed apart to be taken
+out of the backward's time; ``"allreduce"``: over several devices, a tiny gradient all-reduce,
+likewise)."""
 
 
 def time_once(layer: str, role: str, fn: Callable[[], Any]) -> float:
@@ -111,16 +115,27 @@ class Calibration:
     of that call is priced by ``cost.host``). A layer keeps at least a quarter of its time.
 
     The step's own update, where measured (``settings["update_per_byte"]``, seconds per
-    parameter byte, ``measure_update``), goes to ``graph.graph["update_per_byte"]``.
+    parameter byte, ``measure_update``), goes to ``graph.graph["update_per_byte"]``, and the
+    zeroing of the gradient sums that the backward times leave out (``settings
+    ["zero_per_byte"]``), which a stage pays once per step, to ``graph.graph
+    ["zero_per_byte"]``.
 
     ``width`` > 1: the layers were timed as a stage over that many devices runs them
     (``measure_layers(placement=)``); the times go to the layers' ``time_f_at`` /
     ``time_b_at`` under ``str(width)`` (``ir.layer_graph.at_width``), beside the one-device
-    times."""
+    times, and the gradients' all-reduce they leave out (``settings["allreduce_call"]``,
+    seconds) to ``graph.graph["allreduce_call_at"][str(width)]``, which a stage's backward
+    pays once."""
     over = self.settings.get("call_overhead", 0.0)
     out = graph.copy()
     if width == 1 and "update_per_byte" in self.settings:
       out.graph["update_per_byte"] = self.settings["update_per_byte"]
+    if width == 1 and "zero_per_byte" in self.settings:
+      out.graph["zero_per_byte"] = self.settings["zero_per_byte"]
+    if width > 1:
+      at = {**out.graph.get("allreduce_call_at", {})}
+      at[str(width)] = self.settings.get("allreduce_call", 0.0)
+      out.graph["allreduce_call_at"] = at
     for n in out:
       tf, tb = self.time_f[n], self.time_b[n]
       tf, tb = max(tf - over, 0.25 * tf), max(tb - over, 0.25 * tb)
@@ -186,6 +201,27 @@ def measure_layers(
   groups: dict[str, str] = {}
   first_of: dict[str, str] = {}  # stage program text -> first layer with it
   total = 0
+  rt = functools.partial(
+    robust_time, repeats=repeats, max_rounds=max_rounds, quantile=quantile, rel_tol=rel_tol
+  )
+  overhead = allreduce = 0.0
+  zeroed = [0.0, 0]  # seconds of zeroing the timed layers' gradient sums, their bytes
+  if timer is time_once:  # a trivial jitted call, timed like the layers
+    tiny = jax.device_put(np.zeros((), np.float32), replicated)
+    bump = jax.jit(lambda x: x + 1)
+    jax.block_until_ready(bump(tiny))
+    overhead, _ = rt(functools.partial(timer, "", "fwd", lambda: bump(tiny)))
+  if placement is not None and len(placement.devices) > 1:
+    # The gradients' all-reduce over the devices, of a tiny array, less the call: a layer's
+    # backward timed alone pays one, while XLA combines a stage's into one for all its layers.
+    # Taken out of each layer's backward here, it is paid once per stage
+    # (``cost.simulator.measured_width_times``).
+    rows = np.ones((placement.microbatch_size, 1), np.float32)
+    rows = jax.device_put(rows, place(rows))
+    reduce = jax.jit(lambda r: jnp.sum(r, axis=0), out_shardings=replicated)
+    jax.block_until_ready(reduce(rows))
+    t_ar, _ = rt(functools.partial(timer, "", "allreduce", lambda: reduce(rows)))
+    allreduce = max(t_ar - overhead, 0.0)
   for st in staged.stages:
     layer = layers[st.index]
     key = str(st.jaxpr) + repr([(r.diff, r.kind) for r in st.inputs])
@@ -211,30 +247,26 @@ def measure_layers(
     jax.block_until_ready(fwd())
 
     def bwd(fns=fns, res=res, cts=cts, zeros=zeros):
-      return fns.bwd(res, cts, zeros())  # includes a tiny zeros()
+      return fns.bwd(res, cts, zeros())  # it consumes its gradient sum: a fresh one each
 
     jax.block_until_ready(bwd())
-    rt = functools.partial(
-      robust_time, repeats=repeats, max_rounds=max_rounds, quantile=quantile, rel_tol=rel_tol
-    )
     t_f, n_f = rt(functools.partial(timer, layer, "fwd", fwd))
     t_b, n_b = rt(functools.partial(timer, layer, "bwd", bwd))
     total += n_f + n_b
+    # Each timed backward consumes a fresh gradient sum, made by a call of its own, which a
+    # stage makes once per step (the program's ZERO), not once per backward: timed alike, it
+    # is taken out (over 4 forced CPU devices, a fifth of tiny DLRM's layers' backward).
+    t_z, n_z = rt(functools.partial(timer, layer, "zeros", zeros))
+    nbytes = graph.nodes[layer].get("param_bytes", 0)
+    less = t_z + (allreduce if nbytes else 0.0)
+    t_b, total = max(t_b - less, 0.25 * t_b), total + n_z
+    zeroed[0] += max(t_z - overhead, 0.0) if nbytes else 0.0
+    zeroed[1] += nbytes
     time_f[layer], time_b[layer] = snap(t_f, resolution), snap(t_b, resolution)
-  overhead = 0.0
-  if timer is time_once:  # a trivial jitted call, timed like the layers
-    tiny = jax.device_put(np.zeros((), np.float32), replicated)
-    bump = jax.jit(lambda x: x + 1)
-    jax.block_until_ready(bump(tiny))
-    overhead, _ = robust_time(
-      functools.partial(timer, "", "fwd", lambda: bump(tiny)),
-      repeats=repeats,
-      max_rounds=max_rounds,
-      quantile=quantile,
-      rel_tol=rel_tol,
-    )
   settings = {
     "call_overhead": overhead,
+    "allreduce_call": allreduce,
+    "zero_per_byte": zeroed[0] / zeroed[1] if zeroed[1] else 0.0,
     "repeats": float(repeats),
     "max_rounds": float(max_rounds),
     "quantile": quantile,

@@ -1,5 +1,7 @@
 """Plans do not change with timing noise, and a saved plan reruns exactly."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,13 @@ from test_ir_and_layering import _layered
 
 import gpp_jax
 from gpp_jax.cost.cluster import cpu_cluster
+from gpp_jax.cost.host import HostCosts
+from gpp_jax.cost.simulator import measured_width_times, simulate
 from gpp_jax.ir import layer_graph as lg
+from gpp_jax.ir.plan import Plan, Stage
 from gpp_jax.passes.calibrate import measure_layers, robust_time, snap
 from gpp_jax.passes.partition import get_planner
+from gpp_jax.runtime.placement import StagePlacement
 
 W = 128
 
@@ -35,13 +41,15 @@ def layered():
 
 
 def noisy_timer(graph, seed, calls=None):
-  """Times proportional to the layers' FLOPs, each sample up to 30% slower at random."""
+  """Times proportional to the layers' FLOPs (the gradient sum's zeroing a tenth of the
+  forward), each sample up to 30% slower at random."""
   rng = np.random.default_rng(seed)
 
   def timer(layer, role, fn):
     if calls is not None:
       calls[layer] = calls.get(layer, 0) + 1
-    base = 1e-4 * (1 + graph.nodes[layer]["flops"] / 1e6) * (2.0 if role == "bwd" else 1.0)
+    scale = {"fwd": 1.0, "bwd": 2.0, "zeros": 0.1}[role]
+    base = 1e-4 * (1 + graph.nodes[layer]["flops"] / 1e6) * scale
     return base * (1 + rng.uniform(0, 0.3))
 
   return timer
@@ -93,6 +101,92 @@ def test_identical_layers_are_timed_once_and_share_the_time(layered) -> None:
   assert cal.groups["b2"] == cal.groups["c2"] == cal.groups["a2"]
   assert cal.time_f["a2"] == cal.time_f["b2"] == cal.time_f["c2"]
   assert set(cal.time_f) == set(L.graph.nodes)
+
+
+def test_the_backward_time_leaves_out_zeroing_its_gradient_sum(layered) -> None:
+  """Each timed backward consumes a zeroed gradient sum made by a call of its own, which a
+  stage makes once per step, not once per backward: that call is timed apart (role "zeros")
+  and taken out of the backward's time; a layer keeps at least a quarter of it."""
+  closed, L = layered
+  zeroed = {}
+
+  def timer(layer, role, fn):
+    if role == "zeros":
+      zeroed[layer] = jax.block_until_ready(fn())
+    return {"fwd": 1e-3, "bwd": 3e-3, "zeros": 1e-3}[role]
+
+  options: dict[str, Any] = dict(share_identical=False, resolution=0.0)
+  device = jax.devices()[0]
+  cal = measure_layers(closed, L.eqn_layer, L.param_layer, L.graph, device, timer=timer, **options)
+  assert set(zeroed) == set(L.graph.nodes)
+  # What is zeroed is the layer's gradient sum: zeros shaped like its parameters.
+  assert [x.shape for x in zeroed["a0"]] == [(W, W)] and not np.any(zeroed["a0"][0])
+  assert all(cal.time_f[n] == 1e-3 and cal.time_b[n] == pytest.approx(2e-3) for n in L.graph)
+  # A stage zeroes its sums once per step, with its UPDATE: priced per parameter byte.
+  nbytes = {n: L.graph.nodes[n]["param_bytes"] for n in L.graph}
+  per_byte = sum(1e-3 for n in L.graph if nbytes[n]) / sum(nbytes.values())
+  assert cal.settings["zero_per_byte"] == pytest.approx(per_byte)
+  graph = lg.scaled(cal.apply(L.graph), 64)
+  assert graph.graph["zero_per_byte"] == pytest.approx(per_byte)
+  plan = get_planner("balanced")(graph, cpu_cluster(2), 64, num_microbatches=4)
+  host = HostCosts(per_op={"F": 1e-5, "B": 1e-5}, parallel=None)
+
+  def updates():
+    res = simulate(plan, graph, cpu_cluster(2), host=host)
+    return {a.stage: a.end - a.start for a in res.actions if a.kind == "UPDATE"}
+
+  zeroed = updates()
+  graph.graph["zero_per_byte"] = 0.0
+  plain = updates()
+  for s in plan.stages:
+    stage_bytes = sum(nbytes[n] for n in s.layers)
+    assert zeroed[s.index] - plain[s.index] == pytest.approx(per_byte * stage_bytes)
+
+  def slow_zeros(layer, role, fn):
+    return {"fwd": 1e-3, "bwd": 3e-3, "zeros": 5e-3}[role]
+
+  cal = measure_layers(
+    closed, L.eqn_layer, L.param_layer, L.graph, device, timer=slow_zeros, **options
+  )
+  assert all(cal.time_b[n] == pytest.approx(0.75e-3) for n in L.graph)
+
+
+def test_layers_timed_over_devices_leave_their_own_all_reduce_to_the_stage(layered) -> None:
+  """Over several devices, a layer's backward timed alone pays an all-reduce of its gradients,
+  while XLA combines a stage's into one: the all-reduce of a tiny array is timed apart (role
+  "allreduce"), taken out of each layer with parameters, and paid once per stage's backward
+  (``measured_width_times``)."""
+  closed, L = layered
+  times = {"fwd": 1e-3, "bwd": 3e-3, "zeros": 0.0, "allreduce": 0.5e-3}
+  placement = StagePlacement(tuple(jax.devices()[:2]), 64)
+  cal = measure_layers(
+    closed,
+    L.eqn_layer,
+    L.param_layer,
+    L.graph,
+    jax.devices()[0],
+    timer=lambda layer, role, fn: times[role],
+    placement=placement,
+    resolution=0.0,
+  )
+  assert cal.settings["allreduce_call"] == pytest.approx(0.5e-3)
+  with_params = {n for n in L.graph if L.graph.nodes[n]["param_bytes"]}
+  assert with_params and all(
+    cal.time_b[n] == pytest.approx(2.5e-3 if n in with_params else 3e-3) for n in L.graph
+  )
+  graph = lg.scaled(cal.apply(cal.apply(L.graph), width=2), 64)
+  assert graph.graph["allreduce_call_at"] == {"2": pytest.approx(0.5e-3)}
+  layers = tuple(lg.topo_layers(graph))
+  plan = Plan((Stage(0, layers, (0, 1)),), (), 1, batch_size=64)
+  wide = measured_width_times(plan, graph, cpu_cluster(4))
+  graph.graph["allreduce_call_at"] = {"2": 0.0}
+  without = measured_width_times(plan, graph, cpu_cluster(4))
+  assert wide[0][0] == without[0][0] and wide[0][1] == pytest.approx(without[0][1] + 0.5e-3)
+  # On one device nothing is all-reduced.
+  one = measure_layers(
+    closed, L.eqn_layer, L.param_layer, L.graph, jax.devices()[0], timer=lambda l, r, f: times[r]
+  )
+  assert one.settings["allreduce_call"] == 0.0
 
 
 def test_graphpipe_plans_alike_under_timing_noise(layered):

@@ -1067,7 +1067,10 @@ def measured_width_times(
   micro-batch as one-device times are (``plan_costs`` of ``LayerCosts.at_width``; ``costs``,
   the graph's, keeps them between calls). They hold what the layers pay over k devices (the
   split work, the devices' sharing of the host's cores, each op's cost on every device, the
-  gradients' all-reduce in the backward), which the SPMD factor only guesses."""
+  gradients' all-reduce in the backward), which the SPMD factor only guesses. A layer timed
+  alone paid an all-reduce of its own; the times leave its fixed seconds out, and a stage with
+  parameters pays them once per backward (``graph.graph["allreduce_call_at"]``, measured with
+  the layers: XLA combines a stage's all-reduces into one)."""
   costs = costs or layer_costs(layer_graph)
   if not costs.time_at:
     return {}
@@ -1077,9 +1080,12 @@ def measured_width_times(
     if k > 1 and costs.timed_at(k, [costs.index[n] for n in s.layers]):
       by_width.setdefault(k, []).append(s.index)
   out: dict[int, tuple[float, float]] = {}
+  allreduce = layer_graph.graph.get("allreduce_call_at", {})
   for k, stages in by_width.items():
     pc = plan_costs(_narrow(plan), layer_graph, cluster, cost_model, costs.at_width(k))
-    out.update({i: (float(pc.forward[i]), float(pc.backward[i])) for i in stages})
+    once = float(allreduce.get(str(k), 0.0))
+    for i in stages:
+      out[i] = (float(pc.forward[i]), float(pc.backward[i]) + (once if pc.param_bytes[i] else 0.0))
   return out
 
 
@@ -1147,9 +1153,12 @@ def _host_updates(
   UPDATE either; other stages keep the all-reduce in the UPDATE. The update itself is the
   step's own, timed (``layer_graph.graph["update_per_byte"]``, ``passes.calibrate
   .measure_update``), where measured, else the cost model's. Without either measurement these
-  are ``pc``'s UPDATE seconds and no all-reduce in the backward."""
+  are ``pc``'s UPDATE seconds and no all-reduce in the backward. Zeroing the stage's gradient
+  sums, once per step (the program's ZERO), is paid with the UPDATE where the layers' timing
+  measured it (``layer_graph.graph["zero_per_byte"]``, seconds per parameter byte)."""
   cm = cost_model or DEFAULT_COST_MODEL
   per_byte = layer_graph.graph.get("update_per_byte")
+  zero = float(layer_graph.graph.get("zero_per_byte", 0.0))
   per_call: list[float] = []
   update: list[float] = []
   for s in plan.stages:
@@ -1160,12 +1169,11 @@ def _host_updates(
       t = host.allreduce_seconds(k, nbytes) if k > 1 and host.allreduce else None
     per_call.append(0.0 if t is None else float(t))
     if t is None and per_byte is None:
-      update.append(pc.update[i])
+      update.append(pc.update[i] + zero * nbytes)
       continue
     n = k if t is None else 1  # the all-reduce stays in the UPDATE, or is paid elsewhere
-    update.append(
-      cm.update_time(nbytes, cluster.device, n, cluster.group_link(s.devices), per_byte)
-    )
+    link = cluster.group_link(s.devices)
+    update.append(cm.update_time(nbytes, cluster.device, n, link, per_byte) + zero * nbytes)
   return per_call, tuple(update)
 
 
