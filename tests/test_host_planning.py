@@ -867,6 +867,67 @@ def test_the_planner_one_device_step_in_micro_batches_is_timed_and_searched_with
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
 
 
+@pytest.mark.parametrize("acc_seconds, min_stages", [(0.008, 1), (0.013, 1), (0.008, 2)])
+def test_plain_jit_in_micro_batches_measured_faster_is_chosen_over_another_planner_plan(
+  dag, monkeypatch, acc_seconds, min_stages
+):
+  """The planner's plan is a pipeline, never plain jit's step in micro-batches on one device
+  (gradient accumulation). That step, timed beside plain jit (0.01 s) to fit the fusion, is a
+  candidate too: measured faster (0.8x), it runs, predicted at plain jit's prediction times the
+  ratio of the two measurements, and the note says so; slower (1.3x), plain jit runs; with
+  ``min_stages=2`` it is no candidate."""
+  from gpp_jax.passes.partition.plan_assembly import assemble_plan
+  from gpp_jax.runtime import host as host_mod
+
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: spmd_host({2: 3.0, 4: 6.0}))
+
+  def fake(c, leaves, repeats=5):
+    plan = c.planned.plan
+    if plan.num_stages == 1 and len(plan.stages[0].devices) == 1:
+      return acc_seconds if plan.num_microbatches > 1 else 0.01
+    return 0.05
+
+  monkeypatch.setattr(cp, "time_step", fake)
+
+  def planner(layer_graph, cluster, batch_size, *, num_microbatches=None, host=None):
+    layers = list(lg.topo_layers(layer_graph))
+    return assemble_plan(
+      layer_graph,
+      cluster,
+      [(layers[:2], 1), (layers[2:], 1)],
+      microbatch=batch_size // num_microbatches,
+      batch_size=batch_size,
+      planner="mine",
+      sequential=True,
+    )
+
+  step, params, opt_state, batch = dag
+  pp = gpp_jax.graph_pipeline(
+    step,
+    num_microbatches=2,
+    devices=jax.devices()[:4],
+    planner=planner,
+    calibrate=True,
+    min_stages=min_stages,
+  )
+  out = pp(params, opt_state, batch)
+  planned = pp.compiled.planned
+  name = cp.ACCUMULATED
+  if min_stages > 1:
+    assert name not in planned.candidates and planned.plan.num_stages == 2
+  elif acc_seconds < 0.01:
+    assert planned.measured[name] == acc_seconds
+    assert planned.plan.num_stages == 1 and planned.plan.num_microbatches == 2
+    assert planned.plan.stages[0].devices == (0,)
+    assert planned.predicted_s == pytest.approx(0.8 * planned.alternatives["plain jit"])
+    assert name in planned.note  # predicted fastest, or measured faster than the pipeline
+    assert pp.compiled.planned.trial is not None  # its timed step runs, not compiled again
+  else:
+    assert name in planned.candidates and planned.plan.planner == "plain jit"
+    assert planned.plan.num_microbatches == 1
+  assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
+
+
 def test_the_step_own_update_timed_prices_the_update():
   """Where the step's update was timed (``update_per_byte``, seconds per parameter byte), the
   host-aware model's UPDATE is that times the stage's parameter bytes, plus the all-reduce
@@ -1279,14 +1340,20 @@ def test_a_slow_spell_in_one_trial_does_not_decide_the_choice(dag, monkeypatch, 
   )
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: probe)
   calls = {1: 0}
+  asked = []
 
-  def seconds_for(k: int) -> float:
+  def fake(c, leaves, repeats=5):
+    plan = c.planned.plan
+    k = len(plan.stages[0].devices)
+    asked.append(k)
     if k > 1:
       return 0.015
+    if plan.num_microbatches > 1:  # plain jit's step in micro-batches: slower
+      return 0.05
     calls[1] += 1
     return 0.03 if calls[1] == 1 else 0.01
 
-  asked = timed_by_width(monkeypatch, seconds_for)
+  monkeypatch.setattr(cp, "time_step", fake)
   step, params, opt_state, batch = dag
   pp = gpp_jax.graph_pipeline(
     step, num_microbatches=2, devices=jax.devices()[:4], planner="graphpipe", calibrate=True
@@ -1374,7 +1441,7 @@ def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel
   out = pp(params, opt_state, batch)
   planned = pp.compiled.planned
   assert planned.measured == pytest.approx(
-    {"plain jit": 0.02, "jit data parallel": 0.01, "pipeline": 0.016}
+    {"plain jit": 0.02, "jit data parallel": 0.01, "pipeline": 0.016, cp.ACCUMULATED: 0.026}
   )
   assert planned.alternatives["jit data parallel"] == pytest.approx(0.01 + 2e-4)
   assert planned.alternatives["pipeline"] == pytest.approx(0.016 + 2e-4)

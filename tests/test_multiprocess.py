@@ -104,6 +104,11 @@ def test_stalled_peer_times_out_with_a_clear_message():
   assert elapsed < 60
 
 
+# The trials of a calibrated run, in order: plain jit, its step in micro-batches on one device,
+# jit data parallel, the planner's plan.
+TIMED = "plain_jit+plain_jit_in_micro-batches+jit_data_parallel+pipeline"
+
+
 def _launch_worker(mode, timeout="120", timeout_s=300):
   env = child_env()
   cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2", "--devices_per_process=4"]
@@ -125,7 +130,7 @@ def test_a_pipeline_over_two_processes_is_timed_before_it_is_taken():
   times, and train to the one-device reference's values."""
   r = _launch_worker("timed")
   results = _results(r)
-  assert all("timed=plain_jit+jit_data_parallel+pipeline " in l for l in results), results
+  assert all(f"timed={TIMED} " in l for l in results), results
   assert len({l.split("plan=")[1].split()[0] for l in results}) == 1, results
   out = r.stdout + r.stderr
   pipelines = [l.split("PIPELINE ")[1] for l in out.splitlines() if "PIPELINE " in l]
@@ -142,7 +147,7 @@ def test_the_planner_own_step_in_micro_batches_over_two_processes_is_timed_besid
   the same devices, fit the model's costs from process 0's times, choose alike, and train to
   the one-device reference's values."""
   results = _results(_launch_worker("accumulate"))
-  assert all("timed=plain_jit+jit_data_parallel+pipeline " in l for l in results), results
+  assert all(f"timed={TIMED} " in l for l in results), results
   assert len({l.split("plan=")[1].split()[0] for l in results}) == 1, results
 
 
