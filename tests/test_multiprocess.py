@@ -124,10 +124,10 @@ def _launch_worker(mode, timeout="120", timeout_s=300):
 
 def test_a_pipeline_over_two_processes_is_timed_before_it_is_taken():
   """The balanced planner's pipeline, its stages on both processes, predicted fastest (a host
-  that issues for free): both processes compile and time it together after plain jit and jit
-  data parallel (each stage's state placed where its program keeps it: placed on the first
-  stage's devices, the trial waited for transfers that never came), choose alike by the
-  times, and train to the one-device reference's values."""
+  that issues for free): both processes compile and time it together after plain jit (whole
+  and in micro-batches) and jit data parallel (each stage's state placed where its program
+  keeps it: placed on the first stage's devices, the trial waited for transfers that never
+  came), choose alike by the times, and train to the one-device reference's values."""
   r = _launch_worker("timed")
   results = _results(r)
   assert all(f"timed={TIMED} " in l for l in results), results
@@ -143,9 +143,9 @@ def test_a_pipeline_over_two_processes_is_timed_before_it_is_taken():
 
 def test_the_planner_own_step_in_micro_batches_over_two_processes_is_timed_beside_jit_dp():
   """A user's planner that accumulates over devices of both processes (one stage, 4
-  micro-batches): both processes time it together after plain jit and jit data parallel over
-  the same devices, fit the model's costs from process 0's times, choose alike, and train to
-  the one-device reference's values."""
+  micro-batches): both processes time it together after plain jit (whole and in micro-batches)
+  and jit data parallel over the same devices, fit the model's costs from process 0's times,
+  choose alike, and train to the one-device reference's values."""
   results = _results(_launch_worker("accumulate"))
   assert all(f"timed={TIMED} " in l for l in results), results
   assert len({l.split("plan=")[1].split()[0] for l in results}) == 1, results
