@@ -116,22 +116,30 @@ def compare_steps(step, args, batch, steps=3, **pp_kwargs):
   return r_out, p_out, pp
 
 
+def sequential_plan(layer_graph, cluster, batch_size, num_microbatches, stages, name):
+  """What a user's planner (``planner=callable``) named ``name`` returns: ``stages`` ((layers,
+  devices) each, in order) as a chain, the batch in ``num_microbatches`` micro-batches."""
+  from gpp_jax.passes.partition.plan_assembly import assemble_plan
+
+  return assemble_plan(
+    layer_graph,
+    cluster,
+    stages,
+    microbatch=batch_size // num_microbatches,
+    batch_size=batch_size,
+    planner=name,
+    sequential=True,
+  )
+
+
 def accumulating_planner(width: int):
   """A user's planner (``planner=callable``) that returns the whole model as one stage over
   ``width`` devices in the step's micro-batches: gradient accumulation, planner "accumulate"."""
 
   def planner(layer_graph, cluster, batch_size, *, num_microbatches=None):
     from gpp_jax.ir.layer_graph import topo_layers
-    from gpp_jax.passes.partition.plan_assembly import assemble_plan
 
-    return assemble_plan(
-      layer_graph,
-      cluster,
-      [(list(topo_layers(layer_graph)), width)],
-      microbatch=batch_size // num_microbatches,
-      batch_size=batch_size,
-      planner="accumulate",
-      sequential=True,
-    )
+    stages = [(list(topo_layers(layer_graph)), width)]
+    return sequential_plan(layer_graph, cluster, batch_size, num_microbatches, stages, "accumulate")
 
   return planner

@@ -10,7 +10,15 @@ import jax
 import numpy as np
 import optax
 import pytest
-from harness import accumulating_planner, dag_model, dag_params, make_batch, max_diff, mse_step
+from harness import (
+  accumulating_planner,
+  dag_model,
+  dag_params,
+  make_batch,
+  max_diff,
+  mse_step,
+  sequential_plan,
+)
 
 import gpp_jax
 from gpp_jax.cost.cluster import cpu_cluster
@@ -670,7 +678,6 @@ def test_layers_are_timed_over_the_widths_of_the_candidates_stages(dag, monkeypa
   are the plain step's."""
   from gpp_jax.cost.simulator import measured_width_times
   from gpp_jax.passes.calibrate import measure_layers
-  from gpp_jax.passes.partition.plan_assembly import assemble_plan
   from gpp_jax.runtime import host as host_mod
   from gpp_jax.runtime.placement import StagePlacement
 
@@ -680,15 +687,8 @@ def test_layers_are_timed_over_the_widths_of_the_candidates_stages(dag, monkeypa
   def halves(layer_graph, cluster, batch_size, *, num_microbatches=None):
     layers = list(lg.topo_layers(layer_graph))
     cut = len(layers) // 2
-    return assemble_plan(
-      layer_graph,
-      cluster,
-      [(layers[:cut], 2), (layers[cut:], 1)],
-      microbatch=batch_size // num_microbatches,
-      batch_size=batch_size,
-      planner="halves",
-      sequential=True,
-    )
+    stages = [(layers[:cut], 2), (layers[cut:], 1)]
+    return sequential_plan(layer_graph, cluster, batch_size, num_microbatches, stages, "halves")
 
   step, params, opt_state, batch = dag
   pp = gpp_jax.graph_pipeline(
@@ -769,7 +769,6 @@ def test_the_planner_searches_again_with_what_the_trials_measured(dag, monkeypat
   them, the planner searches once more and its new plan (here: a 2-stage pipeline where
   the first search found one stage over the devices) replaces the first as its candidate,
   the first one's timing dropped."""
-  from gpp_jax.passes.partition.plan_assembly import assemble_plan
   from gpp_jax.runtime import host as host_mod
 
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: spmd_host({2: 3.0, 4: 6.0}))
@@ -782,15 +781,7 @@ def test_the_planner_searches_again_with_what_the_trials_measured(dag, monkeypat
     layers = list(lg.topo_layers(layer_graph))
     n = cluster.num_devices
     stages = [(layers[:2], 1), (layers[2:], 1)] if calibrated else [(layers, n)]
-    return assemble_plan(
-      layer_graph,
-      cluster,
-      stages,
-      microbatch=batch_size // num_microbatches,
-      batch_size=batch_size,
-      planner="mine",
-      sequential=True,
-    )
+    return sequential_plan(layer_graph, cluster, batch_size, num_microbatches, stages, "mine")
 
   step, params, opt_state, batch = dag
   pp = gpp_jax.graph_pipeline(
@@ -815,7 +806,6 @@ def test_the_planner_one_device_step_in_micro_batches_is_timed_and_searched_with
   the planner's second search, which sees them, returns its pipeline instead, and plain jit
   runs. At 0.8x, no fixed seconds are fitted, the step in micro-batches stays the planner's
   plan and runs, measured faster, and the note says so."""
-  from gpp_jax.passes.partition.plan_assembly import assemble_plan
   from gpp_jax.runtime import host as host_mod
 
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: spmd_host({2: 3.0, 4: 6.0}))
@@ -836,15 +826,7 @@ def test_the_planner_one_device_step_in_micro_batches_is_timed_and_searched_with
     seen.append(timed)
     layers = list(lg.topo_layers(layer_graph))
     stages = [(layers[:2], 1), (layers[2:], 1)] if timed else [(layers, 1)]
-    return assemble_plan(
-      layer_graph,
-      cluster,
-      stages,
-      microbatch=batch_size // num_microbatches,
-      batch_size=batch_size,
-      planner="mine",
-      sequential=True,
-    )
+    return sequential_plan(layer_graph, cluster, batch_size, num_microbatches, stages, "mine")
 
   step, params, opt_state, batch = dag
   pp = gpp_jax.graph_pipeline(
@@ -876,7 +858,6 @@ def test_plain_jit_in_micro_batches_measured_faster_is_chosen_over_another_plann
   candidate too: measured faster (0.8x), it runs, predicted at plain jit's prediction times the
   ratio of the two measurements, and the note says so; slower (1.3x), plain jit runs; with
   ``min_stages=2`` it is no candidate."""
-  from gpp_jax.passes.partition.plan_assembly import assemble_plan
   from gpp_jax.runtime import host as host_mod
 
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: spmd_host({2: 3.0, 4: 6.0}))
@@ -891,14 +872,8 @@ def test_plain_jit_in_micro_batches_measured_faster_is_chosen_over_another_plann
 
   def planner(layer_graph, cluster, batch_size, *, num_microbatches=None, host=None):
     layers = list(lg.topo_layers(layer_graph))
-    return assemble_plan(
-      layer_graph,
-      cluster,
-      [(layers[:2], 1), (layers[2:], 1)],
-      microbatch=batch_size // num_microbatches,
-      batch_size=batch_size,
-      planner="mine",
-      sequential=True,
+    return sequential_plan(
+      layer_graph, cluster, batch_size, num_microbatches, [(layers[:2], 1), (layers[2:], 1)], "mine"
     )
 
   step, params, opt_state, batch = dag

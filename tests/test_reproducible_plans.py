@@ -1,7 +1,5 @@
 """Plans do not change with timing noise, and a saved plan reruns exactly."""
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,17 +53,17 @@ def noisy_timer(graph, seed, calls=None):
   return timer
 
 
-def graphpipe_fingerprint(layered, seed, **options):
+def timed_layers(layered, timer, **options):
+  """``layered``'s layers timed on the first device by ``timer`` (``measure_layers``)."""
   closed, L = layered
-  cal = measure_layers(
-    closed,
-    L.eqn_layer,
-    L.param_layer,
-    L.graph,
-    jax.devices()[0],
-    timer=noisy_timer(L.graph, seed),
-    **options,
+  return measure_layers(
+    closed, L.eqn_layer, L.param_layer, L.graph, jax.devices()[0], timer=timer, **options
   )
+
+
+def graphpipe_fingerprint(layered, seed, **options):
+  _, L = layered
+  cal = timed_layers(layered, noisy_timer(L.graph, seed), **options)
   graph = lg.scaled(cal.apply(L.graph), 64)
   return get_planner("graphpipe")(graph, cpu_cluster(4), 64, num_microbatches=4).fingerprint()
 
@@ -86,16 +84,9 @@ def test_snap_rounds_to_a_geometric_grid():
 
 
 def test_identical_layers_are_timed_once_and_share_the_time(layered) -> None:
-  closed, L = layered
+  _, L = layered
   calls: dict[str, int] = {}
-  cal = measure_layers(
-    closed,
-    L.eqn_layer,
-    L.param_layer,
-    L.graph,
-    jax.devices()[0],
-    timer=noisy_timer(L.graph, 0, calls),
-  )
+  cal = timed_layers(layered, noisy_timer(L.graph, 0, calls))
   assert set(calls) < set(cal.time_f)  # some layers were not timed at all
   # The middle layers of the three branches run the same program: one measurement for all.
   assert cal.groups["b2"] == cal.groups["c2"] == cal.groups["a2"]
@@ -107,7 +98,7 @@ def test_the_backward_time_leaves_out_zeroing_its_gradient_sum(layered) -> None:
   """Each timed backward consumes a zeroed gradient sum made by a call of its own, which a
   stage makes once per step, not once per backward: that call is timed apart (role "zeros")
   and taken out of the backward's time; a layer keeps at least a quarter of it."""
-  closed, L = layered
+  _, L = layered
   zeroed = {}
 
   def timer(layer, role, fn):
@@ -115,9 +106,7 @@ def test_the_backward_time_leaves_out_zeroing_its_gradient_sum(layered) -> None:
       zeroed[layer] = jax.block_until_ready(fn())
     return {"fwd": 1e-3, "bwd": 3e-3, "zeros": 1e-3}[role]
 
-  options: dict[str, Any] = dict(share_identical=False, resolution=0.0)
-  device = jax.devices()[0]
-  cal = measure_layers(closed, L.eqn_layer, L.param_layer, L.graph, device, timer=timer, **options)
+  cal = timed_layers(layered, timer, share_identical=False, resolution=0.0)
   assert set(zeroed) == set(L.graph.nodes)
   # What is zeroed is the layer's gradient sum: zeros shaped like its parameters.
   assert [x.shape for x in zeroed["a0"]] == [(W, W)] and not np.any(zeroed["a0"][0])
@@ -145,9 +134,7 @@ def test_the_backward_time_leaves_out_zeroing_its_gradient_sum(layered) -> None:
   def slow_zeros(layer, role, fn):
     return {"fwd": 1e-3, "bwd": 3e-3, "zeros": 5e-3}[role]
 
-  cal = measure_layers(
-    closed, L.eqn_layer, L.param_layer, L.graph, device, timer=slow_zeros, **options
-  )
+  cal = timed_layers(layered, slow_zeros, share_identical=False, resolution=0.0)
   assert all(cal.time_b[n] == pytest.approx(0.75e-3) for n in L.graph)
 
 
@@ -156,18 +143,11 @@ def test_layers_timed_over_devices_leave_their_own_all_reduce_to_the_stage(layer
   while XLA combines a stage's into one: the all-reduce of a tiny array is timed apart (role
   "allreduce"), taken out of each layer with parameters, and paid once per stage's backward
   (``measured_width_times``)."""
-  closed, L = layered
+  _, L = layered
   times = {"fwd": 1e-3, "bwd": 3e-3, "zeros": 0.0, "allreduce": 0.5e-3}
   placement = StagePlacement(tuple(jax.devices()[:2]), 64)
-  cal = measure_layers(
-    closed,
-    L.eqn_layer,
-    L.param_layer,
-    L.graph,
-    jax.devices()[0],
-    timer=lambda layer, role, fn: times[role],
-    placement=placement,
-    resolution=0.0,
+  cal = timed_layers(
+    layered, lambda layer, role, fn: times[role], placement=placement, resolution=0.0
   )
   assert cal.settings["allreduce_call"] == pytest.approx(0.5e-3)
   with_params = {n for n in L.graph if L.graph.nodes[n]["param_bytes"]}
@@ -183,9 +163,7 @@ def test_layers_timed_over_devices_leave_their_own_all_reduce_to_the_stage(layer
   without = measured_width_times(plan, graph, cpu_cluster(4))
   assert wide[0][0] == without[0][0] and wide[0][1] == pytest.approx(without[0][1] + 0.5e-3)
   # On one device nothing is all-reduced.
-  one = measure_layers(
-    closed, L.eqn_layer, L.param_layer, L.graph, jax.devices()[0], timer=lambda l, r, f: times[r]
-  )
+  one = timed_layers(layered, lambda layer, role, fn: times[role])
   assert one.settings["allreduce_call"] == 0.0
 
 
