@@ -1225,7 +1225,8 @@ def test_two_timings_of_one_width_fit_its_factor_and_fixed_seconds_apart():
   the same devices, both timed, fit the SPMD factor and the fixed seconds per sharded call
   each on its own: both predictions are their measurements, where one ratio on the probe's
   pair misses the one in micro-batches. Times that would take negative fixed seconds keep
-  the ratio's fit."""
+  the ratio's fit; times that would take a factor under its floor take the floor, with jit
+  data parallel's prediction still its measurement."""
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
   h = spmd_host({2: 3.0, 4: 6.0}, calls={2: 1e-3, 4: 3e-3})
@@ -1244,6 +1245,14 @@ def test_two_timings_of_one_width_fit_its_factor_and_fixed_seconds_apart():
   # Four micro-batches no slower than one: no fixed seconds per call can say that.
   kept = cp.calibrate_spmd(g, 8, dp, cluster, h, t1, (acc, 0.9 * t1))
   assert kept.graph == ratio.graph
+  # So slow in micro-batches that the fit's factor falls under the floor: the floor, and the
+  # fixed seconds at which jit data parallel is still its measurement.
+  slow = t4 + 3 * t1
+  floored = cp.calibrate_spmd(g, 8, dp, cluster, h, t1, (acc, slow))
+  assert floored.graph["spmd"]["2"] == pytest.approx(cp.SPMD_FLOOR)
+  assert cp.predict_seconds(dp, floored, cluster, h)[0] == pytest.approx(t1)
+  near = cp.predict_seconds(acc, floored, cluster, h)[0]
+  assert cp.predict_seconds(acc, ratio, cluster, h)[0] < near < slow
 
 
 def test_plain_jit_and_its_step_in_micro_batches_fit_the_fusion_and_fixed_seconds_apart():
@@ -1252,7 +1261,8 @@ def test_plain_jit_and_its_step_in_micro_batches_fit_the_fusion_and_fixed_second
   micro-batch pays (``spmd_call["1"]``) each on its own: both predictions are their
   measurements, where the fusion alone misses the step in micro-batches.
   A pipeline's stages and jit data parallel are priced as before; times that would take
-  negative fixed seconds keep the fusion alone."""
+  negative fixed seconds keep the fusion alone, and times that would take a fusion under its
+  floor take the floor, with plain jit's prediction still its measurement."""
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
   h = spmd_host({2: 3.0}, calls={2: 1e-3})
@@ -1284,6 +1294,24 @@ def test_plain_jit_and_its_step_in_micro_batches_fit_the_fusion_and_fixed_second
   # Four micro-batches faster than one: no fixed seconds per micro-batch can say that.
   kept = cp.calibrate_fusion(g, 8, plain, cluster, h, t1, (acc, 0.9 * t1))
   assert kept.graph == alone.graph
+  # Four micro-batches so slow that the fit's fusion falls under the floor (a noisy machine):
+  # the floor, and the fixed seconds at which plain jit is still its measurement; the step
+  # in micro-batches is then priced short of its time by the least that allows, where the
+  # fusion alone priced it at about plain jit's.
+  slow = t4 + 3 * t1
+  floored = cp.calibrate_fusion(g, 8, plain, cluster, h, t1, (acc, slow))
+  assert floored.graph["fusion"] == pytest.approx(cp.FUSION_FLOOR)
+  assert cp.predict_seconds(plain, floored, cluster, h)[0] == pytest.approx(t1)
+  near = cp.predict_seconds(acc, floored, cluster, h)[0]
+  assert cp.predict_seconds(acc, alone, cluster, h)[0] < near < slow
+  for f in (1.2 * cp.FUSION_FLOOR, 2 * cp.FUSION_FLOOR):  # on plain jit's line, farther off
+    other = floored.copy()
+    other.graph["fusion"] = f
+    other.graph["spmd_call"] = {"1": 0.0}
+    c = t1 - cp.predict_seconds(plain, other, cluster, h)[0]
+    other.graph["spmd_call"] = {"1": c}
+    assert c >= 0 and cp.predict_seconds(plain, other, cluster, h)[0] == pytest.approx(t1)
+    assert cp.predict_seconds(acc, other, cluster, h)[0] < near
 
 
 def timed_by_width(monkeypatch, seconds_for):

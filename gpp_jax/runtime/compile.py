@@ -862,8 +862,8 @@ def calibrate_fusion(
   added to the sum; the loop's own work): plain jit's fusion alone priced medium CANDLE-Uno's
   step in 4 micro-batches at -43% of its measurement. The two timings fit the fusion and
   those fixed seconds per micro-batch (``graph.graph["spmd_call"]["1"]``, ``cost.simulator
-  .spmd_call`` of one device) each on its own, unless that takes a fusion under the floor
-  or negative seconds (then the fusion alone, as without ``pieces``)."""
+  .spmd_call`` of one device) each on its own (``_fitted_apart``; where the seconds come out
+  negative, the fusion alone, as without ``pieces``)."""
 
   def set_fusion(g: nx.DiGraph, f: float) -> None:
     g.graph["fusion"] = f
@@ -909,8 +909,7 @@ def calibrate_spmd(
   plan, seconds per call)). Two timings tell the two apart: the factor and the fixed seconds
   are fitted each on its own so that both predictions are their measurements (the ratio
   above put tiny DLRM's step in 4 micro-batches at +57% of its measurement, MMT's at -31%),
-  unless that takes a factor under the floor or negative seconds (then the ratio, as
-  without ``pieces``)."""
+  ``_fitted_apart`` (where the seconds come out negative, the ratio, as without ``pieces``)."""
   k = str(len(plan.stages[0].devices))
   probe, call = host.spmd_factor(int(k)), host.spmd_call_seconds(int(k))
   if pieces is not None:
@@ -945,9 +944,14 @@ def _fitted_apart(
   """A copy of ``graph`` with a factor and the fixed seconds per computation (``set_both``:
   the SPMD factor over k devices, or the fusion on one) at which the predictions of the two
   one-stage plans ``timed`` (over the same devices, different micro-batch counts) are their
-  seconds plus the host's time outside the step; None where that takes a factor under
-  ``floor`` or negative seconds. A prediction is linear in both, so three predictions of
-  each plan solve it."""
+  seconds plus the host's time outside the step. A prediction is linear in both, so three
+  predictions of each plan solve it. Where that takes a factor under ``floor`` or negative
+  seconds, the first plan's prediction (the one-call step, which ``choose_plan`` prices a
+  faster step in micro-batches by) stays its measurement, and the second misses its own by
+  the least that allows: a factor under the floor takes the floor and the fixed seconds that
+  fit the first (the first's fit alone prices the second at about the first's time). None
+  where the seconds come out negative (the caller then fits the first alone) or the two
+  plans have the same micro-batch count."""
 
   def with_both(factor: float, seconds: float) -> nx.DiGraph:
     g = graph.copy()
@@ -966,8 +970,15 @@ def _fitted_apart(
     factor, call = np.linalg.solve(np.array(rows), np.array(rhs))
   except np.linalg.LinAlgError:  # the same micro-batch count twice
     return None
-  if factor < floor or call < 0.0:
+  if call < 0.0:
     return None
+  if factor < floor:
+    # Along the fits that keep the first prediction its measurement, the second's miss grows
+    # with the distance from the exact fit: the nearest within the floor.
+    (a, b), r = rows[0], rhs[0]
+    factor, call = floor, (r - a * floor) / b if b > 0 else -1.0
+    if call < 0.0:
+      return None
   return with_both(float(factor), float(call))
 
 
