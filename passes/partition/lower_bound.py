@@ -10,11 +10,13 @@ all-reduce + optimizer), so for every stage s
 with F_s + B_s the sum of its layers' times at b / d_s samples per device (the cost model's
 ``stage_time``) and U_s the all-reduce's bandwidth term plus the optimizer traffic (the
 all-reduce's latency term, never negative, is left out). The program minimises the largest of
-these over a *relaxation* of the plan space: layers are split into at most min(K, n) groups
-with any device count d dividing the micro-batch (sum of d <= K), without the convexity of
-stages, memory and the transfers other than the one below, and with the pipeline fill and
-drain of one stage only (below). Its optimum is therefore at most the iteration time of every
-plan at micro-batch b, and the minimum over micro-batch sizes is a lower bound for every plan.
+these over a *relaxation* of the plan space: layers are split into groups with any device
+count d dividing the micro-batch (sum of d <= K), without memory, the transfers other than the
+one below and the convexity of stages other than the sink's (below), and with the pipeline fill
+and drain of one stage only (below). Its optimum is therefore at most the iteration time of
+every plan whose stages all run micro-batch b, and the minimum over micro-batch sizes is a lower
+bound for every such plan (plans with a micro-batch size per stage, ``stage_microbatches``, are
+outside it).
 It is exact for the relaxation, not for the plans: the gap to the best plan includes what the
 relaxation leaves out.
 
@@ -36,12 +38,22 @@ is not so for schedules that split the backward (``split_backward=True`` drops i
 layers are kept in classes apart from the other layers (the layers of a class lie on the same
 paths), and the sink in a class of its own, so the program knows on which group each path's
 layers lie; identical layers of a path (a branch of identical layers) still share one class.
-Group 0 is exempt from the device-count ordering below.
 
-Symmetry breaking. Layers with identical costs (the layers of identical branches) are
+The sink's stage is convex: if S holds a layer u, it holds every layer on a path from u to v.
+Where every layer of a class lies on such a path from every layer of another class, the program
+says so (``sink_closure``). Without it the program can put the sink alone, or with a layer far
+from it, on one device and leave its other inputs (a Transformer's head behind the towers'
+concatenation) to any group, which no stage graph allows.
+
+Symmetry breaking and form. Layers with identical costs (the layers of identical branches) are
 interchangeable in the relaxation, so each class of identical layers is one integer variable
-per group (how many of its layers the group holds) instead of one binary per layer, and the
-groups, which are unlabelled, are ordered by non-increasing device count.
+per group (how many of its layers the group holds) instead of one binary per layer. The groups
+are slots of a fixed device count each (up to min(K // d, n) of count d; group 0 one slot per
+count, exactly one used), so a group's time is linear in its counts without big-M terms, and the
+slots of one count, which are interchangeable, are ordered by non-increasing time. (With the
+sink's convexity, a program with a device-count variable per group and big-M terms for its time
+did not close on MMT at 32 devices in 60 s: its dual bound stayed at the bound without the
+fill.)
 
 If the solver stops at ``time_limit`` the bound is its proven dual bound (still a lower bound);
 with the fill, never below the bound without it (solved first, over the coarser classes, and
@@ -57,7 +69,7 @@ from collections.abc import Sequence
 import networkx as nx
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import lil_matrix
+from scipy.sparse import coo_matrix
 
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel
@@ -98,7 +110,9 @@ class Fill:
   crossing one of its edges;
   ``fwd[c, k]``, ``bwd[c, k]`` the forward and backward times of one micro-batch through a
   class-c layer on ``dps[k]`` devices, and ``compute[c, k]`` its M forwards and backwards
-  alone (without the update)."""
+  alone (without the update). ``closure``: pairs (class a, classes cs) such that every layer of
+  every class in cs lies on a path from every layer of a to the sink; the sink's stage is
+  convex, so if it holds a layer of a it holds all of cs."""
 
   sink: int
   paths: list[list[int]]
@@ -107,6 +121,31 @@ class Fill:
   transfer: list[float]
   compute: np.ndarray
   drain: bool
+  closure: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+
+
+class _Rows:
+  """A sparse constraint matrix built row by row: ``add({column: coefficient}, lo, hi)``."""
+
+  def __init__(self) -> None:
+    self.r: list[int] = []
+    self.c: list[int] = []
+    self.v: list[float] = []
+    self.lo: list[float] = []
+    self.hi: list[float] = []
+
+  def add(self, entries: dict[int, float], lo: float, hi: float) -> None:
+    i = len(self.lo)
+    for col, val in entries.items():
+      self.r.append(i)
+      self.c.append(col)
+      self.v.append(val)
+    self.lo.append(lo)
+    self.hi.append(hi)
+
+  def constraint(self, n: int) -> LinearConstraint:
+    A = coo_matrix((self.v, (self.r, self.c)), shape=(len(self.lo), n)).tocsr()
+    return LinearConstraint(A, np.array(self.lo), np.array(self.hi))
 
 
 def _min_max_groups(
@@ -120,82 +159,92 @@ def _min_max_groups(
   floor: float = 0.0,
 ) -> tuple[float, bool]:
   """min over groupings of max group time: class c holds ``size[c]`` interchangeable layers,
-  each costing ``a[c, k]`` in a group on ``dps[k]`` devices; at most J groups, sum of devices
-  <= K; with ``fill``, group 0 holds the sink and also pays the fill (and drain) of the path
-  layers outside it. Returns (the optimum or the solver's dual bound, solved to optimality)."""
+  each costing ``a[c, k]`` in a group on ``dps[k]`` devices; at most J groups of each device
+  count, sum of devices <= K; with ``fill``, group 0 holds the sink and also pays the fill (and
+  drain) of the path layers outside it. Returns (the optimum or the solver's dual bound, solved
+  to optimality).
+
+  The groups are slots of a fixed device count (up to min(K // d, J) of each count d), so a
+  group's time is linear in its counts (no big-M); slots of one count are interchangeable and
+  ordered by non-increasing time. Group 0 is one slot per device count, exactly one used."""
   C, D = a.shape
-  # Variables: cnt[c, j] (integer), y[j, k] (binary), v[c, j, k] (continuous), z, and w[p]
-  # (binary: some layer of path p lies outside group 0).
-  n_cnt, n_y, n_v = C * J, J * D, C * J * D
-  n_w = len(fill.paths) if fill is not None else 0
-  nv = n_cnt + n_y + n_v + 1 + n_w
-  cnt = lambda c, j: c * J + j
-  yv = lambda j, k: n_cnt + j * D + k
-  vv = lambda c, j, k: n_cnt + n_y + (c * J + j) * D + k
-  z = n_cnt + n_y + n_v
-  wv = lambda p: z + 1 + p
-  rows: list[tuple[dict[int, float], float, float]] = []
+  slots = [(k, s) for k, d in enumerate(dps) for s in range(min(K // d, J))]
+  S = len(slots)
+  P = len(fill.paths) if fill is not None else 0
+  Q = len(fill.closure) if fill is not None else 0
+  G = C * D + D if fill is not None else 0
+  # Variables: cnt[c, i] (integer: class-c layers in slot i), used[i] (binary), z (the
+  # objective), then with the fill: cnt0[c, k] and used0[k] (group 0 on dps[k] devices), w[p]
+  # (binary: some layer of path p lies outside group 0) and u[q] (binary: group 0 holds a layer
+  # of the closure's class q).
+  nv = C * S + S + 1 + G + P + Q
+  cnt = lambda c, i: c * S + i
+  used = lambda i: C * S + i
+  z = C * S + S
+  cnt0 = lambda c, k: z + 1 + c * D + k
+  used0 = lambda k: z + 1 + C * D + k
+  wv = lambda p: z + 1 + G + p
+  uv = lambda q: z + 1 + G + P + q
+  rows = _Rows()
   for c in range(C):  # every layer in some group
-    rows.append(({cnt(c, j): 1.0 for j in range(J)}, size[c], size[c]))
-  for j in range(J):
-    rows.append(({yv(j, k): 1.0 for k in range(D)}, -np.inf, 1.0))  # one d per group
-    for c in range(C):  # a group with layers has devices: cnt <= size * sum_k y
-      r = {cnt(c, j): 1.0}
-      r.update({yv(j, k): -float(size[c]) for k in range(D)})
-      rows.append((r, -np.inf, 0.0))
-      for k in range(D):  # v >= cnt - size (1 - y): the layers' count on d = dps[k]
-        rows.append(
-          ({cnt(c, j): 1.0, yv(j, k): float(size[c]), vv(c, j, k): -1.0}, -np.inf, float(size[c]))
-        )
-    load = {vv(c, j, k): float(a[c, k]) for c in range(C) for k in range(D)}
-    load[z] = -1.0
-    rows.append((load, -np.inf, 0.0))  # z >= the group's time
-    if j + 1 < J and (fill is None or j > 0):  # unlabelled groups: non-increasing devices
-      r = {yv(j, k): float(d) for k, d in enumerate(dps)}
-      for k, d in enumerate(dps):
-        r[yv(j + 1, k)] = r.get(yv(j + 1, k), 0.0) - float(d)
-      rows.append((r, 0.0, np.inf))
-  rows.append(({yv(j, k): float(d) for j in range(J) for k, d in enumerate(dps)}, 0.0, K))
+    e = {cnt(c, i): 1.0 for i in range(S)}
+    if fill is not None:
+      e.update({cnt0(c, k): 1.0 for k in range(D)})
+    rows.add(e, size[c], size[c])
+  for i, (k, _) in enumerate(slots):
+    for c in range(C):  # a slot with layers has its devices
+      rows.add({cnt(c, i): 1.0, used(i): -float(size[c])}, -np.inf, 0.0)
+    load = {cnt(c, i): float(a[c, k]) for c in range(C)}
+    rows.add({**load, z: -1.0}, -np.inf, 0.0)  # z >= the slot's time
+    if i + 1 < S and slots[i + 1][0] == k:  # the next slot of this count: no busier
+      rows.add({used(i): 1.0, used(i + 1): -1.0}, 0.0, np.inf)
+      nxt = {cnt(c, i + 1): -float(a[c, k]) for c in range(C)}
+      rows.add({**load, **nxt}, 0.0, np.inf)
+  devices = {used(i): float(dps[k]) for i, (k, _) in enumerate(slots)}
   if fill is not None:
-    rows.append(({cnt(fill.sink, 0): 1.0}, 1.0, 1.0))
+    devices.update({used0(k): float(d) for k, d in enumerate(dps)})
+  rows.add(devices, 0.0, K)
+  if fill is not None:
+    holds = lambda c: {cnt0(c, k): 1.0 for k in range(D)}  # group 0's count of class c
+    rows.add({used0(k): 1.0 for k in range(D)}, 1.0, 1.0)
+    for c in range(C):
+      for k in range(D):
+        rows.add({cnt0(c, k): 1.0, used0(k): -float(size[c])}, -np.inf, 0.0)
+    rows.add(holds(fill.sink), 1.0, 1.0)
+    for q, (c, later) in enumerate(fill.closure):  # group 0 is a convex stage
+      rows.add({**holds(c), uv(q): -float(size[c])}, -np.inf, 0.0)
+      for x in later:
+        rows.add({**holds(x), uv(q): -float(size[x])}, 0.0, np.inf)
+    own = {cnt0(c, k): float(a[c, k]) for c in range(C) for k in range(D)}
+    rows.add({**own, z: -1.0}, -np.inf, 0.0)
     for p, (layers, transfer) in enumerate(zip(fill.paths, fill.transfer, strict=True)):
       path = sorted(set(layers[:-1]))
       for c in path:  # w[p] = 1 when some layer of path class c is outside group 0
-        rows.append(({wv(p): float(size[c]), cnt(c, 0): 1.0}, float(size[c]), np.inf))
+        rows.add({**holds(c), wv(p): float(size[c])}, float(size[c]), np.inf)
       # z >= fill + M (F + B) + update of group 0: the fill is the path's layers outside it,
       # each on its own group's devices, and one transfer; z >= fill + M (F + B) + drain (the
       # backward back along the same layers, and one transfer back).
       for drain in (False, True) if fill.drain else (False,):
         t = fill.fwd + fill.bwd if drain else fill.fwd
-        own = fill.compute if drain else a
-        r = {vv(c, 0, k): -float(own[c, k]) for c in range(C) for k in range(D)}
+        mine = fill.compute if drain else a
+        e = {cnt0(c, k): -float(mine[c, k]) for c in range(C) for k in range(D)}
         for c in path:
-          r.update({vv(c, j, k): -float(t[c, k]) for j in range(1, J) for k in range(D)})
-        r[z], r[wv(p)] = 1.0, -(2 if drain else 1) * transfer
-        rows.append((r, 0.0, np.inf))
-  A = lil_matrix((len(rows), nv))
-  lo, hi = np.empty(len(rows)), np.empty(len(rows))
-  for i, (r, l_, h_) in enumerate(rows):
-    for col, val in r.items():
-      A[i, col] = val
-    lo[i], hi[i] = l_, h_
+          e.update({cnt(c, i): -float(t[c, k]) for i, (k, _) in enumerate(slots)})
+        e[z], e[wv(p)] = 1.0, -(2 if drain else 1) * transfer
+        rows.add(e, 0.0, np.inf)
   cost = np.zeros(nv)
   cost[z] = 1.0
-  integrality = np.zeros(nv)
-  integrality[: n_cnt + n_y] = 1
-  integrality[z + 1 :] = 1
-  lb, ub = np.zeros(nv), np.full(nv, np.inf)
-  lb[z] = floor
-  ub[z + 1 :] = 1.0
+  integrality = np.ones(nv)
+  integrality[z] = 0
+  lb, ub = np.zeros(nv), np.ones(nv)
+  lb[z], ub[z] = floor, np.inf
   for c in range(C):
-    for j in range(J):
-      ub[cnt(c, j)] = size[c]
-      for k in range(D):
-        ub[vv(c, j, k)] = size[c]
-  ub[n_cnt : n_cnt + n_y] = 1.0
+    ub[cnt(c, 0) : cnt(c, 0) + S] = size[c]
+    if fill is not None:
+      ub[cnt0(c, 0) : cnt0(c, 0) + D] = size[c]
   res = milp(
     cost,
-    constraints=LinearConstraint(A.tocsr(), lo, hi),
+    constraints=rows.constraint(nv),
     integrality=integrality,
     bounds=Bounds(lb, ub),
     options={"time_limit": time_limit},
@@ -259,6 +308,34 @@ def paths_into(n: int, edges, weight: np.ndarray, sink: int, limit: int) -> list
   return paths
 
 
+def sink_closure(n: int, edges, sink: int, classes: list[list[int]]) -> list[tuple[int, list[int]]]:
+  """For each class a (an index into ``classes``), the other classes whose every layer lies on
+  a path from every layer of a to ``sink`` (positions in topological order); classes with none
+  are left out. A convex stage holding the sink and a layer of a holds all of them."""
+  succs: list[list[int]] = [[] for _ in range(n)]
+  for u, v, _ in edges:
+    succs[u].append(v)
+  below = [0] * n  # bit set of each layer's descendants, itself included
+  for u in range(n - 1, -1, -1):
+    below[u] = 1 << u
+    for v in succs[u]:
+      below[u] |= below[v]
+  # Layers on a path from u to the sink: u's descendants that reach the sink.
+  to_sink = sum(1 << x for x in range(n) if below[x] >> sink & 1)
+  masks = [sum(1 << x for x in c) for c in classes]
+  out = []
+  for a, ca in enumerate(classes):
+    if not all(below[x] >> sink & 1 for x in ca):
+      continue
+    common = to_sink
+    for x in ca:
+      common &= below[x] & ~(1 << x)
+    later = [e for e, m in enumerate(masks) if e != a and m & common == m]
+    if later:
+      out.append((a, later))
+  return out
+
+
 def iteration_lower_bound(
   layer_graph: nx.DiGraph,
   cluster: Cluster | int | None = None,
@@ -271,13 +348,16 @@ def iteration_lower_bound(
   fill: bool = True,
   fill_paths: int = 8,
   split_backward: bool = False,
+  convex_sink: bool = True,
 ) -> LowerBound:
   """The lower bound (see the module docstring) over ``sizes`` (default: the planners' sweep of
   micro-batch sizes). ``fill``: add the sink stage's pipeline fill and drain along the paths
   from up to ``fill_paths`` source layers into its sink (more paths: a tighter bound and a
   larger program); the drain term
   holds when a stage's last input-gradient backward is its last computation, i.e. not for
-  schedules that split the backward (``split_backward=True`` leaves it out, for zero-bubble)."""
+  schedules that split the backward (``split_backward=True`` leaves it out, for zero-bubble).
+  ``convex_sink``: the sink's stage holds every layer between any of its layers and the sink
+  (off: the program without it, to see what it adds)."""
   cluster, cm, B, costs = planner_inputs(layer_graph, cluster, batch_size, cost_model)
   K = cluster.num_devices
   n = len(costs)
@@ -333,6 +413,7 @@ def iteration_lower_bound(
         transfer.append(min(min(link.time(x) for link in links) for x in nbytes))
       fill_terms = Fill(
         sink=of[paths[0][-1]],
+        closure=sink_closure(n, costs.edges, paths[0][-1], classes) if convex_sink else [],
         paths=[[of[l] for l in path] for path in paths],
         fwd=np.array([fwd[c[0]] for c in classes]),
         bwd=np.array([bwd[c[0]] for c in classes]),
