@@ -295,17 +295,17 @@ def one(model, size, n):
     rows.append(row)
   best = min(rows, key=lambda r: r["measured_ms"])
   best_name, best_ms = best["candidate"], best["measured_ms"]
+  chosen_ms = {name: by_shape[repr(shape(r.plan))] * 1e3 for name, r in runs.items()}
   for name, r in runs.items():  # a run's choice that is none of the rows, timed apart
-    t = by_shape[repr(shape(r.plan))] * 1e3
-    if t < best_ms:
-      best_name, best_ms = f"{name}'s choice ({r.plan.planner})", t
+    if chosen_ms[name] < best_ms:
+      best_name, best_ms = f"{name}'s choice ({r.plan.planner})", chosen_ms[name]
   choices = {
     name: dict(
       choice=r.plan.planner,
       stages=r.plan.num_stages,
       predicted_ms=r.predicted_s * 1e3,
-      measured_ms=by_shape[repr(shape(r.plan))] * 1e3,
-      regret=by_shape[repr(shape(r.plan))] * 1e3 / best_ms,
+      measured_ms=chosen_ms[name],
+      regret=chosen_ms[name] / best_ms,
     )
     for name, r in runs.items()
   }
