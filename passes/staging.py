@@ -335,6 +335,7 @@ def stage_functions(
   remat: bool = False,
   pack_residuals: bool = False,
   pack_limit: int | None = None,
+  param_shardings: Sequence[Any] | None = None,
 ) -> StageFunctions:
   """Builds the jitted forward, backward and accumulator-init functions of a stage.
 
@@ -345,6 +346,8 @@ def stage_functions(
   device (a concatenation would gather sharded ones). Packing copies what it packs, so arrays
   larger than ``pack_limit`` bytes (None: no limit) stay apart: copying them would cost more
   device time than their dispatch costs host time (see ``placement.pack_limit``).
+  ``param_shardings``: per parameter, where it lives (a stage over several devices); the
+  gradient sums are held there too, so the optimizer's update reads them as they lie.
   """
   f = xc.jaxpr_as_fun(stage.jaxpr)
   out_avals = [v.aval for v in stage.jaxpr.jaxpr.outvars]
@@ -358,7 +361,10 @@ def stage_functions(
     return [sum(c[1:], c[0]) if c else _zeros_ct(a) for c, a in zip(cts, out_avals)]
 
   def finish(grads, acc):
-    return ([a + g for a, g in zip(acc, grads[:nparam])], list(grads[nparam:]))
+    sums = [a + g for a, g in zip(acc, grads[:nparam])]
+    if param_shardings is not None:
+      sums = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(sums, param_shardings)]
+    return (sums, list(grads[nparam:]))
 
   if remat:
 

@@ -101,6 +101,12 @@ class CostModel:
       return 0.0
     return 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes / link.beta
 
+  def allgather_time(self, nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``n`` devices."""
+    if n <= 1 or nbytes <= 0:
+      return 0.0
+    return (n - 1) * link.alpha + (n - 1) / n * nbytes / link.beta
+
   def update_time(
     self,
     param_bytes: float,
@@ -429,6 +435,7 @@ def plan_costs(
   if times is None:
     times = costs._stage_times[(cm, device)] = {}
   fw, bw, up, stat, act, mbs, wfrac, pbytes = [], [], [], [], [], [], [], []
+  fsdp = getattr(plan, "param_sharding", "model") == "fsdp"
   for s in plan.stages:
     idx, params, saved, frac = _stage_terms(costs, s.layers)
     mb = plan_microbatch(plan, s)
@@ -437,10 +444,21 @@ def plan_costs(
     tt = times.get(key)
     if tt is None:
       tt = times[key] = cm.stage_time(costs, idx, device, mb, dp)
-    fw.append(tt[0])
-    bw.append(tt[1])
-    up.append(cm.update_time(params, device, dp, cluster.group_link(s.devices)))
-    stat.append(cm.static_memory(params))
+    if fsdp and dp > 1:
+      # FSDP: each micro-batch's forward and backward gather the stage's parameters, the
+      # gradients are reduce-scattered once per step, and each device updates and keeps 1/dp.
+      link = cluster.group_link(s.devices)
+      gather = cm.allgather_time(params, dp, link)
+      fw.append(tt[0] + gather)
+      bw.append(tt[1] + gather)
+      update = cm.update_time(params / dp, device, 1, link)
+      up.append(update + cm.allgather_time(params, dp, link))  # the reduce-scatter
+      stat.append(cm.static_memory(params) / dp)
+    else:
+      fw.append(tt[0])
+      bw.append(tt[1])
+      up.append(cm.update_time(params, device, dp, cluster.group_link(s.devices)))
+      stat.append(cm.static_memory(params))
     act.append(cm.activation_memory(saved, mb, dp, 1))
     mbs.append(mb)
     wfrac.append(frac)

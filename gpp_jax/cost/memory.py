@@ -83,6 +83,7 @@ def program_memory(
   temps: Mapping[int, int] | None = None,
   kinds: Mapping[int, str] | None = None,
   constants: Mapping[int, int] | None = None,
+  shares: Mapping[int, float] | None = None,
 ) -> MemoryTrace:
   """Walks ``program`` in order and returns the peak bytes per device.
 
@@ -91,8 +92,11 @@ def program_memory(
   on each device of its lane. ``kinds``: buffer -> kind where it differs from the buffer's own
   (a pinned step argument that is a parameter, say). ``constants[l]``: bytes of the constants
   lane l's executables hold on its devices (a jitted function keeps its own copy of the arrays
-  its program closes over), for the whole step. Buffers of unknown size count nothing.
+  its program closes over), for the whole step. ``shares[b]``: the fraction of buffer b's
+  ``nbytes`` each device holds where it is sharded over its lane's devices (a parameter by
+  its partition spec). Buffers of unknown size count nothing.
   """
+  shares = shares or {}
   temps = temps or {}
   kinds = kinds or {}
   host = program.host
@@ -106,8 +110,9 @@ def program_memory(
     if buf.lane == host or buf.nbytes <= 0:
       return
     category = CATEGORIES.get(kinds.get(b, buf.kind), "other")
+    nbytes = int(buf.nbytes * shares[b]) if b in shares else buf.nbytes
     for d in lane_devices[buf.lane]:
-      live[d][category] = live[d].get(category, 0) + sign * buf.nbytes
+      live[d][category] = live[d].get(category, 0) + sign * nbytes
 
   for b in pinned:
     add(b, +1)

@@ -64,6 +64,11 @@ class Plan:
     planner: name of the planner that produced the plan.
     batch_size: mini-batch size the plan was made for (None if not known).
     predicted: what the planner's cost model predicts (iteration_time, memory per stage...).
+    param_sharding: how a stage over several devices holds its parameters, their optimizer
+      state and gradient sums: ``"model"`` by the model's own partition specs (replicated
+      where it has none), ``"replicated"`` on every device of the stage, ``"fsdp"`` each
+      sharded over all of the stage's devices along its largest dimension they divide
+      (``runtime.sharding``).
   """
 
   stages: tuple[Stage, ...]
@@ -73,6 +78,7 @@ class Plan:
   planner: str = "manual"
   batch_size: int | None = None
   predicted: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+  param_sharding: str = "model"
 
   @property
   def num_stages(self) -> int:
@@ -118,7 +124,7 @@ class Plan:
     return dataclasses.replace(self, **kw)
 
   def to_dict(self) -> dict[str, Any]:
-    return {
+    d = {
       "stages": [s.to_dict() for s in self.stages],
       "edges": [list(e) for e in self.edges],
       "num_microbatches": self.num_microbatches,
@@ -127,6 +133,9 @@ class Plan:
       "batch_size": self.batch_size,
       "predicted": dict(self.predicted),
     }
+    if self.param_sharding != "model":
+      d["param_sharding"] = self.param_sharding
+    return d
 
   def to_json(self, indent: int | None = 1) -> str:
     return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
@@ -141,6 +150,7 @@ class Plan:
       planner=d.get("planner", "manual"),
       batch_size=d.get("batch_size"),
       predicted=dict(d.get("predicted", {})),
+      param_sharding=d.get("param_sharding", "model"),
     )
 
   @classmethod

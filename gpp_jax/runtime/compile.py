@@ -31,6 +31,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 from jax.extend import core as xc
+from jax.sharding import PartitionSpec
 
 from gpp_jax.cost.cluster import Link, as_cluster, devices_cluster, process_blocks
 from gpp_jax.cost.cost_model import plan_costs
@@ -80,6 +81,14 @@ from gpp_jax.runtime.placement import (
   transfer,
 )
 from gpp_jax.runtime.processes import check_same_plan, exchange
+from gpp_jax.runtime.sharding import (
+  MeshLayout,
+  check_rows,
+  check_specs,
+  fsdp_specs,
+  leaf_names,
+  step_leaf_specs,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +114,14 @@ class Options:
   donate_argnums: tuple[int, ...] = ()  # arguments whose arrays the fused step may consume
   # devices -> their host's HostCosts (``runtime.host.measure_host``), measured when calibrating
   host_probe: Callable[[Sequence[Any]], HostCosts] | None = None
+  # The user's mesh (``runtime.sharding.MeshLayout``); None: ``devices`` as a one-axis mesh.
+  # With a mesh, ``devices`` holds one device per row of its first axis: the planners count
+  # rows, and a plan's device indices are row indices.
+  layout: MeshLayout | None = None
+
+  @property
+  def mesh_layout(self) -> MeshLayout:
+    return self.layout if self.layout is not None else MeshLayout.flat(self.devices)
 
   def batch_positions(self, nargs: int, positional: int | None = None) -> tuple[int, ...]:
     """Positions of the batch among ``nargs`` step arguments, of which the first
@@ -158,6 +175,9 @@ class Captured:
   reduce: tuple[str | None, ...] = ()
   donated: tuple[int, ...] = ()
   loss_as_traced: xc.ClosedJaxpr | None = None
+  # Per flat step argument: its partition spec (None: replicated) and a readable path.
+  leaf_specs: tuple[Any, ...] = ()
+  leaf_names: tuple[str, ...] = ()
 
   @property
   def marker(self) -> xc.JaxprEqn:
@@ -204,6 +224,11 @@ def capture(
     name=opts.name,
   )
   check_loss_is_pure(loss, layering.eqn_layer)
+  # The model's own partition specs hold over a mesh the user gave (``devices=`` alone runs as
+  # before: stages replicate their parameters).
+  specs = step_leaf_specs(pure, args, opts.layout) if opts.layout is not None else ()
+  if len(specs) != len(leaves):  # a box holding several arrays: the specs cannot be told apart
+    specs = (None,) * len(leaves)
   return Captured(
     out_tree=pure.out_tree[-1],
     step=step,
@@ -220,6 +245,8 @@ def capture(
     reduce=rec.reduce,
     donated=donated_leaves(pure, args, opts),
     loss_as_traced=traced_loss,
+    leaf_specs=specs,
+    leaf_names=tuple(leaf_names(pure, args)) if any(specs) else (),
   )
 
 
@@ -456,7 +483,7 @@ def plan_step(
     plan, anyway = pipeline_anyway(graph, B, opts, plan, host)
   candidates = {"pipeline": plan}
   if not given:
-    candidates.update(baseline_plans(graph, B, opts))
+    candidates.update(baseline_plans(graph, B, opts, sharded=any(captured.leaf_specs)))
     if host is not None:  # where the host is the bottleneck, fewer devices can be faster
       candidates.update(fewer_device_plans(graph, B, opts, host))
     candidates = {
@@ -824,7 +851,10 @@ def choose_plan(
   def one_stage_width(p: Plan) -> int | None:
     return len(p.stages[0].devices) if p.num_stages == 1 else None
 
-  in_one_call = {one_stage_width(candidates[k]): k for k in predicted if k in BASELINES}
+  in_one_call: dict[int | None, str] = {}
+  for k in BASELINES:  # the first of each width: plain jit, jit data parallel
+    if k in predicted:
+      in_one_call.setdefault(one_stage_width(candidates[k]), k)
   timed = measured or {}
   choosable = []
   for k in predicted:
@@ -1008,25 +1038,48 @@ def _calibrated(
   return out
 
 
-BASELINES = ("plain jit", "jit data parallel")  # what a user would run instead of a pipeline
+# What a user would run instead of a pipeline: the step in one call on one device, and over
+# all devices as one SPMD program with the parameters replicated (data parallel), sharded
+# FSDP-style, or by the model's own partition specs over the user's mesh.
+BASELINES = ("plain jit", "jit data parallel", "jit fsdp", "jit sharded")
 
 
 def baseline_plans(
-  graph: nx.DiGraph, batch_size: int, opts: Options, widths: Sequence[int] | None = None
+  graph: nx.DiGraph,
+  batch_size: int,
+  opts: Options,
+  widths: Sequence[int] | None = None,
+  sharded: bool = False,
 ) -> dict[str, Plan]:
   """What a user would run instead, the whole batch in one call (one micro-batch): all
-  layers as one stage on the first device (plain jit) and over all devices (jit data parallel,
-  the batch split over them); ``widths`` picks by number of devices (default: both)."""
+  layers as one stage on the first device (plain jit) and over all devices, the batch split
+  over them: jit data parallel (parameters replicated), jit fsdp (parameters, gradients and
+  optimizer state sharded over all devices, ``Plan.param_sharding``) and, where the model has
+  partition specs (``sharded``), jit sharded (them over the user's whole mesh); ``widths``
+  picks by number of devices (default: both)."""
   layers = tuple(lg.topo_layers(graph))
   out = {}
-  names = {len(opts.devices): BASELINES[1], 1: BASELINES[0]}
-  for k in widths or (1, len(opts.devices)):
-    name = names[k]
-    if name == "jit data parallel" and (k < 2 or batch_size % k):
+  n = len(opts.devices)
+  for k in widths or (1, n):
+    if k == 1:
+      kinds = {"plain jit": "model"}
+    elif k < 2 or batch_size % k:
       continue
-    plan = Plan((Stage(0, layers, tuple(range(k))),), (), 1, planner=name, batch_size=batch_size)
-    validate_plan(plan, graph, len(opts.devices), batch_size)
-    out[name] = plan
+    else:
+      kinds = {"jit data parallel": "replicated" if sharded else "model", "jit fsdp": "fsdp"}
+      if sharded:
+        kinds["jit sharded"] = "model"
+    for name, how in kinds.items():
+      plan = Plan(
+        (Stage(0, layers, tuple(range(k))),),
+        (),
+        1,
+        planner=name,
+        batch_size=batch_size,
+        param_sharding=how,
+      )
+      validate_plan(plan, graph, n, batch_size)
+      out[name] = plan
   return out
 
 
@@ -1316,6 +1369,9 @@ def make_plan(
     if has_mixed_microbatches(plan) and plan.batch_size != batch_size:
       plan = plan.replace(batch_size=batch_size)  # per-stage sizes are checked against it
   elif isinstance(p, ManualPlan):
+    if opts.layout is not None:  # stages take rows of the mesh: say so before resolving
+      named = [*p.rules.values(), *([] if p.default_stage is None else [p.default_stage])]
+      check_rows(opts.layout, max(named, default=0) + 1)
     return p.resolve(graph, M, opts.schedule or "1f1b", nd, batch_size)
   elif isinstance(p, str) or callable(p):
     cluster = planner_cluster(opts)
@@ -1347,12 +1403,14 @@ class Staged:
     prog: the step around the pipeline (``passes.step_split``).
     placements: where each stage runs.
     spec: what the lowering reads (``passes.lowering.StepSpec``).
+    leaf_specs: per flat step argument, its partition spec (None: replicated).
   """
 
   staged: StagedProgram
   prog: StepProgram
   placements: tuple[StagePlacement, ...]
   spec: StepSpec
+  leaf_specs: tuple[Any, ...] = ()
 
   @property
   def microbatch_sizes(self) -> tuple[int, ...]:
@@ -1369,7 +1427,15 @@ def stage_step(
   again per size through ``recapture``) and the rest of the step by where values live."""
   plan, B = planned.plan, captured.batch_size
   sizes = stage_microbatch_sizes(plan, B)
-  placements = stage_placements([[opts.devices[d] for d in s.devices] for s in plan.stages], sizes)
+  layout = opts.mesh_layout
+  check_rows(layout, plan.num_stages)
+  placements = stage_placements(
+    [[x for r in s.devices for x in layout.rows[r]] for s in plan.stages],
+    sizes,
+    layout.inner_shape,
+    layout.axis_names,
+  )
+  leaf_specs = plan_leaf_specs(captured, plan, layout)
   lay = captured.layering
   staged = stage_program(captured.loss, lay.eqn_layer, lay.param_layer, plan)
   if len(set(sizes)) > 1:
@@ -1400,12 +1466,32 @@ def stage_step(
     reduce=tuple(r for r, qs in zip(captured.reduce, split.out_parts) for _ in qs),
     packed=tuple(len(p.devices) == 1 and not opts.remat for p in placements),
     multi_device=tuple(len(p.devices) > 1 for p in placements),
-    widths=tuple(len(p.devices) for p in placements),
+    widths=tuple(p.rows for p in placements),
     carries=tuple((s, j, k) for s, pairs in carries.items() for j, k in pairs),
   )
   if len(set(counts)) > 1:
     _check_mixed(counts, state, loss_roles)
-  return Staged(staged, prog, tuple(placements), spec)
+  return Staged(staged, prog, tuple(placements), spec, leaf_specs)
+
+
+def plan_leaf_specs(captured: Captured, plan: Plan, layout: MeshLayout) -> tuple[Any, ...]:
+  """Per flat step argument, its partition spec under ``plan.param_sharding`` (checked
+  against the mesh and every stage's width)."""
+  invars = captured.step.jaxpr.invars
+  rows = [len(s.devices) for s in plan.stages]
+  batch = set(captured.batch_leaves)
+  if plan.param_sharding == "replicated":
+    return (None,) * len(invars)
+  if plan.param_sharding == "fsdp":
+    return fsdp_specs([v.aval for v in invars], batch, layout, rows)
+  if plan.param_sharding != "model":
+    raise PlanError(
+      f"param_sharding={plan.param_sharding!r} is none of 'model', 'replicated', 'fsdp'"
+    )
+  if any(captured.leaf_specs):
+    shapes = [None if i in batch else tuple(v.aval.shape) for i, v in enumerate(invars)]
+    check_specs(captured.leaf_specs, shapes, captured.leaf_names, layout, rows)
+  return captured.leaf_specs
 
 
 def restage(
@@ -1486,6 +1572,28 @@ def _numbered_like(other: StagedProgram, base: StagedProgram) -> StagedProgram:
   return dataclasses.replace(other, stages=stages)
 
 
+def stage_param_specs(
+  captured: Captured, staged: StagedProgram, leaf_specs: Sequence[Any]
+) -> list[list[Any]]:
+  """Per stage, the partition spec of each of its parameters (None: replicated): the spec of
+  the step argument the marker differentiates, without its leading entry for a slice of a
+  stacked (scanned) parameter. A parameter the step computes before the loss is replicated."""
+  if not any(leaf_specs):
+    return [[None] * len(st.param_inputs) for st in staged.stages]
+  J = captured.step.jaxpr
+  leaf_of = {v: i for i, v in enumerate(J.invars)}
+  marker = captured.marker
+  by_input: dict[int, Any] = {}
+  for j, ks in enumerate(captured.scan_split.parts):
+    i = leaf_of.get(marker.invars[j]) if isinstance(marker.invars[j], xc.Var) else None
+    spec = None if i is None else leaf_specs[i]
+    if spec is not None and len(ks) > 1:
+      spec = PartitionSpec(*tuple(spec)[1:])
+    for k in ks:
+      by_input[k] = spec
+  return [[by_input.get(st.inputs[p].index) for p in st.param_inputs] for st in staged.stages]
+
+
 def _check_rechunkable(stages: Sequence[Any], sizes: Sequence[int]) -> None:
   """Raises CaptureError for a value crossing between stages of different micro-batch sizes
   that does not have the batch as its leading axis (a per-chunk scalar, say): it cannot be
@@ -1557,19 +1665,27 @@ def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Op
   spec = staged.spec
   layers = [tuple(s.layers) for s in planned.plan.stages]
   stages = []
+  param_specs = stage_param_specs(captured, staged.staged, staged.leaf_specs)
   for st, place, packed in zip(staged.staged.stages, staged.placements, spec.packed):
+    avals = [v.aval for v in st.jaxpr.jaxpr.invars]
+    shardings = [
+      place.sharded(sp, avals[p].ndim) for sp, p in zip(param_specs[st.index], st.param_inputs)
+    ]
     fns = stage_functions(
       st,
       remat=opts.remat,
       pack_residuals=len(place.devices) == 1,
       pack_limit=pack_limit(place.devices[0]),
+      param_shardings=None if len(place.devices) == 1 else shardings,
     )
     assert (fns.pack_params is not None) == packed
     nondiff = [r for r in st.inputs if not r.diff]
     keys = tuple(
       k for k, r in enumerate(nondiff) if r.kind == "data" and spec.roles[r.index] == KEY
     )
-    zeros = jax.jit(fns.zeros_acc, out_shardings=place.replicated)
+    zeros = jax.jit(
+      fns.zeros_acc, out_shardings=place.replicated if len(place.devices) == 1 else shardings
+    )
     stages.append(StageKernels(st, fns, place, zeros, keys, layers[st.index]))
   prog = staged.prog
   pieces = [jax.jit(xc.jaxpr_as_fun(p.jaxpr)) for p in prog.before + prog.after]
@@ -1588,7 +1704,7 @@ def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Op
       stacked=len(staged.placements[0].devices) > 1,
       donate=staged.spec.donated,
     )
-  return Kernels(stages, pieces, fused_fn)
+  return Kernels(stages, pieces, fused_fn, staged.leaf_specs)
 
 
 def buffer_bytes(
@@ -1802,7 +1918,48 @@ class CompiledStep:
       temps,
       self.input_kinds(ex.lowered),
       constant_bytes(self.staged, self.fused, self.captured),
+      self.memory_shares(ex),
     )
+
+  def memory_shares(self, ex: Executor) -> dict[int, float]:
+    """Buffer -> the fraction of it each device of its lane holds, for sharded buffers: the
+    step's arguments with a partition spec and their copies, each stage's gradient sums, and
+    the step's new values of such arguments (an NNX step's new state)."""
+    if not any(self.staged.leaf_specs):
+      return {}
+    P, places = ex.program, self.staged.placements
+
+    def share(lane: int, spec: Any, aval: Any) -> float:
+      if lane >= len(places) or spec is None or not hasattr(aval, "ndim"):
+        return 1.0
+      s = places[lane].sharded(spec, aval.ndim)
+      n = s.num_devices if hasattr(s, "num_devices") else len(s.device_set)
+      shape = s.shard_shape(tuple(aval.shape)) if n > 1 else tuple(aval.shape)
+      whole = max(1, int(np.prod(aval.shape, dtype=np.int64)))
+      return int(np.prod(shape, dtype=np.int64)) / whole
+
+    out = {b: share(P.buffers[b].lane, spec, ex.lowered.avals[b]) for b, spec in ex.specs.items()}
+    # The new state of an NNX step comes back after the step's own outputs, leaf for leaf.
+    out_def, state_def = self.out_tree.children()
+    nout = out_def.num_leaves
+    for ks in ex.lowered.step_outputs:
+      for k in range(nout, min(len(ks), nout + state_def.num_leaves)):
+        b = P.outputs[ks[k]]
+        spec = self.staged.leaf_specs[k - nout] if k - nout < len(self.staged.leaf_specs) else None
+        if spec is not None:
+          out[b] = share(P.buffers[b].lane, spec, ex.lowered.avals[b])
+    # Gradient sums: held like their parameters.
+    param_specs = stage_param_specs(self.captured, self.staged.staged, self.staged.leaf_specs)
+    for b, buf in enumerate(P.buffers):
+      if buf.kind != "acc" or buf.lane >= len(places) or not places[buf.lane].devices[1:]:
+        continue
+      st = self.staged.staged.stages[buf.lane]
+      avals = [st.jaxpr.jaxpr.invars[p].aval for p in st.param_inputs]
+      sizes = [int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in avals]
+      held = sum(n * share(buf.lane, sp, a) for n, sp, a in zip(sizes, param_specs[buf.lane], avals))
+      if sum(sizes):
+        out[b] = held / sum(sizes)
+    return out
 
   def run(
     self, steps_leaves: Sequence[Sequence[Any]], carry=None, measure: bool = False
@@ -1909,7 +2066,7 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
     place, batch = c.staged.placements[0], set(c.staged.spec.batch_leaves)
     # A pipeline's parameters and optimizer state go to their stages (where its program puts
     # them); its batch stays where it was given.
-    homes = leaf_homes(c.executor_for(1)) if not c.fused else None
+    homes = leaf_homes(c.executor_for(1)) if not c.fused or any(c.staged.leaf_specs) else None
 
     def home(i: int, x: Any) -> Any:
       if homes is not None:

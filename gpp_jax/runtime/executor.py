@@ -256,6 +256,9 @@ class Kernels:
   stages: list[StageKernels]
   pieces: Sequence[Callable[..., Any]]
   fused: Callable[..., Any] | None
+  # Per flat step argument, its partition spec (``runtime.sharding``; None or missing:
+  # replicated over the stage that holds it).
+  leaf_specs: Sequence[Any] = ()
 
 
 class Lane:
@@ -311,6 +314,7 @@ class Executor:
     for lane, n in zip(self.lanes, sizes):
       lane.buffers.extend([None] * n)
     self.seeds = list(seeds)
+    self.specs = buffer_specs(lowered, kernels.leaf_specs)
     self.split_lanes = {i.lane for i in P.instrs if i.op is Op.W}
     self._fold_m: dict[tuple[int, int], Any] = {}
     self.code: list[tuple[Callable[[], None], tuple[tuple[list[Any], int], ...]]] = []
@@ -598,8 +602,30 @@ class Executor:
 # ---------------------------------------------------------------------------- rules per op
 
 
+_BATCH_KINDS = ("act", "ct", "batch", "stacked")
+
+
+def buffer_specs(lowered: Lowered, leaf_specs: Sequence[Any]) -> dict[int, Any]:
+  """Buffer -> the partition spec of the step argument it holds (a bound argument leaf, or a
+  copy of one sent elsewhere), for the arguments that have one."""
+  if not any(leaf_specs):
+    return {}
+  P = lowered.program
+  out: dict[int, Any] = {}
+  for b, binding in zip(P.inputs, lowered.bindings):
+    if binding.kind == "leaf" and binding.index < len(leaf_specs):
+      spec = leaf_specs[binding.index]
+      if spec is not None:
+        out[b] = spec
+  for ins in P.instrs:
+    if ins.op is Op.SEND and ins.arg not in _BATCH_KINDS and ins.reads[0] in out:
+      out[ins.writes[0]] = out[ins.reads[0]]
+  return out
+
+
 def send_sharding(ex: Executor, ins: Instr) -> Any:
-  """Where a SEND puts its array: its destination stage's sharding for the array's kind."""
+  """Where a SEND puts its array: its destination stage's sharding for the array's kind (a
+  step argument with a partition spec: by its spec over the stage's sub-mesh)."""
   place = ex.lanes[ins.peer].placement
   assert place is not None, "a SEND to the host lane"
   aval = ex.lowered.avals[ins.writes[0]]
@@ -607,6 +633,9 @@ def send_sharding(ex: Executor, ins: Instr) -> Any:
     return place.for_array(aval)
   if ins.arg == "stacked":  # micro-batches stacked: each split over the devices
     return place.stacked
+  spec = ex.specs.get(ins.writes[0])
+  if spec is not None and aval is not None and hasattr(aval, "ndim"):
+    return place.sharded(spec, aval.ndim)
   return place.replicated
 
 

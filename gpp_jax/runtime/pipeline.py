@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
+from jax.sharding import Mesh
 from flax import nnx
 
 from gpp_jax.cost.memory import format_bytes
@@ -47,6 +48,7 @@ from gpp_jax.runtime.input_checks import (
   differences,
 )
 from gpp_jax.runtime.memory import MemoryReport, parse_bytes
+from gpp_jax.runtime.sharding import MeshLayout, parse_mesh
 from gpp_jax.runtime.steps import carry_map, stream_reason
 
 
@@ -77,8 +79,20 @@ class GraphPipeline:
     memory_limit: int | str | None = None,
     min_stages: int = 1,
     donate_argnums: int | Sequence[int] = (),
+    mesh: Mesh | str | None = None,
   ):
     self.fn = fn
+    layout = None
+    if mesh is not None:
+      if isinstance(mesh, str):
+        mesh = parse_mesh(mesh, devices)
+      elif devices is not None:
+        raise ValueError(
+          "graph_pipeline takes devices= or mesh=, not both: a mesh names its devices (pass "
+          "mesh=jax.make_mesh(shape, names, devices=your_devices))"
+        )
+      layout = MeshLayout.of(mesh)
+      devices = layout.representatives
     self.opts = Options(
       num_microbatches=check_num_microbatches(num_microbatches),
       devices=check_devices(devices),
@@ -102,6 +116,7 @@ class GraphPipeline:
       if isinstance(donate_argnums, int)
       else tuple(int(a) for a in donate_argnums),
       host_probe=_probe_host,
+      layout=layout,
     )
     self._compiled: dict[Any, CompiledStep] = {}
     self._signatures: list[dict[str, Any]] = []  # of the calls compiled for, to name changes
@@ -469,6 +484,15 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
 
   Args:
     num_microbatches: micro-batches per step; the batch size must divide by it.
+    mesh: the user's ``jax.sharding.Mesh`` (or ``"data:4,model:2"``), instead of ``devices``.
+      Stages take whole rows of its first axis (a plan's device indices are then row
+      indices); every other axis stays whole inside each stage. The model's partition specs
+      (``nnx.with_partitioning``, Linen ``nn.with_partitioning`` and
+      ``nn.with_logical_partitioning`` under ``nn.logical_axis_rules``, or arrays already
+      sharded over a mesh of these axis names) hold over each stage's sub-mesh: a spec naming
+      "model" is tensor parallel, one naming the first axis shards over the stage's rows
+      (FSDP). Parameters, their optimizer state and gradient sums stay sharded where their
+      stage holds them (``runtime.sharding``).
     devices: devices to run on (default: ``jax.devices()``); plan device indices refer to it.
       A single device with several micro-batches warns (every stage would share it); on CPU,
       ``jax.config.update("jax_num_cpu_devices", n)`` before JAX is first used gives n devices.

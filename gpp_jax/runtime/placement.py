@@ -29,18 +29,29 @@ def pack_limit(device) -> int:
 class StagePlacement:
   """Placement of one stage.
 
-  A stage on one device keeps everything there. A stage on k devices runs as one SPMD
-  computation over a 1-D mesh ``("data",)``: parameters and scalars are replicated, arrays whose
-  leading dimension is the micro-batch size are sharded along it, and XLA reduces the parameter
-  gradients across the k devices inside the stage's backward.
+  A stage on one device keeps everything there. A stage on several runs as one SPMD
+  computation over its sub-mesh: whole rows of the first axis of the user's mesh (default a
+  1-D mesh ``("data",)``, one device a row), every other axis whole. Arrays whose leading
+  dimension is the micro-batch size are sharded along the first axis; a parameter (and its
+  optimizer state and gradient sum) by its partition spec (``runtime.sharding``), else
+  replicated; GSPMD inserts the collectives.
   """
 
-  devices: tuple[Any, ...]
+  devices: tuple[Any, ...]  # the sub-mesh's devices, row by row
   microbatch_size: int
+  inner_shape: tuple[int, ...] = ()  # the sizes of the axes after the first
+  axis_names: tuple[str, ...] = ("data",)
+
+  @property
+  def rows(self) -> int:
+    """Rows of the first axis (what a micro-batch is split over)."""
+    return len(self.devices) // max(1, int(np.prod(self.inner_shape, dtype=np.int64)))
 
   @functools.cached_property
   def mesh(self) -> Mesh:
-    return Mesh(np.array(self.devices), ("data",))
+    devs = np.array(self.devices, dtype=object).reshape((self.rows, *self.inner_shape))
+    auto = (jax.sharding.AxisType.Auto,) * len(self.axis_names)
+    return Mesh(devs, self.axis_names, axis_types=auto)
 
   @functools.cached_property
   def replicated(self) -> jax.sharding.Sharding:
@@ -52,19 +63,25 @@ class StagePlacement:
   def batched(self) -> jax.sharding.Sharding:
     if len(self.devices) == 1:
       return self.replicated
-    return NamedSharding(self.mesh, PartitionSpec("data"))
+    return NamedSharding(self.mesh, PartitionSpec(self.axis_names[0]))
 
   @functools.cached_property
   def stacked(self) -> jax.sharding.Sharding:
-    """For micro-batches stacked along a leading axis: each split over the devices."""
+    """For micro-batches stacked along a leading axis: each split over the rows."""
     if len(self.devices) == 1:
       return self.replicated
-    return NamedSharding(self.mesh, PartitionSpec(None, "data"))
+    return NamedSharding(self.mesh, PartitionSpec(None, self.axis_names[0]))
+
+  def sharded(self, spec: PartitionSpec | None, ndim: int) -> jax.sharding.Sharding:
+    """Where a parameter (or its optimizer state, its gradient sum) with ``spec`` lives."""
+    if spec is None or len(self.devices) == 1 or all(p is None for p in spec):
+      return self.replicated
+    return NamedSharding(self.mesh, PartitionSpec(*tuple(spec)[:ndim]))
 
   def for_array(self, x) -> jax.sharding.Sharding:
     """The sharding an incoming array gets: batch-sharded if it carries the micro-batch axis."""
     shape = np.shape(x) if not hasattr(x, "shape") else x.shape
-    if len(self.devices) > 1 and len(shape) >= 1 and shape[0] == self.microbatch_size:
+    if self.rows > 1 and len(shape) >= 1 and shape[0] == self.microbatch_size:
       return self.batched
     return self.replicated
 
@@ -337,9 +354,13 @@ def new_send_epoch() -> None:
 
 
 def stage_placements(
-  device_groups: Sequence[Sequence[Any]], microbatch_size: int | Sequence[int]
+  device_groups: Sequence[Sequence[Any]],
+  microbatch_size: int | Sequence[int],
+  inner_shape: tuple[int, ...] = (),
+  axis_names: tuple[str, ...] = ("data",),
 ) -> list[StagePlacement]:
-  """Placements for each stage's device group; checks the micro-batch splits across it.
+  """Placements for each stage's devices (row by row: ``rows x prod(inner_shape)`` of them);
+  checks the micro-batch splits across the rows.
 
   ``microbatch_size``: one size for all stages, or one per stage (per-stage sizes).
   """
@@ -348,14 +369,16 @@ def stage_placements(
     if isinstance(microbatch_size, int)
     else list(microbatch_size)
   )
+  inner = int(np.prod(inner_shape, dtype=np.int64))
   out = []
   for s, (devs, b) in enumerate(zip(device_groups, sizes)):
-    k = len(devs)
+    k = len(devs) // inner
+    what = "devices" if inner == 1 else f"rows of the mesh's {axis_names[0]!r} axis"
     if k > 1 and b % k:
       raise PlanError(
-        f"stage {s} spans {k} devices but a micro-batch has {b} "
+        f"stage {s} spans {k} {what} but a micro-batch has {b} "
         f"examples, which do not split {k} ways; use a stage width that divides "
         f"{b} or a micro-batch size divisible by {k}"
       )
-    out.append(StagePlacement(tuple(devs), b))
+    out.append(StagePlacement(tuple(devs), b, tuple(inner_shape), tuple(axis_names)))
   return out

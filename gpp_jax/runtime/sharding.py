@@ -1,0 +1,304 @@
+"""The user's mesh and the model's own partition specs.
+
+A pipeline over a mesh ``("data", "model")`` of shape (rows, k) gives each stage whole rows of
+the first axis; every other axis stays whole inside the stage. Inside a stage the model's
+partition specs hold over the stage's sub-mesh, which has the user's axis names: a spec naming
+"model" is tensor parallel, a spec naming the first axis shards the parameter over the stage's
+rows (FSDP inside the stage), and GSPMD inserts the collectives.
+
+Where a leaf's spec comes from, first found wins:
+  1. NNX: the Variable's sharding metadata (``nnx.with_partitioning``; ``nnx.Optimizer``
+     copies it onto the optimizer state of the parameter);
+  2. Linen: an ``nn.Partitioned`` box (``nn.with_partitioning``), or an
+     ``nn.LogicallyPartitioned`` one (``nn.with_logical_partitioning``) mapped to mesh axes by
+     its own rules or those of ``nn.logical_axis_rules`` active when the step is first called
+     (optax keeps the boxes on the optimizer state);
+  3. an array already sharded by a ``NamedSharding`` over a mesh with the same axis names (a
+     model created under ``jax.set_mesh(mesh)``);
+  4. none: the leaf is replicated over its stage's devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.core import meta
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gpp_jax.errors import PlanError
+
+Spec = PartitionSpec | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+  """The user's mesh as the pipeline reads it: rows of the first axis (what stages take) and
+  the shape and names of the rest (kept whole in every stage)."""
+
+  rows: tuple[tuple[Any, ...], ...]  # each row's devices, in the mesh's order
+  axis_names: tuple[str, ...]
+  inner_shape: tuple[int, ...]  # the sizes of the axes after the first
+
+  @staticmethod
+  def of(mesh: Mesh) -> MeshLayout:
+    devs = np.asarray(mesh.devices)
+    names = tuple(str(n) for n in mesh.axis_names)
+    rows = tuple(tuple(devs[r].flat) for r in range(devs.shape[0]))
+    return MeshLayout(rows, names, tuple(int(n) for n in devs.shape[1:]))
+
+  @staticmethod
+  def flat(devices: Sequence[Any]) -> MeshLayout:
+    """``devices=`` alone: a one-axis mesh ``("data",)``, one device a row."""
+    return MeshLayout(tuple((d,) for d in devices), ("data",), ())
+
+  @property
+  def batch_axis(self) -> str:
+    return self.axis_names[0]
+
+  @property
+  def row_size(self) -> int:
+    return math.prod(self.inner_shape)
+
+  @property
+  def representatives(self) -> tuple[Any, ...]:
+    """One device per row (what the planners count and calibrate on)."""
+    return tuple(r[0] for r in self.rows)
+
+  def axis_size(self, name: str, rows: int) -> int:
+    """The size of axis ``name`` inside a stage of ``rows`` rows."""
+    if name == self.batch_axis:
+      return rows
+    return self.inner_shape[self.axis_names.index(name) - 1]
+
+  def sub_mesh(self, rows: Sequence[int]) -> Mesh:
+    """The sub-mesh of these rows (Auto axes: the stage's jitted functions propagate the
+    shardings of their arguments, whatever the user's mesh's axis types)."""
+    devs = np.array([self.rows[r] for r in rows], dtype=object)
+    devs = devs.reshape((len(rows), *self.inner_shape))
+    auto = (jax.sharding.AxisType.Auto,) * len(self.axis_names)
+    return Mesh(devs, self.axis_names, axis_types=auto)
+
+  def first(self, k: int) -> MeshLayout:
+    return dataclasses.replace(self, rows=self.rows[:k])
+
+  def __str__(self) -> str:
+    sizes = (len(self.rows), *self.inner_shape)
+    return ",".join(f"{n}:{s}" for n, s in zip(self.axis_names, sizes))
+
+
+def parse_mesh(text: str, devices: Sequence[Any] | None = None) -> Mesh:
+  """``"data:4,model:2"`` -> a Mesh of those axes over the first 4 x 2 of ``devices``
+  (default ``jax.devices()``)."""
+  devices = list(jax.devices() if devices is None else devices)
+  names, sizes = [], []
+  for part in text.split(","):
+    name, sep, size = part.strip().partition(":")
+    if not sep or not name or not size.strip().isdigit() or int(size) < 1:
+      raise ValueError(
+        f"--mesh={text!r}: each axis is NAME:SIZE, comma separated, e.g. data:4,model:2"
+      )
+    names.append(name.strip())
+    sizes.append(int(size))
+  if len(set(names)) != len(names):
+    raise ValueError(f"--mesh={text!r} names an axis twice")
+  n = math.prod(sizes)
+  if n > len(devices):
+    raise ValueError(
+      f"--mesh={text!r} needs {n} devices but {len(devices)} are available; make the axes "
+      f"multiply to at most {len(devices)}"
+    )
+  return Mesh(np.array(devices[:n], dtype=object).reshape(sizes), tuple(names))
+
+
+# ---------------------------------------------------------------------------- specs of leaves
+
+
+def _as_spec(names: Any) -> PartitionSpec | None:
+  if names is None:
+    return None
+  if isinstance(names, PartitionSpec):
+    return names
+  if isinstance(names, NamedSharding):
+    return names.spec
+  if isinstance(names, str):
+    return PartitionSpec(names)
+  return PartitionSpec(*names)
+
+
+def _variable_spec(v: nnx.Variable) -> PartitionSpec | None:
+  md = v.get_metadata()
+  for key in ("out_sharding", "sharding", "sharding_names"):
+    if md.get(key) is not None:
+      spec = _as_spec(md[key])
+      rules = md.get("sharding_rules")
+      return _logical(spec, rules) if rules else spec
+  return None
+
+
+def _logical(spec: PartitionSpec | None, rules: Any) -> PartitionSpec | None:
+  if spec is None:
+    return None
+  return PartitionSpec(*nn_logical_to_mesh(tuple(spec), rules))
+
+
+def nn_logical_to_mesh(names: tuple, rules: Any) -> tuple:
+  import flax.linen as nn
+
+  return tuple(nn.logical_to_mesh_axes(names, rules))
+
+
+def _box_spec(box: meta.AxisMetadata) -> PartitionSpec | None:
+  import flax.linen as nn
+
+  if isinstance(box, nn.LogicallyPartitioned):
+    rules = box.rules if box.rules is not None else nn.get_logical_axis_rules()
+    return PartitionSpec(*nn_logical_to_mesh(tuple(box.names), rules))
+  if isinstance(box, nn.Partitioned):
+    return PartitionSpec(*box.names)
+  return None
+
+
+def _is_box(x: Any) -> bool:
+  return isinstance(x, (nnx.Variable, meta.AxisMetadata))
+
+
+def _array_spec(x: Any, axis_names: tuple[str, ...]) -> PartitionSpec | None:
+  s = getattr(x, "sharding", None)
+  if isinstance(s, NamedSharding) and set(s.mesh.axis_names) <= set(axis_names):
+    return s.spec if any(p is not None for p in s.spec) else None
+  return None
+
+
+def tree_specs(tree: Any, axis_names: tuple[str, ...]) -> list[Spec]:
+  """One spec (or None) per leaf of ``jax.tree.leaves(tree)``, from the boxes and Variables
+  that hold the leaves (module docstring)."""
+  out: list[Spec] = []
+  for node in jax.tree.leaves(tree, is_leaf=_is_box):
+    if isinstance(node, nnx.Variable):
+      spec = _variable_spec(node)
+      inner = jax.tree.leaves(node)
+    elif isinstance(node, meta.AxisMetadata):
+      spec = _box_spec(node)
+      inner = jax.tree.leaves(node)
+    else:
+      spec, inner = None, [node]
+    for x in inner:
+      out.append(spec if spec is not None else _array_spec(x, axis_names))
+  return out
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check_specs(
+  specs: Sequence[Spec],
+  shapes: Sequence[tuple[int, ...] | None],
+  names: Sequence[str],
+  layout: MeshLayout,
+  stage_rows: Sequence[int],
+) -> None:
+  """Raises PlanError for a spec the stages cannot hold: an axis the mesh lacks, or a
+  dimension the axis does not divide in a stage of ``stage_rows`` rows (each width among the
+  plan's stages). The message names the leaf and the fix."""
+  for spec, shape, name in zip(specs, shapes, names):
+    if spec is None or shape is None:
+      continue
+    if len(spec) > len(shape):
+      raise PlanError(
+        f"the partition spec {spec} of {name} has {len(spec)} entries but the array has "
+        f"shape {shape}; give one entry per dimension at most"
+      )
+    for dim, entry in enumerate(spec):
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      for a in axes:
+        if a not in layout.axis_names:
+          raise PlanError(
+            f"the partition spec {spec} of {name} names the axis {a!r}, which the mesh "
+            f"({layout}) does not have; add {a!r} to the mesh (e.g. mesh=jax.make_mesh(..., "
+            f"{(*layout.axis_names, a)!r})) or map it to one of {list(layout.axis_names)} "
+            "(nn.logical_axis_rules for logical names)"
+          )
+      for rows in sorted(set(stage_rows)):
+        k = math.prod(layout.axis_size(a, rows) for a in axes)
+        if shape[dim] % k:
+          where = f"a stage of {rows} row{'s' if rows != 1 else ''}" if layout.batch_axis in axes else "the mesh"
+          raise PlanError(
+            f"the partition spec {spec} of {name} splits dimension {dim} (size {shape[dim]}) "
+            f"over {'x'.join(axes)} = {k} devices in {where}, which does not divide it; "
+            f"choose an axis size (or stage width) that divides {shape[dim]}, or leave that "
+            "dimension unsharded"
+          )
+
+
+def check_rows(layout: MeshLayout, num_stages: int) -> None:
+  if num_stages > len(layout.rows):
+    raise PlanError(
+      f"the plan has {num_stages} stages but the mesh's first axis "
+      f"{layout.batch_axis!r} has {len(layout.rows)} rows, and each stage takes whole rows; "
+      f"give the first axis at least {num_stages} rows (e.g. move devices from the other "
+      "axes into it) or plan fewer stages"
+    )
+
+
+def fsdp_spec(shape: tuple[int, ...], axes: tuple[str, ...], size: int) -> PartitionSpec | None:
+  """FSDP's spec for an array over ``size`` devices (the product of ``axes``): its largest
+  dimension that ``size`` divides is sharded over them (None where none is: a scalar, a
+  small bias)."""
+  if size <= 1:
+    return None
+  best = None
+  for d, n in enumerate(shape):
+    if n % size == 0 and (best is None or n > shape[best]):
+      best = d
+  if best is None:
+    return None
+  return PartitionSpec(*([None] * best), axes[0] if len(axes) == 1 else axes)
+
+
+def fsdp_specs(
+  avals: Sequence[Any], skip: set[int], layout: MeshLayout, stage_rows: Sequence[int]
+) -> tuple[Spec, ...]:
+  """``fsdp_spec`` for every floating-point array among ``avals`` not in ``skip`` (the batch),
+  over all axes of the mesh; the dimension must divide over every stage's devices."""
+  size = math.lcm(*(r * layout.row_size for r in stage_rows))
+  out: list[Spec] = []
+  for i, a in enumerate(avals):
+    floating = hasattr(a, "dtype") and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)
+    ok = i not in skip and floating and len(getattr(a, "shape", ())) >= 1
+    out.append(fsdp_spec(tuple(a.shape), layout.axis_names, size) if ok else None)
+  return tuple(out)
+
+
+def sharding_for(mesh: Mesh, spec: Spec, ndim: int) -> NamedSharding:
+  """``NamedSharding(mesh, spec)``, the spec cut to the array's rank."""
+  if spec is None:
+    return NamedSharding(mesh, PartitionSpec())
+  return NamedSharding(mesh, PartitionSpec(*tuple(spec)[:ndim]))
+
+
+def step_leaf_specs(pure: Any, args: Sequence[Any], layout: MeshLayout) -> tuple[Spec, ...]:
+  """One spec (or None) per flat step argument, in ``runtime.capture_step.functionalize``'s
+  order: the NNX objects' state first, then the other arguments."""
+  pos = pure.graph_positions
+  state = nnx.split(tuple(args[i] for i in pos))[1] if pos else None
+  others = tuple(a for i, a in enumerate(args) if i not in pos)
+  return tuple(tree_specs((state, others), layout.axis_names))
+
+
+def leaf_names(pure: Any, args: Sequence[Any]) -> list[str]:
+  """Readable paths of the flat step arguments (for error messages)."""
+  pos = pure.graph_positions
+  state = nnx.split(tuple(args[i] for i in pos))[1] if pos else None
+  others = tuple(a for i, a in enumerate(args) if i not in pos)
+  paths = jax.tree_util.tree_flatten_with_path((state, others))[0]
+  out = []
+  for p, _ in paths:
+    name = jax.tree_util.keystr(p[1:], simple=True, separator="/")
+    out.append(name.removesuffix("/value") or "the argument")
+  return out

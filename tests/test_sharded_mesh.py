@@ -1,0 +1,380 @@
+"""Stages over the rows of a user's mesh, with the model's own partition specs inside each.
+
+Every layout is checked exact against the plain step on one device (``jax.grad`` + optax),
+and each test asserts the shards it expects on the devices it expects.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
+from harness import max_diff
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gpp_jax
+
+TOL = 1e-5
+D, H, OUT = 8, 16, 4
+
+
+def _init(spec):
+  return nnx.with_partitioning(nnx.initializers.lecun_normal(), spec, eager_sharding=False)
+
+
+def _bias(spec):
+  return nnx.with_partitioning(nnx.initializers.zeros_init(), spec, eager_sharding=False)
+
+
+class Block(nnx.Module):
+  """Megatron's MLP: up column-parallel, down row-parallel (or FSDP over the rows)."""
+
+  def __init__(self, rngs, up=(None, "model"), down=("model", None), up_bias=("model",)):
+    self.up = nnx.Linear(D, H, kernel_init=_init(up), bias_init=_bias(up_bias), rngs=rngs)
+    self.down = nnx.Linear(H, D, kernel_init=_init(down), rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(jnp.tanh(self.up(x)))
+
+
+class Chain(nnx.Module):
+  def __init__(self, rngs, **block):
+    self.a = Block(rngs, **block)
+    self.b = Block(rngs, **block)
+    self.c = Block(rngs, **block)
+    self.head = nnx.Linear(D, OUT, kernel_init=_init(("data", None)), rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.c(self.b(self.a(x))))
+
+
+class Branches(nnx.Module):
+  """A DAG: two towers from one input, joined at the head."""
+
+  def __init__(self, rngs):
+    self.inp = Block(rngs)
+    self.left = Block(rngs)
+    self.right = Block(rngs)
+    self.head = nnx.Linear(2 * D, OUT, kernel_init=_init(("data", None)), rngs=rngs)
+
+  def __call__(self, x):
+    h = self.inp(x)
+    return self.head(jnp.concatenate([self.left(h), self.right(h)], axis=-1))
+
+
+def mse(model, batch):
+  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def nnx_step(model, optimizer, batch):
+  loss, grads = gpp_jax.value_and_grad(mse)(model, batch)
+  optimizer.update(model, grads)
+  return loss
+
+
+def batch(seed=0, n=16):
+  rng = np.random.default_rng(seed)
+  return {
+    "x": rng.normal(size=(n, D)).astype(np.float32),
+    "y": rng.normal(size=(n, OUT)).astype(np.float32),
+  }
+
+
+def run_nnx(make, tx, plan, mesh, steps=2, microbatches=4, ref_make=None):
+  """The same NNX model and optimizer, one copy stepped with ``nnx.jit`` on one device, the
+  other pipelined over ``mesh``; returns (reference model, pipelined model, its optimizer,
+  the pipeline)."""
+  ref_model, model = (ref_make or make)(), make()
+  ref_opt = nnx.Optimizer(ref_model, tx, wrt=nnx.Param)
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def ref_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(mse)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  pp = gpp_jax.graph_pipeline(nnx_step, num_microbatches=microbatches, mesh=mesh, planner=plan)
+  for t in range(steps):
+    b = batch(t)
+    ref_loss = ref_step(ref_model, ref_opt, jax.device_put(b, jax.devices()[0]))
+    with jax.transfer_guard("disallow"):
+      loss = pp(model, opt, b)
+    assert abs(float(ref_loss) - float(loss)) <= TOL
+  assert max_diff(nnx.state(ref_model, nnx.Param), nnx.state(model, nnx.Param)) <= TOL
+  assert max_diff(nnx.state(ref_opt), nnx.state(opt)) <= TOL
+  return ref_model, model, opt, pp
+
+
+def make_chain(**block):
+  return lambda: Chain(nnx.Rngs(0), **block)
+
+
+def shards(x):
+  """The shape of each device's shard and the devices holding ``x``."""
+  s = x.sharding
+  assert isinstance(s, NamedSharding), s
+  return s.shard_shape(x.shape), {d.id for d in s.device_set}
+
+
+def test_pp2_dp2_tp2_nnx():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  plan = gpp_jax.manual_plan({"a": 0, "b": 0, "c": 1, "head": 1}, devices={0: [0, 1], 1: [2, 3]})
+  _, model, opt, pp = run_nnx(make_chain(), optax.adam(1e-2), plan, mesh)
+  rows = np.asarray(mesh.devices)
+  stage0 = {d.id for d in rows[:2].flat}
+  stage1 = {d.id for d in rows[2:].flat}
+  # Column-parallel up, row-parallel down: halves over "model" on the stage's 4 devices.
+  assert shards(model.a.up.kernel[...]) == ((D, H // 2), stage0)
+  assert shards(model.a.up.bias[...]) == ((H // 2,), stage0)
+  assert shards(model.a.down.kernel[...]) == ((H // 2, D), stage0)
+  assert shards(model.c.down.kernel[...]) == ((H // 2, D), stage1)
+  # A spec naming the first axis shards over the stage's rows (FSDP inside the stage).
+  assert shards(model.head.kernel[...]) == ((D // 2, OUT), stage1)
+  assert model.a.down.bias[...].sharding.spec == P()
+  # The optimizer state is sharded like its parameter.
+  mu = opt.opt_state[0].mu
+  assert shards(mu.a.up.kernel[...]) == ((D, H // 2), stage0)
+  assert shards(mu.head.kernel[...]) == ((D // 2, OUT), stage1)
+  assert [len(s.devices) for s in pp.plan.stages] == [2, 2]
+
+
+def test_three_stages_of_1_1_2_rows_tp2_nnx():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  plan = gpp_jax.manual_plan(
+    {"a": 0, "b": 1, "c": 2, "head": 2}, devices={0: [0], 1: [1], 2: [2, 3]}
+  )
+  _, model, _, _ = run_nnx(make_chain(), optax.sgd(0.1, momentum=0.9), plan, mesh)
+  rows = np.asarray(mesh.devices)
+  assert shards(model.a.up.kernel[...]) == ((D, H // 2), {d.id for d in rows[0]})
+  assert shards(model.b.up.kernel[...]) == ((D, H // 2), {d.id for d in rows[1]})
+  assert shards(model.c.up.kernel[...]) == ((D, H // 2), {d.id for d in rows[2:].flat})
+  assert shards(model.head.kernel[...])[0] == (D // 2, OUT)
+
+
+def test_pp2_dp4_fsdp_nnx():
+  mesh = jax.make_mesh((8, 1), ("data", "model"))
+  fsdp = dict(up=("data", None), down=("data", None), up_bias=(None,))
+  plan = gpp_jax.manual_plan(
+    {"a": 0, "b": 0, "c": 1, "head": 1}, devices={0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+  )
+  _, model, opt, _ = run_nnx(make_chain(**fsdp), optax.adamw(1e-2), plan, mesh)
+  first = {d.id for d in np.asarray(mesh.devices)[:4].flat}
+  assert shards(model.a.up.kernel[...]) == ((D // 4, H), first)
+  assert shards(model.a.down.kernel[...]) == ((H // 4, D), first)
+  assert shards(model.head.kernel[...])[0] == (D // 4, OUT)
+  assert shards(opt.opt_state[0].nu.a.down.kernel[...]) == ((H // 4, D), first)
+
+
+def test_dag_with_sharded_stages_nnx():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  plan = gpp_jax.manual_plan(
+    {"inp": 0, "left": 1, "right": 2, "head": 2}, devices={0: [0], 1: [1], 2: [2, 3]}
+  )
+  _, model, _, pp = run_nnx(lambda: Branches(nnx.Rngs(1)), optax.adam(1e-2), plan, mesh)
+  assert sorted(pp.plan.edges) == [(0, 1), (0, 2), (1, 2)]
+  assert shards(model.left.up.kernel[...])[0] == (D, H // 2)
+  assert shards(model.head.kernel[...])[0] == (2 * D // 2, OUT)
+
+
+def test_global_norm_clipping_across_sharded_stages_nnx():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  plan = gpp_jax.manual_plan({"a": 0, "b": 0, "c": 1, "head": 1}, devices={0: [0], 1: [1, 2]})
+  tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+  _, model, _, _ = run_nnx(make_chain(), tx, plan, mesh)
+  assert shards(model.c.up.kernel[...])[0] == (D, H // 2)
+
+
+class Tied(nnx.Module):
+  """A token embedding read at both ends (the output projection is its transpose)."""
+
+  def __init__(self, rngs, vocab=16):
+    init = nnx.with_partitioning(nnx.initializers.normal(0.5), ("model", None), eager_sharding=False)
+    self.embed = nnx.Embed(vocab, D, embedding_init=init, rngs=rngs)
+    self.block = Block(rngs)
+
+  def __call__(self, tokens):
+    return self.embed.attend(self.block(self.embed(tokens)))
+
+
+def token_loss(model, batch):
+  logits = model(batch["x"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def test_tied_parameter_between_differently_sharded_stages_nnx():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  rng = np.random.default_rng(0)
+  b = {"x": rng.integers(0, 16, size=(8, 3)), "y": rng.integers(0, 16, size=(8, 3))}
+  tx = optax.adam(1e-2)
+  ref_model, model = Tied(nnx.Rngs(0)), Tied(nnx.Rngs(0))
+  ref_opt, opt = nnx.Optimizer(ref_model, tx, wrt=nnx.Param), nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def step(model, optimizer, batch):
+    loss, grads = gpp_jax.value_and_grad(token_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  @nnx.jit
+  def ref_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(token_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  # The embedding lives on stage 0 (one row); its transpose is read by stage 1 (two rows).
+  plan = gpp_jax.manual_plan({"embed": 0, "block": 1, "embed#2": 1}, devices={0: [0], 1: [1, 2]})
+  pp = gpp_jax.graph_pipeline(step, num_microbatches=2, mesh=mesh, planner=plan)
+  for _ in range(2):
+    r = ref_step(ref_model, ref_opt, jax.device_put(b, jax.devices()[0]))
+    with jax.transfer_guard("disallow"):
+      loss = pp(model, opt, b)
+    assert abs(float(r) - float(loss)) <= TOL
+  assert max_diff(nnx.state(ref_model, nnx.Param), nnx.state(model, nnx.Param)) <= TOL
+  row0 = {d.id for d in np.asarray(mesh.devices)[0]}
+  assert shards(model.embed.embedding[...]) == ((16 // 2, D), row0)
+
+
+def test_model_created_under_set_mesh_nnx():
+  """A model created under ``jax.set_mesh`` comes sharded over the whole mesh (eager
+  sharding); its parameters move to their stages' sub-meshes with the same specs."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+
+  def make():
+    with jax.set_mesh(mesh):
+      return Chain(nnx.Rngs(0))
+
+  with jax.set_mesh(mesh):
+    probe = Chain(nnx.Rngs(0))
+  assert probe.a.up.kernel[...].sharding.mesh.shape == {"data": 4, "model": 2}
+  plan = gpp_jax.manual_plan({"a": 0, "b": 0, "c": 1, "head": 1}, devices={0: [0, 1], 1: [2, 3]})
+  _, model, _, _ = run_nnx(make, optax.adam(1e-2), plan, mesh, ref_make=make_chain())
+  assert shards(model.a.up.kernel[...]) == ((D, H // 2), {d.id for d in np.asarray(mesh.devices)[:2].flat})
+
+
+# ---------------------------------------------------------------------------- Linen
+
+
+class LinenChain(nn.Module):
+  logical: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    part = nn.with_logical_partitioning if self.logical else nn.with_partitioning
+    col = ("embed", "mlp") if self.logical else (None, "model")
+    row = ("mlp", "embed") if self.logical else ("model", None)
+    init = nn.initializers.lecun_normal()
+    for name in ("a", "b"):
+      h = nn.Dense(H, kernel_init=part(init, col), name=f"{name}_up")(x)
+      x = x + nn.Dense(D, kernel_init=part(init, row), name=f"{name}_down")(jnp.tanh(h))
+    return nn.Dense(OUT, name="head")(x)
+
+
+RULES = (("embed", None), ("mlp", "model"))
+
+
+@pytest.mark.parametrize("logical", [True, False])
+def test_pp2_dp2_tp2_linen(logical):
+  model = LinenChain(logical)
+  params = model.init(jax.random.key(0), jnp.ones((1, D)))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  def step(state, batch):
+    def loss_fn(params):
+      return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = gpp_jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  def ref_step(state, batch):
+    loss, grads = jax.value_and_grad(
+      lambda p: jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+    )(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  prefix = "LinenChain/"
+  plan = gpp_jax.manual_plan(
+    {prefix + "a_up": 0, prefix + "a_down": 0, prefix + "b_up": 1, prefix + "b_down": 1,
+     prefix + "head": 1},
+    devices={0: [0, 1], 1: [2, 3]},
+  )
+  pp = gpp_jax.graph_pipeline(step, num_microbatches=4, mesh=mesh, planner=plan)
+  ref = jax.jit(ref_step)
+  r_state, p_state = jax.device_put(state, jax.devices()[0]), state
+  with nn.logical_axis_rules(RULES):
+    for t in range(2):
+      r_state, r_loss = ref(r_state, jax.device_put(batch(t), jax.devices()[0]))
+      p_state, p_loss = pp(p_state, batch(t))
+      assert abs(float(r_loss) - float(p_loss)) <= TOL
+  assert max_diff(r_state.params, p_state.params) <= TOL
+  assert max_diff(r_state.opt_state, p_state.opt_state) <= TOL
+  kernel = nn.unbox(p_state.params)["params"]["b_up"]["kernel"]
+  stage1 = {d.id for d in np.asarray(mesh.devices)[2:].flat}
+  assert shards(kernel) == ((D, H // 2), stage1)
+  down = nn.unbox(p_state.params)["params"]["a_down"]["kernel"]
+  assert shards(down)[0] == (H // 2, D)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _untouched(model, before):
+  return max_diff(before, nnx.state(model, nnx.Param)) == 0.0
+
+
+@pytest.mark.parametrize(
+  "mesh_shape, spec, plan_devices, match",
+  [
+    ((4, 2), ("data", "tensor"), {0: [0, 1], 1: [2, 3]}, "names the axis 'tensor'"),
+    ((2, 4), (None, "model"), {0: [0], 1: [1]}, r"does not divide"),
+    ((2, 4), (None, "model"), None, r"2 rows"),
+  ],
+)
+def test_bad_mesh_or_spec_names_the_fix_and_leaves_the_model(mesh_shape, spec, plan_devices, match):
+  mesh = jax.make_mesh(mesh_shape, ("data", "model"))
+  # H = 16 splits 4 ways, but 6 does not: a layer of width 6 sharded over "model" of 4.
+  class Bad(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(D, 6, kernel_init=_init(spec), rngs=rngs)
+      self.b = nnx.Linear(6, 4, rngs=rngs)
+      self.c = nnx.Linear(4, OUT, rngs=rngs)
+
+    def __call__(self, x):
+      return self.c(jnp.tanh(self.b(jnp.tanh(self.a(x)))))
+
+  model = Bad(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+  rules = {"a": 0, "b": 1} if plan_devices else {"a": 0, "b": 1, "c": 2}
+  plan = gpp_jax.manual_plan(rules, devices=plan_devices)
+  if plan_devices is None:
+    plan = gpp_jax.manual_plan(rules, default_stage=2)
+  else:
+    plan = gpp_jax.manual_plan(rules, devices=plan_devices, default_stage=1)
+  pp = gpp_jax.graph_pipeline(nnx_step, num_microbatches=2, mesh=mesh, planner=plan)
+  with pytest.raises(gpp_jax.PlanError, match=match):
+    pp(model, opt, batch())
+  assert _untouched(model, before)
+
+
+def test_mesh_and_devices_together_is_refused():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  with pytest.raises(ValueError, match="devices= or mesh="):
+    gpp_jax.graph_pipeline(nnx_step, num_microbatches=2, mesh=mesh, devices=jax.devices())
+
+
+def test_mesh_string_and_candidates_of_jax_sharding():
+  """``mesh="data:4,model:2"``; the model's specs put "jit sharded" (and "jit fsdp") among
+  the candidates a planner's pipeline competes with."""
+  model = Chain(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  pp = gpp_jax.graph_pipeline(nnx_step, num_microbatches=4, mesh="data:4,model:2", planner="pipedream")
+  pp(model, opt, batch())
+  alts = pp.compiled.planned.alternatives
+  assert {"plain jit", "jit data parallel", "jit fsdp", "jit sharded", "pipeline"} <= set(alts)
+  assert model.a.up.kernel[...].sharding.spec == P(None, "model")
