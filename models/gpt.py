@@ -18,6 +18,10 @@ Parameter paths::
 With tied embeddings, ``embed/tokens`` is read by the first and the last layer; the layering
 pass then keeps it on one owner and files the output projection in a sibling layer.
 
+Partition specs over a mesh axis "model" (metadata only): ``embed/tokens`` vocab-parallel
+``("model", None)``, ``head/kernel`` column-parallel over the vocabulary ``(None, "model")``,
+the blocks Megatron-style (see ``transformer``); positions and LayerNorms replicated.
+
 Batch: ``tokens`` int32 ``(batch, seq_len)`` and ``targets`` int32 ``(batch, seq_len)``, the
 next token at every position. Loss: token cross-entropy, mean over positions and examples.
 """
@@ -32,7 +36,7 @@ import optax
 from flax import nnx
 
 from gpp_jax.models.dropout import Key, dropout, subkey
-from gpp_jax.models.transformer import TransformerBlock
+from gpp_jax.models.transformer import COLUMN, TransformerBlock, partitioned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +84,16 @@ class GPTConfig:
     return cls(vocab_size=50304, seq_len=256, hidden=1024, num_layers=32, num_heads=16, ffn=4096)
 
 
+VOCAB = ("model", None)  # the token embedding's rows (the vocabulary) split over "model"
+
+
 class Embedding(nnx.Module):
   """Token rows plus learned positions."""
 
   def __init__(self, vocab_size: int, seq_len: int, hidden: int, *, rngs: nnx.Rngs):
     init = nnx.initializers.normal(0.02)
-    self.tokens = nnx.Param(init(rngs.params(), (vocab_size, hidden)))
+    # Vocab-parallel: each device of "model" holds a block of the vocabulary's rows.
+    self.tokens = nnx.Param(init(rngs.params(), (vocab_size, hidden)), **partitioned(VOCAB))
     self.positions = nnx.Param(init(rngs.params(), (seq_len, hidden)))
 
   def __call__(self, ids: jax.Array) -> jax.Array:
@@ -131,6 +139,7 @@ class GPT(nnx.Module):
         use_bias=False,
         rngs=rngs,
         kernel_init=nnx.initializers.normal(0.02),
+        kernel_metadata=partitioned(COLUMN),  # the vocabulary's logits split over "model"
       )
 
   def __call__(self, tokens: jax.Array, *, dropout_key: Key = None) -> jax.Array:

@@ -17,6 +17,10 @@ layer (see ``merge_scope``). Parameter paths::
   branches/<i>/norm/{scale,bias}
   head/layers/<k>/{kernel,bias}
 
+Partition specs over a mesh axis "model" (metadata only): the blocks of every branch are
+Megatron-style (``attn/qkv``, ``ffn/up`` column-parallel, ``attn/out``, ``ffn/down``
+row-parallel; see ``transformer``); input embeddings, LayerNorms and the head replicated.
+
 Batch: ``features_<i>`` float32 ``(batch, seq_i, feat_i)`` and ``labels`` int32 ``(batch,)``.
 Loss: softmax cross-entropy, mean over examples.
 """

@@ -8,6 +8,11 @@ Module tree of one block, as parameter paths relative to the block::
 The attention is written out (one fused QKV projection, scaled dot products, softmax,
 output projection) rather than taken from ``nnx.MultiHeadAttention`` so that it keeps no
 RNG streams or caches and dropout takes an explicit key.
+
+Megatron-style partition specs over a mesh axis "model" (metadata only, see ``partitioned``):
+``attn/qkv`` and ``ffn/up`` are column-parallel (kernel ``(None, "model")``, bias
+``("model",)``), ``attn/out`` and ``ffn/down`` row-parallel (kernel ``("model", None)``, bias
+replicated), the LayerNorms replicated.
 """
 
 from __future__ import annotations
@@ -19,6 +24,30 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpp_jax.models.dropout import Key, dropout, subkey
+
+# Megatron-style tensor parallelism over the mesh axis "model".
+COLUMN = (None, "model")  # kernel (in, out): the output features split
+ROW = ("model", None)  # kernel (in, out): the input features split
+SPLIT_BIAS = ("model",)  # the bias of a column-parallel layer
+REPLICATED = (None,)  # the bias of a row-parallel layer
+
+
+def partitioned(spec: tuple[str | None, ...]) -> dict[str, object]:
+  """Variable metadata for the partition spec ``spec``, as metadata only: the value is not
+  placed (``eager_sharding=False``), so the model builds the same with or without a mesh."""
+  return {"out_sharding": spec, "eager_sharding": False}
+
+
+def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, column: bool) -> nnx.Linear:
+  """``nnx.Linear`` with its default initialisers (the same draws), annotated
+  column-parallel (``column``) or row-parallel over "model"."""
+  return nnx.Linear(
+    in_features,
+    out_features,
+    rngs=rngs,
+    kernel_metadata=partitioned(COLUMN if column else ROW),
+    bias_metadata=partitioned(SPLIT_BIAS if column else REPLICATED),
+  )
 
 
 class SelfAttention(nnx.Module):
@@ -41,8 +70,11 @@ class SelfAttention(nnx.Module):
     self.num_heads = num_heads
     self.causal = causal
     self.dropout_rate = dropout_rate
-    self.qkv = nnx.Linear(hidden, 3 * hidden, rngs=rngs)
-    self.out = nnx.Linear(hidden, hidden, rngs=rngs)
+    # qkv's output features are (3, heads, head_dim) flattened, so a column split over
+    # "model" gives each device a contiguous block of them (whole heads only when "model" is
+    # 1); the values are the same, GSPMD reshards what the attention needs.
+    self.qkv = linear(hidden, 3 * hidden, rngs=rngs, column=True)
+    self.out = linear(hidden, hidden, rngs=rngs, column=False)
 
   def __call__(self, x: jax.Array, *, dropout_key: Key = None) -> jax.Array:
     b, s, h = x.shape
@@ -63,8 +95,8 @@ class FeedForward(nnx.Module):
 
   def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs, dropout_rate: float = 0.0):
     self.dropout_rate = dropout_rate
-    self.up = nnx.Linear(hidden, ffn, rngs=rngs)
-    self.down = nnx.Linear(ffn, hidden, rngs=rngs)
+    self.up = linear(hidden, ffn, rngs=rngs, column=True)
+    self.down = linear(ffn, hidden, rngs=rngs, column=False)
 
   def __call__(self, x: jax.Array, *, dropout_key: Key = None) -> jax.Array:
     return dropout(self.down(jax.nn.gelu(self.up(x))), self.dropout_rate, dropout_key)

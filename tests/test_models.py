@@ -462,3 +462,81 @@ def test_gpt_tied_head_reads_the_token_embedding(tie):
   bumped["embed"]["tokens"][...] = t.params["embed"]["tokens"][...].at[half:].add(1.0)
   forward = fast_jit(lambda p: t.spec.forward(t.merge(p), batch))
   assert (not np.allclose(forward(t.params), forward(bumped))) == tie
+
+
+# --------------------------------------------------------------------------- partition specs
+
+P = jax.sharding.PartitionSpec
+
+# Megatron-style specs of every transformer block, by the path's tail; everything else P().
+BLOCK_SPECS = {
+  "attn/qkv/kernel": P(None, "model"),  # column-parallel
+  "attn/qkv/bias": P("model"),
+  "attn/out/kernel": P("model", None),  # row-parallel
+  "attn/out/bias": P(None),
+  "ffn/up/kernel": P(None, "model"),  # column-parallel
+  "ffn/up/bias": P("model"),
+  "ffn/down/kernel": P("model", None),  # row-parallel
+  "ffn/down/bias": P(None),
+}
+GPT_SPECS = {
+  **BLOCK_SPECS,
+  "embed/tokens": P("model", None),  # vocab-parallel
+  "head/kernel": P(None, "model"),  # column-parallel over the vocabulary
+}
+
+
+def _specs(state) -> dict[str, P]:
+  """Parameter path -> its partition spec (``P()`` where it has none: replicated)."""
+  flat = nnx.to_flat_state(nnx.get_partition_spec(state))
+  return {"/".join(map(str, p)): v.get_value() for p, v in flat}
+
+
+def _expected_specs(paths, by_tail: dict[str, P]) -> dict[str, P]:
+  def spec(path):
+    tails = [t for t in by_tail if path == t or path.endswith("/" + t)]
+    return by_tail[tails[0]] if tails else P()
+
+  return {p: spec(p) for p in paths}
+
+
+def test_gpt_parameters_carry_megatron_partition_specs():
+  t = tiny("gpt")
+  specs = _specs(t.params)
+  assert specs == _expected_specs(specs, GPT_SPECS)
+  # Every annotated group is there, in every block, and only as metadata.
+  for tail in GPT_SPECS:
+    hits = [p for p in specs if p.endswith(tail)]
+    assert len(hits) == (1 if tail in ("embed/tokens", "head/kernel") else t.config.num_layers)
+  assert specs["embed/positions"] == P() and specs["norm/scale"] == P()
+  md = t.merge().blocks[0].attn.qkv.kernel.get_metadata()
+  assert md["out_sharding"] == (None, "model") and md["eager_sharding"] is False
+
+
+def test_mmt_towers_carry_megatron_partition_specs():
+  t = tiny("mmt")
+  specs = _specs(t.params)
+  assert specs == _expected_specs(specs, BLOCK_SPECS)
+  per_block = t.config.num_branches * t.config.num_layers
+  for tail in BLOCK_SPECS:
+    assert len([p for p in specs if p.endswith(tail)]) == per_block
+  # Input embeddings and the head stay replicated.
+  assert specs["branches/0/input/kernel"] == P() and specs["head/layers/0/kernel"] == P()
+
+
+def test_gpt_builds_under_a_mesh_and_runs_outside_it():
+  """The specs are metadata only: a model created under a ("data", "model") mesh builds (and
+  draws the same values) as without one, and its forward runs after the mesh is gone."""
+  spec = MODELS["gpt"]
+  config = spec.preset("tiny")
+  with jax.set_mesh(jax.make_mesh((4, 2), ("data", "model"))):
+    model = spec.make_model(config, nnx.Rngs(rbg_key(0)))
+  plain = spec.make_model(config, nnx.Rngs(rbg_key(0)))
+  params, plain_params = nnx.state(model, nnx.Param), nnx.state(plain, nnx.Param)
+  assert _specs(params) == _specs(plain_params) == _expected_specs(_specs(params), GPT_SPECS)
+  jax.tree.map(np.testing.assert_array_equal, params, plain_params)
+  batch = tiny("gpt").batch
+  forward = fast_jit(spec.forward)
+  logits = forward(model, batch)
+  assert logits.shape == (BATCH, config.seq_len, config.vocab_size)
+  np.testing.assert_array_equal(logits, forward(plain, batch))
