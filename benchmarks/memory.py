@@ -12,6 +12,13 @@ another configuration left alive is counted.
     prediction, for plain jit on one device, jit data parallel over the devices, GPipe and 1F1B
     on GraphPipe's stages, the PipeDream plan and the GraphPipe plan; the stashed activations
     at the peak show whether GraphPipe's shallower DAG holds fewer for real.
+(s) ``sharded`` (``--parts=sharded``): GPT and MMT with their Megatron-style partition specs
+    on 8 devices, what a JAX user would run against pipelines, side by side in one run: plain
+    jit, jit data parallel, jit fsdp, jit sharded (the model's specs over the mesh
+    ``data:4,model:2``), GraphPipe's plan with replicated stages (8 devices) and with sharded
+    stages (over the 4 rows of that mesh); per configuration the measured peak per device,
+    the program's predicted peak, the measured step time (median of ``--timed_steps``) and
+    the modelled one, and whether it fits ``--budget_fraction`` of plain jit's measured peak.
 (b) ``fit``: a budget below what the plain step needs on one device (measured), the model
     trained pipelined under it on 4 devices with ``memory_limit``, every device's measured
     peak against the budget and the values against the one-device step; then the largest
@@ -38,14 +45,142 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer("mb_devices", 16, "part (c): V100s of the simulated cluster")
 flags.DEFINE_string("child", None, "internal: run one configuration (JSON) and print its result")
+flags.DEFINE_list("sharded_models", ["gpt", "mmt"], "part (s): models")
+flags.DEFINE_float("budget_fraction", 0.6, "part (s): the budget, a fraction of plain jit's peak")
+flags.DEFINE_integer("timed_steps", 10, "part (s): steps timed per configuration")
+
+# Part (s): a GPT of the MMT medium's scale (the zoo has no medium GPT).
+GPT_MEDIUM = dict(vocab_size=2048, seq_len=32, hidden=128, num_layers=4, num_heads=4, ffn=512)
+SHARDED_CONFIGS = (
+  "plain jit",
+  "jit data parallel",
+  "jit fsdp",
+  "jit sharded",
+  "graphpipe replicated",
+  "graphpipe sharded",
+)
 
 CONFIGS = ("plain jit", "jit data parallel", "gpipe", "1f1b", "pipedream", "graphpipe")
+
+
+def _run_sharded_child(cfg: dict) -> dict:
+  """One configuration of part (s), run in its own process."""
+  import statistics
+  import time
+
+  import jax
+
+  import gpp_jax
+  from gpp_jax.experiments import zoo
+
+  sizes = GPT_MEDIUM if cfg["model"] == "gpt" else zoo.MEDIUM[cfg["model"]]
+  run = zoo.setup(cfg["model"], "paper", **sizes)
+  batch = run.batches(cfg["batch"], 1)[0]
+  kind, n = cfg["config"], cfg["n"]
+  kw: dict = dict(layer_depth=run.spec.layer_depth, memory_limit="64GiB", calibrate=False)
+  mesh = f"data:{n // 2},model:2"
+  probe = gpp_jax.graph_pipeline(run.train_step, num_microbatches=1, **kw)
+  layers = tuple(probe.layer_graph_for(run.model, run.optimizer, batch).nodes)
+
+  def one_stage(width: int, how: str) -> gpp_jax.Plan:
+    return gpp_jax.Plan(
+      (gpp_jax.Stage(0, layers, tuple(range(width))),), (), 1, planner=kind, param_sharding=how
+    )
+
+  M = cfg["m"]
+  if kind == "plain jit":
+    pp = gpp_jax.graph_pipeline(
+      run.train_step,
+      num_microbatches=1,
+      devices=jax.devices()[:1],
+      planner=one_stage(1, "model"),
+      **kw,
+    )
+  elif kind in ("jit data parallel", "jit fsdp"):
+    how = "replicated" if kind == "jit data parallel" else "fsdp"
+    pp = gpp_jax.graph_pipeline(
+      run.train_step, num_microbatches=1, devices=jax.devices()[:n], planner=one_stage(n, how), **kw
+    )
+  elif kind == "jit sharded":
+    pp = gpp_jax.graph_pipeline(
+      run.train_step, num_microbatches=1, mesh=mesh, planner=one_stage(n // 2, "model"), **kw
+    )
+  elif kind == "graphpipe replicated":
+    pp = gpp_jax.graph_pipeline(
+      run.train_step, num_microbatches=M, devices=jax.devices()[:n], planner="graphpipe",
+      min_stages=2, **kw,
+    )  # fmt: skip
+  else:
+    pp = gpp_jax.graph_pipeline(
+      run.train_step, num_microbatches=M, mesh=mesh, planner="graphpipe", min_stages=2, **kw
+    )
+  first = float(pp(run.model, run.optimizer, batch))
+  times = []
+  for _ in range(cfg["timed"]):
+    t = time.perf_counter()
+    jax.block_until_ready(pp(run.model, run.optimizer, batch))
+    times.append(time.perf_counter() - t)
+  second = float(pp.measure_memory(run.model, run.optimizer, batch))
+  rep = pp.memory
+  return {
+    "config": kind,
+    "stages": pp.plan.num_stages,
+    "widths": [len(s.devices) for s in pp.plan.stages],
+    "max_measured": max(d.measured_peak_bytes for d in rep.devices),
+    "max_predicted": max(d.predicted_peak_bytes for d in rep.devices),
+    "measured_ms": statistics.median(times) * 1e3,
+    "modelled_ms": (pp.compiled.planned.predicted_s or 0.0) * 1e3,
+    "losses": [first, second],
+  }
+
+
+def sharded() -> None:
+  n = 8
+  print(
+    f"\n(s) what a JAX user runs against pipelines, {n} forced CPU devices, batch "
+    f"{FLAGS.batch_size}, {FLAGS.microbatches} micro-batches for the pipelines; memory measured "
+    "(peak per device over a measuring step) and predicted (the step's program); time measured "
+    f"(median of {FLAGS.timed_steps} steps) and modelled (devices-only cost model, no "
+    "calibration)"
+  )
+  print(
+    f"{'model':6s} {'configuration':22s} {'stages':>10s} {'peak MiB':>9s} {'pred MiB':>9s} "
+    f"{'fits':>5s} {'step ms':>8s} {'model ms':>9s} {'vs plain':>8s}"
+  )
+  for model in FLAGS.sharded_models:
+    rows = {}
+    for kind in SHARDED_CONFIGS:
+      cfg = dict(
+        model=model, n=n, config=kind, batch=FLAGS.batch_size, m=FLAGS.microbatches,
+        timed=FLAGS.timed_steps, sharded=True,
+      )  # fmt: skip
+      rows[kind] = child(cfg)
+    plain = rows["plain jit"]
+    budget = FLAGS.budget_fraction * plain.get("max_measured", 0)
+    for kind, r in rows.items():
+      if "error" in r:
+        print(f"{model:6s} {kind:22s} failed: {r['error'][:90]}")
+        continue
+      fits = "yes" if r["max_measured"] <= budget else "no"
+      ratio = plain["measured_ms"] / r["measured_ms"] if "measured_ms" in plain else float("nan")
+      print(
+        f"{model:6s} {kind:22s} {'/'.join(map(str, r['widths'])):>10s} {mib(r['max_measured'])} "
+        f"{mib(r['max_predicted'])} {fits:>5s} {r['measured_ms']:8.1f} {r['modelled_ms']:9.1f} "
+        f"{ratio:7.2f}x",
+        flush=True,
+      )
+    print(
+      f"{model:6s} budget {budget / 2**20:.1f} MiB per device "
+      f"({FLAGS.budget_fraction:.0%} of plain jit's peak)"
+    )
 
 
 def _run_child(cfg: dict) -> dict:
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={cfg['n']}"
   )
+  if cfg.get("sharded"):
+    return _run_sharded_child(cfg)
   import jax
 
   import gpp_jax
@@ -226,6 +361,8 @@ def main(argv):
     return
   if "peaks" in FLAGS.parts:
     peaks()
+  if "sharded" in FLAGS.parts:
+    sharded()
   if "fit" in FLAGS.parts:
     fit()
   if "microbatch" in FLAGS.parts:

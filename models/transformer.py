@@ -18,6 +18,7 @@ replicated), the LayerNorms replicated.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ SPLIT_BIAS = ("model",)  # the bias of a column-parallel layer
 REPLICATED = (None,)  # the bias of a row-parallel layer
 
 
-def partitioned(spec: tuple[str | None, ...]) -> dict[str, object]:
+def partitioned(spec: tuple[str | None, ...]) -> dict[str, Any]:
   """Variable metadata for the partition spec ``spec``, as metadata only: the value is not
   placed (``eager_sharding=False``), so the model builds the same with or without a mesh."""
   return {"out_sharding": spec, "eager_sharding": False}

@@ -214,6 +214,28 @@ def test_manual_plan_snippet():
   assert model.decoder.kernel[...].devices() == set(jax.devices()[2:6])
 
 
+class ShardedEncoderDecoder(nnx.Module):
+  """EncoderDecoder with Megatron-style specs over "model" (metadata only)."""
+
+  def __init__(self, rngs):
+    meta = lambda spec: {"out_sharding": spec, "eager_sharding": False}
+    self.encoder = nnx.Linear(5, 16, kernel_metadata=meta((None, "model")), rngs=rngs)
+    self.decoder = nnx.Linear(16, 3, kernel_metadata=meta(("model", None)), rngs=rngs)
+
+  def __call__(self, x):
+    return self.decoder(jnp.tanh(self.encoder(x)))
+
+
+def test_mesh_snippet():
+  ns = _run(_snippet("mesh=mesh"), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)})
+  model = _check_nnx_step(ns["train_step"], ShardedEncoderDecoder)
+  assert [s.devices for s in ns["train_step"].plan.stages] == [(0,), (1, 2)]
+  rows = np.asarray(ns["mesh"].devices)
+  kernel = model.decoder.kernel[...]
+  assert kernel.devices() == set(rows[1:3].flat)
+  assert kernel.sharding.shard_shape(kernel.shape) == (8, 3)  # 16 rows split over "model"
+
+
 def test_per_stage_microbatch_snippet():
   ns = _run(
     _snippet("microbatch_sizes="), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)}

@@ -193,7 +193,9 @@ class Tied(nnx.Module):
   """A token embedding read at both ends (the output projection is its transpose)."""
 
   def __init__(self, rngs, vocab=16):
-    init = nnx.with_partitioning(nnx.initializers.normal(0.5), ("model", None), eager_sharding=False)
+    init = nnx.with_partitioning(
+      nnx.initializers.normal(0.5), ("model", None), eager_sharding=False
+    )
     self.embed = nnx.Embed(vocab, D, embedding_init=init, rngs=rngs)
     self.block = Block(rngs)
 
@@ -212,7 +214,10 @@ def test_tied_parameter_between_differently_sharded_stages_nnx():
   b = {"x": rng.integers(0, 16, size=(8, 3)), "y": rng.integers(0, 16, size=(8, 3))}
   tx = optax.adam(1e-2)
   ref_model, model = Tied(nnx.Rngs(0)), Tied(nnx.Rngs(0))
-  ref_opt, opt = nnx.Optimizer(ref_model, tx, wrt=nnx.Param), nnx.Optimizer(model, tx, wrt=nnx.Param)
+  ref_opt, opt = (
+    nnx.Optimizer(ref_model, tx, wrt=nnx.Param),
+    nnx.Optimizer(model, tx, wrt=nnx.Param),
+  )
 
   def step(model, optimizer, batch):
     loss, grads = gpp_jax.value_and_grad(token_loss)(model, batch)
@@ -252,7 +257,10 @@ def test_model_created_under_set_mesh_nnx():
   assert probe.a.up.kernel[...].sharding.mesh.shape == {"data": 4, "model": 2}
   plan = gpp_jax.manual_plan({"a": 0, "b": 0, "c": 1, "head": 1}, devices={0: [0, 1], 1: [2, 3]})
   _, model, _, _ = run_nnx(make, optax.adam(1e-2), plan, mesh, ref_make=make_chain())
-  assert shards(model.a.up.kernel[...]) == ((D, H // 2), {d.id for d in np.asarray(mesh.devices)[:2].flat})
+  assert shards(model.a.up.kernel[...]) == (
+    (D, H // 2),
+    {d.id for d in np.asarray(mesh.devices)[:2].flat},
+  )
 
 
 # ---------------------------------------------------------------------------- Linen
@@ -299,8 +307,13 @@ def test_pp2_dp2_tp2_linen(logical):
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   prefix = "LinenChain/"
   plan = gpp_jax.manual_plan(
-    {prefix + "a_up": 0, prefix + "a_down": 0, prefix + "b_up": 1, prefix + "b_down": 1,
-     prefix + "head": 1},
+    {
+      prefix + "a_up": 0,
+      prefix + "a_down": 0,
+      prefix + "b_up": 1,
+      prefix + "b_down": 1,
+      prefix + "head": 1,
+    },
     devices={0: [0, 1], 1: [2, 3]},
   )
   pp = gpp_jax.graph_pipeline(step, num_microbatches=4, mesh=mesh, planner=plan)
@@ -337,6 +350,7 @@ def _untouched(model, before):
 )
 def test_bad_mesh_or_spec_names_the_fix_and_leaves_the_model(mesh_shape, spec, plan_devices, match):
   mesh = jax.make_mesh(mesh_shape, ("data", "model"))
+
   # H = 16 splits 4 ways, but 6 does not: a layer of width 6 sharded over "model" of 4.
   class Bad(nnx.Module):
     def __init__(self, rngs):
@@ -373,7 +387,9 @@ def test_mesh_string_and_candidates_of_jax_sharding():
   the candidates a planner's pipeline competes with."""
   model = Chain(nnx.Rngs(0))
   opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-  pp = gpp_jax.graph_pipeline(nnx_step, num_microbatches=4, mesh="data:4,model:2", planner="pipedream")
+  pp = gpp_jax.graph_pipeline(
+    nnx_step, num_microbatches=4, mesh="data:4,model:2", planner="pipedream"
+  )
   pp(model, opt, batch())
   alts = pp.compiled.planned.alternatives
   assert {"plain jit", "jit data parallel", "jit fsdp", "jit sharded", "pipeline"} <= set(alts)

@@ -61,6 +61,13 @@ flags.DEFINE_integer(
   "devices to use, the first N of the platform's "
   "(default: all accelerators, or 8 forced CPU devices on CPU)",
 )
+flags.DEFINE_string(
+  "mesh",
+  None,
+  "the device mesh, e.g. data:4,model:2 (over the first 8 devices): stages take whole rows of "
+  "its first axis, the model's partition specs (tensor parallel over 'model', FSDP over the "
+  "first axis) hold inside each stage (default: --num_devices as one axis)",
+)
 flags.DEFINE_enum(
   "platform",
   None,
@@ -347,6 +354,16 @@ def _main(argv: list[str]) -> None:
   )
   model, optimizer, train_step = run.model, run.optimizer, run.train_step
   data = run.batches(FLAGS.batch_size, FLAGS.num_batches)
+  mesh = None
+  if FLAGS.mesh:
+    from gpp_jax.runtime.sharding import MeshLayout, parse_mesh
+
+    try:
+      mesh = parse_mesh(FLAGS.mesh, devices)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+    devices = list(MeshLayout.of(mesh).representatives)  # the planners count rows
+    logging.info("mesh %s: stages take rows of %r", FLAGS.mesh, mesh.axis_names[0])
   # The cpu preset follows the devices: one node per process in a multi-process run.
   if cluster_name == "cpu":
     cluster = process_cluster(devices)
@@ -355,7 +372,8 @@ def _main(argv: list[str]) -> None:
   pp = gpp_jax.graph_pipeline(
     train_step,
     num_microbatches=FLAGS.num_microbatches,
-    devices=devices,
+    devices=None if mesh is not None else devices,
+    mesh=mesh,
     planner=gpp_jax.Plan.load(FLAGS.plan) if FLAGS.plan else FLAGS.planner,
     schedule=FLAGS.schedule,
     remat=FLAGS.remat,

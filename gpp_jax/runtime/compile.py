@@ -1956,7 +1956,9 @@ class CompiledStep:
       st = self.staged.staged.stages[buf.lane]
       avals = [st.jaxpr.jaxpr.invars[p].aval for p in st.param_inputs]
       sizes = [int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in avals]
-      held = sum(n * share(buf.lane, sp, a) for n, sp, a in zip(sizes, param_specs[buf.lane], avals))
+      held = sum(
+        n * share(buf.lane, sp, a) for n, sp, a in zip(sizes, param_specs[buf.lane], avals)
+      )
       if sum(sizes):
         out[b] = held / sum(sizes)
     return out

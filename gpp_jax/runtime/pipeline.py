@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
-from jax.sharding import Mesh
 from flax import nnx
+from jax.sharding import Mesh
 
 from gpp_jax.cost.memory import format_bytes
 from gpp_jax.errors import BatchError, GppError
@@ -222,7 +222,7 @@ class GraphPipeline:
       lines.append("")
     if c.fused:
       lines += [
-        "runs as one jitted step: one stage on one device is gradient accumulation, so the "
+        "runs as one jitted step: one stage is gradient accumulation, not a pipeline, so the "
         "micro-batch loop runs inside one XLA program (fuse=False runs it action by action)",
         "",
       ]
@@ -237,7 +237,14 @@ class GraphPipeline:
     for s in c.plan.stages:
       flops = sum(g.nodes[l]["flops"] for l in s.layers)
       pbytes = sum(g.nodes[l]["param_bytes"] for l in s.layers)
-      devs = ", ".join(str(self.devices[d]) for d in s.devices)
+      place = c.staged.placements[s.index]
+      devs = ", ".join(str(d) for d in place.devices)
+      if self.opts.layout is not None:  # rows of the user's mesh: name its axes and sizes
+        sizes = ",".join(f"{a}:{n}" for a, n in place.mesh.shape.items())
+        kinds = {"model": "the model's specs", "fsdp": "FSDP", "replicated": "replicated"}
+        devs += f" (mesh {sizes}, parameters by {kinds.get(c.plan.param_sharding, '?')})"
+      elif c.plan.param_sharding == "fsdp" and len(place.devices) > 1:
+        devs += " (parameters sharded FSDP-style)"
       lines.append(
         f"stage {s.index} on {devs}: {len(s.layers)} layers, {flops / 1e6:.3f} MFLOP "
         f"forward per micro-batch, {pbytes / 2**20:.3f} MiB parameters"

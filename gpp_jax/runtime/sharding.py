@@ -150,7 +150,7 @@ def _logical(spec: PartitionSpec | None, rules: Any) -> PartitionSpec | None:
 def nn_logical_to_mesh(names: tuple, rules: Any) -> tuple:
   import flax.linen as nn
 
-  return tuple(nn.logical_to_mesh_axes(names, rules))
+  return tuple(nn.logical_to_mesh_axes(names, rules) or ())
 
 
 def _box_spec(box: meta.AxisMetadata) -> PartitionSpec | None:
@@ -227,7 +227,11 @@ def check_specs(
       for rows in sorted(set(stage_rows)):
         k = math.prod(layout.axis_size(a, rows) for a in axes)
         if shape[dim] % k:
-          where = f"a stage of {rows} row{'s' if rows != 1 else ''}" if layout.batch_axis in axes else "the mesh"
+          where = (
+            f"a stage of {rows} row{'s' if rows != 1 else ''}"
+            if layout.batch_axis in axes
+            else "the mesh"
+          )
           raise PlanError(
             f"the partition spec {spec} of {name} splits dimension {dim} (size {shape[dim]}) "
             f"over {'x'.join(axes)} = {k} devices in {where}, which does not divide it; "
