@@ -394,3 +394,31 @@ def test_mesh_string_and_candidates_of_jax_sharding():
   alts = pp.compiled.planned.alternatives
   assert {"plain jit", "jit data parallel", "jit fsdp", "jit sharded", "pipeline"} <= set(alts)
   assert model.a.up.kernel[...].sharding.spec == P(None, "model")
+
+
+def test_cost_model_holds_the_models_shards_per_device():
+  """The planners' memory terms: by the model's specs a stage holds 1/2 of each tensor-parallel
+  kernel over "model" and 1/rows of the head (sharded over the rows), FSDP 1/n of all."""
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.ir import layer_graph as lg
+
+  model = Chain(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  pp = gpp_jax.graph_pipeline(
+    nnx_step, num_microbatches=4, mesh="data:4,model:2", planner="pipedream"
+  )
+  pp(model, opt, batch())
+  planned = pp.compiled.planned
+  graph = lg.scaled(planned.layer_graph, 16)
+  cluster = gpp_jax.cost.cluster.devices_cluster(pp.devices)
+
+  def held(name):  # weights, gradients and optimizer state per device
+    return plan_costs(planned.candidates[name], graph, cluster).static_memory[0]
+
+  whole = sum(graph.nodes[l]["param_bytes"] for l in graph.nodes)
+  replicated = held("jit data parallel")
+  assert held("jit fsdp") == pytest.approx(replicated / 4)  # over the 4 rows the planner counts
+  # Kernels and up biases halved over "model", the head's kernel quartered over 4 rows.
+  block = (D * H + H) / 2 + H * D / 2 + D
+  sharded = 4 * (3 * block + D * OUT / 4 + OUT)  # float32
+  assert held("jit sharded") == pytest.approx(replicated * sharded / whole)

@@ -435,11 +435,18 @@ def plan_costs(
   if times is None:
     times = costs._stage_times[(cm, device)] = {}
   fw, bw, up, stat, act, mbs, wfrac, pbytes = [], [], [], [], [], [], [], []
-  fsdp = getattr(plan, "param_sharding", "model") == "fsdp"
+  how = getattr(plan, "param_sharding", "model")
+  fsdp = how == "fsdp"
+  # The model's own partition specs (``runtime.compile.param_shards``): per layer, the bytes
+  # of its sharded parameters, per device apart from the rows, and the part the rows split.
+  shards = layer_graph.graph.get("param_shards") if how == "model" else None
   for s in plan.stages:
     idx, params, saved, frac = _stage_terms(costs, s.layers)
     mb = plan_microbatch(plan, s)
     dp = len(s.devices)
+    if shards:
+      held = [shards[l] for l in s.layers if l in shards]
+      params = params - sum(h[0] for h in held) + sum(h[1] + h[2] / dp for h in held)
     key = (s.layers, mb, dp)
     tt = times.get(key)
     if tt is None:

@@ -229,7 +229,7 @@ def capture(
   specs = step_leaf_specs(pure, args, opts.layout) if opts.layout is not None else ()
   if len(specs) != len(leaves):  # a box holding several arrays: the specs cannot be told apart
     specs = (None,) * len(leaves)
-  return Captured(
+  captured = Captured(
     out_tree=pure.out_tree[-1],
     step=step,
     marker_index=mk,
@@ -248,6 +248,13 @@ def capture(
     leaf_specs=specs,
     leaf_names=tuple(leaf_names(pure, args)) if any(specs) else (),
   )
+  if any(specs) and opts.layout is not None:
+    # Axes the mesh lacks are refused here; what divides what, per plan (``plan_leaf_specs``).
+    shapes = [None if i in batch_idx else tuple(np.shape(x)) for i, x in enumerate(leaves)]
+    check_specs(specs, shapes, captured.leaf_names, opts.layout, ())
+    # What the cost model holds per device.
+    layering.graph.graph["param_shards"] = param_shards(captured, opts.layout)
+  return captured
 
 
 def _trace(pure: PureStep, leaves: Sequence[Any], batch_idx: Sequence[int], size: int):
@@ -418,6 +425,9 @@ class Planned:
   trial: Any = None  # the chosen plan's compiled step, when a trial compiled it already
   measured: Mapping[str, float] = dataclasses.field(default_factory=dict)
   candidates: Mapping[str, Plan] = dataclasses.field(default_factory=dict)
+  # Every candidate considered, those over the budget too: its modelled peak bytes per device.
+  memory: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  memory_limit: float | None = None
 
 
 def plan_step(
@@ -617,9 +627,29 @@ def plan_step(
   kept = trials[choice][0] if choice in trials else None
   measured = {k: t for k, (_, t) in trials.items()}
   plans = {k: candidates[k] for k in predicted if k in candidates}
+  scaled = lg.scaled(graph, B)
+  memory = {k: predicted_peak(p, scaled, cluster, host) for k, p in candidates.items()}
   return Planned(
-    plan, graph, calibration, host, predicted[choice], predicted, note, kept, measured, plans
+    plan,
+    graph,
+    calibration,
+    host,
+    predicted[choice],
+    predicted,
+    note,
+    kept,
+    measured,
+    plans,
+    memory,
+    cluster.memory_per_device,
   )
+
+
+def predicted_peak(plan: Plan, graph: nx.DiGraph, cluster: Any, host: HostCosts | None) -> float:
+  """The cost model's peak bytes per device of ``plan`` (its largest stage's)."""
+  if not plan.batch_size:
+    plan = plan.replace(batch_size=graph.graph["batch_size"])
+  return max(simulate_on_host(plan, graph, cluster, host).stage_memory, default=0.0)
 
 
 def plan_shape(plan: Plan) -> tuple:
@@ -1580,6 +1610,13 @@ def stage_param_specs(
   stacked (scanned) parameter. A parameter the step computes before the loss is replicated."""
   if not any(leaf_specs):
     return [[None] * len(st.param_inputs) for st in staged.stages]
+  by_input = loss_input_specs(captured, leaf_specs)
+  return [[by_input.get(st.inputs[p].index) for p in st.param_inputs] for st in staged.stages]
+
+
+def loss_input_specs(captured: Captured, leaf_specs: Sequence[Any]) -> dict[int, Any]:
+  """Input of the (scan-split) loss -> the partition spec of the step argument it is (a
+  slice of a stacked parameter: the spec without its leading entry)."""
   J = captured.step.jaxpr
   leaf_of = {v: i for i, v in enumerate(J.invars)}
   marker = captured.marker
@@ -1591,7 +1628,27 @@ def stage_param_specs(
       spec = PartitionSpec(*tuple(spec)[1:])
     for k in ks:
       by_input[k] = spec
-  return [[by_input.get(st.inputs[p].index) for p in st.param_inputs] for st in staged.stages]
+  return by_input
+
+
+def param_shards(captured: Captured, layout: MeshLayout) -> dict[str, tuple[float, float, float]]:
+  """Per layer with sharded parameters, for the cost model's memory of a stage that holds
+  them by the model's specs: (their bytes, their bytes per device not counting a split over
+  the stage's rows, the bytes per device that the stage's rows split further)."""
+  out: dict[str, list[float]] = {}
+  invars = captured.loss.jaxpr.invars
+  for k, spec in loss_input_specs(captured, captured.leaf_specs).items():
+    layer = captured.layering.param_layer[k] if k < len(captured.layering.param_layer) else None
+    if spec is None or layer is None:
+      continue
+    aval = invars[k].aval
+    nbytes = float(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+    axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    inner = float(np.prod([layout.axis_size(a, 1) for a in axes if a != layout.batch_axis]))
+    entry = out.setdefault(layer, [0.0, 0.0, 0.0])
+    entry[0] += nbytes
+    entry[2 if layout.batch_axis in axes else 1] += nbytes / inner
+  return {l: (a, b, c) for l, (a, b, c) in out.items()}
 
 
 def _check_rechunkable(stages: Sequence[Any], sizes: Sequence[int]) -> None:

@@ -206,6 +206,8 @@ class GraphPipeline:
       if c.planned.measured:
         timed = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.planned.measured.items())
         lines.append(f"compiled and timed while choosing: {timed}")
+      if len(c.planned.memory) > 1:
+        lines += _candidate_lines(c.planned)
       own = c.planned.candidates.get("pipeline")
       if own is not None and own.predicted.get("host_aware"):
         lines.append(
@@ -437,6 +439,21 @@ class GraphPipeline:
     (assigning new values to their Variables is fine); see ``runtime.cached.CachedStep``.
     """
     return CachedStep(self, cached_args)
+
+
+def _candidate_lines(planned: Any) -> list[str]:
+  """Each candidate's modelled peak memory per device and its predicted time (or why it was
+  left out: over the memory budget)."""
+  limit = planned.memory_limit
+  budget = f", budget {format_bytes(limit)} per device" if limit else ""
+  lines = [f"candidates (modelled peak per device{budget}; predicted step time):"]
+  for name, peak in planned.memory.items():
+    t = planned.alternatives.get(name)
+    when = f"{t * 1e3:.2f} ms" if t is not None else "left out: over the memory budget"
+    if name in planned.measured:
+      when += f" (timed {planned.measured[name] * 1e3:.2f} ms)"
+    lines.append(f"  {name:28s} {format_bytes(peak):>12s}  {when}")
+  return lines
 
 
 def _probe_host(devices) -> Any:
