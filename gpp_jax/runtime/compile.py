@@ -684,7 +684,9 @@ def checked_by_trial(
   which misses what the host and the devices do to it on some machines (BUILD_NOTES,
   fidelity). Its compiled step is kept, so a pipeline that stands is compiled once. With
   ``again``, it and the fastest baseline are then timed in turns (``_interleaved``)."""
-  timed = [k for k in trials if k in candidates]
+  # Only candidates the cost model found to fit the memory budget (``predicted``) compete: a
+  # baseline timed to calibrate (plain jit, always) may not.
+  timed = [k for k in trials if k in candidates and k in predicted]
   if not timed:
     return choice, ""
   _timed(trials, choice, candidates[choice], trial, candidates, timeout_s)
