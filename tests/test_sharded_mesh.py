@@ -267,13 +267,19 @@ def test_model_created_under_set_mesh_nnx():
 
 
 class LinenChain(nn.Module):
+  """Two Megatron MLP blocks and a head, annotated with logical names (mapped by RULES) or
+  physical ones; ``fsdp`` shards every kernel's first dimension over the rows instead."""
+
   logical: bool = True
+  fsdp: bool = False
 
   @nn.compact
   def __call__(self, x):
     part = nn.with_logical_partitioning if self.logical else nn.with_partitioning
     col = ("embed", "mlp") if self.logical else (None, "model")
     row = ("mlp", "embed") if self.logical else ("model", None)
+    if self.fsdp:
+      col = row = ("rows", None) if self.logical else ("data", None)
     init = nn.initializers.lecun_normal()
     for name in ("a", "b"):
       h = nn.Dense(H, kernel_init=part(init, col), name=f"{name}_up")(x)
@@ -281,56 +287,126 @@ class LinenChain(nn.Module):
     return nn.Dense(OUT, name="head")(x)
 
 
-RULES = (("embed", None), ("mlp", "model"))
+RULES = (("embed", None), ("mlp", "model"), ("rows", "data"))
+LINEN_LAYOUTS = {
+  # (pp, dp, tp) = (2, 2, 2): two stages of two rows, "model" of 2.
+  "pp2-dp2-tp2": ((4, 2), False, {"a": 0, "b": 1, "head": 1}, {0: [0, 1], 1: [2, 3]}),
+  # Three stages of 1, 1 and 2 rows, "model" of 2.
+  "pp3-rows112-tp2": ((4, 2), False, {"a": 0, "b": 1, "head": 2}, {0: [0], 1: [1], 2: [2, 3]}),
+  # (2, 4, 1), FSDP: the kernels sharded over each stage's 4 rows.
+  "pp2-dp4-fsdp": ((8, 1), True, {"a": 0, "b": 1, "head": 1}, {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}),
+}
 
 
 @pytest.mark.parametrize("logical", [True, False])
-def test_pp2_dp2_tp2_linen(logical):
-  model = LinenChain(logical)
+@pytest.mark.parametrize("layout", list(LINEN_LAYOUTS))
+def test_linen_layouts(layout, logical):
+  mesh_shape, fsdp, stage_of, devices = LINEN_LAYOUTS[layout]
+  model = LinenChain(logical, fsdp)
   params = model.init(jax.random.key(0), jnp.ones((1, D)))
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
   state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-  def step(state, batch):
-    def loss_fn(params):
-      return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+  def loss_of(state, params, batch):
+    return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
 
-    loss, grads = gpp_jax.value_and_grad(loss_fn)(state.params)
+  def step(state, batch):
+    loss, grads = gpp_jax.value_and_grad(lambda p: loss_of(state, p, batch))(state.params)
     return state.apply_gradients(grads=grads), loss
 
   def ref_step(state, batch):
-    loss, grads = jax.value_and_grad(
-      lambda p: jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
-    )(state.params)
+    loss, grads = jax.value_and_grad(lambda p: loss_of(state, p, batch))(state.params)
     return state.apply_gradients(grads=grads), loss
 
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
-  prefix = "LinenChain/"
-  plan = gpp_jax.manual_plan(
-    {
-      prefix + "a_up": 0,
-      prefix + "a_down": 0,
-      prefix + "b_up": 1,
-      prefix + "b_down": 1,
-      prefix + "head": 1,
-    },
-    devices={0: [0, 1], 1: [2, 3]},
-  )
+  mesh = jax.make_mesh(mesh_shape, ("data", "model"))
+  rules = {}
+  for prefix, stage in stage_of.items():
+    for sub in ("_up", "_down") if prefix != "head" else ("",):
+      rules[f"LinenChain/{prefix}{sub}"] = stage
+  plan = gpp_jax.manual_plan(rules, devices=devices)
   pp = gpp_jax.graph_pipeline(step, num_microbatches=4, mesh=mesh, planner=plan)
   ref = jax.jit(ref_step)
   r_state, p_state = jax.device_put(state, jax.devices()[0]), state
   with nn.logical_axis_rules(RULES):
     for t in range(2):
       r_state, r_loss = ref(r_state, jax.device_put(batch(t), jax.devices()[0]))
-      p_state, p_loss = pp(p_state, batch(t))
+      with jax.transfer_guard("disallow"):
+        p_state, p_loss = pp(p_state, batch(t))
       assert abs(float(r_loss) - float(p_loss)) <= TOL
   assert max_diff(r_state.params, p_state.params) <= TOL
   assert max_diff(r_state.opt_state, p_state.opt_state) <= TOL
-  kernel = nn.unbox(p_state.params)["params"]["b_up"]["kernel"]
-  stage1 = {d.id for d in np.asarray(mesh.devices)[2:].flat}
-  assert shards(kernel) == ((D, H // 2), stage1)
-  down = nn.unbox(p_state.params)["params"]["a_down"]["kernel"]
-  assert shards(down)[0] == (H // 2, D)
+  got = nn.unbox(p_state.params)["params"]
+  rows = np.asarray(mesh.devices)
+  b_stage = stage_of["b"]
+  b_devices = {d.id for r in devices[b_stage] for d in rows[r]}
+  b_rows = len(devices[b_stage])
+  if fsdp:
+    assert shards(got["b_up"]["kernel"]) == ((D // b_rows, H), b_devices)
+    assert shards(got["a_down"]["kernel"])[0] == (H // len(devices[0]), D)
+  else:
+    assert shards(got["b_up"]["kernel"]) == ((D, H // 2), b_devices)
+    assert shards(got["a_down"]["kernel"])[0] == (H // 2, D)
+  # The optimizer state (adam's mu, inside the clip's chain) is sharded like its parameter.
+  mu = nn.unbox(p_state.opt_state[1][0].mu)["params"]["b_up"]["kernel"]
+  assert mu.sharding == got["b_up"]["kernel"].sharding
+
+
+class LinenBranches(nn.Module):
+  """A DAG (two towers from a shared input layer, joined at the head) with a token embedding
+  tied to the output projection: the embedding is read by the first and the last stage."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    part, init = nn.with_partitioning, nn.initializers.lecun_normal()
+    embed = nn.Embed(16, D, embedding_init=part(nn.initializers.normal(0.5), ("model", None)))
+    h = embed(tokens)
+    h = nn.Dense(D, kernel_init=part(init, (None, "model")), name="inp")(h)
+    left = nn.Dense(D, kernel_init=part(init, ("model", None)), name="left")(jnp.tanh(h))
+    right = nn.Dense(D, kernel_init=part(init, (None, "model")), name="right")(jnp.tanh(h))
+    return embed.attend(nn.Dense(D, name="head")(jnp.concatenate([left, right], -1)))
+
+
+def test_linen_dag_with_a_tied_embedding_over_sharded_stages():
+  model = LinenBranches()
+  rng = np.random.default_rng(0)
+  b = {"x": rng.integers(0, 16, size=(8, 3)), "y": rng.integers(0, 16, size=(8, 3))}
+  params = model.init(jax.random.key(0), b["x"][:1])
+  tx = optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  def loss_of(state, params, batch):
+    logits = state.apply_fn(params, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  def step(state, batch):
+    loss, grads = gpp_jax.value_and_grad(lambda p: loss_of(state, p, batch))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  def ref_step(state, batch):
+    loss, grads = jax.value_and_grad(lambda p: loss_of(state, p, batch))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  p = "LinenBranches/"
+  plan = gpp_jax.manual_plan(
+    {p + "Embed_0": 0, p + "inp": 0, p + "left": 1, p + "right": 2, p + "head": 2,
+     p + "Embed_0#2": 2},
+    devices={0: [0], 1: [1], 2: [2, 3]},
+  )  # fmt: skip
+  pp = gpp_jax.graph_pipeline(step, num_microbatches=2, mesh=mesh, planner=plan)
+  ref = jax.jit(ref_step)
+  r_state, p_state = jax.device_put(state, jax.devices()[0]), state
+  for _ in range(2):
+    r_state, r_loss = ref(r_state, jax.device_put(b, jax.devices()[0]))
+    with jax.transfer_guard("disallow"):
+      p_state, p_loss = pp(p_state, b)
+    assert abs(float(r_loss) - float(p_loss)) <= TOL
+  assert max_diff(r_state.params, p_state.params) <= TOL
+  assert sorted(pp.plan.edges) == [(0, 1), (0, 2), (1, 2)]
+  got = nn.unbox(p_state.params)["params"]
+  row0 = {d.id for d in np.asarray(mesh.devices)[0]}
+  assert shards(got["Embed_0"]["embedding"]) == ((8, D), row0)
+  assert shards(got["right"]["kernel"])[0] == (D, D // 2)
 
 
 # ---------------------------------------------------------------------------- bad input
