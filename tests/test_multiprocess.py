@@ -517,3 +517,37 @@ def test_four_processes_run_a_planned_pipeline_equal_to_one_device():
     for x in ids.strip("[]() ").replace("(", " ").replace(")", " ").replace(",", " ").split()
   }
   assert len(processes) >= 2, results  # stages cross processes (balanced used 2 of the 4)
+
+
+def test_sharded_stages_over_a_mesh_spanning_two_processes_train_like_one_device():
+  """GPT with its Megatron specs over the mesh data:4,model:2 of both processes' devices: four
+  stages of one row (2 devices, tensor parallel) each, two on each process, so the edge
+  between stages 1 and 2 re-shards between processes. The losses are one device's."""
+  args = ["--model=gpt", "--planner=balanced", "--nocalibrate", "--batch_size=8", "--steps=3"]
+  out = _train_over_two_processes(
+    4,
+    args + ["--mesh=data:4,model:2", "--min_stages=4", "--num_microbatches=4", "--timeout_s=60"],
+    "gpp-mp-mesh",
+    timeout=300,
+  )
+  assert "stage 2 on cpu:2048, cpu:2049 (mesh data:1,model:2" in out, out[-3000:]
+  one = subprocess.run(
+    [sys.executable, "-m", "gpp_jax.train", *args, "--num_devices=1", "--num_microbatches=1"]
+    + ["--log_every=1", f"--run_dir={os.environ.get('TMPDIR', '/tmp')}/gpp-one-mesh"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=child_env(),
+  )
+  assert one.returncode == 0, one.stderr[-3000:]
+
+  def losses(text: str, prefix: str = "") -> list[float]:
+    found = []
+    for line in text.splitlines():
+      if line.startswith(prefix) and " loss " in line and "/3 loss" in line:
+        found.append(float(line.split("/3 loss ")[1].split()[0]))
+    return found
+
+  mine, theirs = losses(out, "[1] "), losses(one.stdout + one.stderr)
+  assert len(mine) == 2 and len(theirs) == 2, (mine, theirs)
+  assert max(abs(a - b) for a, b in zip(mine, theirs)) <= 2e-5
