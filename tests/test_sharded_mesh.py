@@ -524,3 +524,41 @@ def test_main_example_pipelines_because_the_one_call_steps_do_not_fit():
     assert planned.memory[name] > budget and name not in planned.alternatives
   assert max(d.measured_peak_bytes for d in pp.memory.devices) <= budget
   assert "left out: over the memory budget" in pp.explain()
+
+
+def test_cost_model_prices_tensor_parallel_layers_by_their_specs():
+  """Column-parallel up: 1/2 of its work and its input cotangent all-reduced in the backward;
+  row-parallel down: 1/2 and its output all-reduced in the forward (Megatron's f and g)."""
+  import dataclasses
+
+  from gpp_jax.cost.cluster import Link
+  from gpp_jax.cost.cost_model import plan_costs
+  from gpp_jax.ir import layer_graph as lg
+
+  model = Chain(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  pp = gpp_jax.graph_pipeline(
+    nnx_step, num_microbatches=4, mesh="data:4,model:2", planner="pipedream"
+  )
+  pp(model, opt, batch())
+  planned = pp.compiled.planned
+  tp = planned.layer_graph.graph["tensor_parallel"]
+  row = 4 * D  # float32 activations of width D, per sample
+  assert tp["b/up"] == (2, 0.0, row) and tp["b/down"] == (2, row, 0.0)
+  assert tp["a/up"] == (2, 0.0, 0.0)  # the first layer's input is the batch: no cotangent
+  assert "head" not in tp  # sharded over the rows only: no tensor parallelism
+  graph = lg.scaled(planned.layer_graph, 16)
+  cluster = gpp_jax.cost.cluster.devices_cluster(pp.devices)
+  free = dataclasses.replace(cluster, intra_link=Link(0.0, 1e30))
+  slow = dataclasses.replace(cluster, intra_link=Link(1.0, 1e30))  # a second per collective
+
+  def times(name, c):
+    pc = plan_costs(planned.candidates[name], graph, c)
+    return pc.forward[0], pc.backward[0]
+
+  (fd, bd), (fs, bs) = times("jit data parallel", free), times("jit sharded", free)
+  assert fs < fd and bs < bd  # the split layers' halves
+  (fs2, bs2) = times("jit sharded", slow)
+  # Three blocks: 3 forward all-reduces (down) and 2 backward ones (b/up, c/up), each a ring
+  # over 2 devices: 2 (n - 1) latencies.
+  assert fs2 - fs == pytest.approx(3 * 2.0) and bs2 - bs == pytest.approx(2 * 2.0)

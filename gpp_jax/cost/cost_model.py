@@ -440,6 +440,11 @@ def plan_costs(
   # The model's own partition specs (``runtime.compile.param_shards``): per layer, the bytes
   # of its sharded parameters, per device apart from the rows, and the part the rows split.
   shards = layer_graph.graph.get("param_shards") if how == "model" else None
+  # Tensor parallelism by the model's specs (``runtime.compile.tensor_parallel``): a layer
+  # split over n devices of the stage's row computes 1/n of its work on each, and all-reduces
+  # its output in the forward (row-parallel) or its input cotangent in the backward
+  # (column-parallel) over the row's link.
+  tp = layer_graph.graph.get("tensor_parallel") if how == "model" else None
   for s in plan.stages:
     idx, params, saved, frac = _stage_terms(costs, s.layers)
     mb = plan_microbatch(plan, s)
@@ -462,8 +467,11 @@ def plan_costs(
       up.append(update + cm.allgather_time(params, dp, link))  # the reduce-scatter
       stat.append(cm.static_memory(params) / dp)
     else:
-      fw.append(tt[0])
-      bw.append(tt[1])
+      f, b = tt
+      if tp and any(l in tp for l in s.layers):
+        f, b = _tensor_parallel_times(cm, costs, device, tp, s.layers, mb / dp, cluster, (f, b))
+      fw.append(f)
+      bw.append(b)
       up.append(cm.update_time(params, device, dp, cluster.group_link(s.devices)))
       stat.append(cm.static_memory(params))
     act.append(cm.activation_memory(saved, mb, dp, 1))
@@ -498,6 +506,33 @@ def plan_costs(
     param_bytes=tuple(pbytes),
     edge_arrays={e: edge_arrays.get(e, 1) for e in plan.edges},
   )
+
+
+def _tensor_parallel_times(
+  cm: CostModel,
+  costs: LayerCosts,
+  device: DeviceSpec,
+  tp: Mapping[str, tuple[int, float, float]],
+  layers: Sequence[str],
+  samples: float,
+  cluster: Any,
+  times: tuple[float, float],
+) -> tuple[float, float]:
+  """A stage's (forward, backward) seconds with its tensor-parallel layers split (``tp``)."""
+  tf, tb = cm.layer_times(costs, device, samples)
+  f, b = times
+  link = cluster.intra_link
+  for l in layers:
+    t = tp.get(l)
+    if t is None:
+      continue
+    n, out_ps, in_ps = t
+    i = costs.index[l]
+    f -= float(tf[i]) * (1 - 1 / n)
+    b -= float(tb[i]) * (1 - 1 / n)
+    f += cm.allreduce_time(out_ps * samples, n, link)
+    b += cm.allreduce_time(in_ps * samples, n, link)
+  return f, b
 
 
 def describe_costs(pc: PlanCosts) -> str:

@@ -254,6 +254,7 @@ def capture(
     check_specs(specs, shapes, captured.leaf_names, opts.layout, ())
     # What the cost model holds per device.
     layering.graph.graph["param_shards"] = param_shards(captured, opts.layout)
+    layering.graph.graph["tensor_parallel"] = tensor_parallel(captured, opts.layout)
   return captured
 
 
@@ -1651,6 +1652,40 @@ def param_shards(captured: Captured, layout: MeshLayout) -> dict[str, tuple[floa
     entry[0] += nbytes
     entry[2 if layout.batch_axis in axes else 1] += nbytes / inner
   return {l: (a, b, c) for l, (a, b, c) in out.items()}
+
+
+def tensor_parallel(captured: Captured, layout: MeshLayout) -> dict[str, tuple[int, float, float]]:
+  """Per layer whose parameters the model's specs shard over the axes after the first:
+  (the number of devices its largest parameter is split over, the bytes per sample of its
+  output all-reduced in the forward when a parameter is split along its first dimension, a
+  row-parallel kernel or a vocabulary-parallel embedding; the bytes per sample of its input
+  cotangent all-reduced in the backward when one is split along its last dimension, a
+  column-parallel kernel). Megatron's collectives, as the cost model charges them."""
+  g = captured.layering.graph
+  B = float(g.graph.get("batch_size") or captured.microbatch_size)
+  out: dict[str, list[Any]] = {}
+  for k, spec in loss_input_specs(captured, captured.leaf_specs).items():
+    layer = captured.layering.param_layer[k] if k < len(captured.layering.param_layer) else None
+    if spec is None or layer is None or layer not in g:
+      continue
+    ndim = captured.loss.jaxpr.invars[k].aval.ndim
+    for dim, e in enumerate(spec):
+      axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+      inner = [a for a in axes if a != layout.batch_axis]
+      if not inner or ndim < 2:
+        continue
+      n = int(np.prod([layout.axis_size(a, 1) for a in inner]))
+      entry = out.setdefault(layer, [1, False, False])
+      entry[0] = max(entry[0], n)
+      entry[1 if dim == 0 else 2] = True
+  result = {}
+  for layer, (n, row, col) in out.items():
+    if n <= 1:
+      continue
+    out_b = max((d["bytes"] for _, _, d in g.out_edges(layer, data=True)), default=0.0)
+    in_b = max((d["bytes"] for _, _, d in g.in_edges(layer, data=True)), default=0.0)
+    result[layer] = (n, out_b / B if row else 0.0, in_b / B if col else 0.0)
+  return result
 
 
 def _check_rechunkable(stages: Sequence[Any], sizes: Sequence[int]) -> None:
