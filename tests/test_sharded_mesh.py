@@ -287,6 +287,19 @@ class LinenChain(nn.Module):
     return nn.Dense(OUT, name="head")(x)
 
 
+def linen_steps(loss_of):
+  """A TrainState step with ``loss_of(state, params, batch)``: (pipelined, reference)."""
+
+  def steps(value_and_grad):
+    def step(state, batch):
+      loss, grads = value_and_grad(lambda p: loss_of(state, p, batch))(state.params)
+      return state.apply_gradients(grads=grads), loss
+
+    return step
+
+  return steps(gpp_jax.value_and_grad), steps(jax.value_and_grad)
+
+
 RULES = (("embed", None), ("mlp", "model"), ("rows", "data"))
 LINEN_LAYOUTS = {
   # (pp, dp, tp) = (2, 2, 2): two stages of two rows, "model" of 2.
@@ -310,13 +323,7 @@ def test_linen_layouts(layout, logical):
   def loss_of(state, params, batch):
     return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
 
-  def step(state, batch):
-    loss, grads = gpp_jax.value_and_grad(lambda p: loss_of(state, p, batch))(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  def ref_step(state, batch):
-    loss, grads = jax.value_and_grad(lambda p: loss_of(state, p, batch))(state.params)
-    return state.apply_gradients(grads=grads), loss
+  step, ref_step = linen_steps(loss_of)
 
   mesh = jax.make_mesh(mesh_shape, ("data", "model"))
   rules = {}
@@ -378,13 +385,7 @@ def test_linen_dag_with_a_tied_embedding_over_sharded_stages():
     logits = state.apply_fn(params, batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-  def step(state, batch):
-    loss, grads = gpp_jax.value_and_grad(lambda p: loss_of(state, p, batch))(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  def ref_step(state, batch):
-    loss, grads = jax.value_and_grad(lambda p: loss_of(state, p, batch))(state.params)
-    return state.apply_gradients(grads=grads), loss
+  step, ref_step = linen_steps(loss_of)
 
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   p = "LinenBranches/"

@@ -76,17 +76,6 @@ class MeshLayout:
       return rows
     return self.inner_shape[self.axis_names.index(name) - 1]
 
-  def sub_mesh(self, rows: Sequence[int]) -> Mesh:
-    """The sub-mesh of these rows (Auto axes: the stage's jitted functions propagate the
-    shardings of their arguments, whatever the user's mesh's axis types)."""
-    devs = np.array([self.rows[r] for r in rows], dtype=object)
-    devs = devs.reshape((len(rows), *self.inner_shape))
-    auto = (jax.sharding.AxisType.Auto,) * len(self.axis_names)
-    return Mesh(devs, self.axis_names, axis_types=auto)
-
-  def first(self, k: int) -> MeshLayout:
-    return dataclasses.replace(self, rows=self.rows[:k])
-
   def __str__(self) -> str:
     sizes = (len(self.rows), *self.inner_shape)
     return ",".join(f"{n}:{s}" for n, s in zip(self.axis_names, sizes))
@@ -277,13 +266,6 @@ def fsdp_specs(
     ok = i not in skip and floating and len(getattr(a, "shape", ())) >= 1
     out.append(fsdp_spec(tuple(a.shape), layout.axis_names, size) if ok else None)
   return tuple(out)
-
-
-def sharding_for(mesh: Mesh, spec: Spec, ndim: int) -> NamedSharding:
-  """``NamedSharding(mesh, spec)``, the spec cut to the array's rank."""
-  if spec is None:
-    return NamedSharding(mesh, PartitionSpec())
-  return NamedSharding(mesh, PartitionSpec(*tuple(spec)[:ndim]))
 
 
 def step_leaf_specs(pure: Any, args: Sequence[Any], layout: MeshLayout) -> tuple[Spec, ...]:
