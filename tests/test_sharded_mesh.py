@@ -563,3 +563,25 @@ def test_cost_model_prices_tensor_parallel_layers_by_their_specs():
   # Three blocks: 3 forward all-reduces (down) and 2 backward ones (b/up, c/up), each a ring
   # over 2 devices: 2 (n - 1) latencies.
   assert fs2 - fs == pytest.approx(3 * 2.0) and bs2 - bs == pytest.approx(2 * 2.0)
+
+
+def test_train_cli_prints_a_plan_error_without_a_traceback(tmp_path):
+  """``gpp_jax.train --mesh=...`` with more stages asked for than the mesh has rows: the
+  message, naming rows, and a non-zero exit; no traceback."""
+  import subprocess
+  import sys
+
+  from harness import child_env
+
+  r = subprocess.run(
+    [sys.executable, "-m", "gpp_jax.train", "--model=gpt", "--mesh=data:2,model:4"]
+    + ["--planner=balanced", "--min_stages=4", "--nocalibrate", "--steps=1"]
+    + [f"--run_dir={tmp_path}"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=child_env(),
+  )
+  assert r.returncode == 1
+  assert "PlanError: min_stages=4 asks for more stages than there are rows" in r.stderr
+  assert "Traceback" not in r.stderr

@@ -308,8 +308,16 @@ def save_checkpoint(directory: str, state: dict, step: int, num_batches: int) ->
 
 
 def main(argv: list[str]) -> None:
+  from gpp_jax.errors import GppError
+
   try:
     _main(argv)
+  except GppError as e:  # the user's input: its message names the fix, a traceback does not
+    print(f"gpp_jax.train: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    if _MULTIPROCESS:
+      sys.stdout.flush()
+      os._exit(1)  # as below: do not wait for the other processes
+    sys.exit(1)
   except Exception:
     if _MULTIPROCESS:
       # A process that fails must exit now: JAX's shutdown at interpreter exit waits for the

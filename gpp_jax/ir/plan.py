@@ -182,8 +182,9 @@ class Plan:
   def __str__(self) -> str:
     p = self.predicted
     head = (
-      f"Plan by {self.planner}: {self.num_stages} stages, depth {self.depth()}, "
-      f"{self.num_microbatches} micro-batches, schedule {self.schedule}"
+      f"Plan by {self.planner}: {_count(self.num_stages, 'stage')}, depth {self.depth()}, "
+      f"{_count(self.num_microbatches, 'micro-batch', 'micro-batches')}, "
+      f"schedule {self.schedule}"
     )
     if "iteration_time" in p:
       head += f", predicted iteration {p['iteration_time'] * 1e3:.3f} ms"
@@ -290,6 +291,11 @@ def _check_microbatch_sizes(plan: Plan, batch_size: int) -> None:
         f"not split {k} ways; give stage {s.index} a micro-batch size divisible by {k} or "
         "fewer devices"
       )
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+  """``1 stage``, ``2 stages``."""
+  return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def validate_plan(

@@ -718,7 +718,11 @@ def pipeline_anyway(
   if k > min(nd, nl):
     raise PlanError(
       f"min_stages={k} asks for more stages than there are "
-      + (f"devices ({nd})" if nd < k else f"layers ({nl})")
+      + (
+        (f"devices ({nd})" if opts.layout is None else f"rows of the mesh's first axis ({nd})")
+        if nd < k
+        else f"layers ({nl})"
+      )
       + "; pass a smaller min_stages"
     )
   if host is not None:
