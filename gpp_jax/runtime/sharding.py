@@ -29,9 +29,11 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.core import meta
+from jax.extend import core as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gpp_jax.errors import PlanError
+from gpp_jax.ir.plan import Plan
 
 Spec = PartitionSpec | None
 
@@ -288,3 +290,109 @@ def leaf_names(pure: Any, args: Sequence[Any]) -> list[str]:
     name = jax.tree_util.keystr(p[1:], simple=True, separator="/")
     out.append(name.removesuffix("/value") or "the argument")
   return out
+
+
+# ---------------------------------------------------------------------------- a captured step
+# ``captured`` below is a ``runtime.compile.Captured``: the traced step, its loss after the
+# scan split, its layers and its arguments' specs.
+
+
+def plan_leaf_specs(captured: Any, plan: Plan, layout: MeshLayout) -> tuple[Any, ...]:
+  """Per flat step argument, its partition spec under ``plan.param_sharding`` (checked
+  against the mesh and every stage's width)."""
+  invars = captured.step.jaxpr.invars
+  rows = [len(s.devices) for s in plan.stages]
+  batch = set(captured.batch_leaves)
+  if plan.param_sharding == "replicated":
+    return (None,) * len(invars)
+  if plan.param_sharding == "fsdp":
+    return fsdp_specs([v.aval for v in invars], batch, layout, rows)
+  if plan.param_sharding != "model":
+    raise PlanError(
+      f"param_sharding={plan.param_sharding!r} is none of 'model', 'replicated', 'fsdp'"
+    )
+  if any(captured.leaf_specs):
+    shapes = [None if i in batch else tuple(v.aval.shape) for i, v in enumerate(invars)]
+    check_specs(captured.leaf_specs, shapes, captured.leaf_names, layout, rows)
+  return captured.leaf_specs
+
+
+def stage_param_specs(captured: Any, staged: Any, leaf_specs: Sequence[Any]) -> list[list[Any]]:
+  """Per stage, the partition spec of each of its parameters (None: replicated): the spec of
+  the step argument the marker differentiates, without its leading entry for a slice of a
+  stacked (scanned) parameter. A parameter the step computes before the loss is replicated."""
+  if not any(leaf_specs):
+    return [[None] * len(st.param_inputs) for st in staged.stages]
+  by_input = loss_input_specs(captured, leaf_specs)
+  return [[by_input.get(st.inputs[p].index) for p in st.param_inputs] for st in staged.stages]
+
+
+def loss_input_specs(captured: Any, leaf_specs: Sequence[Any]) -> dict[int, Any]:
+  """Input of the (scan-split) loss -> the partition spec of the step argument it is (a
+  slice of a stacked parameter: the spec without its leading entry)."""
+  J = captured.step.jaxpr
+  leaf_of = {v: i for i, v in enumerate(J.invars)}
+  marker = captured.marker
+  by_input: dict[int, Any] = {}
+  for j, ks in enumerate(captured.scan_split.parts):
+    i = leaf_of.get(marker.invars[j]) if isinstance(marker.invars[j], xc.Var) else None
+    spec = None if i is None else leaf_specs[i]
+    if spec is not None and len(ks) > 1:
+      spec = PartitionSpec(*tuple(spec)[1:])
+    for k in ks:
+      by_input[k] = spec
+  return by_input
+
+
+def param_shards(captured: Any, layout: MeshLayout) -> dict[str, tuple[float, float, float]]:
+  """Per layer with sharded parameters, for the cost model's memory of a stage that holds
+  them by the model's specs: (their bytes, their bytes per device not counting a split over
+  the stage's rows, the bytes per device that the stage's rows split further)."""
+  out: dict[str, list[float]] = {}
+  invars = captured.loss.jaxpr.invars
+  for k, spec in loss_input_specs(captured, captured.leaf_specs).items():
+    layer = captured.layering.param_layer[k] if k < len(captured.layering.param_layer) else None
+    if spec is None or layer is None:
+      continue
+    aval = invars[k].aval
+    nbytes = float(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+    axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    inner = float(np.prod([layout.axis_size(a, 1) for a in axes if a != layout.batch_axis]))
+    entry = out.setdefault(layer, [0.0, 0.0, 0.0])
+    entry[0] += nbytes
+    entry[2 if layout.batch_axis in axes else 1] += nbytes / inner
+  return {l: (a, b, c) for l, (a, b, c) in out.items()}
+
+
+def tensor_parallel(captured: Any, layout: MeshLayout) -> dict[str, tuple[int, float, float]]:
+  """Per layer whose parameters the model's specs shard over the axes after the first:
+  (the number of devices its largest parameter is split over, the bytes per sample of its
+  output all-reduced in the forward when a parameter is split along its first dimension, a
+  row-parallel kernel or a vocabulary-parallel embedding; the bytes per sample of its input
+  cotangent all-reduced in the backward when one is split along its last dimension, a
+  column-parallel kernel). Megatron's collectives, as the cost model charges them."""
+  g = captured.layering.graph
+  B = float(g.graph.get("batch_size") or captured.microbatch_size)
+  out: dict[str, list[Any]] = {}
+  for k, spec in loss_input_specs(captured, captured.leaf_specs).items():
+    layer = captured.layering.param_layer[k] if k < len(captured.layering.param_layer) else None
+    if spec is None or layer is None or layer not in g:
+      continue
+    ndim = captured.loss.jaxpr.invars[k].aval.ndim
+    for dim, e in enumerate(spec):
+      axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+      inner = [a for a in axes if a != layout.batch_axis]
+      if not inner or ndim < 2:
+        continue
+      n = int(np.prod([layout.axis_size(a, 1) for a in inner]))
+      entry = out.setdefault(layer, [1, False, False])
+      entry[0] = max(entry[0], n)
+      entry[1 if dim == 0 else 2] = True
+  result = {}
+  for layer, (n, row, col) in out.items():
+    if n <= 1:
+      continue
+    out_b = max((d["bytes"] for _, _, d in g.out_edges(layer, data=True)), default=0.0)
+    in_b = max((d["bytes"] for _, _, d in g.in_edges(layer, data=True)), default=0.0)
+    result[layer] = (n, out_b / B if row else 0.0, in_b / B if col else 0.0)
+  return result
