@@ -11,6 +11,7 @@ stages that read it receive a copy once per step and send their gradient back to
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as xc
+from jax.sharding import PartitionSpec
 
 from gpp_jax.errors import CaptureError, PlanError
 from gpp_jax.ir.plan import Plan
@@ -442,4 +444,107 @@ def stage_functions(
     lambda acc: acc,
     bwd_input=split.bwd_input,
     bwd_weight=split.bwd_weight,
+  )
+
+
+def row_local_functions(
+  stage: StageProgram,
+  rows: int,
+  mesh: Any,
+  batch_in: Sequence[bool],
+  batch_out: Sequence[bool],
+  param_shardings: Sequence[Any],
+  acc_shardings: Sequence[Any],
+) -> StageFunctions:
+  """A data-parallel stage's functions with its gradients reduced once per step.
+
+  ``stage`` is the stage's program traced at a row's share of the micro-batch (micro-batch /
+  ``rows``). The forward and backward run it on every row of ``mesh``'s first axis at once,
+  as a ``shard_map`` manual over that axis only (the other axes stay GSPMD's: the model's
+  tensor parallelism inside a row is unchanged): each row computes its own examples, and its
+  parameter gradients are added to its own slice of the gradient sums, shaped ``(rows,
+  *parameter)`` and sharded over the rows, so no collective over the rows runs in the
+  backward. ``acc_leaves`` (the UPDATE) sums the slices: one all-reduce per step, or a
+  reduce-scatter where the parameter is sharded over the rows.
+
+  ``batch_in`` / ``batch_out``: per input / output of the stage, whether it carries the
+  micro-batch as its leading axis (split over the rows); every other output must be the loss,
+  a mean over the examples (the mean of the rows' means). The signatures are those of
+  ``stage_functions``' unpacked stage; the residuals keep the parameters themselves (the
+  forward's inputs, passed through without a copy) and each row's vjp residuals stacked.
+  """
+  axis = mesh.axis_names[0]
+  f = xc.jaxpr_as_fun(stage.jaxpr)
+  out_avals = [v.aval for v in stage.jaxpr.jaxpr.outvars]
+  in_avals = [v.aval for v in stage.jaxpr.jaxpr.invars]
+  nparam = sum(1 for r in stage.inputs if r.kind == "param")
+  ndiff = stage.num_diff
+  row = PartitionSpec(axis)
+  manual = functools.partial(
+    jax.shard_map, mesh=mesh, axis_names=frozenset({axis}), check_vma=False
+  )
+  layout: dict[str, Any] = {}  # the vjp's tree and where the parameters sit in it (traced)
+
+  def split(values, batch):
+    return tuple(row if b else PartitionSpec() for b in batch[: len(values)]) if values else ()
+
+  def fwd(diff, nondiff):
+    params, acts = list(diff[:nparam]), list(diff[nparam:])
+
+    def body(params, acts, nondiff):
+      outs, vjp = jax.vjp(lambda *d: f(*d, *nondiff), *params, *acts)
+      leaves, layout["tree"] = jax.tree.flatten(vjp)
+      ids = {id(p): i for i, p in enumerate(params)}
+      layout["refs"] = [ids.get(id(x)) for x in leaves]
+      kept = [x[None] for x in leaves if id(x) not in ids]
+      return [o if b else o[None] for o, b in zip(outs, batch_out)], kept
+
+    in_specs = (
+      (PartitionSpec(),) * len(params),
+      split(acts, batch_in[nparam:ndiff]),
+      split(nondiff, batch_in[ndiff:]),
+    )
+    outs, kept = manual(body, in_specs=in_specs, out_specs=([row] * len(out_avals), row))(
+      tuple(params), tuple(acts), tuple(nondiff)
+    )
+    outs = [o if b else jnp.mean(o, axis=0) for o, b in zip(outs, batch_out)]
+    return outs, (tuple(params), kept)
+
+  def bwd(res, cts, acc):
+    params, kept = res
+    summed = [sum(c[1:], c[0]) if c else _zeros_ct(a) for c, a in zip(cts, out_avals)]
+    # A loss output is each row's mean: its cotangent reaches every row divided by the rows.
+    local = [
+      c if b else jnp.broadcast_to(c / rows, (rows, *np.shape(c)))
+      for c, b in zip(summed, batch_out)
+    ]
+
+    def body(params, kept, cts, acc):
+      it = iter(kept)
+      leaves = [params[i] if i is not None else next(it)[0] for i in layout["refs"]]
+      vjp = jax.tree.unflatten(layout["tree"], leaves)
+      grads = vjp([c if b else c[0] for c, b in zip(cts, batch_out)])
+      new = [a + g[None] for a, g in zip(acc, grads[:nparam])]
+      ins = [g if b else g[None] for g, b in zip(grads[nparam:], batch_in[nparam:ndiff])]
+      return new, ins
+
+    in_specs = ((PartitionSpec(),) * len(params), row, [row] * len(local), [row] * len(acc))
+    new, ins = manual(body, in_specs=in_specs, out_specs=([row] * len(acc), row))(
+      tuple(params), kept, local, list(acc)
+    )
+    new = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(new, acc_shardings)]
+    ins = [g if b else jnp.sum(g, axis=0) for g, b in zip(ins, batch_in[nparam:ndiff])]
+    return new, ins
+
+  def zeros_acc():
+    return [jnp.zeros((rows, *a.shape), a.dtype) for a in in_avals[:nparam]]
+
+  def acc_leaves(acc):
+    return [jnp.sum(a, axis=0) for a in acc]
+
+  return StageFunctions(
+    jax.jit(fwd),
+    jax.jit(bwd, donate_argnums=(2,)),
+    zeros_acc,
+    jax.jit(acc_leaves, out_shardings=list(param_shardings)),
   )

@@ -585,3 +585,43 @@ def test_train_cli_prints_a_plan_error_without_a_traceback(tmp_path):
   assert r.returncode == 1
   assert "PlanError: min_stages=4 asks for more stages than there are rows" in r.stderr
   assert "Traceback" not in r.stderr
+
+
+def _all_reduces(compiled_text: str) -> int:
+  return sum(
+    1
+    for line in compiled_text.splitlines()
+    if " all-reduce(" in line or "all-reduce-start(" in line
+  )
+
+
+def test_data_parallel_stages_reduce_gradients_once_per_step():
+  """Two stages of 4 devices each (``devices=``: one device a row, parameters replicated): a
+  stage's backward has no all-reduce (each row adds its examples' gradients to its own slice
+  of the sums), the UPDATE's reduction of the slices has one per parameter array, and the
+  step is exact (``run_nnx``)."""
+  model_kw = dict(up=(None, None), down=(None, None), up_bias=(None,))
+  plan = gpp_jax.manual_plan(
+    {"a": 0, "b": 0, "c": 1, "head": 1}, devices={0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+  )
+  mesh = jax.make_mesh((8,), ("data",))
+  _, _, _, pp = run_nnx(make_chain(**model_kw), optax.adam(1e-2), plan, mesh)
+  for k in pp.compiled.kernels.stages:
+    assert k.row_local and k.placement.rows == 4
+    st, place = k.stage, k.placement
+    avals = [v.aval for v in st.jaxpr.jaxpr.invars]
+
+    def arg(r, a, place=place):
+      batch = r.kind != "param" and a.ndim >= 1 and a.shape[0] == place.microbatch_size
+      sharding = place.batched if batch else place.replicated
+      return jax.device_put(np.zeros(a.shape, a.dtype), sharding)
+
+    values = [arg(r, a) for r, a in zip(st.inputs, avals)]
+    diff, nondiff = values[: st.num_diff], values[st.num_diff :]
+    outs, res = k.fns.fwd(diff, nondiff)
+    cts = [(jnp.zeros_like(o),) for o in outs]
+    acc = k.zeros()
+    backward = k.fns.bwd.lower(res, cts, acc).compile().as_text()
+    assert _all_reduces(backward) == 0
+    update = k.fns.acc_leaves.lower(acc).compile().as_text()
+    assert _all_reduces(update) >= 1

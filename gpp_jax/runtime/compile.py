@@ -31,12 +31,13 @@ import numpy as np
 from absl import logging
 from flax import nnx
 from jax.extend import core as xc
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gpp_jax.cost.cluster import Link, as_cluster, devices_cluster, process_blocks
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.host import HostCosts
 from gpp_jax.cost.simulator import simulate, simulate_on_host
-from gpp_jax.errors import BatchError, CaptureError, PlanError
+from gpp_jax.errors import BatchError, CaptureError, GppError, PlanError
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import (
   Plan,
@@ -64,7 +65,12 @@ from gpp_jax.passes.partition import KeywordPlanner, get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.scan_split import ScanSplit, split_scans
 from gpp_jax.passes.schedules import plan_schedule, stream_schedule
-from gpp_jax.passes.staging import StagedProgram, stage_functions, stage_program
+from gpp_jax.passes.staging import (
+  StagedProgram,
+  row_local_functions,
+  stage_functions,
+  stage_program,
+)
 from gpp_jax.passes.step_split import StepProgram, split_step
 from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.capture_step import PureStep, recording, value_and_grad_p
@@ -1450,6 +1456,9 @@ class Staged:
   placements: tuple[StagePlacement, ...]
   spec: StepSpec
   leaf_specs: tuple[Any, ...] = ()
+  # Stage -> its program at a row's share of the micro-batch, for the data-parallel stages
+  # whose gradients are reduced once per step (``row_local_programs``).
+  row_local: Mapping[int, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def microbatch_sizes(self) -> tuple[int, ...]:
@@ -1510,7 +1519,91 @@ def stage_step(
   )
   if len(set(counts)) > 1:
     _check_mixed(counts, state, loss_roles)
-  return Staged(staged, prog, tuple(placements), spec, leaf_specs)
+  row_local = row_local_programs(captured, plan, staged, placements, state, opts, recapture)
+  return Staged(staged, prog, tuple(placements), spec, leaf_specs, row_local)
+
+
+def row_local_programs(
+  captured: Captured,
+  plan: Plan,
+  staged: StagedProgram,
+  placements: Sequence[StagePlacement],
+  state: Sequence[StatePair],
+  opts: Options,
+  recapture: Callable[[int], Captured],
+) -> dict[int, Any]:
+  """Stage -> its program traced at micro-batch / rows, for each stage over several rows whose
+  gradients can be summed per row and reduced once per step (``staging.row_local_functions``):
+  one that carries no state between micro-batches, reads no random key, recomputes nothing
+  (``remat``), and whose outputs are batch-carrying values or the loss itself; its program at
+  the rows' share must have the same inputs and outputs, each batch-carrying one split by the
+  rows. In one process (a stage across processes keeps its per-micro-batch all-reduce)."""
+  if opts.remat or jax.process_count() > 1:
+    return {}
+  carrying = set(state_carries(staged, state))
+  out: dict[int, Any] = {}
+  loss_stage, loss_pos = staged.loss_outputs[0]
+  for st, place in zip(staged.stages, placements):
+    r, mb = place.rows, place.microbatch_size
+    if r < 2 or mb % r or st.index in carrying:
+      continue
+    if any(x.kind == "data" and captured.roles[x.index] == KEY for x in st.inputs):
+      continue
+    batch_in, batch_out = row_batch_flags(st, captured.roles, mb)
+    outs_ok = all(
+      b or ((st.index, k) == (loss_stage, loss_pos) and st.jaxpr.jaxpr.outvars[k].aval.ndim == 0)
+      for k, b in enumerate(batch_out)
+    )
+    if not outs_ok:
+      continue
+    try:
+      small_capture = recapture(mb // r)
+      small = stage_program(
+        small_capture.loss,
+        small_capture.layering.eqn_layer,
+        small_capture.layering.param_layer,
+        plan,
+      )
+    except GppError:
+      continue
+    small = _numbered_like(small, staged)
+    if len(small.stages) != len(staged.stages):
+      continue
+    program = small.stages[st.index]
+    if (program.inputs, program.outputs) != (st.inputs, st.outputs):
+      continue
+    big = [v.aval for v in (*st.jaxpr.jaxpr.invars, *st.jaxpr.jaxpr.outvars)]
+    little = [v.aval for v in (*program.jaxpr.jaxpr.invars, *program.jaxpr.jaxpr.outvars)]
+    if all(
+      _row_share(a, r, b) == (getattr(c, "shape", None), getattr(c, "dtype", None))
+      for a, c, b in zip(big, little, [*batch_in, *batch_out])
+    ):
+      out[st.index] = program
+  return out
+
+
+def _row_share(aval: Any, rows: int, batch: bool) -> tuple[Any, Any]:
+  """(shape, dtype) of a row's share of ``aval``: the leading axis split where it is batch."""
+  shape = getattr(aval, "shape", None)
+  if batch and shape:
+    shape = (shape[0] // rows, *shape[1:])
+  return shape, getattr(aval, "dtype", None)
+
+
+def row_batch_flags(st: Any, roles: Sequence[Any], mb: int) -> tuple[list[bool], list[bool]]:
+  """Per input and per output of a stage, whether it carries the micro-batch as its leading
+  axis: activations and outputs of that leading size, and the batch the loss reads."""
+  ins = []
+  for x, v in zip(st.inputs, st.jaxpr.jaxpr.invars):
+    shape: tuple[int, ...] = tuple(getattr(v.aval, "shape", ()))
+    if x.kind == "data":
+      ins.append(roles[x.index] == BATCH)
+    else:
+      ins.append(x.kind == "act" and len(shape) >= 1 and shape[0] == mb)
+  outs = [
+    len(getattr(v.aval, "shape", ())) >= 1 and v.aval.shape[0] == mb for v in st.jaxpr.jaxpr.outvars
+  ]
+  return ins, outs
 
 
 def restage(
@@ -1656,7 +1749,25 @@ def fuses(opts: Options, plan: Plan, sched: Schedule, captured: Captured) -> boo
   )
 
 
-def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Options, fused: bool):
+def _without(spec: Any, axis: str, ndim: int) -> tuple:
+  """``spec``'s entries for an array of rank ``ndim``, without ``axis`` (taken by the rows)."""
+  entries = list(tuple(spec or ())[:ndim]) + [None] * (ndim - len(tuple(spec or ())[:ndim]))
+  out = []
+  for e in entries:
+    names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+    names = tuple(n for n in names if n != axis)
+    out.append(None if not names else names[0] if len(names) == 1 else names)
+  return tuple(out)
+
+
+def build_kernels(
+  captured: Captured,
+  planned: Planned,
+  staged: Staged,
+  opts: Options,
+  fused: bool,
+  split_w: bool = False,
+):
   """The jitted functions a program calls: per stage forward/backward, the pieces of the
   step around the pipeline, and (one fused stage) the whole step."""
   spec = staged.spec
@@ -1668,13 +1779,26 @@ def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Op
     shardings = [
       place.sharded(sp, avals[p].ndim) for sp, p in zip(param_specs[st.index], st.param_inputs)
     ]
-    fns = stage_functions(
-      st,
-      remat=opts.remat,
-      pack_residuals=len(place.devices) == 1,
-      pack_limit=pack_limit(place.devices[0]),
-      param_shardings=None if len(place.devices) == 1 else shardings,
-    )
+    local = staged.row_local.get(st.index) if not split_w else None
+    if local is not None:  # gradients summed per row, reduced once per step
+      batch_in, batch_out = row_batch_flags(st, captured.roles, place.microbatch_size)
+      axis = place.axis_names[0]
+      acc_shardings: list[jax.sharding.Sharding] = [
+        NamedSharding(place.mesh, PartitionSpec(axis, *_without(sp, axis, a.ndim)))
+        for sp, a in zip(param_specs[st.index], [avals[p] for p in st.param_inputs])
+      ]
+      fns = row_local_functions(
+        local, place.rows, place.mesh, batch_in, batch_out, shardings, acc_shardings
+      )
+      shardings = acc_shardings
+    else:
+      fns = stage_functions(
+        st,
+        remat=opts.remat,
+        pack_residuals=len(place.devices) == 1,
+        pack_limit=pack_limit(place.devices[0]),
+        param_shardings=None if len(place.devices) == 1 else shardings,
+      )
     assert (fns.pack_params is not None) == packed
     nondiff = [r for r in st.inputs if not r.diff]
     keys = tuple(
@@ -1683,7 +1807,7 @@ def build_kernels(captured: Captured, planned: Planned, staged: Staged, opts: Op
     zeros = jax.jit(
       fns.zeros_acc, out_shardings=place.replicated if len(place.devices) == 1 else shardings
     )
-    stages.append(StageKernels(st, fns, place, zeros, keys, layers[st.index]))
+    stages.append(StageKernels(st, fns, place, zeros, keys, layers[st.index], local is not None))
   prog = staged.prog
   pieces = [jax.jit(xc.jaxpr_as_fun(p.jaxpr)) for p in prog.before + prog.after]
   fused_fn = None
@@ -1718,6 +1842,8 @@ def buffer_bytes(
     nparam = sum(r.kind == "param" for r in st.inputs)
     nondiff = avals[st.num_diff :]
     sizes: dict[str, int] = {"acc": _tree_bytes(jax.eval_shape(fns.zeros_acc))}
+    if k.row_local:  # a slice per row, each row's devices holding their own
+      sizes["acc"] //= k.placement.rows
     if fns.pack_params is not None:
       pp = jax.eval_shape(fns.pack_params, avals[:nparam])
       sizes["pp"] = _tree_bytes(pp)
@@ -1727,7 +1853,10 @@ def buffer_bytes(
       outs, res = jax.eval_shape(fns.fwd, avals[: st.num_diff], nondiff)
       pre = (res,)
     width = len(k.placement.devices)
-    sizes["res"] = _per_device_bytes(res, width, k.placement.microbatch_size)
+    if k.row_local:  # (the parameters, each row's residuals stacked over the rows)
+      sizes["res"] = _tree_bytes(res[0]) + _tree_bytes(res[1]) // k.placement.rows
+    else:
+      sizes["res"] = _per_device_bytes(res, k.placement.rows, k.placement.microbatch_size)
     if split_w:
       # B's contributions per output, as the lowering groups them (a trace of the split
       # backward records its structure, so a fresh copy of the stage's functions is traced).
@@ -1953,9 +2082,11 @@ class CompiledStep:
       st = self.staged.staged.stages[buf.lane]
       avals = [st.jaxpr.jaxpr.invars[p].aval for p in st.param_inputs]
       sizes = [int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in avals]
-      held = sum(
-        n * share(buf.lane, sp, a) for n, sp, a in zip(sizes, param_specs[buf.lane], avals)
-      )
+      specs = param_specs[buf.lane]
+      if self.kernels.stages[buf.lane].row_local:  # the rows' slices: the rows axis is theirs
+        axis = places[buf.lane].axis_names[0]
+        specs = [PartitionSpec(*_without(sp, axis, a.ndim)) for sp, a in zip(specs, avals)]
+      held = sum(n * share(buf.lane, sp, a) for n, sp, a in zip(sizes, specs, avals))
       if sum(sizes):
         out[b] = held / sum(sizes)
     return out
@@ -2016,7 +2147,7 @@ def build_step(
   staged = stage_step(captured, planned, opts, recapture)
   sched = plan_schedule(planned.plan, captured.batch_size)
   fused = fuses(opts, planned.plan, sched, captured)
-  kernels = build_kernels(captured, planned, staged, opts, fused)
+  kernels = build_kernels(captured, planned, staged, opts, fused, sched.splits_backward)
   counts = sched.stage_counts
   seeds = loss_seeds(staged, counts)
   logging.info(

@@ -246,6 +246,9 @@ class StageKernels:
   zeros: Callable[[], Any]
   key_positions: tuple[int, ...]  # among the forward's non-differentiable inputs
   layers: tuple[str, ...] = ()
+  # Gradients summed per row of the stage's mesh and reduced once per step, in the UPDATE
+  # (``passes.staging.row_local_functions``).
+  row_local: bool = False
 
 
 @dataclasses.dataclass

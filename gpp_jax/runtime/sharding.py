@@ -51,7 +51,7 @@ class MeshLayout:
   def of(mesh: Mesh) -> MeshLayout:
     devs = np.asarray(mesh.devices)
     names = tuple(str(n) for n in mesh.axis_names)
-    rows = tuple(tuple(devs[r].flat) for r in range(devs.shape[0]))
+    rows = tuple(tuple(row) for row in devs.reshape(devs.shape[0], -1))
     return MeshLayout(rows, names, tuple(int(n) for n in devs.shape[1:]))
 
   @staticmethod
