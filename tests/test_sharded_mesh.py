@@ -625,3 +625,37 @@ def test_data_parallel_stages_reduce_gradients_once_per_step():
     assert _all_reduces(backward) == 0
     update = k.fns.acc_leaves.lower(acc).compile().as_text()
     assert _all_reduces(update) >= 1
+
+
+def test_host_model_charges_a_stage_reducing_once_per_step_in_its_update():
+  """With ``reduce_once`` on the layer graph (set at capture where stages sum per row), a
+  stage over 2 devices pays the measured all-reduce once, in its UPDATE, not in every
+  backward; under zero-bubble (the backward split) it pays it in every W as before."""
+  import dataclasses
+
+  from test_host_planning import chain, cpu_cluster, spmd_host
+
+  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.ir.plan import Plan, Stage
+
+  g = chain(10e-3, 4096)
+  cluster = cpu_cluster(4)
+  plan = Plan(
+    (Stage(0, ("a",), (0, 1)), Stage(1, ("b",), (2,))), ((0, 1),), 4, planner="x", batch_size=8
+  )
+  host = dataclasses.replace(spmd_host({2: 3.0}), allreduce={2: 1e-9})
+
+  def durations(graph, p):
+    res = simulate(p, graph, cluster, host=host)
+    return {(a.kind, a.stage): a.end - a.start for a in res.actions}
+
+  per_call = durations(g, plan)
+  once = g.copy()
+  once.graph["reduce_once"] = True
+  stepwise = durations(once, plan)
+  reduce = per_call[("B", 0)] - stepwise[("B", 0)]
+  assert reduce > 0
+  assert stepwise[("UPDATE", 0)] == pytest.approx(per_call[("UPDATE", 0)] + reduce)
+  assert stepwise[("B", 1)] == pytest.approx(per_call[("B", 1)])  # one device
+  zb = plan.replace(schedule="zero-bubble")
+  assert durations(once, zb)[("W", 0)] == pytest.approx(durations(g, zb)[("W", 0)])

@@ -916,7 +916,12 @@ def _prepared(
     pc = dataclasses.replace(pc, forward=fw, backward=bw)
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
   if host is not None:  # the gradients' all-reduce in each backward; the step's own update
-    per_call, update = _host_updates(plan, pc, layer_graph, cluster, cost_model, host, wide)
+    # Stages whose rows sum their own gradients reduce them once, in the UPDATE
+    # (``passes.staging.row_local_functions``; not where the backward is split).
+    once = bool(layer_graph.graph.get("reduce_once")) and weight is None
+    per_call, update = _host_updates(
+      plan, pc, layer_graph, cluster, cost_model, host, wide, reduce_once=once
+    )
     grads = weight if weight is not None else backward
     for i, t in enumerate(per_call):
       grads[i] += t
@@ -1141,6 +1146,7 @@ def _host_updates(
   cost_model: CostModel | None,
   host: Any,
   inside: Collection[int] = (),
+  reduce_once: bool = False,
 ) -> tuple[list[float], tuple[float, ...]]:
   """Per stage, under the host-aware model: the seconds each of its backward calls pays for
   all-reducing its gradients, and its UPDATE seconds.
@@ -1167,6 +1173,11 @@ def _host_updates(
       t: float | None = 0.0
     else:
       t = host.allreduce_seconds(k, nbytes) if k > 1 and host.allreduce else None
+    if t is not None and reduce_once and i not in inside:  # paid once, with the UPDATE
+      link = cluster.group_link(s.devices)
+      update.append(cm.update_time(nbytes, cluster.device, 1, link, per_byte) + t + zero * nbytes)
+      per_call.append(0.0)
+      continue
     per_call.append(0.0 if t is None else float(t))
     if t is None and per_byte is None:
       update.append(pc.update[i] + zero * nbytes)

@@ -256,6 +256,11 @@ def capture(
     leaf_specs=specs,
     leaf_names=tuple(leaf_names(pure, args)) if any(specs) else (),
   )
+  # Stages over several rows sum their own gradients and reduce them once per step where
+  # nothing the loss does depends on how the micro-batch is split (``row_local_programs``).
+  layering.graph.graph["reduce_once"] = not (
+    opts.remat or state or KEY in roles or jax.process_count() > 1
+  )
   if any(specs) and opts.layout is not None:
     # Axes the mesh lacks are refused here; what divides what, per plan (``plan_leaf_specs``).
     shapes = [None if i in batch_idx else tuple(np.shape(x)) for i, x in enumerate(leaves)]
