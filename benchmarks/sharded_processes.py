@@ -85,7 +85,8 @@ def main(argv):
     "predicted by the step's program (not measured across processes)"
   )
   print(
-    f"{'model':6s} {'configuration':22s} {'step ms':>8s} {'vs plain':>8s} {'pred peak MiB':>14s}  plan"
+    f"{'model':6s} {'configuration':22s} {'step ms':>8s} {'vs plain':>8s} "
+    f"{'pred peak MiB':>14s}  plan"
   )
   for model in FLAGS.models:
     layers = layers_of(model)
