@@ -97,6 +97,7 @@ def main(argv):
           "stages": [{"index": 0, "layers": layers, "devices": list(range(width))}],
           "edges": [],
           "num_microbatches": 1,
+          "batch_size": FLAGS.batch_size,
           "planner": name,
           "param_sharding": how,
         }
