@@ -8,9 +8,9 @@ parallel, jit fsdp, jit sharded over the mesh ``data:4,model:2``, GraphPipe's pl
 replicated and with sharded stages), each trained by ``python -m gpp_jax.launch
 --num_processes=2`` for ``--steps`` steps, one after another. Per configuration: the measured
 step time (median of the logged intervals after the first, process 0's clock), the ratio to
-plain jit's, and the step program's predicted peak per device (memory is not measured across
-processes: ``gpp_jax.train`` measures it in one process only). The baselines run as saved
-plans (``--plan``), the pipelines as their planner chooses them (``--min_stages=2``).
+plain jit's, and the peak per device of process 0's devices, measured over the second step
+(``gpp_jax.train --measure_memory``) and as the step's program predicts it. The baselines run
+as saved plans (``--plan``), the pipelines as their planner chooses them (``--min_stages=2``).
 """
 
 import json
@@ -53,7 +53,7 @@ def layers_of(model: str) -> list[str]:
 def launch(model: str, extra: list[str], run_dir: str) -> dict:
   cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=2"]
   cmd += ["--devices_per_process=4", "--platform=cpu", "--grace_s=5", "--"]
-  cmd += [f"--model={model}", "--preset=tiny", "--nocalibrate", "--nomeasure_memory"]
+  cmd += [f"--model={model}", "--preset=tiny", "--nocalibrate"]
   cmd += [f"--batch_size={FLAGS.batch_size}", f"--steps={FLAGS.steps}", "--log_every=5"]
   cmd += ["--timeout_s=120", f"--run_dir={run_dir}", *extra]
   env = dict(os.environ)
@@ -65,14 +65,12 @@ def launch(model: str, extra: list[str], run_dir: str) -> dict:
   if r.returncode:
     return {"error": out.strip().splitlines()[-1][:120] if out.strip() else "?"}
   ms = [float(m) for m in re.findall(r"^\[0\] .* ([\d.]+) ms/step$", out, re.M)]
-  peaks = [int(float(m) * 1024) for m in re.findall(r"^\[0\]   cpu:\d+: ([\d.]+) KiB$", out, re.M)]
-  peaks += [
-    int(float(m) * 2**20) for m in re.findall(r"^\[0\]   cpu:\d+: ([\d.]+) MiB$", out, re.M)
-  ]
+  table = re.findall(r"^\[0\]\s+cpu:\d+\s+([\d.]+)\s+([\d.]+)\s+[-+][\d.]+%", out, re.M)
   plan = next(iter(re.findall(r"^\[0\] (Plan by .*)$", out, re.M)), "")
   return {
     "step_ms": statistics.median(ms[1:]) if len(ms) > 1 else float("nan"),
-    "predicted_peak": max(peaks, default=0),
+    "measured_peak": max((float(m) for m, _ in table), default=float("nan")) * 2**20,
+    "predicted_peak": max((float(p) for _, p in table), default=float("nan")) * 2**20,
     "plan": plan,
   }
 
@@ -81,12 +79,12 @@ def main(argv):
   del argv
   print(
     f"two processes x 4 forced CPU devices, batch {FLAGS.batch_size}, {FLAGS.steps} steps each; "
-    "step time measured (process 0, median of the logged intervals after the first); memory "
-    "predicted by the step's program (not measured across processes)"
+    "step time measured (process 0, median of the logged intervals after the first); peak per "
+    "device of process 0's devices, measured over one step and as the step's program predicts"
   )
   print(
     f"{'model':6s} {'configuration':22s} {'step ms':>8s} {'vs plain':>8s} "
-    f"{'pred peak MiB':>14s}  plan"
+    f"{'peak MiB':>9s} {'pred MiB':>9s}  plan"
   )
   for model in FLAGS.models:
     layers = layers_of(model)
@@ -121,7 +119,7 @@ def main(argv):
         continue
       print(
         f"{model:6s} {name:22s} {r['step_ms']:8.1f} {plain / r['step_ms']:7.2f}x "
-        f"{r['predicted_peak'] / 2**20:14.2f}  {r['plan']}",
+        f"{r['measured_peak'] / 2**20:9.2f} {r['predicted_peak'] / 2**20:9.2f}  {r['plan']}",
         flush=True,
       )
 

@@ -449,7 +449,7 @@ def _main(argv: list[str]) -> None:
     if last and step > start + 1 and jax.process_count() == 1:
       pp.measure = True  # the last step records a measured per-action timeline
     batch = data[(step - 1) % len(data)]
-    if step == start + 1 and FLAGS.measure_memory and not last and not _MULTIPROCESS:
+    if step == start + 1 and FLAGS.measure_memory and not last:
       # In the first logged interval, which the step time leaves out (warm-up).
       loss = pp.measure_memory(model, optimizer, batch)
       measuring = True
