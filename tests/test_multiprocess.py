@@ -531,6 +531,8 @@ def test_sharded_stages_over_a_mesh_spanning_two_processes_train_like_one_device
     timeout=300,
   )
   assert "stage 2 on cpu:2048, cpu:2049 (mesh data:1,model:2" in out, out[-3000:]
+  # Memory measured over the processes: process 0 reports its own devices.
+  assert "[0] peak memory per device (measured step vs the program's prediction)" in out
   one = subprocess.run(
     [sys.executable, "-m", "gpp_jax.train", *args, "--num_devices=1", "--num_microbatches=1"]
     + ["--log_every=1", f"--run_dir={os.environ.get('TMPDIR', '/tmp')}/gpp-one-mesh"],
@@ -551,3 +553,30 @@ def test_sharded_stages_over_a_mesh_spanning_two_processes_train_like_one_device
   mine, theirs = losses(out, "[1] "), losses(one.stdout + one.stderr)
   assert len(mine) == 2 and len(theirs) == 2, (mine, theirs)
   assert max(abs(a - b) for a, b in zip(mine, theirs)) <= 2e-5
+
+
+def test_memory_is_measured_over_two_processes_for_a_stage_spanning_both(tmp_path):
+  """Jit data parallel over both processes' devices (a saved plan of one stage on all 8):
+  ``gpp_jax.train --measure_memory`` measures each process's own devices, and process 0
+  reports its four (the other process's devices are measured there, not asked of here)."""
+  import json
+
+  layers = ["embed", "blocks/0", "blocks/1", "norm", "head"]
+  plan = {
+    "stages": [{"index": 0, "layers": layers, "devices": list(range(8))}],
+    "edges": [],
+    "num_microbatches": 1,
+    "batch_size": 8,
+    "planner": "jit data parallel",
+  }
+  path = tmp_path / "plan.json"
+  path.write_text(json.dumps(plan))
+  out = _train_over_two_processes(
+    4,
+    ["--model=gpt", "--nocalibrate", "--batch_size=8", "--steps=3", f"--plan={path}"]
+    + ["--num_microbatches=1", "--timeout_s=60"],
+    "gpp-mp-memory",
+    timeout=300,
+  )
+  lines = [l for l in out.splitlines() if l.startswith("[0]      cpu:")]
+  assert [l.split()[1] for l in lines] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], out[-3000:]

@@ -1559,7 +1559,10 @@ def row_local_programs(
       b or ((st.index, k) == (loss_stage, loss_pos) and st.jaxpr.jaxpr.outvars[k].aval.ndim == 0)
       for k, b in enumerate(batch_out)
     )
-    if not outs_ok:
+    floating = all(
+      jax.numpy.issubdtype(v.aval.dtype, jax.numpy.floating) for v in st.jaxpr.jaxpr.outvars
+    )
+    if not outs_ok or not floating:  # an integer output's cotangent (float0) stays outside
       continue
     try:
       small_capture = recapture(mb // r)

@@ -181,7 +181,10 @@ def report(
 ) -> MemoryReport:
   """The measured census beside ``cost.memory.program_memory``'s prediction."""
   out = []
+  here = jax.process_index()
   for d in sorted(census.peak, key=lambda d: getattr(d, "id", 0)):
+    if getattr(d, "process_index", here) != here:  # another process's: measured there
+      continue
     stats = d.memory_stats() if hasattr(d, "memory_stats") else None
     out.append(
       DeviceMemory(
