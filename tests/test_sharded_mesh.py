@@ -459,32 +459,34 @@ def test_mesh_and_devices_together_is_refused():
     gpp_jax.graph_pipeline(nnx_step, num_microbatches=2, mesh=mesh, devices=jax.devices())
 
 
-def test_mesh_string_and_candidates_of_jax_sharding():
-  """``mesh="data:4,model:2"``; the model's specs put "jit sharded" (and "jit fsdp") among
-  the candidates a planner's pipeline competes with."""
+@pytest.fixture(scope="module")
+def pipedream_on_mesh():
+  """(the model, the pipeline) after one step of PipeDream's plan over ``"data:4,model:2"``."""
   model = Chain(nnx.Rngs(0))
   opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
   pp = gpp_jax.graph_pipeline(
     nnx_step, num_microbatches=4, mesh="data:4,model:2", planner="pipedream"
   )
   pp(model, opt, batch())
+  return model, pp
+
+
+def test_mesh_string_and_candidates_of_jax_sharding(pipedream_on_mesh):
+  """``mesh="data:4,model:2"``; the model's specs put "jit sharded" (and "jit fsdp") among
+  the candidates a planner's pipeline competes with."""
+  model, pp = pipedream_on_mesh
   alts = pp.compiled.planned.alternatives
   assert {"plain jit", "jit data parallel", "jit fsdp", "jit sharded", "pipeline"} <= set(alts)
   assert model.a.up.kernel[...].sharding.spec == P(None, "model")
 
 
-def test_cost_model_holds_the_models_shards_per_device():
+def test_cost_model_holds_the_models_shards_per_device(pipedream_on_mesh):
   """The planners' memory terms: by the model's specs a stage holds 1/2 of each tensor-parallel
   kernel over "model" and 1/rows of the head (sharded over the rows), FSDP 1/n of all."""
   from gpp_jax.cost.cost_model import plan_costs
   from gpp_jax.ir import layer_graph as lg
 
-  model = Chain(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-  pp = gpp_jax.graph_pipeline(
-    nnx_step, num_microbatches=4, mesh="data:4,model:2", planner="pipedream"
-  )
-  pp(model, opt, batch())
+  _, pp = pipedream_on_mesh
   planned = pp.compiled.planned
   graph = lg.scaled(planned.layer_graph, 16)
   cluster = gpp_jax.cost.cluster.devices_cluster(pp.devices)
@@ -527,7 +529,7 @@ def test_main_example_pipelines_because_the_one_call_steps_do_not_fit():
   assert "left out: over the memory budget" in pp.explain()
 
 
-def test_cost_model_prices_tensor_parallel_layers_by_their_specs():
+def test_cost_model_prices_tensor_parallel_layers_by_their_specs(pipedream_on_mesh):
   """Column-parallel up: 1/2 of its work and its input cotangent all-reduced in the backward;
   row-parallel down: 1/2 and its output all-reduced in the forward (Megatron's f and g)."""
   import dataclasses
@@ -536,12 +538,7 @@ def test_cost_model_prices_tensor_parallel_layers_by_their_specs():
   from gpp_jax.cost.cost_model import plan_costs
   from gpp_jax.ir import layer_graph as lg
 
-  model = Chain(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-  pp = gpp_jax.graph_pipeline(
-    nnx_step, num_microbatches=4, mesh="data:4,model:2", planner="pipedream"
-  )
-  pp(model, opt, batch())
+  _, pp = pipedream_on_mesh
   planned = pp.compiled.planned
   tp = planned.layer_graph.graph["tensor_parallel"]
   row = 4 * D  # float32 activations of width D, per sample

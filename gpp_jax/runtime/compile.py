@@ -90,6 +90,7 @@ from gpp_jax.runtime.sharding import (
   MeshLayout,
   check_rows,
   check_specs,
+  entry_axes,
   leaf_names,
   param_shards,
   plan_leaf_specs,
@@ -1565,16 +1566,9 @@ def row_local_programs(
     if not outs_ok or not floating:  # an integer output's cotangent (float0) stays outside
       continue
     try:
-      small_capture = recapture(mb // r)
-      small = stage_program(
-        small_capture.loss,
-        small_capture.layering.eqn_layer,
-        small_capture.layering.param_layer,
-        plan,
-      )
+      small = staged_at(captured, plan, staged, mb // r, recapture)
     except GppError:
       continue
-    small = _numbered_like(small, staged)
     if len(small.stages) != len(staged.stages):
       continue
     program = small.stages[st.index]
@@ -1631,21 +1625,7 @@ def restage(
   """
   by_size = {captured.microbatch_size: staged}
   for b in sorted(set(sizes) - {captured.microbatch_size}):
-    cb = recapture(b)
-    if cb.scan_split != captured.scan_split:
-      raise CaptureError(
-        f"the loss traced at micro-batch size {b} splits its scanned layers differently "
-        f"than at {captured.microbatch_size}; give every stage the same micro-batch size"
-      )
-    try:
-      other = stage_program(cb.loss, cb.layering.eqn_layer, cb.layering.param_layer, plan)
-    except PlanError as e:
-      raise CaptureError(
-        f"the loss traced at micro-batch size {b} has other layers than at "
-        f"{captured.microbatch_size} ({e}); the model's program must not depend on the batch "
-        "size to use per-stage micro-batch sizes"
-      ) from e
-    by_size[b] = _numbered_like(other, staged)
+    by_size[b] = staged_at(captured, plan, staged, b, recapture)
   for b, other in by_size.items():
     same = (other.param_owner, other.loss_outputs, other.edges) == (
       staged.param_owner,
@@ -1663,6 +1643,33 @@ def restage(
   stages = tuple(by_size[b].stages[s] for s, b in enumerate(sizes))
   _check_rechunkable(stages, sizes)
   return dataclasses.replace(staged, stages=stages)
+
+
+def staged_at(
+  captured: Captured,
+  plan: Plan,
+  staged: StagedProgram,
+  b: int,
+  recapture: Callable[[int], Captured],
+) -> StagedProgram:
+  """The loss traced at micro-batch size ``b`` and cut by ``plan``, its cut values numbered as
+  ``staged`` numbers them. CaptureError where the trace splits its scanned layers or its
+  layers differently (a program that depends on the batch size)."""
+  cb = recapture(b)
+  if cb.scan_split != captured.scan_split:
+    raise CaptureError(
+      f"the loss traced at micro-batch size {b} splits its scanned layers differently "
+      f"than at {captured.microbatch_size}; give every stage the same micro-batch size"
+    )
+  try:
+    other = stage_program(cb.loss, cb.layering.eqn_layer, cb.layering.param_layer, plan)
+  except PlanError as e:
+    raise CaptureError(
+      f"the loss traced at micro-batch size {b} has other layers than at "
+      f"{captured.microbatch_size} ({e}); the model's program must not depend on the batch "
+      "size to use per-stage micro-batch sizes"
+    ) from e
+  return _numbered_like(other, staged)
 
 
 def _numbered_like(other: StagedProgram, base: StagedProgram) -> StagedProgram:
@@ -1762,8 +1769,7 @@ def _without(spec: Any, axis: str, ndim: int) -> tuple:
   entries = list(tuple(spec or ())[:ndim]) + [None] * (ndim - len(tuple(spec or ())[:ndim]))
   out = []
   for e in entries:
-    names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-    names = tuple(n for n in names if n != axis)
+    names = tuple(n for n in entry_axes(e) if n != axis)
     out.append(None if not names else names[0] if len(names) == 1 else names)
   return tuple(out)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -184,6 +184,11 @@ def tree_specs(tree: Any, axis_names: tuple[str, ...]) -> list[Spec]:
   return out
 
 
+def entry_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes one entry of a PartitionSpec names: none, one, or a tuple of them."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 # ---------------------------------------------------------------------------- checks
 
 
@@ -206,7 +211,7 @@ def check_specs(
         f"shape {shape}; give one entry per dimension at most"
       )
     for dim, entry in enumerate(spec):
-      axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      axes = entry_axes(entry)
       for a in axes:
         if a not in layout.axis_names:
           raise PlanError(
@@ -344,19 +349,24 @@ def loss_input_specs(captured: Any, leaf_specs: Sequence[Any]) -> dict[int, Any]
   return by_input
 
 
+def _sharded_params(captured: Any) -> Iterator[tuple[str, PartitionSpec, Any]]:
+  """(layer, spec, aval) of each parameter input of the captured loss that has a spec."""
+  layers = captured.layering.param_layer
+  invars = captured.loss.jaxpr.invars
+  for k, spec in loss_input_specs(captured, captured.leaf_specs).items():
+    layer = layers[k] if k < len(layers) else None
+    if spec is not None and layer is not None:
+      yield layer, spec, invars[k].aval
+
+
 def param_shards(captured: Any, layout: MeshLayout) -> dict[str, tuple[float, float, float]]:
   """Per layer with sharded parameters, for the cost model's memory of a stage that holds
   them by the model's specs: (their bytes, their bytes per device not counting a split over
   the stage's rows, the bytes per device that the stage's rows split further)."""
   out: dict[str, list[float]] = {}
-  invars = captured.loss.jaxpr.invars
-  for k, spec in loss_input_specs(captured, captured.leaf_specs).items():
-    layer = captured.layering.param_layer[k] if k < len(captured.layering.param_layer) else None
-    if spec is None or layer is None:
-      continue
-    aval = invars[k].aval
+  for layer, spec, aval in _sharded_params(captured):
     nbytes = float(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    axes = [a for e in spec for a in entry_axes(e)]
     inner = float(np.prod([layout.axis_size(a, 1) for a in axes if a != layout.batch_axis]))
     entry = out.setdefault(layer, [0.0, 0.0, 0.0])
     entry[0] += nbytes
@@ -374,15 +384,12 @@ def tensor_parallel(captured: Any, layout: MeshLayout) -> dict[str, tuple[int, f
   g = captured.layering.graph
   B = float(g.graph.get("batch_size") or captured.microbatch_size)
   out: dict[str, list[Any]] = {}
-  for k, spec in loss_input_specs(captured, captured.leaf_specs).items():
-    layer = captured.layering.param_layer[k] if k < len(captured.layering.param_layer) else None
-    if spec is None or layer is None or layer not in g:
+  for layer, spec, aval in _sharded_params(captured):
+    if layer not in g:
       continue
-    ndim = captured.loss.jaxpr.invars[k].aval.ndim
     for dim, e in enumerate(spec):
-      axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-      inner = [a for a in axes if a != layout.batch_axis]
-      if not inner or ndim < 2:
+      inner = [a for a in entry_axes(e) if a != layout.batch_axis]
+      if not inner or aval.ndim < 2:
         continue
       n = int(np.prod([layout.axis_size(a, 1) for a in inner]))
       entry = out.setdefault(layer, [1, False, False])
