@@ -16,7 +16,9 @@ Every equation is attributed to one layer by these rules, applied in program ord
      close a cycle goes, when it is free of parameters (a loss term over an early module's
      output, a weight penalty's sum), to the layer of its last input, the one every other
      input layer reaches; otherwise, e.g. an output head reusing the embedding matrix, to a
-     sibling layer ``<layer>#2`` (``#3``, ...); its parameters stay owned by the first layer.
+     sibling layer ``<layer>#2`` (``#3``, ...); its parameters stay owned by the first layer,
+     and the stage that reads them there receives them (a manual plan puts such a use whose
+     module's rule would close a stage cycle on the stage of its inputs).
   6. An equation that reads only parameters (and literals) and feeds a single other layer
      moves into that layer; the parameter is then shared between the two layers.
 ``layer_depth`` truncates layer paths to their first components to make coarser layers.

@@ -343,6 +343,7 @@ def test_sibling_layers_follow_their_module_rule_and_cycles_name_layers():
   assert set(g) == {"embed", "mid", "embed#2"}  # the tied head reads the embedding again
   plan = gpp_jax.manual_plan({"embed": 0, "mid": 1, "embed#2": 2}).resolve(g, 2)
   assert plan.stage_of_layer()["embed#2"] == 2
-  plan = gpp_jax.manual_plan({"embed": 0, "mid": 1}, default_stage=None)
+  where = gpp_jax.manual_plan({"embed": 0, "mid": 1}).resolve(g, 2).stage_of_layer()
+  assert where["embed#2"] == 1  # the module's rule would close a cycle: the use joins its input
   with pytest.raises(PlanError, match=r"mid -> embed#2 \(1 -> 0\)"):
-    plan.resolve(g, 2)
+    gpp_jax.manual_plan({"embed": 0, "mid": 1, "embed#2": 0}).resolve(g, 2)

@@ -12,6 +12,7 @@ import networkx as nx
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan, Stage, stage_edges, validate_plan
+from gpp_jax.passes.capture import is_einsum_scope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +23,16 @@ class ManualPlan:
     rules: ``{prefix: stage}``. A layer goes to the stage of the longest rule that is a
       path-component prefix of it or of its parameter-tree path (``"enc"`` matches ``enc``,
       ``enc/fc`` and the sibling layer ``enc#2``, not ``encoder``; ``"enc#2"`` names the
-      sibling alone; a Linen layer ``Net/Net.encode/enc/Dense_0`` also matches ``"enc"`` and
-      ``"params/enc"``). Layers that read no parameter and match no rule go with the stage
+      sibling alone and wins over its module's rules; a Linen layer
+      ``Net/Net.encode/enc/Dense_0`` also matches ``"enc"`` and ``"params/enc"``). A Linen
+      layer no rule names that way matches the rules of the module that calls it: a shared
+      embedding created by the root module and first called inside ``encoder``
+      (``Net/Net.encode/encoder/embed``, parameters ``params/embed``) goes with
+      ``"encoder"``. A ``#k`` use of a module (a tied output head, ``embed.attend``) that its
+      module's rule (or ``default_stage``) would put on a stage its inputs come back to
+      joins the stage of its inputs instead (the latest of them in stage order); its
+      parameters stay with the module's stage, which sends them to the use's stage and takes
+      their gradient back. Layers that read no parameter and match no rule go with the stage
       that consumes them or that holds the last of their inputs.
     devices: ``{stage: device index or indices}``; default stage i -> device i.
     default_stage: stage of layers no rule matches (None: such layers are an error).
@@ -46,22 +55,22 @@ class ManualPlan:
   ) -> Plan:
     """Builds and validates the Plan for ``layer_graph``."""
     assign: dict[str, int] = {}
+    by_module: list[str] = []  # #k uses placed by their module's rule or the default stage
     unmatched = []
     order = topo_layers(layer_graph)
     for layer in order:
-      best = None
-      for prefix, s in self.rules.items():
-        if _matches_layer(prefix, layer, layer_graph) and (
-          best is None or len(prefix) > len(best[0])
-        ):
-          best = (prefix, s)
+      best = _best_rule(self.rules, layer, layer_graph)
       if best is not None:
-        assign[layer] = best[1]
+        assign[layer] = self.rules[best[0]]
+        if "#" in layer and best[1] != _NAMED:
+          by_module.append(layer)
       elif not layer_graph.nodes[layer].get("free"):
         if self.default_stage is None:
           unmatched.append(layer)
           continue
         assign[layer] = self.default_stage
+        if "#" in layer:
+          by_module.append(layer)
     if unmatched:
       raise PlanError(
         f"layers {unmatched} match no rule of the manual plan; add rules for them "
@@ -72,10 +81,13 @@ class ManualPlan:
       p for p in self.rules if not any(_matches_layer(p, l, layer_graph) for l in layer_graph)
     ]
     if unknown:
+      hints = [h for h in (_stale_rule_hint(p, layer_graph) for p in unknown) if h]
       raise PlanError(
-        f"manual plan rules {unknown} match no layer of the model; known layers: "
-        f"{_with_param_paths(order, layer_graph)}"
+        f"manual plan rules {unknown} match no layer of the model; "
+        + "".join(f"{h}; " for h in hints)
+        + f"known layers: {_with_param_paths(order, layer_graph)}"
       )
+    _place_tied_uses(layer_graph, order, assign, by_module)
     _place_free_layers(layer_graph, order, assign, self.default_stage)
     n = max(assign.values()) + 1
     used = sorted(set(assign.values()))
@@ -111,17 +123,98 @@ def _matches(prefix: str, layer: str) -> bool:
   return l[: len(p)] == p
 
 
-def _matches_layer(prefix: str, layer: str, g: nx.DiGraph) -> bool:
-  """Whether a rule names ``layer``: a path-component prefix of its name or of its
-  parameter-tree path (``param_path``; a leading ``params/`` optional), a ``#k`` sibling
-  matching the rules of its module unless a rule names it."""
-  names = [layer]
+# How a rule names a layer, most specific first (``_tier``): a rule naming a ``#k`` use itself
+# (``"embed#2"``), one naming the layer's module by its own name or parameter-tree path, one
+# naming the module that calls it (Linen).
+_NAMED, _OWN, _CALLER = 0, 1, 2
+
+
+def _tier(prefix: str, layer: str, g: nx.DiGraph) -> int | None:
+  """How ``prefix`` names ``layer`` (``_NAMED``, ``_OWN``, ``_CALLER``), or None where it does
+  not: a path-component prefix of the layer's name or of its parameter-tree path
+  (``param_path``; a leading ``params/`` optional), else of its caller's module path
+  (``_caller_path``); a ``#k`` use also matches the rules of its module (its names without
+  ``#k``), and a rule that names the use itself, ``#k`` included, is ``_NAMED``."""
+  rule = prefix[len("params/") :] if prefix.startswith("params/") else prefix
+  own = [layer]
   tree = g.nodes[layer].get("param_path")
   if tree:
-    names.append(tree)
-  names += [n.partition("#")[0] for n in names if "#" in n]
-  rule = prefix[len("params/") :] if prefix.startswith("params/") else prefix
-  return any(_matches(prefix, n) or _matches(rule, n) for n in names)
+    own.append(tree)
+  caller = _caller_path(layer, g)
+  callers = [caller] if caller else []
+
+  def named(names: Sequence[str]) -> bool:
+    return any(_matches(prefix, n) or _matches(rule, n) for n in names)
+
+  if "#" in prefix and named(own + callers):
+    return _NAMED
+  for tier, names in ((_OWN, own), (_CALLER, callers)):
+    if named(names + [n.partition("#")[0] for n in names if "#" in n]):
+      return tier
+  return None
+
+
+def _matches_layer(prefix: str, layer: str, g: nx.DiGraph) -> bool:
+  """Whether a rule names ``layer`` in any of the ways of ``_tier``."""
+  return _tier(prefix, layer, g) is not None
+
+
+def _best_rule(rules: Mapping[str, int], layer: str, g: nx.DiGraph) -> tuple[str, int] | None:
+  """The rule that places ``layer`` and how it names it: the longest of the rules that name
+  it most specifically (a rule naming a ``#k`` use wins over its module's rules)."""
+  best = None
+  for prefix in rules:
+    t = _tier(prefix, layer, g)
+    if t is not None and (best is None or (t, -len(prefix)) < (best[1], -len(best[0]))):
+      best = (prefix, t)
+  return best
+
+
+def _caller_path(layer: str, g: nx.DiGraph) -> str | None:
+  """A Linen layer's module path from its name stack without the root module and the method
+  scopes: ``encoder/embed`` for ``Net/Net.encode/encoder/embed``, the module that calls a
+  shared embedding whose parameters sit at ``params/embed``. None for a layer named by its
+  parameter tree (NNX, plain pytrees: it has no ``param_path``) or where the two agree."""
+  if not g.nodes[layer].get("param_path"):
+    return None
+  parts = [x for x in layer.split("/")[1:] if "." not in x.partition("#")[0]]
+  path = "/".join(parts)
+  return path if path and path != g.nodes[layer]["param_path"] else None
+
+
+def _stale_rule_hint(prefix: str, g: nx.DiGraph) -> str | None:
+  """For a rule that names no layer: why, where it names a layer of an earlier layering. A
+  ``#k`` use of a module was a layer of its own for equations that read no parameter (a
+  loss term, a pooling after a convolution; they now join the layer of their last input),
+  and ``jnp.einsum``'s spec scope named layers (``.../BTD,NDH->BTNH``; now the module path
+  does). None where the rule is not of that kind or its module is unknown too."""
+  parts = [x for x in prefix.split("/") if x]
+  if not parts:
+    return None
+  kept = [x for x in parts if not is_einsum_scope(x.partition("#")[0])]
+  if len(kept) < len(parts):
+    spec = next(x for x in parts if x not in kept).partition("#")[0]
+    module = "/".join(kept).partition("#")[0]
+    if not module:
+      return (
+        f"rule {prefix!r} names jnp.einsum's spec {spec!r}, which no longer names layers: "
+        "layers are named by module path, so write the rule for the module that calls the "
+        "einsum"
+      )
+    if any(_matches_layer(module, l, g) for l in g):
+      return (
+        f"rule {prefix!r} names jnp.einsum's spec {spec!r}, which no longer names layers: "
+        f"the einsum is part of the layer of its module {module!r}, so the rule can go"
+      )
+    return None
+  module, sep, k = prefix.rpartition("#")
+  if sep and k.isdigit() and "/" not in k and any(_matches_layer(module, l, g) for l in g):
+    return (
+      f"rule {prefix!r} names the #{k} use of module {module!r} as a layer of its own, which it "
+      f"no longer is: it is part of a layer of {module!r} or of the layer of its inputs, so "
+      "the rule can go"
+    )
+  return None
 
 
 def _with_param_paths(order: Sequence[str], g: nx.DiGraph) -> list[str]:
@@ -135,6 +228,50 @@ def _acyclic(g: nx.DiGraph, assign: Mapping[str, int]) -> bool:
   placed = [(u, v) for u, v in g.edges if u in assign and v in assign]
   q = nx.DiGraph((assign[u], assign[v]) for u, v in placed if assign[u] != assign[v])
   return nx.is_directed_acyclic_graph(q)
+
+
+def _place_tied_uses(
+  g: nx.DiGraph, order: Sequence[str], assign: dict[str, int], by_module: Sequence[str]
+) -> None:
+  """Moves each ``#k`` use of a module placed by its module's rule (or the default stage)
+  whose stage its inputs come back to, so that it would close a stage cycle (a tied output
+  head, ``embed.attend``, after a decoder on a later stage than the embedding), to the stage
+  of its inputs: the latest of them in stage order that keeps the stages acyclic. The use
+  keeps reading its module's parameters: the module's stage owns them, sends them to the
+  use's stage and takes their gradient back, as for any parameter read by two stages.
+
+  Layers that read no parameter are bypassed (placed afterwards, next to what they join);
+  where the other layers' stages already form a cycle, the plan is left for
+  ``validate_plan`` to name the cycle."""
+  if not by_module:
+    return
+  free = [l for l in order if g.nodes[l].get("free")]
+  h = nx.DiGraph(g.edges)
+  h.add_nodes_from(order)
+  for f in free:  # keep the paths that run through a layer that reads no parameter
+    h.add_edges_from([(u, v) for u in h.predecessors(f) for v in h.successors(f)])
+    h.remove_node(f)
+  placed = {l: s for l, s in assign.items() if l in h and l not in by_module}
+  if not _acyclic(h, placed):
+    return
+  for l in by_module:
+    if _acyclic(h, {**placed, l: assign[l]}):
+      placed[l] = assign[l]
+      continue
+    q = nx.DiGraph()
+    q.add_nodes_from(sorted(set(placed.values())))
+    q.add_edges_from(
+      (placed[u], placed[v])
+      for u, v in h.edges
+      if u in placed and v in placed and placed[u] != placed[v]
+    )
+    rank = {s: i for i, s in enumerate(nx.lexicographical_topological_sort(q))}
+    inputs = sorted({placed[p] for p in h.predecessors(l) if p in placed}, key=rank.__getitem__)
+    for s in reversed(inputs):
+      if _acyclic(h, {**placed, l: s}):
+        assign[l] = s
+        break
+    placed[l] = assign[l]
 
 
 def _place_free_layers(
