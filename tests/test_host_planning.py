@@ -275,26 +275,6 @@ def test_a_search_with_the_host_simulates_every_replication_and_stage_count(plan
       assert set(simulated) == shapes
 
 
-def test_min_stages_takes_the_planner_devices_only_pipeline_where_its_host_plan_is_one_stage():
-  """Searched with a host on which one stage is fastest, a planner returns one stage;
-  min_stages=2 then runs the same planner's pipeline for devices that compute on their own
-  (not the balanced planner's), and says so."""
-  g, h = four_layer_chain(10e-3), host(2e-3, 1.0)
-  opts = cp.Options(
-    num_microbatches=4,
-    devices=tuple(jax.devices()[:4]),
-    planner="graphpipe",
-    cluster=cpu_cluster(4, 8 * 2**30),
-    min_stages=2,
-  )
-  one = cp.make_plan(g, 16, opts, h)
-  assert one.num_stages == 1
-  plan, note = cp.pipeline_anyway(g, 16, opts, one, h)
-  assert plan.planner == "graphpipe" and plan.num_stages >= 2
-  assert plan.stages == cp.make_plan(g, 16, opts).stages
-  assert "min_stages=2 runs its plan for devices that compute on their own" in note
-
-
 def test_a_user_planner_is_given_the_host_where_it_takes_one():
   """``run_planner``: a callable planner whose signature takes ``host`` gets the measured
   host costs; one that does not is called as before."""
@@ -345,36 +325,6 @@ def test_min_stages_keeps_a_pipeline(dag, monkeypatch):
     np.asarray(jax.jit(step)(params, opt_state, batch)[-1]["loss"]),
     rtol=1e-5,
   )
-
-
-def test_min_stages_pipelines_where_the_planner_finds_one_stage_fastest(dag):
-  """A planner whose own plan is one stage (it finds no pipeline faster): min_stages=2 runs
-  the balanced planner's pipeline of 2 stages instead, says so in explain(), and the step's
-  values are the plain step's; more stages than devices is a clear error."""
-  step, params, opt_state, batch = dag
-
-  def one_stage(graph, cluster, batch_size, num_microbatches):
-    layers = tuple(lg.topo_layers(graph))
-    return Plan(
-      (Stage(0, layers, (0,)),), (), num_microbatches, planner="mine", batch_size=batch_size
-    )
-
-  pp = gpp_jax.graph_pipeline(
-    step, num_microbatches=2, devices=jax.devices()[:4], planner=one_stage, min_stages=2
-  )
-  out = pp(params, opt_state, batch)
-  assert pp.plan.num_stages == 2 and pp.plan.planner == "balanced"
-  assert "mine's own plan has 1 stage(s)" in pp.explain() and "min_stages=2" in pp.explain()
-  np.testing.assert_allclose(
-    np.asarray(out[-1]["loss"]),
-    np.asarray(jax.jit(step)(params, opt_state, batch)[-1]["loss"]),
-    rtol=1e-5,
-  )
-  too_many = gpp_jax.graph_pipeline(
-    step, num_microbatches=2, devices=jax.devices()[:2], planner=one_stage, min_stages=3
-  )
-  with pytest.raises(gpp_jax.PlanError, match=r"min_stages=3 .* than there are devices \(2\)"):
-    too_many(params, opt_state, batch)
 
 
 def test_without_calibration_the_planner_plan_is_kept(dag):

@@ -55,13 +55,18 @@ def step_time_summary(
 ) -> dict[str, Any]:
   """The measured step time beside the one prediction the plan was chosen by.
 
-  ``predicted_ms``: the planner's prediction for this machine (``Planned.predicted_s``: with
-  the host's measured costs when the layers were calibrated, else devices only);
-  ``predicted_devices_ms``: the simulator's devices-only view (every device computes
-  independently, the host costs nothing), kept for comparison; ``candidates_ms``: what else
-  was predicted (plain jit, jit data parallel, ...); ``timed_ms``: the candidates compiled and
-  timed while choosing (seconds per call of the step). ``predicted``: the devices-only
-  SimResult when the caller has it already (``write_predicted_timeline``).
+  ``predicted_ms``: the time the plan was chosen by (``Planned.predicted_s``), and
+  ``prediction`` where it comes from: ``"measured"`` (a timing trial of the chosen candidate)
+  or ``"modelled"`` (the cost model's prediction; ``Planned.predicted_how``); ``model``: the
+  cost model it was chosen with, ``"host-aware"`` (the host's measured costs, when the layers
+  were calibrated) or ``"devices only"``; ``predicted_devices_ms``: the simulator's
+  devices-only view (every device computes independently, the host costs nothing), kept for
+  comparison; ``candidates_ms``: every candidate's time as compared (the pipeline, plain jit,
+  jit data parallel, ...) and ``candidates_how`` the same names -> ``"measured"`` or
+  ``"modelled"`` (``Planned.how``), ``chosen`` the name of the one that runs; ``timed_ms``:
+  the candidates compiled and timed while choosing (seconds per call of the step).
+  ``predicted``: the devices-only SimResult when the caller has it already
+  (``write_predicted_timeline``).
   """
   planned = pipeline.compiled.planned
   devices_ms = (predicted or predicted_timeline(pipeline, cluster)).iteration_time * 1e3
@@ -71,10 +76,13 @@ def step_time_summary(
     # The first logged interval holds the warm-up of the first steps after compilation.
     "measured_ms": measured,
     "predicted_ms": one,
-    "prediction": "host-aware" if planned.host is not None else "devices only",
+    "prediction": planned.predicted_how,
+    "model": "host-aware" if planned.host is not None else "devices only",
     "prediction_error": (one - measured) / measured if measured else None,
     "predicted_devices_ms": devices_ms,
     "candidates_ms": {k: v * 1e3 for k, v in planned.alternatives.items()},
+    "candidates_how": {k: planned.how.get(k, "modelled") for k in planned.alternatives},
+    "chosen": planned.chosen,
     "timed_ms": {k: v * 1e3 for k, v in planned.measured.items()},
     "choice": planned.note or None,
     "cores": len(os.sched_getaffinity(0)),
@@ -82,7 +90,8 @@ def step_time_summary(
 
 
 def format_summary(s: dict[str, Any]) -> str:
-  """The summary as the lines the training program prints."""
+  """The summary as the lines the training program prints: the step time measured, the time
+  the plan was chosen by and each candidate's, each labelled measured or modelled."""
 
   def ms(x):
     return "n/a" if x is None else f"{x:.1f} ms"
@@ -91,14 +100,19 @@ def format_summary(s: dict[str, Any]) -> str:
   lines = [
     f"step time, measured:  {ms(s['measured_ms'])} (median over the logged intervals after "
     "the first)",
-    f"predicted:            {ms(s['predicted_ms'])} ({s['prediction']}: the prediction the "
-    "plan was chosen by" + (f"; {err:+.0%} off" if err is not None else "") + ")",
+    f"predicted:            {ms(s['predicted_ms'])} ({s['prediction']}, {s['model']}: the "
+    "time the plan was chosen by" + (f"; {err:+.0%} off" if err is not None else "") + ")",
   ]
-  if s["prediction"] != "devices only":
+  if s["model"] != "devices only":
     lines.append(
       f"devices only:         {ms(s['predicted_devices_ms'])} (every device computing "
       "independently, the host costing nothing)"
     )
+  if s["candidates_ms"]:
+    lines.append("candidates compared (time per step, where it comes from):")
+    for name, t in s["candidates_ms"].items():
+      runs = "  (runs)" if name == s["chosen"] else ""
+      lines.append(f"  {name:28s} {ms(t):>10s}  {s['candidates_how'][name]}{runs}")
   return "\n".join(lines)
 
 

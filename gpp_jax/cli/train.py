@@ -14,8 +14,10 @@ Logs loss, throughput and progress while it runs and writes a run folder (``--ru
   schedule_<name>.png        the plan simulated under every schedule, one PNG each, and
   schedule_measured.png      the measured last step (with matplotlib, the ``plots`` extra)
   metrics.jsonl              one JSON object per logged step
-  summary.json               measured step time beside the one prediction the plan was
-                             chosen by (``measured_ms``, ``predicted_ms``), and memory
+  summary.json               measured step time beside the time the plan was chosen by
+                             (``measured_ms``, ``predicted_ms``, ``prediction``: measured
+                             or modelled), every candidate's time (``candidates_ms``) and
+                             where it comes from (``candidates_how``), and memory
 
 With ``--checkpoint_dir`` the model and optimizer state are saved every ``--checkpoint_every``
 steps and at the end (``gpp_jax.checkpoint``), and a run started with a folder that holds
@@ -82,8 +84,9 @@ flags.DEFINE_integer("batch_size", 64, "examples per step")
 flags.DEFINE_integer(
   "min_stages",
   1,
-  "plain jit and jit data parallel compete with the planner's pipeline and win where "
-  "predicted faster on this machine; 2 keeps a pipeline",
+  "the fewest stages the plan may have: the planner's own search keeps to plans of at least "
+  "this many and runs its best such plan (never another planner's); 1 lets plain jit and jit "
+  "data parallel compete with the planner's pipeline and win where faster on this machine",
 )
 flags.DEFINE_integer("steps", 200, "training steps")
 flags.DEFINE_float("learning_rate", 1e-3, "AdamW learning rate")

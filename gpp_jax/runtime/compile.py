@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import networkx as nx
@@ -63,6 +64,11 @@ from gpp_jax.passes.lowering import (
 )
 from gpp_jax.passes.partition import KeywordPlanner, get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
+from gpp_jax.passes.partition.problem import (
+  check_min_stages,
+  planner_name,
+  too_few_stages_error,
+)
 from gpp_jax.passes.scan_split import ScanSplit, split_scans
 from gpp_jax.passes.schedules import plan_schedule, stream_schedule
 from gpp_jax.passes.staging import (
@@ -119,7 +125,9 @@ class Options:
   fuse: bool = True
   name: str = "step"
   memory_limit: int | None = None  # bytes per device; None: the device's, else the cluster's
-  min_stages: int = 1  # 2: a pipeline even where plain jit or data parallel is predicted faster
+  # The fewest stages the plan may have: the planner's own search keeps to plans of at least
+  # this many (``PlanningProblem.min_stages``), and one-stage candidates do not compete.
+  min_stages: int = 1
   donate_argnums: tuple[int, ...] = ()  # arguments whose arrays the fused step may consume
   # devices -> their host's HostCosts (``runtime.host.measure_host``), measured when calibrating
   host_probe: Callable[[Sequence[Any]], HostCosts] | None = None
@@ -409,6 +417,12 @@ def input_roles(marker, nparam: int, batch_vars: set, state, module_state) -> tu
 # ---------------------------------------------------------------------------- plan
 
 
+# Where a candidate's time in the plan choice comes from (``Choice.how``, ``Planned.how``).
+How = Literal["measured", "modelled"]
+MEASURED: How = "measured"  # a timing trial of the candidate itself (``trial``)
+MODELLED: How = "modelled"  # the cost model / simulator (``predict_seconds``)
+
+
 @dataclasses.dataclass(frozen=True)
 class Planned:
   """The plan and the graph it was made for.
@@ -428,6 +442,10 @@ class Planned:
     candidates: the plans ``alternatives`` predicted, by the same names (the planner's own
       plan is ``"pipeline"``, whichever was chosen), less any a trial found over the memory
       budget as compiled.
+    how: per name of ``alternatives``, where its time comes from: ``"measured"`` (a timing
+      trial of that candidate) or ``"modelled"`` (the cost model; ``Choice.how``).
+    chosen: the name of the candidate that runs (``"pipeline"`` for the planner's own plan
+      and a plan the user gave).
   """
 
   plan: Plan
@@ -443,6 +461,13 @@ class Planned:
   # Every candidate considered, those over the budget too: its modelled peak bytes per device.
   memory: Mapping[str, float] = dataclasses.field(default_factory=dict)
   memory_limit: float | None = None
+  how: Mapping[str, How] = dataclasses.field(default_factory=dict)
+  chosen: str = "pipeline"
+
+  @property
+  def predicted_how(self) -> How:
+    """Where ``predicted_s`` comes from: the chosen candidate's ``how``."""
+    return self.how.get(self.chosen, MODELLED)
 
 
 def plan_step(
@@ -457,10 +482,12 @@ def plan_step(
   What a user would run instead of a pipeline is in the plan space: a planner's plan competes
   with plain jit on one device, jit data parallel over the devices (one-stage plans, run as
   one jitted step) and its own plans on fewer devices, each predicted for this machine
-  (``predict_seconds`` with the host's measured costs), and the fastest is taken, unless
-  ``min_stages`` asks for a pipeline. Without calibration (layer times estimated, the host
-  not measured) the planner's plan is kept and a faster baseline only noted. A plan the user
-  gives is run as it is, with the same prediction.
+  (``predict_seconds`` with the host's measured costs), and the fastest is taken.
+  ``min_stages`` keeps the planner's own search to plans of at least that many stages (its
+  best such plan is its plan: ``PlanningProblem.min_stages``; no other planner stands in) and
+  leaves out the candidates of fewer stages. Without calibration (layer times estimated, the
+  host not measured) the planner's plan is kept and a faster baseline only noted. A plan the
+  user gives is run as it is, with the same prediction.
 
   When calibrating, the planner searches with the host's measured costs (``make_plan(host=)``:
   every plan it compares is predicted for this machine), after the layers are timed at each
@@ -486,6 +513,12 @@ def plan_step(
   compared are then timed in turns (``_interleaved``), so that a slow or fast spell of the
   machine does not fall on one of them only."""
   graph = captured.layering.graph
+  B = captured.batch_size
+  given = isinstance(opts.planner, (Plan, ManualPlan))
+  if not given:  # before anything is timed: the stages asked for must be possible
+    check_min_stages(
+      opts.min_stages, len(opts.devices), graph.number_of_nodes(), opts.layout is not None
+    )
   calibration = host = None
   if opts.calibrate:
     calibration = calibrate(captured, opts)
@@ -493,8 +526,6 @@ def plan_step(
     if opts.host_probe is not None:
       host = probe_host(opts)
       opts = with_measured_link(opts, host)
-  B = captured.batch_size
-  given = isinstance(opts.planner, (Plan, ManualPlan))
   if calibration is not None and host is not None and not given:
     # The planner searches with the host's measured costs: every plan it compares is
     # predicted for this machine, as the candidates below are. A stage over several devices
@@ -503,9 +534,6 @@ def plan_step(
     graph = calibrate_widths(captured, graph, (), host, opts.devices, widths)
   plan = make_plan(graph, B, opts, host)
   cluster = planner_cluster(opts)
-  anyway = ""
-  if not given and plan.num_stages < opts.min_stages:
-    plan, anyway = pipeline_anyway(graph, B, opts, plan, host)
   candidates = {"pipeline": plan}
   if not given:
     candidates.update(baseline_plans(graph, B, opts, sharded=any(captured.leaf_specs)))
@@ -558,13 +586,13 @@ def plan_step(
     if dp is not None and "jit data parallel" in trials:
       pieces = (acc, trials["pipeline"][1]) if wide_acc and "pipeline" in trials else None
       graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
-    if not given and not anyway and trials:
+    if not given and trials:
       # The search ran before the trials said what XLA makes of a step in one program (the
       # fusion, the model's own SPMD factor, the fixed seconds per micro-batch), so it priced
       # one-stage plans with the host's probe only: searched again with them, the planner's
       # plan replaces its first one.
       better_plan = make_plan(graph, B, opts, host)
-      if better_plan.num_stages >= opts.min_stages and plan_shape(better_plan) != plan_shape(plan):
+      if plan_shape(better_plan) != plan_shape(plan):
         logging.info(
           "graph_pipeline: searched again with the trials' calibration, %s's plan has %d "
           "stage(s) (first: %d)",
@@ -577,7 +605,7 @@ def plan_step(
         if one_acc is not None and ACCUMULATED in trials and is_same(plan, one_acc):
           trials["pipeline"] = trials[ACCUMULATED]  # the step it timed
         graph = calibrate_widths(captured, graph, [plan], host, opts.devices)
-    candidate = not given and not anyway and opts.min_stages <= 1
+    candidate = not given and opts.min_stages <= 1
     if one_acc is not None and ACCUMULATED in trials and candidate:
       if is_same(plan, one_acc):
         trials.pop(ACCUMULATED)  # the planner's plan, timed as "pipeline"
@@ -586,7 +614,8 @@ def plan_step(
     else:
       trials.pop(ACCUMULATED, None)
   measured = {k: t for k, (_, t) in trials.items()}
-  choice, predicted = choose_plan(candidates, lg.scaled(graph, B), cluster, host, measured)
+  chose = choose(candidates, lg.scaled(graph, B), cluster, host, measured)
+  choice, predicted = chose.name, chose.predicted
   note = ""
   if trial is not None and not given and choice not in trials:
     choice, note = checked_by_trial(
@@ -635,8 +664,12 @@ def plan_step(
         f"{measured[base] * 1e3:.2f} ms in one call"
       )
       logging.info("graph_pipeline: %s", note)
-  if anyway:
-    note = f"{anyway}; {note}" if note else anyway
+  if not given and opts.min_stages > 1:
+    kept_to = (
+      f"min_stages={opts.min_stages}: {plan.planner}'s search kept to plans of at least "
+      f"{opts.min_stages} stages"
+    )
+    note = f"{kept_to}; {note}" if note else kept_to
   if jax.process_count() > 1:
     check_same_plan(plan, opts.timeout_s)
   kept = trials[choice][0] if choice in trials else None
@@ -657,6 +690,8 @@ def plan_step(
     plans,
     memory,
     cluster.memory_per_device,
+    chose.how,
+    choice,
   )
 
 
@@ -718,48 +753,6 @@ def checked_by_trial(
     f"{what} measured {mine * 1e3:.2f} ms per step, slower than {best}'s {theirs * 1e3:.2f} ms: "
     f"{best} runs instead (min_stages=2 runs a pipeline regardless)"
   )
-
-
-def pipeline_anyway(
-  graph: nx.DiGraph, batch_size: int, opts: Options, plan: Plan, host: HostCosts | None = None
-) -> tuple[Plan, str]:
-  """``min_stages``: the planner's own plan has fewer stages than asked (it finds no pipeline
-  faster); (a pipeline of at least ``min_stages`` stages, the note that says so): where the
-  planner searched with the host, its plan for devices that compute on their own if that has
-  enough stages, else the balanced planner's pipeline of ``min_stages`` stages.
-  ``PlanError`` where the devices or the layers are fewer than the stages asked for."""
-  k, nd, nl = opts.min_stages, len(opts.devices), graph.number_of_nodes()
-  if k > min(nd, nl):
-    raise PlanError(
-      f"min_stages={k} asks for more stages than there are "
-      + (
-        (f"devices ({nd})" if opts.layout is None else f"rows of the mesh's first axis ({nd})")
-        if nd < k
-        else f"layers ({nl})"
-      )
-      + "; pass a smaller min_stages"
-    )
-  if host is not None:
-    try:
-      own = make_plan(graph, batch_size, opts)
-    except PlanError:
-      own = None
-    if own is not None and own.num_stages >= k:
-      note = (
-        f"{plan.planner}'s own plan on this machine has {plan.num_stages} stage(s) (it finds "
-        f"no pipeline faster here); min_stages={k} runs its plan for devices that compute on "
-        f"their own, {own.num_stages} stages"
-      )
-      logging.info("graph_pipeline: %s", note)
-      return own, note
-  balanced = dataclasses.replace(opts, planner="balanced", planner_options={"num_stages": k})
-  out = make_plan(graph, batch_size, balanced)
-  note = (
-    f"{plan.planner}'s own plan has {plan.num_stages} stage(s) (it finds no pipeline faster); "
-    f"min_stages={k} runs the balanced planner's pipeline of {out.num_stages} stages"
-  )
-  logging.info("graph_pipeline: %s", note)
-  return out, note
 
 
 def probe_host(opts: Options) -> HostCosts | None:
@@ -870,6 +863,35 @@ def _interleaved(
     trials[k] = (trials[k][0], statistics.median(seen[k]))
 
 
+# A candidate's prediction counts as its trial's where the two agree to this (relative): the
+# fits (``calibrate_fusion``, ``calibrate_spmd``) solve for it exactly, and miss it only where
+# a floor held the factor (the prediction is then the model's, calibrated).
+SAME_AS_TRIAL = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """What ``choose`` decided.
+
+  Attributes:
+    name: the candidate predicted fastest (of those it may choose: ``choose``).
+    predicted: seconds per step of each candidate that fits the memory budget (the
+      ``"pipeline"`` always), as compared.
+    how: per name of ``predicted``, where its time comes from: ``"measured"`` where it is a
+      timing trial's of that very candidate (the fits make a timed one-call step's
+      prediction its measurement plus the host's time outside the step; gradient
+      accumulation measured faster than its one-call step is that step's measured time
+      scaled by the two measurements), ``"modelled"`` where it is the cost model's
+      (simulator's) prediction, calibrated or not, whether or not the candidate was timed
+      (a pipeline timed before it is taken keeps its modelled time here: the trial that
+      checks it is ``Planned.measured``'s).
+  """
+
+  name: str
+  predicted: dict[str, float]
+  how: dict[str, How]
+
+
 def choose_plan(
   candidates: Mapping[str, Plan],
   graph: nx.DiGraph,
@@ -877,8 +899,22 @@ def choose_plan(
   host: HostCosts | None,
   measured: Mapping[str, float] | None = None,
 ) -> tuple[str, dict[str, float]]:
-  """(the name of the candidate predicted fastest, seconds predicted per candidate) over
-  ``graph`` (scaled to the batch) on ``cluster`` with the host's costs (``predict_seconds``).
+  """(the name of the candidate predicted fastest, seconds predicted per candidate):
+  ``choose``'s name and predictions (its ``how`` left out)."""
+  c = choose(candidates, graph, cluster, host, measured)
+  return c.name, c.predicted
+
+
+def choose(
+  candidates: Mapping[str, Plan],
+  graph: nx.DiGraph,
+  cluster: Any,
+  host: HostCosts | None,
+  measured: Mapping[str, float] | None = None,
+) -> Choice:
+  """The candidate predicted fastest, the seconds predicted per candidate and where each
+  time comes from (``Choice``), over ``graph`` (scaled to the batch) on ``cluster`` with the
+  host's costs (``predict_seconds``).
   Candidates whose predicted memory does not fit are left out, except ``"pipeline"`` (the
   planner's own plan, which fits by construction or was asked for); on a tie it wins.
 
@@ -892,7 +928,11 @@ def choose_plan(
   (``measured``: name -> seconds per call) and the step in micro-batches measured faster
   (medium MMT on one forced CPU device in 4 micro-batches: 0.92x plain jit's time, BUILD_NOTES):
   it is then predicted at the one-call step's prediction times the ratio of the two
-  measurements."""
+  measurements.
+
+  Each time is labelled (``Choice.how``): measured where it is the candidate's own trial's
+  (``measured``, plus the host's time outside the step, which the fits add), else
+  modelled."""
   predicted = {}
   for name, p in candidates.items():
     seconds, fits = predict_seconds(p, graph, cluster, host)
@@ -907,6 +947,15 @@ def choose_plan(
     if k in predicted:
       in_one_call.setdefault(one_stage_width(candidates[k]), k)
   timed = measured or {}
+  outside = host.outside if host is not None else 0.0
+  how: dict[str, How] = {
+    k: MEASURED
+    if host is not None
+    and k in timed
+    and math.isclose(t, timed[k] + outside, rel_tol=SAME_AS_TRIAL)
+    else MODELLED
+    for k, t in predicted.items()
+  }
   choosable = []
   for k in predicted:
     p = candidates[k]
@@ -915,8 +964,10 @@ def choose_plan(
       choosable.append(k)  # not gradient accumulation beside a one-call step
     elif k in timed and base in timed and timed[k] < timed[base]:
       predicted[k] = predicted[base] * timed[k] / timed[base]
+      how[k] = how[base]  # the one-call step's time, scaled by the two trials
       choosable.append(k)  # measured faster than the one-call step
-  return min(choosable, key=lambda k: (predicted[k], k != "pipeline")), predicted
+  name = min(choosable, key=lambda k: (predicted[k], k != "pipeline"))
+  return Choice(name, predicted, how)
 
 
 FUSION_FLOOR = 0.05  # the smallest fusion fitted: the compute keeps 5% of the layers' sum
@@ -1140,13 +1191,15 @@ def fewer_device_plans(
   """The planner's plans on the first 2, 4, 8, ... of the devices (fewer than all), for a
   machine where more devices do not compute more at once (forced CPU devices sharing the
   host's cores) or each action's issue costs more than it saves (searched with ``host``, as
-  ``make_plan``)."""
+  ``make_plan``); none on fewer devices than ``min_stages`` stages need."""
   out: dict[str, Plan] = {}
   n = len(opts.devices)
   cluster = planner_cluster(opts)
   if cluster.inter_link is not None:
     return out
   k = 2
+  while k < opts.min_stages:
+    k *= 2
   while k < n:
     sub = dataclasses.replace(
       opts, devices=tuple(opts.devices[:k]), cluster=cluster.replace(num_devices=k)
@@ -1321,23 +1374,36 @@ def run_planner(
   per device as the simulator predicts it (a planner that does not look at memory is held to
   it here: ``PlanError`` when over). With ``host`` (the machine's measured costs) the planner
   searches with the prediction for this machine (``PlanningProblem.host``); a callable gets
-  it where its signature takes ``host``."""
+  it where its signature takes ``host``. ``opts.min_stages`` above one is the planner's
+  too: a named planner searches plans of at least that many stages
+  (``PlanningProblem.min_stages``), a callable gets it where its signature takes
+  ``min_stages``, and a plan of fewer stages is a ``PlanError`` naming the planner (no other
+  planner runs in its place)."""
   M = opts.num_microbatches
+  k = opts.min_stages
   if isinstance(p, str):
     fn = get_planner(p)
     with_host = {} if host is None else {"host": host}
+    with_stages = {"min_stages": k} if k > 1 else {}
     plan = fn(
       lg.scaled(graph, batch_size),
       cluster,
       batch_size,
       num_microbatches=M,
-      **with_host,
-      **opts.planner_options,
+      **{**with_host, **with_stages, **opts.planner_options},
     )
   else:
-    takes = KeywordPlanner("planner", p).accepts()
-    with_host = {"host": host} if host is not None and (takes is None or "host" in takes) else {}
-    plan = p(graph, cluster, batch_size, num_microbatches=M, **with_host)
+    named = KeywordPlanner(planner_name(p), p)
+    takes = named.accepts()
+    extra: dict[str, Any] = {}
+    if host is not None and (takes is None or "host" in takes):
+      extra["host"] = host
+    if k > 1 and (takes is None or "min_stages" in takes):
+      extra["min_stages"] = k
+    plan = p(graph, cluster, batch_size, num_microbatches=M, **extra)
+    if plan.num_stages < k:
+      name = plan.planner or named.name
+      raise too_few_stages_error(name, plan, k, keyword="min_stages" in extra)
   if plan.num_microbatches != M:
     plan = plan.replace(num_microbatches=M)
   if opts.schedule is not None:

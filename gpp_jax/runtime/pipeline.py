@@ -199,7 +199,11 @@ class GraphPipeline:
       lines += [c.planned.note, ""]
     if c.planned.predicted_s is not None:
       how = "with the host's measured costs" if c.planned.host else "devices only"
-      alts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.planned.alternatives.items())
+      labels = c.planned.how
+      alts = ", ".join(
+        f"{k} {v * 1e3:.2f} ms {labels.get(k, 'modelled')}"
+        for k, v in c.planned.alternatives.items()
+      )
       lines.append(
         f"predicted step time {c.planned.predicted_s * 1e3:.2f} ms ({how}; candidates: {alts})"
       )
@@ -449,7 +453,8 @@ def _candidate_lines(planned: Any) -> list[str]:
   lines = [f"candidates (modelled peak per device{budget}; predicted step time):"]
   for name, peak in planned.memory.items():
     t = planned.alternatives.get(name)
-    when = f"{t * 1e3:.2f} ms" if t is not None else "left out: over the memory budget"
+    how = planned.how.get(name, "modelled")
+    when = f"{t * 1e3:.2f} ms {how}" if t is not None else "left out: over the memory budget"
     if name in planned.measured:
       when += f" (timed {planned.measured[name] * 1e3:.2f} ms)"
     lines.append(f"  {name:28s} {format_bytes(peak):>12s}  {when}")
@@ -550,9 +555,10 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
       anything runs, with each device's numbers.
     min_stages: the plain jitted step on one device and jit data parallel over the devices are
       candidates of every planner, taken when predicted faster than its pipeline (the choice
-      and the predictions are logged and in ``explain()``); 2 keeps the planner's pipeline,
-      and where the planner's own plan has fewer stages (it finds no pipeline faster) runs
-      the balanced planner's pipeline of ``min_stages`` stages instead, saying so.
+      and the predictions are logged and in ``explain()``); k > 1 keeps the planner's
+      pipeline and has the planner search only plans of at least k stages (its best such
+      plan runs; no other planner stands in, and a planner that cannot is a ``PlanError``
+      naming it).
     donate_argnums: positions of arguments whose arrays the step may consume, as
       ``jax.jit``'s: every array of a pytree there, and of an NNX object its Variables' values
       (the Variables then hold the step's new values). Where the step runs as one executable

@@ -3,7 +3,9 @@
 Linearises the LayerGraph in topological order and cuts it into contiguous pieces of nearly
 equal forward FLOPs (at most one stage per device), one device per stage. Independent branches
 are not run concurrently; use the graphpipe planner for that. It prices nothing: the problem's
-cost model and micro-batch limit are not used.
+cost model and micro-batch limit are not used. Its stage count is ``num_stages`` (default: as
+many as devices and layers allow), which the problem's ``min_stages`` bounds from below: a
+``num_stages`` under it is a ``PlanError``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster
+from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan, Stage, stage_edges
 from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
@@ -61,6 +64,12 @@ def balanced_search(problem: PlanningProblem, opts: BalancedOptions) -> Plan:
   layer_graph = problem.layer_graph
   layers = topo_layers(layer_graph)
   S = min(opts.num_stages or problem.num_devices, len(layers))
+  if problem.min_stages > S:
+    raise PlanError(
+      f"balanced: num_stages={opts.num_stages} cuts {S} stage(s), fewer than min_stages="
+      f"{problem.min_stages}; pass num_stages of at least {problem.min_stages}, or drop "
+      "num_stages (as many stages as devices and layers allow)"
+    )
   weights = [max(layer_graph.nodes[l]["flops"], 1.0) for l in layers]
   stages = tuple(
     Stage(index=k, layers=tuple(layers[a:b]), devices=(k,))

@@ -11,7 +11,8 @@ repository's reading of it (recorded in BUILD_NOTES.md):
   stashes all M micro-batches; 1F1B a stage s-th from the end stashes min(s, M));
 * exploration: every micro-batch size (powers of two dividing the batch), replication r,
   stage count S and mode; candidates are ranked by the estimate (M + S - 1) * TPS * b and the
-  best ones are simulated with their mode's schedule; the fastest plan wins.
+  best ones are simulated with their mode's schedule; the fastest plan wins;
+* ``min_stages`` (the planning problem's): the stage counts S explored start there.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ from gpp_jax.passes.partition.plan_assembly import (
   no_plan_error,
   shortlist,
 )
-from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
+from gpp_jax.passes.partition.problem import (
+  PlanningProblem,
+  ProblemPlanner,
+  no_plan_with_stages_error,
+)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 
 MODES = ("1f1b", "gpipe")
@@ -88,7 +93,8 @@ class BaPipeOptions:
 
 def ranked_candidates(problem: PlanningProblem, modes: tuple[str, ...]) -> list[tuple]:
   """Every balanced partition within memory, (estimate, b, r, S, mode, ranges, TPS) over
-  micro-batch sizes, replications, stage counts and modes, best estimate first."""
+  micro-batch sizes, replications, stage counts (at least the problem's ``min_stages``) and
+  modes, best estimate first."""
   cluster, cm, B, costs = problem.inputs()
   K = cluster.num_devices
   n = len(costs)
@@ -98,7 +104,7 @@ def ranked_candidates(problem: PlanningProblem, modes: tuple[str, ...]) -> list[
     reps = [r for r in range(1, K + 1) if b % r == 0 and K % r == 0]
     rc = RangeCosts(costs, cm, cluster, b, B, reps)
     for r in reps:
-      for S in range(1, min(K // r, n) + 1):
+      for S in range(max(1, problem.min_stages), min(K // r, n) + 1):
         for mode in modes:
           got = balanced_ranges(rc, r, S, M, mode, cluster.memory_per_device)
           if got is None:
@@ -134,6 +140,10 @@ def bapipe_search(problem: PlanningProblem, opts: BaPipeOptions) -> Plan:
     )
     best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
+    if problem.min_stages > 1:
+      raise no_plan_with_stages_error(
+        "bapipe", problem.min_stages, "none of that many stages fits device memory"
+      )
     raise no_plan_error("bapipe", layer_graph, cluster, B)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "candidates": len(found)}

@@ -5,7 +5,8 @@ makes every stage convex), every device count per stage (a divisor of the micro-
 may stay idle), and every micro-batch size (powers of two dividing the batch), simulates each
 plan with the synchronous 1F1B schedule and returns the fastest one within memory. It is the
 ground truth the tests hold the other planners against; a cheap lower bound per candidate
-(the busiest stage's compute for all micro-batches) skips candidates that cannot win.
+(the busiest stage's compute for all micro-batches) skips candidates that cannot win. Under
+the planning problem's ``min_stages``, partitions of fewer blocks are not plans.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from gpp_jax.passes.partition.plan_assembly import (
   data_parallel_degrees,
   no_plan_error,
 )
-from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
+from gpp_jax.passes.partition.problem import (
+  PlanningProblem,
+  ProblemPlanner,
+  no_plan_with_stages_error,
+)
 
 
 def acyclic_partitions(layer_graph: nx.DiGraph) -> list[list[list[str]]]:
@@ -91,6 +96,10 @@ def exhaustive_search(problem: PlanningProblem, opts: ExhaustiveOptions) -> Plan
     best, count = best_at_size(problem, parts, b, best)
     simulated += count
   if best is None or not best.predicted.get("memory_ok", True):
+    if problem.min_stages > 1:
+      raise no_plan_with_stages_error(
+        "exhaustive", problem.min_stages, "none of that many stages fits device memory"
+      )
     raise no_plan_error("exhaustive", layer_graph, cluster, problem.batch_size)
   pred = dict(best.predicted)
   pred["search"] = {
@@ -106,7 +115,8 @@ def best_at_size(
 ) -> tuple[Plan | None, int]:
   """The faster of ``best`` and every plan at micro-batch size ``b`` (partitions ``parts``,
   every device count per stage), and how many plans were simulated: a plan whose busiest
-  stage's compute alone is no faster than ``best`` (within memory) is not."""
+  stage's compute alone is no faster than ``best`` (within memory) is not, nor one of fewer
+  stages than the problem's ``min_stages``."""
   cluster, cm, B, costs = problem.inputs()
   K = cluster.num_devices
   M = B // b
@@ -117,7 +127,7 @@ def best_at_size(
     times[d] = tf + tb
   simulated = 0
   for blocks in parts:
-    if len(blocks) > K:
+    if len(blocks) > K or len(blocks) < problem.min_stages:
       continue
     idx = [[costs.index[l] for l in bl] for bl in blocks]
     for counts in itertools.product(dps, repeat=len(blocks)):

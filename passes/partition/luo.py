@@ -21,7 +21,8 @@ BUILD_NOTES.md):
   list-scheduled graph 1F1B (backward as early as possible) and GPipe, and the fastest order
   within memory is kept.
 Candidates range over micro-batch sizes (powers of two), replication r (a divisor of the
-micro-batch) and two stage counts per r: S = min(devices / r, layers) and half of it.
+micro-batch) and two stage counts per r: S = min(devices / r, layers) and half of it (under
+the planning problem's ``min_stages``, those of at least that many stages).
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ from gpp_jax.passes.partition.plan_assembly import (
   no_plan_error,
   shortlist,
 )
-from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
+from gpp_jax.passes.partition.problem import (
+  PlanningProblem,
+  ProblemPlanner,
+  no_plan_with_stages_error,
+)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 
 ORDERS = ("1f1b", "graph-1f1b", "gpipe")
@@ -138,7 +143,8 @@ class LuoOptions:
 
 def mapped_candidates(problem: PlanningProblem) -> list[tuple]:
   """The best mapped partition, (estimate, b, r, S, ranges), of every micro-batch size,
-  replication r and stage count tried (see the module docstring), best estimate first."""
+  replication r and stage count tried (see the module docstring; at least the problem's
+  ``min_stages``), best estimate first."""
   cluster, cm, B, costs = problem.inputs()
   K = cluster.num_devices
   n = len(costs)
@@ -149,7 +155,8 @@ def mapped_candidates(problem: PlanningProblem) -> list[tuple]:
     reps = [r for r in range(1, K + 1) if b % r == 0]
     rc = RangeCosts(costs, cm, cluster, b, B, reps)
     for r in reps:
-      for S in sorted({min(K // r, n), max(1, min(K // r, n) // 2)}):
+      most = min(K // r, n)
+      for S in sorted({S for S in (most, max(1, most // 2)) if problem.min_stages <= S}):
         got = _mapped_partition(rc, cross, cluster, r, S, M)
         if got is not None:
           found.append((got[0], b, r, S, got[1]))
@@ -184,6 +191,10 @@ def luo_search(problem: PlanningProblem, opts: LuoOptions) -> Plan:
       )
       best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
+    if problem.min_stages > 1:
+      raise no_plan_with_stages_error(
+        "luo", problem.min_stages, "none of that many stages fits device memory"
+      )
     raise no_plan_error("luo", layer_graph, cluster, B)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "candidates": len(found)}

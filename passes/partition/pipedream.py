@@ -20,6 +20,10 @@ rule GraphPipe uses over its depth frontier). The stages form a chain: consecuti
 an ordering edge even when no tensor flows between them, as in PipeDream's runtime, where a
 stage talks only to its neighbours.
 
+``min_stages`` (the planning problem's): the DP's optima are per stage count s, so the search
+keeps to s >= min_stages (and the polish to moves that keep that many stages): PipeDream's
+best plan of at least that many stages, whatever its best plan overall.
+
 Selection (``selection=``):
   * ``"published"``: PipeDream's objective alone, no simulation and no polish: at each
     micro-batch size the DP's smallest bottleneck (ties: fewer stages); across sizes, which
@@ -47,7 +51,12 @@ from gpp_jax.passes.partition.plan_assembly import (
   data_parallel_degrees,
   no_plan_error,
 )
-from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner, device_unit
+from gpp_jax.passes.partition.problem import (
+  PlanningProblem,
+  ProblemPlanner,
+  device_unit,
+  no_plan_with_stages_error,
+)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.refine import (
   REFINE_WITHIN,
@@ -157,6 +166,14 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
   t0 = time.perf_counter()
   sizes = problem.microbatch_sizes()
   unit = device_unit(problem.num_devices, opts.device_grid)
+  k = problem.min_stages
+  if k > problem.num_devices // unit:
+    raise no_plan_with_stages_error(
+      "pipedream",
+      k,
+      f"its DP counts devices in slots of {unit}, at most {problem.num_devices // unit} "
+      "stages; pass a larger device_grid",
+    )
   if opts.selection == "published":
     plan = published_chain(problem, sizes, replicate=opts.replicate, unit=unit)
   else:
@@ -175,9 +192,10 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
       memo=problem.simulations(),
       keep_within=REFINE_WITHIN,
       host=problem.host,
+      min_stages=k,
     )
     if not evaluated:
-      raise no_plan_error("pipedream", problem.layer_graph, problem.cluster, problem.batch_size)
+      raise no_chain_error(problem)
     plan = polish(
       evaluated,
       problem.layer_graph,
@@ -188,6 +206,7 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
       memo=problem.simulations(),
       refine_within=REFINE_WITHIN,
       host=problem.host,
+      min_stages=k,
     )
   pred = dict(plan.predicted)
   pred["search"] = {
@@ -257,11 +276,22 @@ def chain_table(
 SELECTIONS = ("simulated", "published")
 
 
+def no_chain_error(problem: PlanningProblem) -> Exception:
+  """PipeDream found no chain within memory (of at least ``min_stages`` stages, where the
+  problem asks for more than one)."""
+  if problem.min_stages > 1:
+    return no_plan_with_stages_error(
+      "pipedream", problem.min_stages, "none of that many stages fits device memory"
+    )
+  return no_plan_error("pipedream", problem.layer_graph, problem.cluster, problem.batch_size)
+
+
 def published_chain(
   problem: PlanningProblem, sizes: list[int], *, replicate: bool = True, unit: int = 1
 ) -> Plan:
   """PipeDream as published: per micro-batch size the DP's smallest bottleneck (ties: fewer
-  stages), across sizes the smallest (M + s - 1) * TPS * b; no simulation ranking, no polish."""
+  stages), across sizes the smallest (M + s - 1) * TPS * b; no simulation ranking, no polish.
+  Stage counts below the problem's ``min_stages`` are not among the optima."""
   layer_graph, cluster, B, costs = (
     problem.layer_graph,
     problem.cluster,
@@ -273,7 +303,8 @@ def published_chain(
   for b in sizes:
     rc = RangeCosts(costs, problem.cost_model, cluster, b, B, data_parallel_degrees(b, K))
     A, dps = chain_dp(rc, K, B // b, cluster.memory_per_device, replicate, unit)
-    vals = [(float(A[0, -1, s]), s) for s in range(1, A.shape[2]) if math.isfinite(A[0, -1, s])]
+    first = max(1, problem.min_stages)
+    vals = [(float(A[0, -1, s]), s) for s in range(first, A.shape[2]) if math.isfinite(A[0, -1, s])]
     if not vals:
       continue
     v, s = min(vals)
@@ -281,7 +312,7 @@ def published_chain(
     if best is None or est < best[0]:
       best = (est, b, s, v, rc, A, dps)
   if best is None:
-    raise no_plan_error("pipedream", layer_graph, cluster, B)
+    raise no_chain_error(problem)
   _, b, s, v, rc, A, dps = best
   ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s, unit)
   plan = assemble_plan(
@@ -322,6 +353,7 @@ def chain_candidates(
   memo: dict | None = None,
   keep_within: float | None = None,
   host: Any = None,
+  min_stages: int = 1,
 ) -> list[Plan]:
   """The simulated PipeDream DP optima within memory (see ``pipedream_plan``), unpolished;
   ``sweep=False`` skips simulating every stage count at the two best micro-batch sizes.
@@ -335,7 +367,8 @@ def chain_candidates(
   unsimulated: a polish that refines plans within that factor would not look at them
   (a one-stage plan, with ``host``, is always simulated: it runs as one jitted step, which
   the bound does not see). ``host``: the machine's measured host costs, the prediction the
-  plans are simulated with (``plan_assembly.predict``).
+  plans are simulated with (``plan_assembly.predict``). ``min_stages``: only the optima of at
+  least that many stages (``PlanningProblem.min_stages``).
   """
   cm = cost_model
   K = cluster.num_devices
@@ -349,7 +382,7 @@ def chain_candidates(
     M = B // b
     return [
       ((M + s - 1) * float(A[0, -1, s]) * b, b, s, rep)
-      for s in range(1, A.shape[2])
+      for s in range(max(1, min_stages), A.shape[2])
       if math.isfinite(A[0, -1, s])
     ]
 

@@ -38,6 +38,10 @@ downset differences priced the same way, so Piper's optimum is at most U); the s
 selection keeps pairs up to ``SIMULATED_BOUND`` * U (a heuristic cut: its candidates with a
 bottleneck 1.5x the best are not simulated).
 
+``min_stages`` (the planning problem's): the DP's optima are per stage count s, so the search
+keeps to s >= min_stages (the bound U to PipeDream's optima of that many stages, and the
+polish to moves that keep them): Piper's best plan of at least that many stages.
+
 ``max_downsets`` defaults to the authors' ``IDEALS_LIMIT = 40000``: beyond it the planner
 raises PlanError, which is how Piper fails on DLRM and CANDLE-Uno in the GraphPipe paper.
 """
@@ -64,7 +68,11 @@ from gpp_jax.passes.partition.plan_assembly import (
   data_parallel_degrees,
   no_plan_error,
 )
-from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
+from gpp_jax.passes.partition.problem import (
+  PlanningProblem,
+  ProblemPlanner,
+  no_plan_with_stages_error,
+)
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.refine import polish
 
@@ -322,16 +330,17 @@ class PiperOptions:
 
 
 def chain_bounds(problem: PlanningProblem, sizes: list[int]) -> dict[int, np.ndarray]:
-  """Per micro-batch size, PipeDream's DP optimum for each stage count over a topological
-  order: its stages are downset differences priced the same way, so Piper's optimum at that
-  size is at most the smallest."""
+  """Per micro-batch size, PipeDream's DP optimum for each stage count of at least the
+  problem's ``min_stages`` over a topological order: its stages are downset differences
+  priced the same way, so Piper's optimum of that many stages at that size is at most the
+  smallest."""
   cluster, cm, B, costs = problem.inputs()
   K = cluster.num_devices
   out = {}
   for b in sizes:
     rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
     A, _ = chain_dp(rc, K, B // b, cluster.memory_per_device)
-    out[b] = A[0, K, 1:]
+    out[b] = A[0, K, max(1, problem.min_stages) :]
   return out
 
 
@@ -361,7 +370,7 @@ def dp_optima(
       U *= SIMULATED_BOUND
     pr = _Pricing(pairs, costs, cm, cluster, b, B, dps)
     dp = _piper_dp(pairs, pr, dps, K, S, M, U * (1 + 1e-9))
-    vals = [(float(dp[full, K, s]), s) for s in range(1, S + 1)]
+    vals = [(float(dp[full, K, s]), s) for s in range(max(1, problem.min_stages), S + 1)]
     vals = [(v, s) for v, s in vals if math.isfinite(v)]
     if published and vals:
       vals = [min(vals)]  # the objective: smallest bottleneck (ties: fewer stages)
@@ -408,6 +417,10 @@ def piper_search(problem: PlanningProblem, opts: PiperOptions) -> Plan:
     best = better(best, plan)
     plans.append(plan)
   if best is None or not best.predicted.get("memory_ok", True):
+    if problem.min_stages > 1:
+      raise no_plan_with_stages_error(
+        "piper", problem.min_stages, "none of that many stages fits device memory"
+      )
     raise no_plan_error("piper", layer_graph, cluster, B)
   if opts.selection != "published":
     best = polish(
@@ -418,6 +431,7 @@ def piper_search(problem: PlanningProblem, opts: PiperOptions) -> Plan:
       costs=costs,
       microbatch_sizes=sizes,
       host=problem.host,
+      min_stages=problem.min_stages,
     )
   pred = dict(best.predicted)
   pred["search"] = {

@@ -27,6 +27,7 @@ import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster, as_cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
+from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import validate_layer_graph
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.plan_assembly import MAX_MICROBATCHES, microbatch_sizes
@@ -52,6 +53,10 @@ class PlanningProblem:
       jitted step); the planners' own objectives (per-stage times in their DPs) stay the
       cost model's. None: the devices-only model (every device computes on its own, the host
       costs nothing), as the papers' planners assume.
+    min_stages: the fewest stages a plan may have (``graph_pipeline(min_stages=)``): every
+      planner's search is kept to plans of at least this many stages and returns its best
+      such plan (1: any plan, a one-stage plan included). A planner that cannot search under
+      it raises ``PlanError`` naming itself; none hands the problem to another planner.
   """
 
   layer_graph: nx.DiGraph
@@ -63,6 +68,7 @@ class PlanningProblem:
   num_microbatches: int | None = None
   max_microbatches: int | None = MAX_MICROBATCHES
   host: Any = None
+  min_stages: int = 1
   memo: dict = dataclasses.field(default_factory=dict, repr=False)  # work planners share
 
   @classmethod
@@ -77,13 +83,18 @@ class PlanningProblem:
     num_microbatches: int | None = None,
     max_microbatches: int | None = MAX_MICROBATCHES,
     host: Any = None,
+    min_stages: int = 1,
   ) -> PlanningProblem:
     """The problem from what a user passes: a device count becomes a ``cpu_cluster``, the
-    batch defaults to the LayerGraph's ``batch_size``, the cost model to the default one."""
+    batch defaults to the LayerGraph's ``batch_size``, the cost model to the default one.
+    ``PlanError`` where ``min_stages`` asks for more stages than there are devices or
+    layers."""
     validate_layer_graph(layer_graph)
+    cluster = as_cluster(cluster)
+    check_min_stages(min_stages, cluster.num_devices, layer_graph.number_of_nodes())
     return cls(
       layer_graph=layer_graph,
-      cluster=as_cluster(cluster),
+      cluster=cluster,
       batch_size=int(batch_size or layer_graph.graph["batch_size"]),
       cost_model=cost_model or DEFAULT_COST_MODEL,
       costs=layer_costs(layer_graph),
@@ -91,6 +102,7 @@ class PlanningProblem:
       num_microbatches=num_microbatches,
       max_microbatches=max_microbatches,
       host=host,
+      min_stages=int(min_stages),
     )
 
   @property
@@ -114,6 +126,57 @@ class PlanningProblem:
     """(cluster, cost model, batch size, layer costs): the four values planners price with."""
     return self.cluster, self.cost_model, self.batch_size, self.costs
 
+  def enough_stages(self, plan: Plan) -> bool:
+    """Whether ``plan`` has at least ``min_stages`` stages (a plan the search may return)."""
+    return plan.num_stages >= self.min_stages
+
+
+def check_min_stages(
+  min_stages: int, num_devices: int, num_layers: int, rows: bool = False
+) -> None:
+  """``PlanError`` where ``min_stages`` asks for more stages than there are devices (``rows``:
+  rows of the mesh's first axis, which the planners count as devices) or layers: every
+  stage takes at least one of each."""
+  k = int(min_stages)
+  if k < 1:
+    raise PlanError(f"min_stages must be at least 1, got {min_stages}")
+  if k <= min(num_devices, num_layers):
+    return
+  what = "rows of the mesh's first axis" if rows else "devices"
+  raise PlanError(
+    f"min_stages={k} asks for more stages than there are "
+    + (f"{what} ({num_devices})" if num_devices < k else f"layers ({num_layers})")
+    + "; pass a smaller min_stages"
+  )
+
+
+def too_few_stages_error(planner: str, plan: Plan, min_stages: int, keyword: bool) -> PlanError:
+  """The error for a planner whose plan has fewer than ``min_stages`` stages: ``min_stages``
+  constrains the planner's own search, and is never a reason to run another planner.
+  ``keyword``: whether the planner was passed ``min_stages`` (else its signature takes no
+  such keyword, and the fix is to give it one)."""
+  head = f"{planner}'s plan has {plan.num_stages} stage(s), fewer than min_stages={min_stages}"
+  if keyword:
+    return PlanError(
+      f"{head} although it was passed min_stages={min_stages}; its search must return plans "
+      "of at least that many stages (pass a smaller min_stages meanwhile)"
+    )
+  return PlanError(
+    f"{head}, and {planner} takes no min_stages keyword to search under it; give it a "
+    "min_stages keyword (the fewest stages its plan may have), choose a planner that takes "
+    "it (graphpipe, pipedream, piper, bapipe, luo, exhaustive, balanced), or drop min_stages"
+  )
+
+
+def no_plan_with_stages_error(planner: str, min_stages: int, why: str = "") -> PlanError:
+  """The error for a planner whose search finds no plan of at least ``min_stages`` stages."""
+  return PlanError(
+    f"{planner}: no plan of at least min_stages={min_stages} stages"
+    + (f" ({why})" if why else "")
+    + f"; pass a smaller min_stages, or another planner by name (min_stages never swaps "
+    f"{planner} for another planner)"
+  )
+
 
 @runtime_checkable
 class Planner(Protocol):
@@ -134,7 +197,7 @@ class Planner(Protocol):
 Options = TypeVar("Options")
 
 # The keyword arguments that make the problem rather than a planner's options.
-PROBLEM_KEYWORDS = ("cost_model", "schedule", "max_microbatches", "host")
+PROBLEM_KEYWORDS = ("cost_model", "schedule", "max_microbatches", "host", "min_stages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +205,10 @@ class ProblemPlanner(Generic[Options]):
   """A built-in planner: ``plan(problem, options)`` with a frozen options dataclass.
 
   Calling it with the keyword form (``Planner``) builds the ``PlanningProblem`` (from
-  ``cost_model``, ``schedule``, ``max_microbatches``, ``host`` and ``num_microbatches``) and
-  the options (every other keyword, checked against the options' fields) and runs ``plan``.
+  ``cost_model``, ``schedule``, ``max_microbatches``, ``host``, ``min_stages`` and
+  ``num_microbatches``) and the options (every other keyword, checked against the options'
+  fields) and runs ``plan``, whose plan must have at least ``min_stages`` stages (each
+  planner's search honours it; ``PlanError`` naming the planner otherwise).
   """
 
   name: str
@@ -170,7 +235,10 @@ class ProblemPlanner(Generic[Options]):
       options = self.options_type()
     elif isinstance(options, Mapping):
       options = self.options(**options)
-    return self.run(problem, options)
+    plan = self.run(problem, options)
+    if not problem.enough_stages(plan):  # a search that ignored the constraint: a bug
+      raise too_few_stages_error(self.name, plan, problem.min_stages, keyword=True)
+    return plan
 
   def __call__(
     self,
@@ -201,8 +269,10 @@ def device_unit(num_devices: int, grid: int | None) -> int:
 class KeywordPlanner:
   """A planner written in the keyword form (``Planner``), e.g. a user's function, with the
   same ``plan(problem, options)`` as ``ProblemPlanner``: the problem's cost model, schedule
-  and micro-batch limit are passed to it where its signature takes them, and its host costs
-  where it has them and the signature takes ``host``."""
+  and micro-batch limit are passed to it where its signature takes them, its host costs
+  where it has them and the signature takes ``host``, and its ``min_stages`` where it asks
+  for more than one stage and the signature takes ``min_stages``. A plan of fewer stages
+  than ``min_stages`` is a ``PlanError`` naming the planner (``too_few_stages_error``)."""
 
   name: str
   fn: Callable[..., Plan]
@@ -226,14 +296,19 @@ class KeywordPlanner:
     }
     if problem.host is not None:
       given["host"] = problem.host
+    if problem.min_stages > 1:
+      given["min_stages"] = problem.min_stages
     kw = {k: v for k, v in given.items() if names is None or k in names}
-    return self.fn(
+    plan = self.fn(
       problem.layer_graph,
       problem.cluster,
       problem.batch_size,
       num_microbatches=problem.num_microbatches,
       **{**kw, **(options or {})},
     )
+    if not problem.enough_stages(plan):
+      raise too_few_stages_error(self.name, plan, problem.min_stages, "min_stages" in kw)
+    return plan
 
   def __call__(self, *args: Any, **kw: Any) -> Plan:
     return self.fn(*args, **kw)

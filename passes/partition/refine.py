@@ -14,8 +14,9 @@ module polishes a plan by steepest descent on the simulated iteration time over 
 
 A DAG plan keeps only moves whose stage graph stays acyclic (which keeps every stage convex).
 A sequential plan (``predicted["sequential"]``) stays a chain: its stages are cuts of one
-topological order, and moves shift, add or remove a cut. The search stops when no move gains
-more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations.
+topological order, and moves shift, add or remove a cut. Under ``min_stages`` (the planning
+problem's fewest stages) no move merges a plan below that many stages. The search stops when
+no move gains more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def refine_plan(
   budget: list[int] | None = None,
   memo: dict | None = None,
   host: Any = None,
+  min_stages: int = 1,
 ) -> Plan:
   """Plan -> a plan at least as fast (see the module docstring).
 
@@ -88,6 +90,7 @@ def refine_plan(
       machine (``plan_assembly.predict``). The devices-only lower bound that skips moves
       without simulating them is then kept for pipelines only: a one-stage plan runs as one
       jitted step, which can be faster than its layers' times add up to.
+    min_stages: moves to plans of fewer stages are not made (``PlanningProblem.min_stages``).
   """
   costs = costs or layer_costs(layer_graph)
   info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
@@ -310,7 +313,7 @@ def refine_plan(
     for cand in moves:
       cand = canon(cand)
       k = key(cand)
-      if k in seen or sum(d for _, d in cand) > K:
+      if k in seen or sum(d for _, d in cand) > K or len(cand) < min_stages:
         continue
       seen.add(k)
       graph = stage_order(cand)
@@ -443,6 +446,7 @@ def polish(
   microbatch_sizes: Sequence[int] = (),
   memo: dict | None = None,
   host: Any = None,
+  min_stages: int = 1,
 ) -> Plan:
   """The planners' last step: the fastest plan after local search on the simulated time.
 
@@ -454,14 +458,17 @@ def polish(
   refined) at the neighbouring micro-batch sizes (half and double) among ``microbatch_sizes``,
   the sizes the planner may choose from. ``memo``: the problem's simulations
   (``plan_assembly.predict``); ``host``: the machine's measured host costs, the prediction
-  every step goes by (``refine_plan``).
+  every step goes by (``refine_plan``). ``min_stages``: only plans of at least that many
+  stages are started from or moved to (``PlanningProblem.min_stages``).
   """
   plans = sorted(
-    (p for p in plans if p.predicted.get("memory_ok", True)),
+    (p for p in plans if p.predicted.get("memory_ok", True) and p.num_stages >= min_stages),
     key=lambda p: p.predicted["iteration_time"],
   )
   if not plans:
-    raise ValueError("polish needs at least one plan within memory")
+    raise ValueError(
+      f"polish needs at least one plan within memory (of at least {min_stages} stages)"
+    )
   best = plans[0]
   cutoff = refine_within * best.predicted["iteration_time"]
   done: list[int] = []
@@ -477,6 +484,7 @@ def polish(
       budget=budget,
       memo=memo,
       host=host,
+      min_stages=min_stages,
     )
 
   for plan in plans:

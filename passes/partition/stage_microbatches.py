@@ -79,8 +79,8 @@ def assign_stage_microbatches(
         trial = sizes[:s] + (b,) + sizes[s + 1 :]
         if len(set(trial)) == 1:
           continue
-        cand = with_sizes(plan, trial)
-        try:
+        try:  # a size that does not divide the batch fails already in ``with_sizes``
+          cand = with_sizes(plan, trial)
           validate_plan(cand, batch_size=B)
         except PlanError:
           continue

@@ -61,6 +61,11 @@ Extensions beyond the paper's recurrence (each keeps stages convex and the stage
     finished plans passed as ``seed_plans`` join the candidates after the polish, so the plan
     returned is never slower than them (``predicted["seed"]`` names the planner when one
     wins); ``predicted["search"]`` times the DP, the seeds and the polish apart.
+  * ``min_stages`` (the planning problem's fewest stages): the DP's tables do not count
+    stages, so every strategy it yields is simulated as before, but only plans of at least
+    that many stages are candidates (the frontier's deeper points, the no-replication
+    variant, the chain seeds of that many stages and more); the polish never merges below
+    it, and the search returns its best such plan, or ``PlanError`` where none fits.
 
 Choices the paper leaves open, made here (see BUILD_NOTES.md):
   * TPS of a stage = combine(compute, transfers) / b + (all-reduce + optimizer) / B, with

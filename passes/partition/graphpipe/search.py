@@ -36,7 +36,12 @@ from gpp_jax.passes.partition.plan_assembly import (
   no_plan_error,
   predict,
 )
-from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner, device_unit
+from gpp_jax.passes.partition.problem import (
+  PlanningProblem,
+  ProblemPlanner,
+  device_unit,
+  no_plan_with_stages_error,
+)
 from gpp_jax.passes.partition.refine import REFINE_WITHIN, polish
 from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose
 
@@ -178,13 +183,19 @@ class GraphPipeOptions:
 
 class Candidates:
   """The simulated plans of one search: the best so far, those within memory, and the stage
-  choices already simulated (each is simulated once)."""
+  choices already simulated (each is simulated once).
+
+  Under the problem's ``min_stages`` a plan of fewer stages is simulated but is no candidate:
+  it is kept apart (``short``, those within memory) only to say which micro-batch sizes the
+  DP's strategies do best at (``no_replication``), and ``best`` and ``evaluated`` hold the
+  plans of enough stages."""
 
   def __init__(self, problem: PlanningProblem):
     self.problem = problem
     self.best: Plan | None = None
     self.evaluated: list[Plan] = []
     self.handed: list[Plan] = []
+    self.short: list[Plan] = []
     self.seen: set = set()
     self.simulated = 0
 
@@ -207,7 +218,7 @@ class Candidates:
     if filled != stages and self.first_time(b, filled):
       self.simulated += 1
       plan = self.assemble(b, filled, {**info, "idle_handed_out": True})
-      if plan.predicted["memory_ok"]:
+      if plan.predicted["memory_ok"] and self.problem.enough_stages(plan):
         self.handed.append(plan)
 
   def first_time(self, b: int, stages: Stages) -> bool:
@@ -236,6 +247,10 @@ class Candidates:
 
   def add(self, plan: Plan) -> None:
     self.simulated += 1
+    if not self.problem.enough_stages(plan):
+      if plan.predicted["memory_ok"]:
+        self.short.append(plan)
+      return
     self.best = better(self.best, plan)
     if plan.predicted["memory_ok"]:
       self.evaluated.append(plan)
@@ -383,9 +398,12 @@ def no_replication(runs: DPRuns, cands: Candidates) -> None:
   """Phase 3: the TPS objective spreads a stage's gradient all-reduce over the iteration, but
   it runs after the stage's last backward; at the two best micro-batch sizes, search again
   with one slot of the DP's device unit per stage (deeper, all-pipeline plans) and let the
-  simulator decide."""
+  simulator decide. The sizes are those of the best plans simulated, of too few stages for
+  ``min_stages`` too (their sizes suit the model; the variant's deeper plans may have
+  enough)."""
   sizes: list[int] = []
-  for plan in sorted(cands.evaluated, key=lambda p: p.predicted["iteration_time"]):
+  simulated = cands.evaluated + cands.short
+  for plan in sorted(simulated, key=lambda p: p.predicted["iteration_time"]):
     b = plan.stages[0].microbatch_size
     assert b is not None  # assemble_plan sets every stage's micro-batch size
     if b in sizes:
@@ -426,15 +444,23 @@ def chain_seed_plans(problem: PlanningProblem, sizes: list[int]) -> list[Plan]:
     tables=chain_tables(problem),
     memo=problem.simulations(),
     host=problem.host,
+    min_stages=problem.min_stages,
   )
 
 
-def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates, sizes) -> Plan:
+def polished(
+  problem: PlanningProblem,
+  opts: GraphPipeOptions,
+  cands: Candidates,
+  sizes,
+  min_stages: int = 1,
+) -> Plan:
   """Phase 4: the DP's objective is a proxy; the best plans are polished by local search on
   the simulated time (device counts, layer moves, splits and merges, per micro-batch size).
   Then the best strategy with its idle devices handed out, polished on its own (a quarter of
   the budget), where it beats every candidate the polish started from (a rule that does not
-  hang on how far the polish went)."""
+  hang on how far the polish went). ``min_stages``: the problem's (the polish keeps to plans of
+  that many stages)."""
   if not opts.polish_plans:
     return min(cands.evaluated + cands.handed, key=lambda p: p.predicted["iteration_time"])
 
@@ -451,6 +477,7 @@ def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates
       microbatch_sizes=sizes,
       memo=problem.simulations(),
       host=problem.host,
+      min_stages=min_stages,
     )
 
   start = min(p.predicted["iteration_time"] for p in cands.evaluated)
@@ -463,8 +490,9 @@ def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates
 
 def seeded(problem: PlanningProblem, opts: GraphPipeOptions, best: Plan) -> tuple[Plan, int]:
   """Phase 5: the polished sequential plans (PipeDream's, and ``seed_plans``) are stage DAGs
-  too; GraphPipe's plan is never slower than them. Returns the plan and the simulations."""
-  seeds = list(opts.seed_plans)
+  too; GraphPipe's plan is never slower than them (those of at least ``min_stages`` stages:
+  PipeDream's search keeps to them too). Returns the plan and the simulations."""
+  seeds = [p for p in opts.seed_plans if problem.enough_stages(p)]
   if opts.chain_plans:
     seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions()))
   n = 0
@@ -510,7 +538,7 @@ def graphpipe_search(problem: PlanningProblem, opts: GraphPipeOptions) -> Plan:
       no_replication(runs, cands)
   finally:
     sys.setrecursionlimit(old_limit)
-  if cands.best is None or not cands.best.predicted.get("memory_ok", True):
+  if not cands.evaluated and not cands.short:
     raise no_plan_error(
       "graphpipe",
       problem.layer_graph,
@@ -523,9 +551,17 @@ def graphpipe_search(problem: PlanningProblem, opts: GraphPipeOptions) -> Plan:
   if opts.chain_seeds:
     for plan in chain_seed_plans(problem, sizes):
       cands.add(plan)
+  if not cands.evaluated:  # every plan within memory has fewer than min_stages stages
+    raise no_plan_with_stages_error(
+      "graphpipe",
+      problem.min_stages,
+      "none of its DP's strategies"
+      + (" or chain seeds" if opts.chain_seeds else " (chain_seeds=False)")
+      + " of that many stages fits device memory",
+    )
   t_seeds = time.perf_counter() - t1
   t1 = time.perf_counter()
-  best = polished(problem, opts, cands, sizes)
+  best = polished(problem, opts, cands, sizes, problem.min_stages)
   t_polish = time.perf_counter() - t1
   t1 = time.perf_counter()
   best, n_seeded = seeded(problem, opts, best)
