@@ -21,6 +21,7 @@ from gpp_jax.errors import (
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.partition.manual import ManualPlan, manual_plan
+from gpp_jax.passes.uniform_chain import simulate_uniform_chain
 from gpp_jax.runtime.capture_step import value_and_grad
 from gpp_jax.runtime.pipeline import GraphPipeline, graph_pipeline
 
@@ -41,6 +42,7 @@ __all__ = [
   "distributed",
   "graph_pipeline",
   "manual_plan",
+  "simulate_uniform_chain",
   "validate_plan",
   "validate_schedule",
   "value_and_grad",

@@ -41,6 +41,7 @@ from gpp_jax.ir.schedule import (
   Action,
   Schedule,
   chunk_range,
+  device_lanes_with_updates,
   dispatch_order,
   lanes_with_updates,
 )
@@ -122,6 +123,7 @@ class _Builder:
     self._seq = 0
     # lane -> (devices, micro-batch size) for lanes over several devices
     self.split: dict[int, tuple[int, int]] = {}
+    self.places: tuple[int, ...] | None = None  # Program.places, where stages share devices
 
   def new(
     self,
@@ -299,6 +301,7 @@ class _Builder:
       tuple(self.inputs),
       tuple(outputs),
       self.steps,
+      self.places,
     )
     validate_program(program)
     return program
@@ -312,20 +315,31 @@ def _group(sched: Schedule, a: Action) -> tuple:
 
 def _lane_groups(sched: Schedule, lanes: Sequence[Sequence[Action]]) -> list[list[Hashable]]:
   """Each lane's groups in order: a stage's set-up for a step before its first action of that
-  step, then the actions; the host lane has none (what runs there floats or is set-up)."""
+  step, then the actions; the host lane has none (what runs there floats or is set-up). Where
+  stages share devices, one queue per place in its order (``Schedule.device_lanes``)."""
+  if sched.shares_devices:
+    lanes = device_lanes_with_updates(sched)
   out: list[list[Hashable]] = []
-  for s, lane in enumerate(lanes):
+  for lane in lanes:
     groups: list[Hashable] = []
-    started: set[int] = set()
+    started: set[tuple[int, int]] = set()
     for a in lane:
       t = sched.step_of(a)
-      if t not in started:
-        started.add(t)
-        groups.append(("setup", s, t))
+      if (a.stage, t) not in started:
+        started.add((a.stage, t))
+        groups.append(("setup", a.stage, t))
       groups.append(_group(sched, a))
     out.append(groups)
   out.append([])
   return out
+
+
+def program_places(sched: Schedule) -> tuple[int, ...] | None:
+  """``Program.places`` for a schedule's lanes and the host (a place of its own), or None
+  where every stage has devices of its own."""
+  if not sched.shares_devices:
+    return None
+  return (*(sched.places or ()), sched.num_places)
 
 
 # ---------------------------------------------------------------------------- abstract
@@ -347,7 +361,8 @@ def lower_schedule(sched: Schedule) -> Program:
   succs = [sorted(g.successors(s)) for s in range(S)]
   lanes = lanes_with_updates(sched)
   if any(len(a) != len(b) for a, b in zip(lanes, sched.lanes)):
-    sched = dataclasses.replace(sched, lanes=tuple(map(tuple, lanes)))
+    orders = sched.orders and tuple(map(tuple, device_lanes_with_updates(sched)))
+    sched = dataclasses.replace(sched, lanes=tuple(map(tuple, lanes)), orders=orders)
   order = dispatch_order(sched)
   one_step = sched.steps == 1
   split_w = [any(a.kind == "W" for a in lane) for lane in lanes]
@@ -431,7 +446,14 @@ def lower_schedule(sched: Schedule) -> Program:
       instrs.append(Instr(Op.W, s, s, m, both, (), both))
     else:
       instrs.append(Instr(Op.UPDATE, s, s, 0 if one_step else a.microbatch))
-  return Program(sched.name, S + 1, tuple(buffers), tuple(instrs), steps=sched.steps)
+  return Program(
+    sched.name,
+    S + 1,
+    tuple(buffers),
+    tuple(instrs),
+    steps=sched.steps,
+    places=program_places(sched),
+  )
 
 
 # ---------------------------------------------------------------------------- the step
@@ -1000,6 +1022,7 @@ class _StepLowering:
       for t in range(self.K):
         versions.append(tuple(range(len(outputs), len(outputs) + len(self.loss_in[t]))))
         outputs.extend(self.loss_in[t])
+    bld.places = program_places(sched)
     program = bld.finish(outputs, _lane_groups(sched, lanes), sched.grid())
     return Lowered(
       program,

@@ -13,6 +13,9 @@ Generators:
           into the bubbles under a per-stage memory bound (see passes/zero_bubble.py).
   pipedream-async, pipedream-async-vsync, 2bw: 1F1B lanes with stale-weight training semantics
           (weight stashing, vertical sync, two weight versions; see passes/weight_versions.py).
+  interleaved-1f1b, looped-bfs, zb-v: for stages that share devices (several stages per
+          device; see passes/shared_devices.py). gpipe, 1f1b, graph-1f1b and zero-bubble run
+          on shared devices too, each place running its stages' actions in dispatch order.
 
 Per-stage micro-batch counts (``counts``; stage s cuts the batch into counts[s] chunks, GraphPipe's
 per-stage micro-batch sizes): gpipe, 1f1b, graph-1f1b and zero-bubble build lanes with counts[s]
@@ -36,6 +39,7 @@ from gpp_jax.passes.inflight import (
   one_f_one_b_in_flight,
   stage_counts,
 )
+from gpp_jax.passes.shared_devices import SHARED_SCHEDULES, interleaved_1f1b, looped_bfs, zb_v
 from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.passes.zero_bubble import zero_bubble
 
@@ -204,7 +208,12 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
   "pipedream-async": pipedream_async,
   "pipedream-async-vsync": pipedream_async_vsync,
   "2bw": two_bw,
+  "interleaved-1f1b": interleaved_1f1b,
+  "looped-bfs": looped_bfs,
+  "zb-v": zb_v,
 }
+# Stale-weight generators: one place per stage.
+STALE_WEIGHTS = ("pipedream-async", "pipedream-async-vsync", "2bw")
 
 
 def make_schedule(
@@ -214,17 +223,38 @@ def make_schedule(
   num_microbatches: int,
   memory_bound: Sequence[int] | None = None,
   counts: Sequence[int] | None = None,
+  places: Sequence[int] | None = None,
 ) -> Schedule:
   """Builds the named schedule; raises ValueError naming the known generators.
 
   ``memory_bound`` (zero-bubble only): per stage, the most micro-batches held at once.
   ``counts``: micro-batches per stage when stages use different micro-batch sizes (gpipe,
   1f1b, graph-1f1b and zero-bubble; the others raise ScheduleError).
+  ``places``: per stage, its devices as a number (``Plan.places``; stages with one number
+  share their devices); None: each stage its own.
   """
   try:
     gen = GENERATORS[name]
   except KeyError:
     raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(GENERATORS)}") from None
+  if name in SHARED_SCHEDULES:
+    if memory_bound is not None:
+      raise ValueError(f"memory_bound applies to the zero-bubble schedule only, not {name!r}")
+    return gen(num_stages, edges, num_microbatches, places, counts)
+  shared = places is not None and len(set(places)) < len(places)
+  if shared and name in STALE_WEIGHTS:
+    raise ScheduleError(
+      f"schedule {name!r} runs one stage per device, but stages share devices here; give each "
+      f"stage devices of its own or use one of {list(SHARED_SCHEDULES)}, 1f1b, gpipe"
+    )
+  sched = _make(gen, name, num_stages, edges, num_microbatches, memory_bound, counts)
+  if shared:
+    sched = dataclasses.replace(sched, places=tuple(places or ()))
+    validate_schedule(sched)
+  return sched
+
+
+def _make(gen, name, num_stages, edges, num_microbatches, memory_bound, counts) -> Schedule:
   kw: dict = {}
   if memory_bound is not None:
     if name != "zero-bubble":
@@ -269,4 +299,5 @@ def plan_schedule(plan, batch_size: int | None = None) -> Schedule:
     plan.num_microbatches,
     memory_bound=bound,
     counts=counts,
+    places=plan.places(),
   )

@@ -155,9 +155,9 @@ CATALOGUE = [
       r"layers \['l2', 'l3'\] match no rule.*default_stage"),
   Row("more stages than devices", lambda e: e.call(devices=jax.devices()[:2]), PlanError,
       "4 stages but only 2 devices"),
-  Row("two stages on one device", lambda e: e.call(
-      planner=gpp_jax.manual_plan(STAGES, devices={0: 0, 1: 0, 2: 1, 3: 2})), PlanError,
-      "device 0 is used by stages 0 and 1"),
+  Row("two stages sharing some devices", lambda e: e.call(
+      planner=gpp_jax.manual_plan(STAGES, devices={0: [0, 1], 1: [1, 2], 2: 3, 3: 4})),
+      PlanError, "either on disjoint devices or on the same ones"),
   # -- the batch ---------------------------------------------------------------------------
   Row("a batch that does not split into the micro-batches",
       lambda e: e.call(make_batch(0, 10, 6, 3)), BatchError,

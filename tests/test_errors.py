@@ -72,9 +72,12 @@ def test_stage_graph_cycle_in_plan_ir():
     gpp_jax.validate_plan(plan, g, 2)
 
 
-def test_devices_shared_between_stages():
-  plan = gpp_jax.manual_plan({"l0": 0, "l1": 1, "l2": 2, "l3": 3}, devices={0: 0, 1: 0, 2: 1, 3: 2})
-  with pytest.raises(gpp_jax.PlanError, match="device 0 is used by stages 0 and 1"):
+def test_devices_partly_shared_between_stages():
+  # Stages share their devices whole (several stages per device) or not at all.
+  plan = gpp_jax.manual_plan(
+    {"l0": 0, "l1": 1, "l2": 2, "l3": 3}, devices={0: [0, 1], 1: [1, 2], 2: 3, 3: 4}
+  )
+  with pytest.raises(gpp_jax.PlanError, match="device 1 is used by stages 0 .* and 1"):
     _pp(planner=plan)(*_args(), make_batch(0, 8, 6, 3))
 
 

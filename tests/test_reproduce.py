@@ -86,8 +86,10 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
   assert "FAILED" in rows["piper"] and "downset" in rows["piper"]
   for name in ("graphpipe", "pipedream"):
     cells = rows[name].split()
-    assert "FAILED" not in rows[name] and cells[8] == "yes"
-    assert float(cells[6]) > 0  # samples/s
+    # planner stages v depth mb M iter-ms samples/s peak-GiB fits ...
+    assert "FAILED" not in rows[name] and cells[9] == "yes"
+    assert cells[2] == "1"  # one stage per device unless --stages_per_device asks for more
+    assert float(cells[7]) > 0  # samples/s
   assert "Plan by graphpipe" in proc.stdout and "Plan by pipedream" in proc.stdout
   report = json.loads(out.read_text())
   by = {r["planner"]: r for r in report["results"]}

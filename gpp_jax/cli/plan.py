@@ -92,6 +92,12 @@ def define_flags() -> None:
     None,
     "bytes a plan may use per device, e.g. 512MiB or 12GiB (default: the cluster preset's)",
   )
+  flags.DEFINE_string(
+    "stages_per_device",
+    "1",
+    "stages each device may run: 1, a larger number (Megatron-style interleaving on the stage "
+    "DAG, schedule interleaved-1f1b), or auto (each planner chooses 1, 2 or 4 by prediction)",
+  )
   flags.DEFINE_string("json", None, "also write the results to this JSON file")
 
 
@@ -122,6 +128,7 @@ def prepare(
   num_microbatches: int | None = None,
   shape: Mapping[str, Any] | None = None,
   memory_limit: int | str | None = None,
+  stages_per_device: int | str = 1,
 ) -> tuple[nx.DiGraph, Cluster, int]:
   """Checks the arguments before anything is planned and returns the model graph, the cluster
   and the mini-batch; a bad argument raises ValueError naming it and what to pass instead."""
@@ -133,6 +140,7 @@ def prepare(
     resolve_planner(name)  # an unknown name fails before anything runs
   if num_devices < 1:
     raise ValueError(f"--num_devices must be at least 1, got {num_devices}")
+  parse_stages_per_device(stages_per_device)
   if batch_size is not None and batch_size < 1:
     raise ValueError(
       f"--batch_size must be at least 1, got {batch_size} (leave it out for the default "
@@ -152,6 +160,19 @@ def prepare(
   return graph, cl, batch
 
 
+def parse_stages_per_device(value: int | str) -> int | str:
+  """``--stages_per_device``: a positive integer or ``auto``; ValueError naming both else."""
+  if value == "auto":
+    return value
+  try:
+    v = int(value)
+  except (TypeError, ValueError):
+    v = 0
+  if v < 1:
+    raise ValueError(f"--stages_per_device must be a positive integer or auto, got {value!r}")
+  return v
+
+
 def compare(
   model: str,
   *,
@@ -163,6 +184,7 @@ def compare(
   num_microbatches: int | None = None,
   shape: Mapping[str, Any] | None = None,
   memory_limit: int | str | None = None,
+  stages_per_device: int | str = 1,
   progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
   """Runs ``planners`` on one model and cluster; returns the configuration and one row per
@@ -180,14 +202,19 @@ def compare(
     num_microbatches=num_microbatches,
     shape=shape,
     memory_limit=memory_limit,
+    stages_per_device=stages_per_device,
   )
+  per_device = parse_stages_per_device(stages_per_device)
+  options = {} if per_device == 1 else {"stages_per_device": per_device}
   rows = []
   t0 = time.perf_counter()
   for i, name in enumerate(planners, 1):
     if progress is not None:
       progress(f"[{i}/{len(planners)}] {name} ... ({time.perf_counter() - t0:.1f} s elapsed)")
     rows.append(
-      run_planner(name, graph, cl, batch, num_microbatches=num_microbatches, keep_plan=True)
+      run_planner(
+        name, graph, cl, batch, num_microbatches=num_microbatches, keep_plan=True, **options
+      )
     )
     if progress is not None:
       r = rows[-1]
@@ -207,6 +234,7 @@ def compare(
     "batch_size": batch,
     "num_microbatches": num_microbatches,
     "shape": dict(shape or {}),
+    "stages_per_device": per_device,
     "results": rows,
   }
 
@@ -228,7 +256,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     lines.append("")
   best = max((r["throughput"] for r in rows if r.get("throughput")), default=None)
   header = (
-    f"{'planner':19s} {'stages':>6s} {'depth':>5s} {'mb':>5s} {'M':>4s} "
+    f"{'planner':19s} {'stages':>6s} {'v':>2s} {'depth':>5s} {'mb':>5s} {'M':>4s} "
     f"{'iter ms':>10s} {'samples/s':>11s} {'peak GiB':>8s} {'fits':>4s} "
     f"{'search s':>8s} {'vs best':>7s}"
   )
@@ -242,7 +270,8 @@ def format_report(report: Mapping[str, Any]) -> str:
       lines.append(f"{r['planner']:19s} FAILED after {r['seconds']:.2f} s: {short_error(r)}")
       continue
     lines.append(
-      f"{r['planner']:19s} {r['stages']:6d} {r['depth']:5d} {r['microbatch']:5d} "
+      f"{r['planner']:19s} {r['stages']:6d} {r.get('stages_per_device', 1):2d} {r['depth']:5d} "
+      f"{r['microbatch'] or 0:5d} "
       f"{r['num_microbatches']:4d} {r['iteration_time'] * 1e3:10.3f} {r['throughput']:11.1f} "
       f"{r['max_memory'] / 2**30:8.2f} {'yes' if r['memory_ok'] else 'NO':>4s} "
       f"{r['seconds']:8.2f} {r['throughput'] / best:7.3f}"
@@ -287,6 +316,7 @@ def main(argv: Sequence[str]) -> None:
     batch_size=FLAGS.batch_size,
     num_microbatches=FLAGS.num_microbatches,
     memory_limit=FLAGS.memory_limit,
+    stages_per_device=FLAGS.stages_per_device,
   )
   try:  # bad flag values: the message alone, no traceback
     check_json_path(FLAGS.json)

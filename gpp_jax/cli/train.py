@@ -88,6 +88,13 @@ flags.DEFINE_integer(
   "this many and runs its best such plan (never another planner's); 1 lets plain jit and jit "
   "data parallel compete with the planner's pipeline and win where faster on this machine",
 )
+flags.DEFINE_string(
+  "stages_per_device",
+  "1",
+  "stages each device may run: 1, a larger number (the planner's stages interleaved over the "
+  "devices, schedule interleaved-1f1b unless --schedule names another), or auto (the planner "
+  "chooses 1, 2 or 4 by prediction)",
+)
 flags.DEFINE_integer("steps", 200, "training steps")
 flags.DEFINE_float("learning_rate", 1e-3, "AdamW learning rate")
 flags.DEFINE_float("clip_norm", 1.0, "global-norm gradient clipping (0 disables)")
@@ -310,6 +317,18 @@ def save_checkpoint(directory: str, state: dict, step: int, num_batches: int) ->
   logging.info("saved checkpoint %s", path)
 
 
+def stages_per_device_option(value: str) -> dict:
+  """``--stages_per_device`` as the planner option (none for 1); a bad value is a usage
+  error naming the flag."""
+  from gpp_jax.cli.plan import parse_stages_per_device
+
+  try:
+    v = parse_stages_per_device(value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  return {} if v == 1 else {"stages_per_device": v}
+
+
 def main(argv: list[str]) -> None:
   from gpp_jax.errors import GppError
 
@@ -394,6 +413,7 @@ def _main(argv: list[str]) -> None:
     # machine as the planners' plans.
     calibrate=FLAGS.calibrate and cluster_name != "v100",
     min_stages=FLAGS.min_stages,
+    planner_options=stages_per_device_option(FLAGS.stages_per_device),
     layer_depth=run.spec.layer_depth,
     memory_limit=FLAGS.memory_limit,
     donate_argnums=(0, 1) if FLAGS.donate else (),

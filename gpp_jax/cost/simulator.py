@@ -242,7 +242,7 @@ def simulate_times(
   up = list(update) if update is not None else [0.0] * S
   act_x = dict(activation_transfer or {})
   cot_x = dict(cotangent_transfer if cotangent_transfer is not None else act_x)
-  if host_dispatch is None and cores is None and not channels:
+  if host_dispatch is None and cores is None and not channels and not schedule.shares_devices:
     timed = _simulate_lanes(schedule, forward, backward, weight, up, act_x, cot_x, timeline)
     if timed is not None:  # else a deadlock: the program's lowering names it
       return _summary(
@@ -655,7 +655,9 @@ def simulate_program(
   actm = list(activation_memory) if activation_memory is not None else [0.0] * S
   devs = tuple(tuple(d) for d in stage_devices) if stage_devices is not None else ((),) * S
   ready = [0.0] * len(program.buffers)
-  lane_free = [0.0] * program.num_lanes
+  # Lanes on the same devices (``Program.places``) run one instruction at a time between them.
+  place = list(program.places) if program.places is not None else list(range(program.num_lanes))
+  lane_free = [0.0] * (max(place) + 1)
   chan_free: dict[Any, float] = defaultdict(float)
   chan_of = dict(channels or {})
   core_free = [0.0] * cores if cores else None
@@ -682,7 +684,7 @@ def simulate_program(
 
     def where(k: int) -> Any:
       i = instrs[k]
-      if i.op is not Op.SEND or i.lane == program.host:
+      if i.op is not Op.SEND or i.lane == program.host or place[i.lane] == place[i.peer]:
         return None
       return (i.peer, i.arg if len(devs[i.peer]) > 1 else None)
 
@@ -720,6 +722,10 @@ def simulate_program(
     for b in i.reads:
       if ready[b] > dep:
         dep = ready[b]
+    if op is SEND and place[i.lane] == place[i.peer]:  # a local hand-over: nothing moves
+      for b in i.writes:
+        ready[b] = max(dep, issued)
+      continue
     if op is SEND:
       kind = kinds.get(i.arg, i.arg)
       key = (kind, i.lane, i.peer)
@@ -731,14 +737,14 @@ def simulate_program(
         ready[b] = end
       transfers.append(TransferTime(kind, i.lane, i.peer, i.mb, start, end))
       continue
-    lane = i.lane
+    lane = place[i.lane]
     if op is RECV:
       if dep > lane_free[lane]:
         lane_free[lane] = dep
       continue
     start = max(lane_free[lane], dep, issued)
     if core_free is not None and dur > 0:
-      held = sorted(range(len(core_free)), key=core_free.__getitem__)[: widths[lane]]
+      held = sorted(range(len(core_free)), key=core_free.__getitem__)[: widths[i.lane]]
       start = max(start, max(core_free[k] for k in held))
       for k in held:
         core_free[k] = start + dur
@@ -773,10 +779,10 @@ def _summary(name, S, M, T, actions, transfers, busy, peak, stat, actm, devs) ->
   stage, ``peak`` per stage the most micro-batches whose stashes it holds at once
   (``_peaks``)."""
   mem = [stat[s] + peak[s] * actm[s] for s in range(S)]
-  per_dev: dict[int, float] = {}
+  per_dev: dict[int, float] = {}  # a device holding several stages holds all of their memory
   for s in range(S):
     for d in devs[s]:
-      per_dev[d] = max(per_dev.get(d, 0.0), mem[s])
+      per_dev[d] = per_dev.get(d, 0.0) + mem[s]
   return SimResult(
     schedule=name,
     num_stages=S,

@@ -113,7 +113,8 @@ def run_planner(
 
   A plan gives ``throughput`` (samples/s), ``iteration_time`` (s), ``stages``, ``depth``,
   ``microbatch``, ``num_microbatches``, ``max_memory`` (bytes per device), ``memory_ok``,
-  ``idle_devices``, ``schedule`` and ``seconds`` (search wall-clock); with ``keep_plan`` also
+  ``idle_devices``, ``schedule``, ``stages_per_device`` and ``seconds`` (search wall-clock);
+  with ``keep_plan`` also
   ``plan`` (the Plan). A planner that cannot plan (PlanError, or a ValueError for options it
   rejects) gives ``error`` (its message) and ``seconds`` instead, so one failing planner does
   not stop a comparison.
@@ -141,6 +142,7 @@ def run_planner(
     "memory_ok": p["memory_ok"],
     "idle_devices": len(p["idle_devices"]),
     "schedule": plan.schedule,
+    "stages_per_device": plan.stages_per_device,
   }
   if keep_plan:
     row["plan"] = plan

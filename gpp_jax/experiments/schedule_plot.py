@@ -83,10 +83,13 @@ def draw_schedule(timeline: Any, path: str, title: str = "") -> str | None:
 def schedule_pngs(
   plan, layer_graph, cluster, out_dir: str, schedules: Sequence[str] | None = None
 ) -> list[str]:
-  """Simulates ``plan`` under each schedule (default: every generator) and writes
-  ``out_dir/schedule_<name>.png``; returns the file names written (none without matplotlib).
-  ``layer_graph`` must be scaled to the plan's batch (``ir.layer_graph.scaled``)."""
+  """Simulates ``plan`` under each schedule (default: every generator that applies to it: the
+  stale-weight ones need a place per stage, those for shared devices one micro-batch size) and
+  writes ``out_dir/schedule_<name>.png``; returns the file names written (none without
+  matplotlib). ``layer_graph`` must be scaled to the plan's batch
+  (``ir.layer_graph.scaled``)."""
   from gpp_jax.cost.simulator import simulate
+  from gpp_jax.errors import ScheduleError
   from gpp_jax.passes.schedules import GENERATORS
 
   if pyplot() is None:
@@ -96,7 +99,12 @@ def schedule_pngs(
     p = plan.replace(schedule=name)
     if name != plan.schedule and name == "zero-bubble":
       p = p.replace(stages=tuple(dataclasses.replace(s, in_flight=None) for s in p.stages))
-    res = simulate(p, layer_graph, cluster)
+    try:
+      res = simulate(p, layer_graph, cluster)
+    except ScheduleError:
+      if schedules:  # asked for by name
+        raise
+      continue
     got = draw_schedule(res, os.path.join(out_dir, f"schedule_{name}.png"), f"{name} (simulated)")
     if got:
       written.append(got)

@@ -1,8 +1,10 @@
 """Plan IR: which layers form each stage, which devices run it, and how it is scheduled.
 
 A Plan is what every planner returns and what the staging pass consumes. Stages form a DAG
-(``edges``); each stage owns a disjoint set of devices (data parallel inside the stage when it
-has several) and a micro-batch size.
+(``edges``); each stage runs on a set of devices (data parallel inside the stage when it has
+several) and a micro-batch size. Two stages' device sets are either disjoint or the same:
+stages on the same devices share them ("several stages per device", ``Plan.places``), and the
+schedule says in which order those devices run them.
 """
 
 from __future__ import annotations
@@ -89,6 +91,21 @@ class Plan:
     g.add_nodes_from(range(self.num_stages))
     g.add_edges_from(self.edges)
     return g
+
+  def places(self) -> tuple[int, ...] | None:
+    """Per stage, its device set as a number (stages on the same devices share a number, in
+    order of first use), or None where every stage has devices of its own."""
+    seen: dict[frozenset[int], int] = {}
+    out = tuple(seen.setdefault(frozenset(s.devices), len(seen)) for s in self.stages)
+    return out if len(seen) < len(out) else None
+
+  @property
+  def stages_per_device(self) -> int:
+    """The most stages any device runs (1 where every stage has devices of its own)."""
+    places = self.places()
+    if places is None:
+      return 1
+    return max(places.count(p) for p in set(places))
 
   def stage_of_layer(self) -> dict[str, int]:
     return {l: s.index for s in self.stages for l in s.layers}
@@ -188,6 +205,17 @@ class Plan:
     )
     if "iteration_time" in p:
       head += f", predicted iteration {p['iteration_time'] * 1e3:.3f} ms"
+    places = self.places()
+    if places is not None:
+      shared = {
+        q: [s for s in range(self.num_stages) if places[s] == q] for q in sorted(set(places))
+      }
+      groups = "; ".join(
+        f"stages {','.join(map(str, ss))} on {_on(self.stages[ss[0]].devices)}"
+        for ss in shared.values()
+        if len(ss) > 1
+      )
+      head += f"\n{self.stages_per_device} stages per device at most: {groups}"
     rows = [
       head,
       f"{'stage':>5s} {'devices':>12s} {'mb':>4s} {'flight':>6s} {'mem MiB':>9s}"
@@ -206,6 +234,10 @@ class Plan:
         f" {nxt:>8s}  {layers}"
       )
     return "\n".join(rows)
+
+
+def _on(devs: Sequence[int]) -> str:
+  return f"device {devs[0]}" if len(devs) == 1 else f"devices {_devs(devs)}"
 
 
 def _devs(devs: Sequence[int]) -> str:
@@ -308,7 +340,8 @@ def validate_plan(
 
   Checks: stage indices; every layer in exactly one stage; each stage convex (no path leaves
   it and re-enters); the stage graph acyclic and equal to the one the layer graph induces;
-  devices disjoint, non-empty, and within ``num_devices``. With ``batch_size`` (default: the
+  devices non-empty, within ``num_devices``, and for two stages either disjoint or the same
+  (stages sharing devices). With ``batch_size`` (default: the
   plan's), per-stage micro-batch sizes divide it, align along every stage edge, and split
   over each stage's devices (``stage_microbatch_sizes``).
   """
@@ -319,20 +352,23 @@ def validate_plan(
       raise PlanError(f"stage {i} has no device; give every stage at least one device")
   if plan.num_microbatches < 1:
     raise PlanError(f"num_microbatches must be >= 1, got {plan.num_microbatches}")
-  if num_devices is not None and plan.num_stages > num_devices:
+  places = len({frozenset(s.devices) for s in plan.stages})
+  if num_devices is not None and places > num_devices:
     raise PlanError(
       f"the plan has {plan.num_stages} stages but only {num_devices} devices; "
-      "merge stages or pass more devices"
+      "merge stages, pass more devices, or give several stages the same devices"
     )
   seen: dict[int, int] = {}
   for s in plan.stages:
     for d in s.devices:
-      if d in seen:
+      if d in seen and set(plan.stages[seen[d]].devices) != set(s.devices):
         raise PlanError(
-          f"device {d} is used by stages {seen[d]} and {s.index}; stages need "
-          "disjoint devices (use fewer stages or more devices)"
+          f"device {d} is used by stages {seen[d]} (devices "
+          f"{list(plan.stages[seen[d]].devices)}) and {s.index} (devices {list(s.devices)}); "
+          "two stages run either on disjoint devices or on the same ones (several stages per "
+          "device): give them the same devices or disjoint ones"
         )
-      seen[d] = s.index
+      seen.setdefault(d, s.index)
       if num_devices is not None and not 0 <= d < num_devices:
         raise PlanError(
           f"stage {s.index} uses device {d}, but only {num_devices} devices are "

@@ -20,6 +20,12 @@ Transfers are instructions: ``SEND`` (on the source lane) reads a buffer there a
 buffer on the destination lane (``peer``); ``RECV`` on the destination lane marks its arrival,
 and the destination reads it only after that. A stage reads only buffers of its own lane.
 
+Stages sharing devices. ``Program.places`` numbers each lane's devices (lanes with one number
+share them; the host has its own): their instructions run on those devices in program order,
+one at a time, and a SEND between two of them is a local hand-over (the same array, or
+re-sharded on the same devices where the two stages hold it differently), written ``HAND>``
+in the text form, which moves nothing between devices.
+
 Text form (``Program.to_text`` / ``Program.from_text``), one instruction a line::
 
   L1 F1.3 : %12 %40 -> %44 %45 | free %12
@@ -174,6 +180,8 @@ class Program:
     inputs: buffers bound from the program's inputs, in order.
     outputs: buffers returned, in order.
     steps: optimizer steps the program covers.
+    places: per lane, the devices it runs on as a number (lanes with one number share their
+      devices); None: every lane has its own.
   """
 
   name: str
@@ -183,6 +191,24 @@ class Program:
   inputs: tuple[int, ...] = ()
   outputs: tuple[int, ...] = ()
   steps: int = 1
+  places: tuple[int, ...] | None = None
+
+  def place(self, lane: int) -> int:
+    """The number of ``lane``'s devices (its own index where no lanes share devices)."""
+    return lane if self.places is None else self.places[lane]
+
+  def local(self, ins: Instr) -> bool:
+    """Whether ``ins`` is a SEND between two lanes on the same devices: a local hand-over."""
+    return (
+      self.places is not None
+      and ins.op is Op.SEND
+      and ins.peer >= 0
+      and self.places[ins.lane] == self.places[ins.peer]
+    )
+
+  def show(self, ins: Instr) -> str:
+    """``str(ins)``, a local hand-over written ``HAND>``."""
+    return str(ins).replace(" SEND>", " HAND>", 1) if self.local(ins) else str(ins)
 
   @property
   def host(self) -> int:
@@ -206,22 +232,24 @@ class Program:
 
   # ------------------------------------------------------------------ text form
   def to_text(self) -> str:
-    lines = [f"program {self.name} lanes={self.num_lanes} steps={self.steps}"]
+    where = "" if self.places is None else " places=" + ",".join(map(str, self.places))
+    lines = [f"program {self.name} lanes={self.num_lanes} steps={self.steps}{where}"]
     for k, b in enumerate(self.buffers):
       shape = ",".join(map(str, b.shape))
       lines.append(f"buffer %{k} L{b.lane} {b.name} [{shape}] {b.dtype or '-'} {b.nbytes} {b.kind}")
     lines.append("inputs " + " ".join(f"%{b}" for b in self.inputs))
     lines.append("outputs " + " ".join(f"%{b}" for b in self.outputs))
-    lines.extend(str(i) for i in self.instrs)
+    lines.extend(map(self.show, self.instrs))
     return "\n".join(lines) + "\n"
 
   @classmethod
   def from_text(cls, text: str) -> Program:
     lines = [l for l in text.splitlines() if l.strip()]
-    m = re.fullmatch(r"program (\S*) lanes=(\d+) steps=(\d+)", lines[0])
+    m = re.fullmatch(r"program (\S*) lanes=(\d+) steps=(\d+)(?: places=([\d,]+))?", lines[0])
     if not m:
       raise ProgramError(f"not a program header: {lines[0]!r}")
     name, num_lanes, steps = m.group(1), int(m.group(2)), int(m.group(3))
+    places = None if m.group(4) is None else tuple(int(x) for x in m.group(4).split(","))
     buffers: list[Buffer] = []
     instrs: list[Instr] = []
     inputs: tuple[int, ...] = ()
@@ -241,21 +269,34 @@ class Program:
       elif line.startswith("outputs"):
         outputs = _ids(line[len("outputs") :])
       else:
-        instrs.append(_parse_instr(line))
-    return cls(name, num_lanes, tuple(buffers), tuple(instrs), inputs, outputs, steps)
+        hand = " HAND>" in line
+        ins = _parse_instr(line.replace(" HAND>", " SEND>", 1) if hand else line)
+        same = places is not None and places[ins.lane] == places[ins.peer]
+        if hand != (ins.op is Op.SEND and same):
+          raise ProgramError(
+            f"{line!r}: a transfer between lanes on the same devices (places in the header) "
+            "is written HAND>, one between different devices SEND>"
+          )
+        instrs.append(ins)
+    return cls(name, num_lanes, tuple(buffers), tuple(instrs), inputs, outputs, steps, places)
 
   def __str__(self) -> str:
     rows = [f"Program {self.name}: {len(self.instrs)} instructions, {len(self.buffers)} buffers"]
     for l in range(self.num_lanes):
       what = "host" if l == self.host else f"stage {l}"
-      rows.append(f"{what:>8s} | " + " ".join(i.label() for i in self.lane(l)))
+      if self.places is not None:
+        what += f" @{self.places[l]}"
+      labels = (
+        i.label().replace("SEND>", "HAND>", 1) if self.local(i) else i.label() for i in self.lane(l)
+      )
+      rows.append(f"{what:>8s} | " + " ".join(labels))
     return "\n".join(rows)
 
   def listing(self, mark: int | None = None) -> str:
     """The instructions one a line, instruction ``mark`` flagged (for error messages)."""
     out = []
     for k, i in enumerate(self.instrs):
-      out.append(f"{'>>' if k == mark else '  '} {k:4d} {i}")
+      out.append(f"{'>>' if k == mark else '  '} {k:4d} {self.show(i)}")
     return "\n".join(out)
 
 

@@ -1,7 +1,10 @@
 """Schedule IR: per-stage ordered action lists over (stage, micro-batch), and its validator.
 
-Each stage owns disjoint devices, so a stage's action list is the program of its devices (a
-"lane"). Actions:
+A stage's action list is its "lane". Stages on disjoint devices run their lanes
+independently. Stages may share devices (``Schedule.places``: several stages per device,
+"virtual stages" in Megatron's words); the devices of one place then run the actions of all its
+stages in one order (``Schedule.orders``, or the dispatch order's merge where none is given).
+Actions:
   F(s, m)   forward of stage s on micro-batch m
   B(s, m)   backward of stage s on micro-batch m (input and weight gradients together)
   W(s, m)   weight-gradient part when a schedule splits it from B (optional; then B computes
@@ -72,6 +75,10 @@ class Schedule:
     delays: over several steps, how many updates each stage's weights lag (the stale-weight
       schedules, ``passes.weight_versions``); None for none (a forward of step u then needs
       the update of step u - 1).
+    places: per stage, the devices it runs on as a number (stages with the same place share
+      their devices); None: every stage has devices of its own.
+    orders: per place, the order in which its devices run the actions of its stages (each
+      stage's actions in its lane's order); None: the dispatch order merges the lanes.
   """
 
   name: str
@@ -81,10 +88,41 @@ class Schedule:
   counts: tuple[int, ...] | None = None
   steps: int = 1
   delays: tuple[int, ...] | None = None
+  places: tuple[int, ...] | None = None
+  orders: tuple[tuple[Action, ...], ...] | None = None
 
   @property
   def num_stages(self) -> int:
     return len(self.lanes)
+
+  @property
+  def num_places(self) -> int:
+    return self.num_stages if self.places is None else max(self.places, default=-1) + 1
+
+  @property
+  def shares_devices(self) -> bool:
+    """Whether some stages share their devices (several stages on one place)."""
+    return self.places is not None and len(set(self.places)) < len(self.places)
+
+  def place_stages(self) -> list[list[int]]:
+    """The stages of each place, in index order."""
+    out: list[list[int]] = [[] for _ in range(self.num_places)]
+    for s in range(self.num_stages):
+      out[s if self.places is None else self.places[s]].append(s)
+    return out
+
+  def device_lanes(self) -> tuple[tuple[Action, ...], ...]:
+    """What each place's devices run in order: ``orders``, or the lanes where every stage has a
+    place of its own, or (places without orders) each place's actions in dispatch order."""
+    if self.orders is not None:
+      return self.orders
+    if not self.shares_devices:
+      return self.lanes
+    where = self.places or ()
+    out: list[list[Action]] = [[] for _ in range(self.num_places)]
+    for a in dispatch_order(dataclasses.replace(self, places=None)):
+      out[where[a.stage]].append(a)
+    return tuple(map(tuple, out))
 
   @functools.cached_property
   def splits_backward(self) -> bool:
@@ -113,6 +151,10 @@ class Schedule:
         "counts": None if self.counts is None else list(self.counts),
         "steps": self.steps,
         "delays": None if self.delays is None else list(self.delays),
+        "places": None if self.places is None else list(self.places),
+        "orders": None
+        if self.orders is None
+        else [[[a.kind, a.stage, a.microbatch] for a in lane] for lane in self.orders],
       }
     )
 
@@ -127,11 +169,20 @@ class Schedule:
       None if d.get("counts") is None else tuple(int(c) for c in d["counts"]),
       int(d.get("steps", 1)),
       None if d.get("delays") is None else tuple(int(x) for x in d["delays"]),
+      None if d.get("places") is None else tuple(int(x) for x in d["places"]),
+      None
+      if d.get("orders") is None
+      else tuple(tuple(Action(*a) for a in lane) for lane in d["orders"]),
     )
 
   def grid(self, mark: Action | None = None) -> str:
     """The schedule as a text grid, one row per stage; ``mark`` is shown in brackets."""
     rows = []
+    if self.shares_devices:  # the devices' orders: what runs where, in turn
+      for p, lane in enumerate(self.device_lanes()):
+        cells = [f"[{a}]" if a == mark else f" {a} " for a in lane]
+        rows.append(f"place {p:2d} |" + "".join(f"{c:9s}" for c in cells))
+      return "\n".join(rows)
     for s, lane in enumerate(self.lanes):
       cells = [f"[{a}]" if a == mark else f" {a} " for a in lane]
       rows.append(f"stage {s:2d} |" + "".join(f"{c:9s}" for c in cells))
@@ -177,6 +228,24 @@ def lanes_with_updates(sched: Schedule) -> list[list[Action]]:
       out.append(Action("UPDATE", s))
     lanes.append(out)
   return lanes
+
+
+def device_lanes_with_updates(sched: Schedule) -> list[list[Action]]:
+  """``Schedule.device_lanes``, each stage's UPDATE added after its place's last action where
+  its lane has none (``lanes_with_updates``)."""
+  lanes = sched.device_lanes()
+  if all(any(a.kind == "UPDATE" for a in lane) for lane in sched.lanes):
+    return [list(l) for l in lanes]
+  if not sched.shares_devices:
+    return lanes_with_updates(sched)
+  out = []
+  for p, lane in enumerate(lanes):
+    order = list(lane)
+    for s in sched.place_stages()[p]:
+      if not any(a.kind == "UPDATE" for a in sched.lanes[s]):
+        order.append(Action("UPDATE", s))
+    out.append(order)
+  return out
 
 
 def dependencies(
@@ -237,6 +306,7 @@ def validate_schedule(sched: Schedule) -> None:
   """
   if _TRUSTED.get():
     return
+  _check_places(sched)
   g = sched.stage_graph()
   if not nx.is_directed_acyclic_graph(g):
     raise ScheduleError(f"stage graph has a cycle {nx.find_cycle(g)}")
@@ -350,13 +420,46 @@ def validate_schedule(sched: Schedule) -> None:
   dispatch_order(sched)
 
 
+def _check_places(sched: Schedule) -> None:
+  """``places`` gives every stage a place numbered from 0 without gaps, and ``orders`` runs
+  exactly its place's stages' actions, each stage's in its lane's order."""
+  if sched.places is None:
+    if sched.orders is not None:
+      raise ScheduleError("a schedule with orders per place needs places (one per stage)")
+    return
+  S, places = sched.num_stages, sched.places
+  if len(places) != S or sorted(set(places)) != list(range(len(set(places)))):
+    raise ScheduleError(
+      f"places {list(places)} must give each of the {S} stages a place, numbered 0, 1, ... "
+      "without gaps"
+    )
+  if sched.orders is None:
+    return
+  stages = sched.place_stages()
+  if len(sched.orders) != len(stages):
+    raise ScheduleError(f"{len(sched.orders)} orders for {len(stages)} places")
+  for p, order in enumerate(sched.orders):
+    for s in stages[p]:
+      mine = tuple(a for a in order if a.stage == s)
+      if mine != sched.lanes[s]:
+        raise ScheduleError(
+          f"place {p} runs stage {s}'s actions as {[str(a) for a in mine][:8]}..., not in "
+          f"its lane's order {[str(a) for a in sched.lanes[s]][:8]}...\n{sched.grid()}"
+        )
+    strays = sorted({a.stage for a in order} - set(stages[p]))
+    if strays:
+      raise ScheduleError(f"place {p} runs actions of stages {strays}, which are not on it")
+
+
 def dispatch_order(sched: Schedule) -> list[Action]:
-  """The order in which a single thread issues the actions: round-robin over the lanes, each
-  lane advancing while its next action's dependencies have been issued.
+  """The order in which a single thread issues the actions: round-robin over the lanes of
+  devices (``Schedule.device_lanes``: a stage's, or a place's where stages share devices),
+  each advancing while its next action's dependencies have been issued.
 
   The order is a pure function of the schedule, so every process of a multi-process run issues
   the same actions (and the same transfers) in the same order. Raises ScheduleError, with the
-  grid and the blocked action marked, if the lanes deadlock.
+  grid and the blocked action marked, if the lanes deadlock; where stages share devices the
+  message names the cycle of places waiting on one another.
   """
   return list(_dispatch_order(sched))
 
@@ -366,13 +469,14 @@ def _dispatch_order(sched: Schedule) -> tuple[Action, ...]:
   # Cached: the validator, the simulator and the driver all ask for the same schedule's order.
   g = sched.stage_graph()
   counts = sched.counts
+  lanes = sched.orders if sched.orders is not None else sched.lanes
   done: set[Action] = set()
   order: list[Action] = []
-  pos = [0] * sched.num_stages
-  total = sum(len(l) for l in sched.lanes)
+  pos = [0] * len(lanes)
+  total = sum(len(l) for l in lanes)
   while len(order) < total:
     progressed = False
-    for s, lane in enumerate(sched.lanes):
+    for s, lane in enumerate(lanes):
       while pos[s] < len(lane):
         a = lane[pos[s]]
         deps = list(dependencies(a, g, counts=counts)) if a.kind != "UPDATE" else []
@@ -384,15 +488,38 @@ def _dispatch_order(sched: Schedule) -> tuple[Action, ...]:
         else:
           break
     if not progressed:
-      blocked = [
-        sched.lanes[s][pos[s]] for s in range(sched.num_stages) if pos[s] < len(sched.lanes[s])
-      ]
-      waits = "; ".join(
-        f"{a} waits for {[str(d) for d in dependencies(a, g, counts=counts) if d not in done]}"
-        for a in blocked
+      heads = {q: lanes[q][pos[q]] for q in range(len(lanes)) if pos[q] < len(lanes[q])}
+      waits = {
+        q: [d for d in dependencies(a, g, counts=counts) if d not in done] for q, a in heads.items()
+      }
+      if sched.orders is not None:
+        raise ScheduleError(_place_cycle(sched, heads, waits))
+      text = "; ".join(f"{heads[q]} waits for {[str(d) for d in w]}" for q, w in waits.items())
+      raise ScheduleError(
+        f"schedule deadlocks: {text}\n{sched.grid(mark=next(iter(heads.values())))}"
       )
-      raise ScheduleError(f"schedule deadlocks: {waits}\n{sched.grid(mark=blocked[0])}")
   return tuple(order)
+
+
+def _place_cycle(sched: Schedule, heads: dict[int, Action], waits: dict[int, list[Action]]) -> str:
+  """The deadlock of places that share devices, as the cycle of places waiting on each other:
+  each place's next action waits for an action that another place runs after its own next."""
+  places = sched.places or ()
+  wait_for = nx.DiGraph()
+  for q, deps in waits.items():
+    for d in deps:
+      wait_for.add_edge(q, places[d.stage], need=d)
+  cycle = nx.find_cycle(wait_for)
+  steps = [
+    f"place {q} runs {heads[q]} next, which waits for {wait_for.edges[q, r]['need']} on place {r}"
+    for q, r in cycle
+  ]
+  return (
+    "schedule deadlocks: the stages sharing devices wait on each other in a cycle: "
+    + "; ".join(steps)
+    + " (reorder the places' actions or put the stages on other devices)\n"
+    + sched.grid(mark=heads[cycle[0][0]])
+  )
 
 
 def _fail(sched: Schedule, a: Action, msg: str):

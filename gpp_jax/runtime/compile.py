@@ -1408,7 +1408,10 @@ def run_planner(
     plan = plan.replace(num_microbatches=M)
   if opts.schedule is not None:
     plan = plan.replace(schedule=opts.schedule)
-  peak = max(simulate(plan, lg.scaled(graph, batch_size), cluster).stage_memory, default=0.0)
+  # Per device: a device running several stages holds all of their memory.
+  peak = max(
+    simulate(plan, lg.scaled(graph, batch_size), cluster).peak_memory.values(), default=0.0
+  )
   if peak > cluster.memory_per_device:
     raise PlanError(
       f"the plan needs {peak / 2**20:.3f} MiB on a device, more than "
@@ -1488,7 +1491,10 @@ def make_plan(
   elif isinstance(p, ManualPlan):
     if opts.layout is not None:  # stages take rows of the mesh: say so before resolving
       named = [*p.rules.values(), *([] if p.default_stage is None else [p.default_stage])]
-      check_rows(opts.layout, max(named, default=0) + 1)
+      where = [(p.devices or {}).get(s, s) for s in range(max(named, default=0) + 1)]
+      check_rows(
+        opts.layout, len({(d,) if isinstance(d, int) else tuple(sorted(d)) for d in where})
+      )
     return p.resolve(graph, M, opts.schedule or "1f1b", nd, batch_size)
   elif isinstance(p, str) or callable(p):
     cluster = planner_cluster(opts)
@@ -1548,7 +1554,7 @@ def stage_step(
   plan, B = planned.plan, captured.batch_size
   sizes = stage_microbatch_sizes(plan, B)
   layout = opts.mesh_layout
-  check_rows(layout, plan.num_stages)
+  check_rows(layout, len({frozenset(s.devices) for s in plan.stages}))
   placements = stage_placements(
     [[x for r in s.devices for x in layout.rows[r]] for s in plan.stages],
     sizes,

@@ -677,6 +677,15 @@ def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
 
     return send_input
 
+  if ex.program.local(ins):  # stages on the same devices: hand the array over
+
+    def hand_over():
+      x = src_lst[si]
+      same = isinstance(x, jax.Array) and x.sharding == sharding
+      dst_lst[di] = x if same else transfer(x, sharding)
+
+    return hand_over
+
   def send():
     dst_lst[di] = transfer(src_lst[si], sharding)
 

@@ -237,9 +237,11 @@ def check_specs(
 
 
 def check_rows(layout: MeshLayout, num_stages: int) -> None:
+  """``num_stages``: the stages that need rows of their own (stages sharing devices count
+  once)."""
   if num_stages > len(layout.rows):
     raise PlanError(
-      f"the plan has {num_stages} stages but the mesh's first axis "
+      f"the plan has {num_stages} stages on devices of their own but the mesh's first axis "
       f"{layout.batch_axis!r} has {len(layout.rows)} rows, and each stage takes whole rows; "
       f"give the first axis at least {num_stages} rows (e.g. move devices from the other "
       "axes into it) or plan fewer stages"

@@ -204,7 +204,9 @@ PROBLEM_KEYWORDS = ("cost_model", "schedule", "max_microbatches", "host", "min_s
 class ProblemPlanner(Generic[Options]):
   """A built-in planner: ``plan(problem, options)`` with a frozen options dataclass.
 
-  Calling it with the keyword form (``Planner``) builds the ``PlanningProblem`` (from
+  ``stages_per_device`` (an int above one, or ``"auto"``) plans with several stages on a
+  device (``passes.partition.shared``). Otherwise, calling it with the keyword form
+  (``Planner``) builds the ``PlanningProblem`` (from
   ``cost_model``, ``schedule``, ``max_microbatches``, ``host``, ``min_stages`` and
   ``num_microbatches``) and the options (every other keyword, checked against the options'
   fields) and runs ``plan``, whose plan must have at least ``min_stages`` stages (each
@@ -249,6 +251,19 @@ class ProblemPlanner(Generic[Options]):
     num_microbatches: int | None = None,
     **kw: Any,
   ) -> Plan:
+    per_device = kw.pop("stages_per_device", None)
+    if per_device is not None and per_device != 1:  # several stages per device
+      from gpp_jax.passes.partition.shared import plan_with_shared_devices
+
+      return plan_with_shared_devices(
+        self,
+        layer_graph,
+        as_cluster(cluster),
+        batch_size,
+        stages_per_device=per_device,
+        num_microbatches=num_microbatches,
+        **kw,
+      )
     problem_kw = {k: kw.pop(k) for k in PROBLEM_KEYWORDS if k in kw}
     problem = PlanningProblem.build(
       layer_graph, cluster, batch_size, num_microbatches=num_microbatches, **problem_kw
