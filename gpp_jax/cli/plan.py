@@ -71,7 +71,13 @@ def define_flags() -> None:
   flags.DEFINE_string("model", "dlrm", "model graph: mmt, dlrm, candle_uno, gpt or chain")
   flags.DEFINE_enum("preset", "paper", ["paper", "tiny"], "model shapes: the paper's or tiny")
   flags.DEFINE_list("shape", [], "shape overrides as key=value (e.g. branches=16,layers=2)")
-  flags.DEFINE_enum("cluster", "v100", ["v100", "cuda", "cpu"], "cluster preset")
+  flags.DEFINE_enum(
+    "cluster",
+    "v100",
+    ["v100", "cuda", "cpu", "a100", "h100"],
+    "cluster preset (a100: Selene's DGX A100s as Megatron-LM's SC'21 paper describes them; "
+    "h100: DGX H100s)",
+  )
   flags.DEFINE_integer("num_devices", 8, "devices in the cluster")
   flags.DEFINE_list(
     "planner",
@@ -99,6 +105,18 @@ def define_flags() -> None:
     "DAG, schedule interleaved-1f1b), or auto (each planner chooses 1, 2 or 4 by prediction)",
   )
   flags.DEFINE_string("json", None, "also write the results to this JSON file")
+  flags.DEFINE_string(
+    "layout",
+    None,
+    "--model=gpt only: plan exactly this layout, e.g. tp:8,pp:8 (tensor parallel inside a "
+    "node, pp equal pipeline stages, data parallel over the rest; Megatron-LM's)",
+  )
+  flags.DEFINE_integer("gpt_layers", None, "--model=gpt: Transformer layers")
+  flags.DEFINE_integer("gpt_hidden", None, "--model=gpt: hidden size")
+  flags.DEFINE_integer("gpt_heads", None, "--model=gpt: attention heads")
+  flags.DEFINE_integer("seq_len", None, "--model=gpt: sequence length")
+  flags.DEFINE_integer("vocab_size", None, "--model=gpt: vocabulary size")
+  flags.DEFINE_integer("microbatch_size", 1, "--layout: sequences per micro-batch")
 
 
 def parse_shape(items: Sequence[str]) -> dict[str, int]:
@@ -305,9 +323,49 @@ def check_json_path(path: str | None) -> None:
     raise ValueError(f"--json={path}: folder {folder} does not exist; create it or pick another")
 
 
+def parse_layout(text: str) -> dict[str, int]:
+  """``tp:8,pp:8`` -> ``{"tp": 8, "pp": 8}``; ValueError naming what is wrong."""
+  out: dict[str, int] = {}
+  for part in text.split(","):
+    key, sep, value = part.strip().partition(":")
+    if key not in ("tp", "pp") or not sep or not value.isdigit() or int(value) < 1:
+      raise ValueError(f"--layout={text}: expected tp:<int>,pp:<int> (e.g. tp:8,pp:8)")
+    out[key] = int(value)
+  return {"tp": out.get("tp", 1), "pp": out.get("pp", 1)}
+
+
+def plan_layout(
+  layout: dict[str, int],
+  *,
+  cluster: str,
+  num_devices: int,
+  batch_size: int,
+  layers: int,
+  hidden: int,
+  heads: int,
+  seq_len: int,
+  vocab_size: int,
+  microbatch_size: int = 1,
+  stages_per_device: int | str = "auto",
+) -> list[dict[str, Any]]:
+  """The records of a GPT's ``layout`` (``experiments.megatron.predict_layout``): one per
+  plan, with ``planner`` ("layout"), ``iteration_ms``, ``samples_per_s`` and
+  ``tflops_per_device`` (the paper's FLOPs per iteration / time / devices)."""
+  from gpp_jax.experiments.megatron import Row, predict_layout
+
+  row = Row(0.0, heads, hidden, layers, layout["tp"], layout["pp"], num_devices, batch_size, 0)
+  vs = (1, 2, 4) if stages_per_device == "auto" else (int(stages_per_device),)
+  rec = predict_layout(row, cluster, microbatch_size, vs, seq_len, vocab_size)
+  plan = rec.pop("plan")
+  return [{**rec, "plan": plan}]
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; everything is given as --flags")
+  if FLAGS.layout:
+    layout_main()
+    return
   args = dict(
     preset=FLAGS.preset,
     cluster=FLAGS.cluster,
@@ -329,6 +387,57 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(report_to_json(report), f, indent=1)
+    print(f"\nwrote {FLAGS.json}")
+
+
+def layout_main() -> None:
+  """``--layout``: the given layout of a GPT, simulated; prints it and writes ``--json``."""
+  if FLAGS.model != "gpt":
+    raise app.UsageError("--layout plans a GPT's tensor x pipeline x data layout: pass --model=gpt")
+  try:
+    check_json_path(FLAGS.json)
+    layout = parse_layout(FLAGS.layout)
+    spd = parse_stages_per_device(FLAGS.stages_per_device)
+    if FLAGS.batch_size is None:
+      raise ValueError("--layout needs --batch_size (sequences per iteration)")
+    need = {
+      k: getattr(FLAGS, k)
+      for k in ("gpt_layers", "gpt_hidden", "gpt_heads", "seq_len", "vocab_size")
+    }
+    missing = sorted(k for k, v in need.items() if v is None)
+    if missing:
+      raise ValueError(
+        f"--layout needs the GPT's shape: pass {', '.join('--' + m for m in missing)}"
+      )
+    records = plan_layout(
+      layout,
+      cluster=FLAGS.cluster,
+      num_devices=FLAGS.num_devices,
+      batch_size=FLAGS.batch_size,
+      layers=FLAGS.gpt_layers,
+      hidden=FLAGS.gpt_hidden,
+      heads=FLAGS.gpt_heads,
+      seq_len=FLAGS.seq_len,
+      vocab_size=FLAGS.vocab_size,
+      microbatch_size=FLAGS.microbatch_size,
+      stages_per_device="auto" if spd == 1 and FLAGS.stages_per_device == "1" else spd,
+    )
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  for r in records:
+    print(r["plan"])
+    print(
+      f"\n{r['layout']} on {FLAGS.num_devices} {FLAGS.cluster} GPUs: iteration "
+      f"{r['iteration_ms'] / 1e3:.3f} s, {r['samples_per_s']:.1f} sequences/s, "
+      f"{r['tflops_per_device']:.1f} TFLOP/s per GPU (modelled; the paper's FLOP count), "
+      f"{r['stages_per_device']} stage(s) per device, {r['num_microbatches']} micro-batches"
+    )
+  if FLAGS.json:
+    out = [
+      {k: v for k, v in r.items() if k != "plan"} | {"plan": r["plan"].to_dict()} for r in records
+    ]
+    with open(FLAGS.json, "w") as f:
+      json.dump(out, f, indent=1)
     print(f"\nwrote {FLAGS.json}")
 
 

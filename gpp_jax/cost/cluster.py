@@ -46,6 +46,10 @@ class DeviceSpec:
       the layer says otherwise, e.g. the tokens of a Transformer layer). Between points it is
       interpolated linearly in log2(rows); outside it is clamped.
     kernel_overhead: fixed seconds per layer per pass (launch and framework overhead).
+    width_half: where set, a layer's fraction of peak is also scaled by w / (w + width_half),
+      w its matrix products' width (the layer attribute ``width``, e.g. a Transformer's hidden
+      size): a GEMM of a small inner dimension reaches less of the tensor cores' peak than a
+      wide one of as many rows. 0: no such term (rows alone, ``efficiency``).
   """
 
   name: str
@@ -53,6 +57,7 @@ class DeviceSpec:
   memory_bandwidth: float
   efficiency: tuple[tuple[float, float], ...] = ((1, 1.0),)
   kernel_overhead: float = 0.0
+  width_half: float = 0.0
 
   def __post_init__(self):
     if self.peak_flops <= 0 or self.memory_bandwidth <= 0:
@@ -286,6 +291,70 @@ def h100(dtype: str = "float32") -> DeviceSpec:
   )
 
 
+# NVIDIA A100 SXM4 80 GB (NVIDIA A100 datasheet): 312 TFLOP/s dense bfloat16/float16 tensor
+# cores, 2,039 GB/s HBM2e. Selene as Narayanan et al. (SC'21, section 5) describe it: DGX
+# A100 nodes of 8 GPUs on NVLink 3 / NVSwitch (600 GB/s both directions together per GPU,
+# 300 GB/s each way; DGX A100 user guide), 8 InfiniBand HDR adapters per node (200 Gb/s each,
+# one per GPU). Latencies: a few microseconds per hop (NCCL's typical NVLink and IB latencies).
+A100_PEAK_FLOPS = 312e12
+A100_HBM_BANDWIDTH = 2.039e12
+A100_LINKS = {
+  "nvlink": Link(alpha=5e-6, beta=300e9, name="nvlink3"),
+  "infiniband": Link(alpha=8e-6, beta=200e9 / 8, name="infiniband-hdr"),
+}
+# The A100's and H100's fraction of tensor-core peak by GEMM rows (tokens per device) and
+# width (``DeviceSpec.width_half``): fitted once, on the four Megatron-LM rows named in
+# BUILD_NOTES ("Megatron-LM's GPT runs, predicted"), not per row.
+GPU_GEMM_EFFICIENCY = ((1, 0.0175), (64, 0.22), (512, 0.48), (2048, 0.63), (16384, 0.7))
+GPU_GEMM_WIDTH_HALF = 400.0
+
+
+def a100(name: str = "A100-SXM4-80GB (bf16)") -> DeviceSpec:
+  """One A100 SXM4 80 GB at its dense bfloat16 peak, GEMM efficiency by rows and width."""
+  return DeviceSpec(
+    name=name,
+    peak_flops=A100_PEAK_FLOPS,
+    memory_bandwidth=A100_HBM_BANDWIDTH,
+    efficiency=GPU_GEMM_EFFICIENCY,
+    kernel_overhead=5e-6,
+    width_half=GPU_GEMM_WIDTH_HALF,
+  )
+
+
+def a100_cluster(num_devices: int) -> Cluster:
+  """Selene (Narayanan et al., SC'21): DGX A100 80 GB nodes of 8 GPUs on NVSwitch, 8 HDR
+  InfiniBand adapters per node (one per GPU)."""
+  return Cluster(
+    num_devices=num_devices,
+    device=a100(),
+    memory_per_device=80 * GiB,
+    intra_link=A100_LINKS["nvlink"],
+    inter_link=A100_LINKS["infiniband"],
+    devices_per_node=8,
+    name=f"a100x{num_devices}",
+  )
+
+
+def h100_cluster(num_devices: int) -> Cluster:
+  """A DGX H100 cluster (DGX H100 user guide): nodes of 8 H100 SXM5 80 GB on NVLink 4 /
+  NVSwitch (450 GB/s each way per GPU), one 400 Gb/s InfiniBand NDR port per GPU; the H100's
+  dense bfloat16 peak (``H100_PEAK_FLOPS``) with the same GEMM efficiency model as the A100."""
+  device = dataclasses.replace(
+    a100("H100-SXM5-80GB (bf16)"),
+    peak_flops=H100_PEAK_FLOPS["bfloat16"],
+    memory_bandwidth=H100_HBM_BANDWIDTH,
+  )
+  return Cluster(
+    num_devices=num_devices,
+    device=device,
+    memory_per_device=80 * GiB,
+    intra_link=H100_LINKS["nvlink"],
+    inter_link=H100_LINKS["infiniband"],
+    devices_per_node=8,
+    name=f"h100x{num_devices}",
+  )
+
+
 def cuda_cluster(
   num_devices: int,
   dtype: str = "float32",
@@ -384,8 +453,9 @@ def devices_cluster(devices: Sequence[Any]) -> Cluster:
   return process_cluster(devices)
 
 
-CLUSTER_PRESETS = ("cpu", "cuda", "v100")
-"""The cluster presets by name: forced CPU devices, H100 GPUs, the GraphPipe paper's V100s."""
+CLUSTER_PRESETS = ("cpu", "cuda", "v100", "a100", "h100")
+"""The cluster presets by name: forced CPU devices, H100 GPUs, the GraphPipe paper's V100s,
+Selene's DGX A100s (Megatron-LM's SC'21 runs), DGX H100s."""
 
 
 def make_cluster(name: str, num_devices: int, dtype: str = "float32") -> Cluster:
@@ -397,6 +467,10 @@ def make_cluster(name: str, num_devices: int, dtype: str = "float32") -> Cluster
     return cuda_cluster(num_devices, dtype=dtype)
   if name == "v100":
     return v100_cluster(num_devices)
+  if name == "a100":
+    return a100_cluster(num_devices)
+  if name == "h100":
+    return h100_cluster(num_devices)
   raise ValueError(f"unknown cluster {name!r}; choose one of {list(CLUSTER_PRESETS)}")
 
 

@@ -162,6 +162,9 @@ def _layer_times(cm: CostModel, costs: LayerCosts, device: DeviceSpec, samples: 
     return hit
   B = costs.batch_size
   eff = np.array([device.efficiency_at(samples * r) for r in costs.rows_ps])
+  if device.width_half > 0 and costs.width is not None:  # narrow products: less of the peak
+    w = costs.width
+    eff = np.where(w > 0, eff * w / (w + device.width_half), eff)
   flops = costs.flops_ps * samples
   nbytes = costs.param_read_bytes + costs.act_bytes_ps * samples
   roof = np.maximum(flops / (device.peak_flops * eff), nbytes / device.memory_bandwidth)
@@ -194,6 +197,8 @@ class LayerCosts:
     time_f_ps, time_b_ps: measured seconds per sample at ``batch_size`` (NaN if not measured).
     rows_ps: rows the layer's matrix products see per sample (the layer attribute ``rows``,
       default 1): the efficiency curve is read at samples x rows.
+    width: the width of the layer's matrix products (the layer attribute ``width``, 0 where
+      not given), for devices whose efficiency depends on it (``DeviceSpec.width_half``).
     edges: (u, v, bytes per sample) with u, v positions.
     edge_arrays: the arrays each edge carries (the edge attribute ``arrays``, default 1), in
       the order of ``edges``.
@@ -226,6 +231,7 @@ class LayerCosts:
   edges: tuple[tuple[int, int, float], ...]
   rows_ps: np.ndarray
   edge_arrays: tuple[int, ...] = ()
+  width: np.ndarray | None = None
   time_at: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
     default_factory=dict, repr=False
   )
@@ -297,6 +303,7 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
     time_f_ps=tf,
     time_b_ps=np.where(np.isnan(tf), math.nan, tb),
     rows_ps=rows,
+    width=arr(lambda d: d.get("width", 0.0)),
     edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)),
     edge_arrays=tuple(int(d.get("arrays", 1)) for _, _, d in g.edges(data=True)),
     time_at=_times_at_widths(nd, B, tf, tb),

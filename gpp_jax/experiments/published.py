@@ -1,0 +1,104 @@
+"""Megatron-LM's published GPT runs against the simulator (``gpp_jax.experiments.published``).
+
+For every row of Narayanan et al.'s Table 1 (SC'21: GPT 1.7B-1T on 32-3,072 A100s of Selene),
+the paper's layout (tensor-parallel and pipeline-parallel sizes as published, data parallel
+over the rest, micro-batches of one sequence, the interleaved schedule with the number of
+stages per device that the simulator finds fastest among 1, 2 and 4) is simulated on the
+``a100`` cluster preset, and the achieved teraFLOP/s per GPU (the paper's FLOPs per iteration
+/ the predicted iteration time / GPUs) is printed beside the published one, with the error.
+Every figure is modelled; the published ones were measured by the paper's authors. It writes
+``docs/published.md`` (``--markdown``) and the records as JSON (``--json``).
+
+  python -m gpp_jax.experiments.published
+  python -m gpp_jax.experiments.published --rows=1.7,1008.0 --markdown= --json=/tmp/rows.json
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from absl import app, flags
+
+from gpp_jax.experiments.megatron import FITTED_ON, TABLE_1, Row, paper_params, predict_layout
+
+FLAGS = flags.FLAGS
+
+
+def compare(rows: Sequence[Row] = TABLE_1, cluster: str = "a100") -> list[dict[str, Any]]:
+  """One record per row: the published figure, the layout's prediction and its error."""
+  out = []
+  for row in rows:
+    t0 = time.perf_counter()
+    rec = predict_layout(row, cluster)
+    rec.pop("plan")
+    rec.update(
+      params_b=row.params_b,
+      params_b_formula=round(paper_params(row.layers, row.hidden) / 1e9, 1),
+      gpus=row.gpus,
+      batch=row.batch,
+      published_tflops=row.tflops,
+      error=rec["tflops_per_device"] / row.tflops - 1,
+      fitted_on=row.params_b in FITTED_ON,
+      seconds=time.perf_counter() - t0,
+    )
+    out.append(rec)
+  return out
+
+
+def markdown(records: Sequence[dict[str, Any]]) -> str:
+  lines = [
+    "# Megatron-LM's GPT runs (Narayanan et al., SC'21, Table 1), predicted",
+    "",
+    "`python -m gpp_jax.experiments.published` (modelled: the simulator on the `a100` "
+    "preset; published: measured on Selene by the paper's authors). The layout is the "
+    "paper's (TP, PP as published, DP the rest, micro-batches of one sequence); v is the "
+    "number of stages per device of the interleaved schedule, the fastest of 1, 2, 4. Rows "
+    "marked * are the four the GPU efficiency model's level was set on.",
+    "",
+    "| params | GPUs | batch | layout | v | M | iteration s | published TFLOP/s | "
+    "predicted TFLOP/s | error | plan s |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in records:
+    star = "*" if r["fitted_on"] else ""
+    lines.append(
+      f"| {r['params_b']}B{star} | {r['gpus']} | {r['batch']} | {r['layout']} | "
+      f"{r['stages_per_device']} | {r['num_microbatches']} | {r['iteration_ms'] / 1e3:.2f} | "
+      f"{r['published_tflops']:.0f} | {r['tflops_per_device']:.1f} | {r['error'] * 100:+.1f}% | "
+      f"{r['seconds']:.1f} |"
+    )
+  worst = max(abs(r["error"]) for r in records)
+  lines += ["", f"Largest error: {worst * 100:.1f}% over {len(records)} rows."]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  rows = TABLE_1
+  if FLAGS.rows:
+    want = {float(x) for x in FLAGS.rows}
+    rows = tuple(r for r in TABLE_1 if r.params_b in want)
+    if not rows:
+      raise app.UsageError(f"--rows: none of {sorted(want)} is a row of Table 1")
+  records = compare(rows, FLAGS.cluster)
+  text = markdown(records)
+  print(text)
+  if FLAGS.markdown:
+    with open(FLAGS.markdown, "w") as f:
+      f.write(text)
+    print(f"wrote {FLAGS.markdown}")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(records, f, indent=1)
+    print(f"wrote {FLAGS.json}")
+
+
+if __name__ == "__main__":
+  flags.DEFINE_list("rows", [], "rows of Table 1 by billions of parameters (default: all)")
+  flags.DEFINE_string("cluster", "a100", "cluster preset")
+  flags.DEFINE_string("markdown", "docs/published.md", "write the table here ('' for none)")
+  flags.DEFINE_string("json", None, "write the records here")
+  app.run(main)

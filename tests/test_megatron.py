@@ -1,0 +1,117 @@
+"""Megatron-LM's published GPT runs (SC'21, Table 1): the paper's formulas, the layout flag,
+the JSON records, and the simulator's predictions against the published figures."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from harness import child_env
+
+from gpp_jax.cost.cluster import make_cluster
+from gpp_jax.experiments.megatron import (
+  TABLE_1,
+  gpt_graph,
+  layout_plan,
+  paper_flops,
+  paper_params,
+  predict_layout,
+  row_cluster,
+)
+
+
+def test_parameter_count_is_the_papers_column():
+  """Equation (2) gives every row's published parameter count (to its 0.1 billion)."""
+  for row in TABLE_1:
+    assert paper_params(row.layers, row.hidden) / 1e9 == pytest.approx(row.params_b, abs=0.051)
+
+
+def test_flop_count_and_the_papers_worked_example():
+  """Equation (3), and the paper's training-time example: GPT-3 (175B) on 300B tokens, 1,024
+  GPUs at 140 teraFLOP/s is 34 days by equation (4), 8TP/(nX), which equation (3) approaches
+  as 8 B s P for large models."""
+  days = 8 * 300e9 * 175e9 / (1024 * 140e12) / 86400
+  assert round(days) == 34
+  big = TABLE_1[-1]
+  F = paper_flops(big.batch, 2048, big.layers, big.hidden, 51200)
+  P = paper_params(big.layers, big.hidden)
+  assert F / (8 * big.batch * 2048 * P) == pytest.approx(1.0, rel=0.03)
+  # Per layer and sequence: 72 s h^2 for forward and backward, 24 s h^2 more recomputed.
+  assert paper_flops(1, 2048, 1, 4096, 0) == pytest.approx(
+    96 * 2048 * 4096**2 * (1 + 2048 / (6 * 4096))
+  )
+  g = gpt_graph(1, 1, 4096, 32, 2048, 51200)
+  layer = g.nodes["layer0"]["flops"]
+  assert 4 * layer == pytest.approx(96 * 2048 * 4096**2 * (1 + 2048 / (6 * 4096)))
+
+
+def test_layout_gives_the_stages_and_widths_it_names():
+  row = TABLE_1[6]  # 145.6B: tp 8, pp 8 on 1,536 GPUs
+  rows = row_cluster(make_cluster("a100", row.gpus), row.tp)
+  assert rows.num_devices == 192 and rows.devices_per_node == 1
+  g = gpt_graph(row.batch, row.layers, row.hidden, row.heads, tp=row.tp)
+  plan = layout_plan(g, rows.num_devices, row.batch, row.pp, 1, 2)
+  assert plan.num_stages == 16 and plan.schedule == "interleaved-1f1b"
+  assert [len(s.devices) for s in plan.stages] == [24] * 16  # dp = 192 / 8
+  assert [s.devices[0] // 24 for s in plan.stages] == [k % 8 for k in range(16)]
+  assert plan.stages_per_device == 2
+  assert plan.stages[0].layers[0] == "embed" and plan.stages[-1].layers[-2:] == ("lm_head", "loss")
+  assert sum(len(s.layers) for s in plan.stages) == row.layers + 3
+  assert plan.num_microbatches == row.batch // 24
+  with pytest.raises(ValueError, match="pp=7"):
+    layout_plan(g, rows.num_devices, row.batch, 7)
+
+
+@pytest.mark.parametrize("row", [TABLE_1[0], TABLE_1[3]], ids=["1.7B", "18.4B"])
+def test_small_rows_are_predicted_within_15_percent(row):
+  got = predict_layout(row)
+  assert got["tflops_per_device"] == pytest.approx(row.tflops, rel=0.15)
+
+
+@pytest.mark.slow
+def test_every_row_is_predicted_within_15_percent():
+  for row in TABLE_1:
+    got = predict_layout(row)
+    assert got["tflops_per_device"] == pytest.approx(row.tflops, rel=0.15), row
+
+
+def test_plan_cli_layout_writes_the_records(tmp_path):
+  out = tmp_path / "rows.json"
+  args = [
+    "--model=gpt",
+    "--gpt_layers=40",
+    "--gpt_hidden=6144",
+    "--gpt_heads=48",
+    "--seq_len=2048",
+    "--vocab_size=51200",
+    "--batch_size=1024",
+    "--cluster=a100",
+    "--num_devices=256",
+    "--layout=tp:8,pp:1",
+    f"--json={out}",
+  ]
+  proc = subprocess.run(
+    [sys.executable, "-m", "gpp_jax.plan", *args],
+    capture_output=True,
+    text=True,
+    env=child_env(),
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert "TFLOP/s per GPU" in proc.stdout
+  records = json.loads(out.read_text())
+  assert isinstance(records, list) and len(records) == 1
+  r = records[0]
+  assert r["planner"] == "layout" and r["layout"] == "tp:8,pp:1,dp:32"
+  for key in ("iteration_ms", "samples_per_s", "tflops_per_device"):
+    assert isinstance(r[key], float) and r[key] > 0
+  assert r["samples_per_s"] == pytest.approx(1024 / (r["iteration_ms"] / 1e3))
+  bad = subprocess.run(
+    [sys.executable, "-m", "gpp_jax.plan", *args[:-2], "--layout=tp:8,zz:2"],
+    capture_output=True,
+    text=True,
+    env=child_env(),
+    timeout=300,
+  )
+  assert bad.returncode != 0 and "expected tp:<int>,pp:<int>" in bad.stderr
+  assert "Traceback" not in bad.stderr
