@@ -78,6 +78,37 @@ class CostModel:
     samples on one device."""
     return _layer_times(self, costs, device, float(samples))
 
+  def planner_layer_times(
+    self, costs: LayerCosts, cluster: Any, samples: float
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """``layer_times`` on one device of ``cluster`` with the model's tensor parallelism
+    (``LayerCosts.tp_degree``): a layer split over n devices computes 1/n of its work and
+    all-reduces its output in the forward and its input cotangent in the backward over the
+    node's link, as ``plan_costs`` prices a stage of such layers. The planners' searches read
+    these, so that they price what the simulator prices."""
+    tf, tb = self.layer_times(costs, cluster.device, samples)
+    if costs.tp_degree is None:
+      return tf, tb
+    key = ("tp", self, cluster.device, cluster.intra_link, float(samples))
+    hit = costs._times.get(key)
+    if hit is not None:
+      return hit
+    n = costs.tp_degree
+    split = n > 1
+    link = cluster.intra_link
+    ar_f = np.array(
+      [self.allreduce_time(b * samples, int(k), link) for b, k in zip(costs.tp_out_ps, n)]
+    )
+    ar_b = np.array(
+      [self.allreduce_time(b * samples, int(k), link) for b, k in zip(costs.tp_in_ps, n)]
+    )
+    tf = np.where(split, tf / n + ar_f, tf)
+    tb = np.where(split, tb / n + ar_b, tb)
+    tf.setflags(write=False)
+    tb.setflags(write=False)
+    costs._times[key] = (tf, tb)
+    return tf, tb
+
   def stage_time(
     self,
     costs: LayerCosts,
@@ -199,6 +230,11 @@ class LayerCosts:
       default 1): the efficiency curve is read at samples x rows.
     width: the width of the layer's matrix products (the layer attribute ``width``, 0 where
       not given), for devices whose efficiency depends on it (``DeviceSpec.width_half``).
+    tp_degree, tp_out_ps, tp_in_ps: the model's tensor parallelism (graph attribute
+      ``tensor_parallel``: per layer, over how many devices, and the bytes per sample its
+      forward and backward all-reduce), None without; ``CostModel.planner_layer_times``.
+    param_held: parameter bytes per layer each device holds under the model's partition
+      specs (graph attribute ``param_shards``), None without; ``held_param_bytes``.
     edges: (u, v, bytes per sample) with u, v positions.
     edge_arrays: the arrays each edge carries (the edge attribute ``arrays``, default 1), in
       the order of ``edges``.
@@ -232,10 +268,21 @@ class LayerCosts:
   rows_ps: np.ndarray
   edge_arrays: tuple[int, ...] = ()
   width: np.ndarray | None = None
+  tp_degree: np.ndarray | None = None
+  tp_out_ps: np.ndarray | None = None
+  tp_in_ps: np.ndarray | None = None
+  param_held: np.ndarray | None = None
   time_at: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
     default_factory=dict, repr=False
   )
   _times: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  @property
+  def held_param_bytes(self) -> np.ndarray:
+    """Parameter bytes per layer on each device of a stage (its shard where the model's specs
+    split it, ``param_held``), what the planners count for memory and gradient reduction."""
+    return self.param_bytes if self.param_held is None else self.param_held
+
   _stages: dict = dataclasses.field(default_factory=dict, repr=False)
   _stage_times: dict = dataclasses.field(default_factory=dict, repr=False)
   _stage_edges: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -304,10 +351,30 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
     time_b_ps=np.where(np.isnan(tf), math.nan, tb),
     rows_ps=rows,
     width=arr(lambda d: d.get("width", 0.0)),
+    **_sharding_arrays(g, layers),
     edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)),
     edge_arrays=tuple(int(d.get("arrays", 1)) for _, _, d in g.edges(data=True)),
     time_at=_times_at_widths(nd, B, tf, tb),
   )
+
+
+def _sharding_arrays(g: nx.DiGraph, layers: Sequence[str]) -> dict[str, np.ndarray]:
+  """``LayerCosts``' tensor-parallel and shard arrays from the graph's ``tensor_parallel``
+  and ``param_shards`` attributes (none where the graph has neither)."""
+  out: dict[str, np.ndarray] = {}
+  tp = g.graph.get("tensor_parallel")
+  if tp:
+    out["tp_degree"] = np.array([float(tp[l][0]) if l in tp else 1.0 for l in layers])
+    out["tp_out_ps"] = np.array([float(tp[l][1]) if l in tp else 0.0 for l in layers])
+    out["tp_in_ps"] = np.array([float(tp[l][2]) if l in tp else 0.0 for l in layers])
+  shards = g.graph.get("param_shards")
+  if shards:
+    held = [
+      float(shards[l][1] + shards[l][2]) if l in shards else float(g.nodes[l]["param_bytes"])
+      for l in layers
+    ]
+    out["param_held"] = np.array(held)
+  return out
 
 
 def _times_at_widths(

@@ -22,13 +22,55 @@ from typing import Any
 
 from absl import app, flags
 
-from gpp_jax.experiments.megatron import FITTED_ON, TABLE_1, Row, paper_params, predict_layout
+from gpp_jax.errors import PlanError
+from gpp_jax.experiments.megatron import (
+  FITTED_ON,
+  MEGATRON_COST_MODEL,
+  SEQ_LEN,
+  TABLE_1,
+  VOCAB,
+  Row,
+  gpt_graph,
+  paper_flops,
+  paper_params,
+  predict_layout,
+  row_cluster,
+)
 
 FLAGS = flags.FLAGS
 
 
-def compare(rows: Sequence[Row] = TABLE_1, cluster: str = "a100") -> list[dict[str, Any]]:
-  """One record per row: the published figure, the layout's prediction and its error."""
+def graphpipe_own(row: Row, cluster: str = "a100") -> dict[str, Any]:
+  """GraphPipe's own plan for ``row`` on the paper's tensor-parallel size (it chooses the
+  stages, their rows and the micro-batches): teraFLOP/s per GPU and its search seconds, or
+  the reason it found none."""
+  from gpp_jax.cost.cluster import make_cluster
+  from gpp_jax.passes.partition import PLANNERS
+
+  rows = row_cluster(make_cluster(cluster, row.gpus), row.tp)
+  graph = gpt_graph(row.batch, row.layers, row.hidden, row.heads, SEQ_LEN, VOCAB, row.tp)
+  t0 = time.perf_counter()
+  try:
+    plan = PLANNERS["graphpipe"](
+      graph, rows, row.batch, cost_model=MEGATRON_COST_MODEL, max_microbatches=4096
+    )
+  except PlanError as e:
+    return {"graphpipe_error": str(e).split(";")[0], "graphpipe_seconds": time.perf_counter() - t0}
+  T = plan.predicted["iteration_time"]
+  flops = paper_flops(row.batch, SEQ_LEN, row.layers, row.hidden, VOCAB)
+  return {
+    "graphpipe_tflops": flops / T / row.gpus / 1e12,
+    "graphpipe_stages": plan.num_stages,
+    "graphpipe_microbatches": plan.num_microbatches,
+    "graphpipe_seconds": time.perf_counter() - t0,
+  }
+
+
+def compare(
+  rows: Sequence[Row] = TABLE_1, cluster: str = "a100", own: bool = True
+) -> list[dict[str, Any]]:
+  """One record per row: the published figure, the layout's prediction and its error, and
+  (``own``) GraphPipe's own plan."""
   out = []
   for row in rows:
     t0 = time.perf_counter()
@@ -44,8 +86,22 @@ def compare(rows: Sequence[Row] = TABLE_1, cluster: str = "a100") -> list[dict[s
       fitted_on=row.params_b in FITTED_ON,
       seconds=time.perf_counter() - t0,
     )
+    if own:
+      rec.update(graphpipe_own(row, cluster))
     out.append(rec)
   return out
+
+
+def _own(r: dict[str, Any]) -> str:
+  if "graphpipe_tflops" in r:
+    return (
+      f"{r['graphpipe_tflops']:.1f} TFLOP/s ({r['graphpipe_tflops'] / r['tflops_per_device']:.2f}x "
+      f"the layout; {r['graphpipe_stages']} stages, M {r['graphpipe_microbatches']}; "
+      f"{r['graphpipe_seconds']:.1f} s)"
+    )
+  if "graphpipe_error" in r:
+    return f"none: {r['graphpipe_error']}"
+  return "-"
 
 
 def markdown(records: Sequence[dict[str, Any]]) -> str:
@@ -56,11 +112,13 @@ def markdown(records: Sequence[dict[str, Any]]) -> str:
     "preset; published: measured on Selene by the paper's authors). The layout is the "
     "paper's (TP, PP as published, DP the rest, micro-batches of one sequence); v is the "
     "number of stages per device of the interleaved schedule, the fastest of 1, 2, 4. Rows "
-    "marked * are the four the GPU efficiency model's level was set on.",
+    "marked * are the four the GPU efficiency model's level was set on. GraphPipe's own plan: "
+    "its search on the paper's tensor-parallel size (stages, their rows and the micro-batches "
+    "its own), modelled the same way.",
     "",
     "| params | GPUs | batch | layout | v | M | iteration s | published TFLOP/s | "
-    "predicted TFLOP/s | error | plan s |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    "predicted TFLOP/s | error | plan s | GraphPipe's own plan |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in records:
     star = "*" if r["fitted_on"] else ""
@@ -68,7 +126,7 @@ def markdown(records: Sequence[dict[str, Any]]) -> str:
       f"| {r['params_b']}B{star} | {r['gpus']} | {r['batch']} | {r['layout']} | "
       f"{r['stages_per_device']} | {r['num_microbatches']} | {r['iteration_ms'] / 1e3:.2f} | "
       f"{r['published_tflops']:.0f} | {r['tflops_per_device']:.1f} | {r['error'] * 100:+.1f}% | "
-      f"{r['seconds']:.1f} |"
+      f"{r['seconds']:.1f} | {_own(r)} |"
     )
   worst = max(abs(r["error"]) for r in records)
   lines += ["", f"Largest error: {worst * 100:.1f}% over {len(records)} rows."]

@@ -123,7 +123,7 @@ def best_at_size(
   dps = data_parallel_degrees(b, K)
   times = {}
   for d in dps:
-    tf, tb = cm.layer_times(costs, cluster.device, b / d)
+    tf, tb = cm.planner_layer_times(costs, cluster, b / d)
     times[d] = tf + tb
   simulated = 0
   for blocks in parts:

@@ -375,7 +375,7 @@ def iteration_lower_bound(
     work = np.zeros((n, len(dps)))
     fwd, bwd = np.zeros((n, len(dps))), np.zeros((n, len(dps)))
     for k, d in enumerate(dps):
-      tf, tb = cm.layer_times(costs, cluster.device, b / d)
+      tf, tb = cm.planner_layer_times(costs, cluster, b / d)
       fwd[:, k], bwd[:, k] = tf, tb
       if d > 1:
         c = cluster
@@ -386,7 +386,7 @@ def iteration_lower_bound(
         ar = 0.0
       per_byte = ar + cm.update_traffic / cluster.device.memory_bandwidth
       compute[:, k] = M * (tf + tb)
-      work[:, k] = compute[:, k] + per_byte * costs.param_bytes
+      work[:, k] = compute[:, k] + per_byte * costs.held_param_bytes
     # The paths' layers are classes apart from the others (a class lies on the same paths), and
     # the sink a class of its own (group 0 holds it). The fill and drain only count the path
     # layers outside group 0, so identical layers of a path (a branch of identical layers) can

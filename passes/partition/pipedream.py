@@ -396,7 +396,7 @@ def chain_candidates(
     stages = []
     for i, j, d in ranges:
       if (b, d) not in layer_times:
-        layer_times[b, d] = cm.layer_times(costs, cluster.device, b / d)
+        layer_times[b, d] = cm.planner_layer_times(costs, cluster, b / d)
       stages.append(stage_bound_times(cm, cluster, costs, layer_times[b, d], slice(i, j), d))
     fwd, bwd, upd = zip(*stages)
     n = len(ranges)

@@ -176,7 +176,7 @@ class DownsetPairs:
           sub = self.sub[lo:hi]
           into = into_v[sub] @ out_u[a]
           self.cut[lo:hi] = np.maximum(cin[a] + cin[sub] - 2 * into, 0.0)
-    self.params = self.member.astype(float) @ costs.param_bytes
+    self.params = self.member.astype(float) @ costs.held_param_bytes
     self.saved = self.member.astype(float) @ costs.saved_ps
 
   @staticmethod
@@ -212,7 +212,7 @@ class _Pricing:
     self.alpha, self.beta = link.alpha, link.beta
     self.T = {}
     for d in dps:
-      tf, tb = cm.layer_times(costs, cluster.device, b / d)
+      tf, tb = cm.planner_layer_times(costs, cluster, b / d)
       self.T[d] = pairs.member.astype(float) @ (tf + tb)
 
   def tps(self, a: np.ndarray, i: np.ndarray, cut: np.ndarray, d: int) -> np.ndarray:

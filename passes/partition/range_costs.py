@@ -56,9 +56,9 @@ class RangeCosts:
     pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])
     diff = lambda p: p[None, :] - p[:, None]
     for d in self.dps:
-      tf, tb = self.cm.layer_times(c, self.cluster.device, self.b / d)
+      tf, tb = self.cm.planner_layer_times(c, self.cluster, self.b / d)
       self.compute[d] = diff(pre((tf + tb)[idx]))
-    self.params = diff(pre(c.param_bytes[idx]))
+    self.params = diff(pre(c.held_param_bytes[idx]))
     self.saved = diff(pre(c.saved_ps[idx]))
     E = np.zeros((n, n))
     inc = np.zeros(n)

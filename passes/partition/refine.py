@@ -173,7 +173,7 @@ def refine_plan(
       ls, d = stage
       t = per_layer.get(d)
       if t is None:
-        t = per_layer[d] = cm.layer_times(costs, cluster.device, mb / d)
+        t = per_layer[d] = cm.planner_layer_times(costs, cluster, mb / d)
       idx = [costs.index[l] for l in ls]
       fbu = stage_times[stage] = stage_bound_times(cm, cluster, costs, t, idx, d)
     return fbu
@@ -388,7 +388,7 @@ def stage_bound_times(
   of ``costs``' order) on ``n`` devices: its forward and backward seconds per micro-batch
   (``layer_times`` at its share of the micro-batch) and its update's lower bound."""
   tf, tb = layer_times
-  params = float(costs.param_bytes[idx].sum())
+  params = float(costs.held_param_bytes[idx].sum())
   return float(tf[idx].sum()), float(tb[idx].sum()), update_lower_bound(cm, cluster, params, n)
 
 

@@ -170,6 +170,7 @@ def plan_with_shared_devices(
   shared_schedule = schedule or "interleaved-1f1b"
   own = {} if schedule is None or schedule in SHARED_SCHEDULES else {"schedule": schedule}
   host = kw.get("host")
+  cost_model = kw.get("cost_model")  # the candidates are priced as the planner prices its own
   one = planner(layer_graph, cluster, batch_size, num_microbatches=num_microbatches, **own, **kw)
   best: Plan | None = one if 1 in choices else None
   tried: list[str] = []
@@ -181,7 +182,7 @@ def plan_with_shared_devices(
       return
     plan = plan.replace(schedule=shared_schedule, num_microbatches=one.num_microbatches)
     try:
-      res = simulate(plan, layer_graph, cluster, timeline=False, host=host)
+      res = simulate(plan, layer_graph, cluster, cost_model=cost_model, timeline=False, host=host)
     except ScheduleError as e:
       tried.append(f"v={v} ({how}): {e}")
       return

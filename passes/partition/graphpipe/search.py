@@ -92,7 +92,7 @@ def microbatch_context(
   dps = [d for d in dps if d % unit == 0]
   tsum = {}
   for d in dps:
-    tf, tb = cm.layer_times(costs, cluster.device, b / d)
+    tf, tb = cm.planner_layer_times(costs, cluster, b / d)
     tsum[d] = tf + tb
   link = cluster.slowest_link()
   return MicrobatchContext(
@@ -340,7 +340,7 @@ def hand_out(stages: Stages, ctx: MicrobatchContext, problem: PlanningProblem) -
   time cannot see the gain when several stages are equally slow; here, repeatedly, the stage
   with the largest time per sample (compute and update, at its device count) that has a
   larger device count (of ``ctx.dps``) within the idle devices and faster there takes it."""
-  params = problem.costs.param_bytes
+  params = problem.costs.held_param_bytes
 
   def tps(ls: list[int], d: int) -> float:
     return float(ctx.tsum[d][ls].sum()) / ctx.b + ctx.upd(float(params[ls].sum()), d) / ctx.B

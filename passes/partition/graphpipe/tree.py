@@ -75,13 +75,13 @@ class SPTreeNode:
         "L",
         float(costs.flops_ps[i]),
         float(costs.act_bytes_ps[i]),
-        float(costs.param_bytes[i]),
+        float(costs.held_param_bytes[i]),
         float(costs.saved_ps[i]),
         nan_to_zero(costs.time_f_ps[i]),
         nan_to_zero(costs.time_b_ps[i]),
         float(incident[i]),
       )
-      self.params = np.array([0.0, costs.param_bytes[i]])
+      self.params = np.array([0.0, costs.held_param_bytes[i]])
       self.saved = np.array([0.0, costs.saved_ps[i]])
       self.incident = np.array([0.0, incident[i]])
       self.internal = np.array([0.0, 0.0])
