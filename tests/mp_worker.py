@@ -100,13 +100,13 @@ def die(point):
 
 def arm_death(point):
   """Makes this process exit at ``point`` of the first call (see the "die" mode)."""
-  from gpp_jax.runtime import compile as compile_mod
+  from gpp_jax.runtime import build as build_mod
   from gpp_jax.runtime import executor as executor_mod
 
   if point == "setup":
     die(point)
   if point == "compile":
-    compile_mod.build_kernels = lambda *a, **k: die(point)
+    build_mod.build_kernels = lambda *a, **k: die(point)  # read by ``build.build_step``
   if point == "first":
     executor_mod.Executor.run = lambda *a, **k: die(point)
 

@@ -1284,9 +1284,10 @@ def test_a_slow_spell_in_one_trial_does_not_decide_the_choice(dag, monkeypatch, 
   timing fell in a slow spell of the machine (3x), jit data parallel's did not. Taken one
   after the other (no rounds), jit data parallel wins; timed in turns, plain jit does, at
   its usual time."""
+  from gpp_jax.runtime import choice
   from gpp_jax.runtime import host as host_mod
 
-  monkeypatch.setattr(cp, "TRIAL_ROUNDS", rounds)
+  monkeypatch.setattr(choice, "TRIAL_ROUNDS", rounds)  # read by ``choice._interleaved``
 
   probe = HostCosts(
     per_op=dict.fromkeys(OPS, 5e-3), parallel=1.0, cores=2, device="cpu:0", spmd={4: 2.0}

@@ -29,15 +29,11 @@ from gpp_jax.ir.program import Program
 from gpp_jax.passes.calibrate import Calibration
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.weight_versions import weight_delays
+from gpp_jax.runtime.build import CompiledStep
 from gpp_jax.runtime.cached import CachedStep
 from gpp_jax.runtime.capture_step import functionalize, with_keywords
-from gpp_jax.runtime.compile import (
-  CompiledStep,
-  Options,
-  canonical_dtype,
-  capture,
-  compile_step,
-)
+from gpp_jax.runtime.captured import canonical_dtype, capture
+from gpp_jax.runtime.compile import compile_step
 from gpp_jax.runtime.executor import Timeline
 from gpp_jax.runtime.input_checks import (
   argument_signature,
@@ -48,6 +44,7 @@ from gpp_jax.runtime.input_checks import (
   differences,
 )
 from gpp_jax.runtime.memory import MemoryReport, parse_bytes
+from gpp_jax.runtime.options import Options
 from gpp_jax.runtime.sharding import MeshLayout, parse_mesh
 from gpp_jax.runtime.steps import carry_map, stream_reason
 

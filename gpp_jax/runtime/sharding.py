@@ -300,7 +300,7 @@ def leaf_names(pure: Any, args: Sequence[Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- a captured step
-# ``captured`` below is a ``runtime.compile.Captured``: the traced step, its loss after the
+# ``captured`` below is a ``runtime.captured.Captured``: the traced step, its loss after the
 # scan split, its layers and its arguments' specs.
 
 
