@@ -62,8 +62,10 @@ def test_cluster_presets_by_name():
 
   assert make_cluster("cuda", 2, dtype="bfloat16").device.peak_flops == H100_PEAK_FLOPS["bfloat16"]
   assert make_cluster("cpu", 3) == cpu_cluster(3)
-  with pytest.raises(ValueError, match=r"unknown cluster 'h100'; choose one of \['cpu', 'cuda'"):
-    make_cluster("h100", 1)
+  assert make_cluster("a100", 16).device.peak_flops == 312e12  # Selene's DGX A100s
+  assert make_cluster("h100", 16).devices_per_node == 8
+  with pytest.raises(ValueError, match=r"unknown cluster 'b200'; choose one of \['cpu', 'cuda'"):
+    make_cluster("b200", 1)
 
 
 @pytest.mark.parametrize("cluster", [v100_cluster(16), cpu_cluster(8), cuda_cluster(16)])

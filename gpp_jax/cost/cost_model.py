@@ -94,6 +94,7 @@ class CostModel:
     if hit is not None:
       return hit
     n = costs.tp_degree
+    assert costs.tp_out_ps is not None and costs.tp_in_ps is not None  # set with tp_degree
     split = n > 1
     link = cluster.intra_link
     ar_f = np.array(
@@ -358,10 +359,10 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
   )
 
 
-def _sharding_arrays(g: nx.DiGraph, layers: Sequence[str]) -> dict[str, np.ndarray]:
+def _sharding_arrays(g: nx.DiGraph, layers: Sequence[str]) -> dict[str, Any]:
   """``LayerCosts``' tensor-parallel and shard arrays from the graph's ``tensor_parallel``
   and ``param_shards`` attributes (none where the graph has neither)."""
-  out: dict[str, np.ndarray] = {}
+  out: dict[str, Any] = {}
   tp = g.graph.get("tensor_parallel")
   if tp:
     out["tp_degree"] = np.array([float(tp[l][0]) if l in tp else 1.0 for l in layers])

@@ -135,7 +135,7 @@ def markdown(records: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  rows = TABLE_1
+  rows: tuple[Row, ...] = TABLE_1
   if FLAGS.rows:
     want = {float(x) for x in FLAGS.rows}
     rows = tuple(r for r in TABLE_1 if r.params_b in want)
