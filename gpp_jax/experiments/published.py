@@ -92,6 +92,71 @@ def compare(
   return out
 
 
+# The paper's Table 2: ZeRO-3 without model parallelism against PTD-P (tp 8 and pp 12 for
+# GPT-3 175B, pp 35 for 530B), global batch fixed as GPUs double: (params B, layers, hidden,
+# heads, pp, [(GPUs, batch, ZeRO-3 micro-batch, ZeRO-3 TFLOP/s, PTD-P GPUs, PTD-P TFLOP/s)]).
+TABLE_2 = (
+  (174.6, 96, 12288, 96, 12, ((384, 1536, 4, 144, 384, 153), (768, 1536, 2, 88, 768, 149),
+                              (1536, 1536, 1, 44, 1536, 141))),
+  (529.6, 105, 20480, 128, 35, ((640, 2560, 4, 138, 560, 171), (1120, 2240, 2, 98, 1120, 167),
+                                (2240, 2240, 1, 48, 2240, 159))),
+)  # fmt: skip
+
+
+def zero3(cluster: str = "a100") -> list[dict[str, Any]]:
+  """The paper's ZeRO-3 comparison (Table 2, Figure 10) with the ``jit fsdp`` candidate's
+  pricing as ZeRO-3 (one stage over every GPU, parameters, gradients and optimizer state
+  sharded over all of them, the parameters gathered for every micro-batch's forward and
+  backward): per configuration the modelled and published teraFLOP/s of both."""
+  from gpp_jax.cost.cluster import make_cluster
+  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.ir.plan import Plan, Stage
+
+  out = []
+  for params_b, layers, hidden, heads, pp, runs in TABLE_2:
+    for gpus, batch, mb, zero_pub, ptd_gpus, ptd_pub in runs:
+      graph = gpt_graph(batch, layers, hidden, heads, SEQ_LEN, VOCAB, 1)
+      stage = Stage(0, tuple(graph.nodes), tuple(range(gpus)), mb * gpus)
+      plan = Plan(
+        (stage,), (), batch // (mb * gpus), planner="jit fsdp", batch_size=batch,
+        param_sharding="fsdp",
+      )  # fmt: skip
+      res = simulate(plan, graph, make_cluster(cluster, gpus), cost_model=MEGATRON_COST_MODEL)
+      flops = paper_flops(batch, SEQ_LEN, layers, hidden, VOCAB)
+      zero = flops / res.iteration_time / gpus / 1e12
+      row = Row(params_b, heads, hidden, layers, 8, pp, ptd_gpus, runs[-1][1], 0)
+      ptd = predict_layout(row, cluster)["tflops_per_device"]
+      out.append(
+        dict(
+          params_b=params_b, gpus=gpus, microbatch=mb, zero3=zero, zero3_published=zero_pub,
+          ptd=ptd, ptd_published=ptd_pub, ratio=ptd / zero, ratio_published=ptd_pub / zero_pub,
+        )
+      )  # fmt: skip
+  return out
+
+
+def zero3_markdown(records: Sequence[dict[str, Any]]) -> str:
+  lines = [
+    "## PTD-P against ZeRO-3 (the paper's Table 2 and Figure 10)",
+    "",
+    "ZeRO-3 priced as the `jit fsdp` candidate (one stage over every GPU, everything sharded, "
+    "the parameters gathered for each micro-batch's forward and backward); PTD-P as the "
+    "layouts above (tp 8; pp 12 for 175B, 35 for 530B). TFLOP/s per GPU, modelled against "
+    "published.",
+    "",
+    "| model | GPUs | ZeRO-3 mb | ZeRO-3 modelled | published | PTD-P modelled | published | "
+    "PTD-P / ZeRO-3 modelled | published |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in records:
+    lines.append(
+      f"| {r['params_b']}B | {r['gpus']} | {r['microbatch']} | {r['zero3']:.1f} | "
+      f"{r['zero3_published']} | {r['ptd']:.1f} | {r['ptd_published']} | {r['ratio']:.2f} | "
+      f"{r['ratio_published']:.2f} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
 def _own(r: dict[str, Any]) -> str:
   if "graphpipe_tflops" in r:
     return (
@@ -143,6 +208,8 @@ def main(argv: Sequence[str]) -> None:
       raise app.UsageError(f"--rows: none of {sorted(want)} is a row of Table 1")
   records = compare(rows, FLAGS.cluster)
   text = markdown(records)
+  if not FLAGS.rows:
+    text += "\n" + zero3_markdown(zero3(FLAGS.cluster))
   print(text)
   if FLAGS.markdown:
     with open(FLAGS.markdown, "w") as f:
