@@ -205,6 +205,11 @@ class Plan:
     )
     if "iteration_time" in p:
       head += f", predicted iteration {p['iteration_time'] * 1e3:.3f} ms"
+    idle = p.get("idle_devices") or ()
+    if idle:  # and why, where the planner says (``passes.partition.idle``)
+      head += f"\n{_count(len(idle), 'device')} idle" + (
+        f": {p['idle_reason']}" if p.get("idle_reason") else ""
+      )
     places = self.places()
     if places is not None:
       shared = {

@@ -30,6 +30,7 @@ from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, l
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import validate_layer_graph
 from gpp_jax.ir.plan import Plan
+from gpp_jax.passes.partition.idle import with_idle_reason
 from gpp_jax.passes.partition.plan_assembly import MAX_MICROBATCHES, microbatch_sizes
 
 
@@ -232,7 +233,8 @@ class ProblemPlanner(Generic[Options]):
     self, problem: PlanningProblem, options: Options | Mapping[str, Any] | None = None
   ) -> Plan:
     """The plan for ``problem`` under ``options`` (the dataclass, or its fields as a mapping;
-    None: the defaults)."""
+    None: the defaults), with ``predicted["idle_reason"]`` where it leaves devices idle
+    (``idle.idle_reason``)."""
     if options is None:
       options = self.options_type()
     elif isinstance(options, Mapping):
@@ -240,7 +242,7 @@ class ProblemPlanner(Generic[Options]):
     plan = self.run(problem, options)
     if not problem.enough_stages(plan):  # a search that ignored the constraint: a bug
       raise too_few_stages_error(self.name, plan, problem.min_stages, keyword=True)
-    return plan
+    return with_idle_reason(plan, problem, options)
 
   def __call__(
     self,

@@ -16,7 +16,9 @@ A DAG plan keeps only moves whose stage graph stays acyclic (which keeps every s
 A sequential plan (``predicted["sequential"]``) stays a chain: its stages are cuts of one
 topological order, and moves shift, add or remove a cut. Under ``min_stages`` (the planning
 problem's fewest stages) no move merges a plan below that many stages. The search stops when
-no move gains more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations.
+no move gains more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations (or
+``max_rounds`` moves); ``polish`` records either of those of the refinement its plan comes
+from in ``predicted["polish_stopped"]``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ _PREDICTION_KEYS = (
   "cluster",
   "idle_devices",
   "host_aware",
+  "idle_reason",
+  "polish_stopped",
 )
 
 Stages = tuple[tuple[tuple[str, ...], int], ...]
@@ -73,6 +77,7 @@ def refine_plan(
   memo: dict | None = None,
   host: Any = None,
   min_stages: int = 1,
+  outcome: dict | None = None,
 ) -> Plan:
   """Plan -> a plan at least as fast (see the module docstring).
 
@@ -91,6 +96,9 @@ def refine_plan(
       without simulating them is then kept for pipelines only: a one-stage plan runs as one
       jitted step, which can be faster than its layers' times add up to.
     min_stages: moves to plans of fewer stages are not made (``PlanningProblem.min_stages``).
+    outcome: a dict given gets ``"stopped"``: why the search ended short of a local optimum
+      ("budget": the simulation budget ran out; "rounds": ``max_rounds`` moves were made), or
+      None where no move gained.
   """
   costs = costs or layer_costs(layer_graph)
   info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
@@ -295,7 +303,9 @@ def refine_plan(
   current = canon(tuple((tuple(s.layers), len(s.devices)) for s in plan.stages))
   seen = {key(current)}
   budget = budget if budget is not None else [max_evals]
+  stopped: str | None = None  # why the search ended short of a local optimum, if it did
   for _ in range(max_rounds):
+    stopped = None
     # The busiest stages (smallest bubble), in ``current``'s indexing: the plan may list its
     # stages in another order.
     bubble = plan.predicted.get("bubble") or [0.0] * plan.num_stages
@@ -324,6 +334,7 @@ def refine_plan(
       if (host is None or len(cand) > 1) and bound(cand, *graph) >= target:
         continue
       if budget[0] <= 0:
+        stopped = "budget"
         break
       budget[0] -= 1
       p = build(cand)
@@ -333,7 +344,23 @@ def refine_plan(
       break
     assert best_stages is not None  # set together with best
     plan, current = best, best_stages
+  else:
+    stopped = "rounds"
+  if outcome is not None:
+    outcome["stopped"] = stopped
   return plan
+
+
+def _stopped(plan: Plan, why: str | None) -> Plan:
+  """``plan`` with ``predicted["polish_stopped"]``: why the refinement that returned it ended
+  before no move gained (``refine_plan``'s ``outcome``), absent where it ended there
+  (``idle.idle_reason`` reads it)."""
+  if why is None and "polish_stopped" not in plan.predicted:
+    return plan
+  pred = {k: v for k, v in plan.predicted.items() if k != "polish_stopped"}
+  if why is not None:
+    pred["polish_stopped"] = why
+  return plan.replace(predicted=pred)
 
 
 def pipeline_lower_bound(
@@ -459,7 +486,9 @@ def polish(
   the sizes the planner may choose from. ``memo``: the problem's simulations
   (``plan_assembly.predict``); ``host``: the machine's measured host costs, the prediction
   every step goes by (``refine_plan``). ``min_stages``: only plans of at least that many
-  stages are started from or moved to (``PlanningProblem.min_stages``).
+  stages are started from or moved to (``PlanningProblem.min_stages``). The plan returned
+  records in ``predicted["polish_stopped"]`` why the refinement it comes from ended short of
+  a local optimum (the budget, or ``max_rounds``), where it did.
   """
   plans = sorted(
     (p for p in plans if p.predicted.get("memory_ok", True) and p.num_stages >= min_stages),
@@ -473,9 +502,11 @@ def polish(
   cutoff = refine_within * best.predicted["iteration_time"]
   done: list[int] = []
   budget = [max_evals]
+  stops: list[tuple[Plan, str | None]] = []  # each refinement's plan, and why it stopped
 
   def refine(p: Plan) -> Plan:  # every refinement shares the budget and the simulations
-    return refine_plan(
+    outcome: dict = {}
+    q = refine_plan(
       p,
       layer_graph,
       cluster,
@@ -485,7 +516,10 @@ def polish(
       memo=memo,
       host=host,
       min_stages=min_stages,
+      outcome=outcome,
     )
+    stops.append((q, outcome["stopped"]))
+    return q
 
   for plan in plans:
     b = plan.stages[0].microbatch_size
@@ -503,7 +537,7 @@ def polish(
     moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs, memo, host)
     if moved.predicted["memory_ok"] and moved.predicted["iteration_time"] <= cutoff:
       best = better(best, refine(moved))
-  return best
+  return _stopped(best, next((why for q, why in reversed(stops) if q is best), None))
 
 
 def _at_microbatch(

@@ -76,7 +76,8 @@ Choices the paper leaves open, made here (see BUILD_NOTES.md):
     restricts them to powers of two); the DP may leave devices idle once the bottleneck cannot
     improve, so afterwards the polish (a local search against the simulator, which
     PipeDream and Piper get too) hands them to the stages that gain most; devices no stage
-    can use stay idle and are listed in ``predicted["idle_devices"]``;
+    can use stay idle and are listed in ``predicted["idle_devices"]``, and why in
+    ``predicted["idle_reason"]`` (``passes.partition.idle``);
   * stages get contiguous device ranges, kept inside a node where they fit
     (``plan_assembly.place_stages``).
 """

@@ -136,6 +136,11 @@ class GraphPipeOptions:
     device_grid: the DP counts devices in slots of u devices, u the smallest power of two
       with at most this many slots (None: single devices); the polish then moves single
       devices. Up to ``device_grid`` devices the DP sees every count.
+    chain_device_grid: ``device_grid`` of PipeDream's chain DP where GraphPipe uses it: its
+      chain seeds, the PipeDream seed (``chain_plans``) and the chain table the DP shares
+      with them (default: PipeDream's own, ``PipeDreamOptions.device_grid``). With
+      ``device_grid=None`` too, no part of the search counts devices in slots (the exact DP
+      ``benchmarks/device_grid.py`` compares the default with).
     simulate_top: how many frontier plans per micro-batch size (best estimates first) are
       simulated.
     frontier_eps: a deeper frontier point is a candidate only where its TPS is more than this
@@ -165,6 +170,7 @@ class GraphPipeOptions:
 
   powers_of_two: bool = False
   device_grid: int | None = 32
+  chain_device_grid: int | None = PipeDreamOptions().device_grid
   simulate_top: int = 4
   frontier_eps: float = 5e-3
   prune: float = 1.25
@@ -306,7 +312,7 @@ class DPRuns:
     a stage's stashed bytes per device, saved x b / d there and saved x (b / d) here, are
     then the same float. None where the table is not shared."""
     p = self.problem
-    unit = device_unit(p.num_devices, PipeDreamOptions().device_grid)
+    unit = device_unit(p.num_devices, self.opts.chain_device_grid)
     dps = [d for d in data_parallel_degrees(ctx.b, p.num_devices) if d % unit == 0]
     if (
       not self.opts.chain_plans
@@ -424,10 +430,13 @@ def _priced(problem: PlanningProblem) -> tuple[Cluster, CostModel, LayerCosts]:
   return problem.cluster, problem.cost_model, problem.costs
 
 
-def chain_seed_plans(problem: PlanningProblem, sizes: list[int]) -> list[Plan]:
+def chain_seed_plans(
+  problem: PlanningProblem, sizes: list[int], grid: int | None = PipeDreamOptions().device_grid
+) -> list[Plan]:
   """A chain of stages is a stage DAG too: the chain DP's optima over the topological order
   (without ordering edges), so GraphPipe's plan space visibly contains the sequential one.
-  The chain DP's tables are PipeDream's (shared through the problem)."""
+  The chain DP's tables are PipeDream's (shared through the problem), counting devices in
+  slots for ``grid`` (``GraphPipeOptions.chain_device_grid``)."""
   return chain_candidates(
     problem.layer_graph,
     problem.cluster,
@@ -440,7 +449,7 @@ def chain_seed_plans(problem: PlanningProblem, sizes: list[int]) -> list[Plan]:
     sweep=False,
     planner="graphpipe",
     sequential=False,
-    unit=device_unit(problem.num_devices, PipeDreamOptions().device_grid),
+    unit=device_unit(problem.num_devices, grid),
     tables=chain_tables(problem),
     memo=problem.simulations(),
     host=problem.host,
@@ -494,7 +503,7 @@ def seeded(problem: PlanningProblem, opts: GraphPipeOptions, best: Plan) -> tupl
   PipeDream's search keeps to them too). Returns the plan and the simulations."""
   seeds = [p for p in opts.seed_plans if problem.enough_stages(p)]
   if opts.chain_plans:
-    seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions()))
+    seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions(device_grid=opts.chain_device_grid)))
   n = 0
   for seed in seeds:
     for plan in as_graphpipe(
@@ -549,7 +558,7 @@ def graphpipe_search(problem: PlanningProblem, opts: GraphPipeOptions) -> Plan:
   t_dp = time.perf_counter() - t0
   t1 = time.perf_counter()
   if opts.chain_seeds:
-    for plan in chain_seed_plans(problem, sizes):
+    for plan in chain_seed_plans(problem, sizes, opts.chain_device_grid):
       cands.add(plan)
   if not cands.evaluated:  # every plan within memory has fewer than min_stages stages
     raise no_plan_with_stages_error(
@@ -629,7 +638,8 @@ def as_graphpipe(
 ) -> list[Plan]:
   """Another planner's plan as GraphPipe candidates: its stages and devices as they are, and,
   for a chain, the same stages without the ordering edges no tensor flows along (``memo``:
-  the problem's simulations, where the plan as it is was simulated already)."""
+  the problem's simulations, where the plan as it is was simulated already). They record the
+  planner as ``predicted["seed"]``, and how its polish ended (``polish_stopped``)."""
   b = plan.stages[0].microbatch_size
   assert b is not None and plan.batch_size is not None
   stages = [(s.layers, len(s.devices)) for s in plan.stages]
@@ -637,6 +647,9 @@ def as_graphpipe(
   order += [d for d in range(cluster.num_devices) if d not in set(order)]
   out = []
   chain = bool(plan.predicted.get("sequential"))
+  info = {"seed": plan.planner}
+  if "polish_stopped" in plan.predicted:  # how the seed's own polish ended
+    info["polish_stopped"] = plan.predicted["polish_stopped"]
   for sequential in (True, False) if chain else (False,):
     p = assemble_plan(
       layer_graph,
@@ -652,7 +665,7 @@ def as_graphpipe(
       extra_edges=() if chain else plan.edges,
       cost_model=cm,
       costs=costs,
-      info={"seed": plan.planner},
+      info=info,
       memo=memo,
       host=host,
     )
