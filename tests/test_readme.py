@@ -1,8 +1,9 @@
-"""The README's Python snippets, run as written, and the one-device warning they point to.
+"""The README's Python snippets and those of the docs pages it links to, run as written, and
+the one-device warning they point to.
 
-Each test reads its snippet from README.md, defines the names the snippet expects (``state``,
-``batch``, ``model``, ``step`` ...), executes the snippet text unchanged and checks the result
-against the same step run without the pipeline.
+Each test reads its snippet from README.md or its docs page, defines the names the snippet
+expects (``state``, ``batch``, ``model``, ``step`` ...), executes the snippet text unchanged and
+checks the result against the same step run without the pipeline.
 """
 
 import ast
@@ -25,22 +26,30 @@ from harness import child_env, max_diff
 
 import gpp_jax
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+# The pages the README's snippets moved to (each snippet is looked for on its own page).
+MEMORY = REPO / "docs" / "memory.md"
+SHARDING = REPO / "docs" / "sharding.md"
+STATE = REPO / "docs" / "state.md"
+PROCESSES = REPO / "docs" / "processes.md"
+SCHEDULES = REPO / "docs" / "schedules.md"
+PAGES = (MEMORY, SHARDING, STATE, PROCESSES, SCHEDULES)
 TOL = 1e-5
 
 
-def _snippets() -> list[str]:
-  return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+def _snippets(page: pathlib.Path = README) -> list[str]:
+  return re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
 
 
-def _snippet(marker: str) -> str:
-  found = [s for s in _snippets() if marker in s]
-  assert len(found) == 1, f"expected one README python snippet containing {marker!r}"
+def _snippet(marker: str, page: pathlib.Path = README) -> str:
+  found = [s for s in _snippets(page) if marker in s]
+  assert len(found) == 1, f"expected one {page.name} python snippet containing {marker!r}"
   return found[0]
 
 
-def _run(src: str, namespace: dict) -> dict:
-  exec(compile(src, str(README), "exec"), namespace)
+def _run(src: str, namespace: dict, page: pathlib.Path = README) -> dict:
+  exec(compile(src, str(page), "exec"), namespace)
   return namespace
 
 
@@ -65,6 +74,11 @@ def test_every_python_snippet_compiles():
   assert len(snippets) >= 5
   for src in snippets:
     compile(src, str(README), "exec")
+  for page in PAGES:
+    snippets = _snippets(page)
+    assert snippets, f"{page.name} has no python snippet"
+    for src in snippets:
+      compile(src, str(page), "exec")
 
 
 def test_setup_snippet_gives_eight_cpu_devices():
@@ -196,8 +210,9 @@ def test_memory_snippet():
   ref_model, ref_opt = _nnx_fresh(NNXNet)
   batch = _batch()
   ns = _run(
-    _snippet("train_step.measure_memory("),
+    _snippet("train_step.measure_memory(", MEMORY),
     {**ns, "model": model, "optimizer": optimizer, "batch": batch},
+    MEMORY,
   )
   assert abs(float(ns["loss"]) - float(_nnx_reference(ref_model, ref_opt, batch))) <= TOL
   report = ns["train_step"].memory
@@ -206,7 +221,9 @@ def test_memory_snippet():
 
 def test_manual_plan_snippet():
   ns = _run(
-    _snippet("devices={0: [0, 1]"), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)}
+    _snippet("devices={0: [0, 1]", SHARDING),
+    {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)},
+    SHARDING,
   )
   model = _check_nnx_step(ns["train_step"], EncoderDecoder)
   plan = ns["train_step"].plan
@@ -227,7 +244,11 @@ class ShardedEncoderDecoder(nnx.Module):
 
 
 def test_mesh_snippet():
-  ns = _run(_snippet("mesh=mesh"), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)})
+  ns = _run(
+    _snippet("mesh=mesh", SHARDING),
+    {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)},
+    SHARDING,
+  )
   model = _check_nnx_step(ns["train_step"], ShardedEncoderDecoder)
   assert [s.devices for s in ns["train_step"].plan.stages] == [(0,), (1, 2)]
   rows = np.asarray(ns["mesh"].devices)
@@ -238,22 +259,24 @@ def test_mesh_snippet():
 
 def test_per_stage_microbatch_snippet():
   ns = _run(
-    _snippet("microbatch_sizes="), {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)}
+    _snippet("microbatch_sizes=", STATE),
+    {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)},
+    STATE,
   )
   _check_nnx_step(ns["train_step"], EncoderDecoder)
   assert ns["train_step"].schedule.stage_counts == (4, 2)
 
 
 def test_distributed_snippet_names_real_api():
-  src = _snippet("gpp_jax.distributed.initialize(")
-  compile(src, str(README), "exec")  # needs a cluster to run
+  src = _snippet("gpp_jax.distributed.initialize(", PROCESSES)
+  compile(src, str(PROCESSES), "exec")  # needs a cluster to run
   import gpp_jax.distributed
 
   assert "transfer_address" in inspect.signature(gpp_jax.distributed.initialize).parameters
 
 
 def test_distributed_after_plain_import():
-  """The README calls gpp_jax.distributed.initialize(...) after a plain `import gpp_jax`."""
+  """docs/processes.md calls gpp_jax.distributed.initialize(...) after a plain `import gpp_jax`."""
   src = "import gpp_jax\ngpp_jax.distributed.initialize, gpp_jax.distributed.initialize_from_env\n"
   out = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
