@@ -62,11 +62,11 @@ import jax
 from absl import app, flags
 
 import gpp_jax
-from gpp_jax.cost.simulator import simulate
 from gpp_jax.errors import PlanError
 from gpp_jax.experiments import zoo
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import stage_microbatch_counts
+from gpp_jax.passes.simulation import simulate
 from gpp_jax.runtime.compile import (
   baseline_plans,
   calibrate_widths,

@@ -193,8 +193,8 @@ def main():
   # The simulator's prediction: the 1F1B schedule of the two stages, each stage's F + B time
   # measured on one core (half the one-process model; B taken as twice F), and one activation
   # and one cotangent transfer per micro-batch at the measured cross-process cost.
-  from gpp_jax.cost.simulator import simulate_times
   from gpp_jax.passes.schedules import one_f_one_b
+  from gpp_jax.passes.simulation import simulate_times
 
   pair = s["stage_pair_time"]
   xfer = MB * WIDTH * 4 / 2**20 * pr["xfer"]["1"]

@@ -41,12 +41,12 @@ from absl import app, flags
 
 from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.cost.cost_model import plan_costs
-from gpp_jax.cost.simulator import simulate
 from gpp_jax.experiments.model_graphs import model_graph
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.plan_assembly import memory_bound
 from gpp_jax.passes.schedules import make_schedule, stream_schedule
+from gpp_jax.passes.simulation import simulate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("devices", 8, "devices of the cluster")

@@ -18,9 +18,9 @@ from typing import Any
 from absl import app, flags
 
 from gpp_jax.cost.cluster import v100_cluster
-from gpp_jax.cost.simulator import simulate
 from gpp_jax.experiments.planner_runs import PER_DEVICE_BATCH, build_graph
 from gpp_jax.passes.partition import PLANNERS
+from gpp_jax.passes.simulation import simulate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno"], "Model presets to plan.")

@@ -3,10 +3,10 @@ the simulator every plan goes through (``simulate_uniform_chain``)."""
 
 from __future__ import annotations
 
-from gpp_jax.cost.simulator import simulate_times
 from gpp_jax.errors import ScheduleError
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.shared_devices import round_robin_places, v_places
+from gpp_jax.passes.simulation import simulate_times
 
 
 def uniform_chain_places(

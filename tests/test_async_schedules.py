@@ -83,9 +83,9 @@ def test_async_schedule_matches_delayed_update_reference(schedule):
 def test_simulator_counts_stashed_weight_versions():
   from gpp_jax.cost.cluster import make_cluster
   from gpp_jax.cost.cost_model import plan_costs
-  from gpp_jax.cost.simulator import simulate
   from gpp_jax.experiments.model_graphs import model_graph
   from gpp_jax.passes.partition import get_planner
+  from gpp_jax.passes.simulation import simulate
 
   g = model_graph("mmt")
   cluster = make_cluster("v100", 8)

@@ -99,7 +99,7 @@ def test_processes_issue_on_their_own_and_share_the_cores_measured_across_them()
   so a dispatch-bound pipeline that one thread issues in turn overlaps; their computations
   share the cores that ``parallel`` (measured across the processes) says there are: with
   one, the stages compute in turn whatever issues them."""
-  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(10e-3, 4096)
   two = candidates(g)["pipeline"]
@@ -448,7 +448,7 @@ def test_spmd_factor_prices_a_stage_over_several_devices():
   """Under the host-aware model a pipeline stage over 2 devices computes 1/2 of its
   one-device forward and backward times the factor for 2 devices; a stage on one device is
   unchanged, and so is the devices-only model (no host: what planners search with)."""
-  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
@@ -479,7 +479,8 @@ def test_spmd_call_seconds_are_paid_per_action_of_a_stage_and_per_microbatch_of_
   a pipeline stage over 2 devices pays them in every forward and every backward, a fused step
   over k devices once per micro-batch of its loop (jit data parallel, one micro-batch: once);
   one device, or a host without them, pays nothing."""
-  from gpp_jax.cost.simulator import predict_fused, simulate
+  from gpp_jax.cost.simulator import predict_fused
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
@@ -519,7 +520,8 @@ def test_a_stage_over_several_devices_all_reduces_its_gradients_in_every_backwar
   per step, and a fused step over k devices pays it once per micro-batch; one device, and a
   host that did not measure it, price as before."""
   from gpp_jax.cost.cost_model import plan_costs
-  from gpp_jax.cost.simulator import predict_fused, simulate
+  from gpp_jax.cost.simulator import predict_fused
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
@@ -574,7 +576,8 @@ def test_layers_timed_over_a_stage_devices_price_that_stage():
   is added to it and its UPDATE has no all-reduce either. Other stages, other widths and the
   devices-only model price as before."""
   from gpp_jax.cost.cost_model import plan_costs
-  from gpp_jax.cost.simulator import measured_width_times, simulate
+  from gpp_jax.cost.simulator import measured_width_times
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
@@ -859,7 +862,8 @@ def test_the_step_own_update_timed_prices_the_update():
   where it stays in the UPDATE (a stage over 2 devices, the all-reduce not measured), in the
   pipeline and in the fused step alike; the devices-only model keeps the cost model's."""
   from gpp_jax.cost.cost_model import plan_costs
-  from gpp_jax.cost.simulator import predict_fused, simulate
+  from gpp_jax.cost.simulator import predict_fused
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(10e-3, 4 * MiB)
   cluster = cpu_cluster(4)
@@ -921,7 +925,7 @@ def test_a_fractional_parallel_interpolates_between_its_whole_neighbours():
   one server's to two servers', continuous in the measured value (rounding it put a pipeline
   on one server or two as probes measured 1.47 or 1.52); whole values are simulated as they
   are."""
-  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(2)
@@ -936,7 +940,7 @@ def test_a_fractional_parallel_interpolates_between_its_whole_neighbours():
 def test_a_stage_over_several_devices_holds_as_many_cores():
   """On 2 cores, a stage over 2 devices runs on both device threads: no other stage's action
   runs beside one of its actions. With the stage on one device, the two stages overlap."""
-  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
@@ -964,7 +968,7 @@ def test_a_stage_over_several_devices_pays_its_measured_issue_costs():
   width (``wide_ops``, ``wide_per_stage``): on a host-bound program the step takes exactly the
   extra issue time of the wide stage's forwards, backwards, transfers (each SEND at the wider
   of its two stages) and per-stage work; the one-device stage pays what it paid."""
-  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(1e-9, 4096)  # no compute: the host's issuing is the step
   cluster = cpu_cluster(4)
@@ -998,7 +1002,7 @@ def test_a_stage_edge_of_several_arrays_costs_a_transfer_per_array():
   """The host issues a transfer per array: an edge carrying 3 arrays costs 3 SENDs each way
   per micro-batch on a host-bound step (2 more arrays' share of a lone put where measured,
   ``send_extra``); the devices-only model does not change."""
-  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.passes.simulation import simulate
 
   def graph(arrays):
     g = lg.new_layer_graph("chain", 8)

@@ -89,6 +89,24 @@ def test_library_modules_do_not_import_the_programs():
   assert not bad, bad
 
 
+def _under(module: str, *packages: str) -> bool:
+  return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_cost_model_imports_neither_the_passes_nor_the_runtime():
+  """The cost model and the simulator time what they are given: building a plan's schedule
+  and lowering a schedule into a program are passes (``passes.simulation`` builds them and
+  calls the simulator), and the runtime runs what they predict. No module under
+  ``gpp_jax.cost`` imports either, at the top or inside a function (``import_graph``)."""
+  g = import_graph()
+  cost = [m for m in g if _under(m, "gpp_jax.cost")]
+  assert "gpp_jax.cost.simulator" in cost, sorted(g)
+  bad = sorted(
+    (u, v) for u in cost for v in g.successors(u) if _under(v, "gpp_jax.passes", "gpp_jax.runtime")
+  )
+  assert not bad, bad
+
+
 def test_ir_modules_are_not_programs():
   for name, path in _modules().items():
     if name.startswith("gpp_jax.ir"):

@@ -155,8 +155,8 @@ def test_planners_return_only_plans_that_fit(dag_planned, planner):
   an error naming the smallest budget found to fit and what takes the most."""
   import dataclasses
 
-  from gpp_jax.cost.simulator import simulate
   from gpp_jax.ir import layer_graph as lg
+  from gpp_jax.passes.simulation import simulate
   from gpp_jax.runtime import compile as cp
 
   _, _, _, pp = dag_planned

@@ -258,8 +258,8 @@ def test_global_norm_clipping_active_is_exact():
   # each a lone put plus ``send_extra`` of one per other array, at its first SEND.
   from gpp_jax.cost.cluster import cpu_cluster
   from gpp_jax.cost.host import HostCosts
-  from gpp_jax.cost.simulator import simulate
   from gpp_jax.ir.program import Op, puts_together
+  from gpp_jax.passes.simulation import simulate
 
   # The executor's calls skip the RECVs: its positions are the program's instructions.
   calls = ex.in_order

@@ -10,7 +10,7 @@ from test_planners import check_plan
 
 from gpp_jax.cost.cluster import Link, cpu_cluster, v100_cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, layer_costs
-from gpp_jax.cost.simulator import nic_channels, simulate
+from gpp_jax.cost.simulator import nic_channels
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.experiments.planner_runs import build_graph, resolve_planner, run_planner
 from gpp_jax.passes.partition import PLANNERS
@@ -28,6 +28,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   microbatch_sizes,
 )
 from gpp_jax.passes.partition.range_costs import RangeCosts
+from gpp_jax.passes.simulation import simulate
 
 CLUSTER = cpu_cluster(4).replace(intra_link=Link(20e-6, 2e9))
 

@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 from gpp_jax.cost.cluster import Link, cpu_cluster, v100_cluster
 from gpp_jax.cost.cost_model import layer_costs
-from gpp_jax.cost.simulator import simulate
 from gpp_jax.errors import PlanError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
@@ -31,6 +30,7 @@ from gpp_jax.passes.partition.plan_assembly import (
 )
 from gpp_jax.passes.partition.problem import PlanningProblem
 from gpp_jax.passes.partition.refine import refine_plan, spend_idle_devices
+from gpp_jax.passes.simulation import simulate
 
 COST_PLANNERS = ("graphpipe", "pipedream", "piper", "bapipe", "luo", "exhaustive")
 

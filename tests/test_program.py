@@ -9,10 +9,11 @@ from harness import DAG_STAGES, OPTIMIZERS, dag_model, dag_params, make_batch, m
 
 import gpp_jax
 from gpp_jax.cost.cluster import cpu_cluster
-from gpp_jax.cost.simulator import simulate_program, simulate_times
+from gpp_jax.cost.simulator import simulate_program
 from gpp_jax.ir.program import Instr, Op, Program, ProgramError, validate_program
 from gpp_jax.passes.lowering import lower_schedule
 from gpp_jax.passes.schedules import make_schedule, stream_schedule
+from gpp_jax.passes.simulation import simulate_times
 from gpp_jax.runtime.executor import Executor
 
 EDGES = [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3)]

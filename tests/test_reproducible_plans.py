@@ -10,11 +10,12 @@ from test_ir_and_layering import _layered
 import gpp_jax
 from gpp_jax.cost.cluster import cpu_cluster
 from gpp_jax.cost.host import HostCosts
-from gpp_jax.cost.simulator import measured_width_times, simulate
+from gpp_jax.cost.simulator import measured_width_times
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, Stage
 from gpp_jax.passes.calibrate import measure_layers, robust_time, snap
 from gpp_jax.passes.partition import get_planner
+from gpp_jax.passes.simulation import simulate
 from gpp_jax.runtime.placement import StagePlacement
 
 W = 128

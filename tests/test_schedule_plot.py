@@ -2,9 +2,9 @@
 
 import pytest
 
-from gpp_jax.cost.simulator import simulate_times
 from gpp_jax.experiments import schedule_plot
 from gpp_jax.passes.schedules import make_schedule
+from gpp_jax.passes.simulation import simulate_times
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -632,8 +632,8 @@ def test_host_model_charges_a_stage_reducing_once_per_step_in_its_update():
 
   from test_host_planning import chain, cpu_cluster, spmd_host
 
-  from gpp_jax.cost.simulator import simulate
   from gpp_jax.ir.plan import Plan, Stage
+  from gpp_jax.passes.simulation import simulate
 
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)

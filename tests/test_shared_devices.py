@@ -25,7 +25,6 @@ from harness import (
 
 import gpp_jax
 from gpp_jax.cost.cluster import v100_cluster
-from gpp_jax.cost.simulator import simulate_times
 from gpp_jax.errors import PlanError, ScheduleError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
@@ -36,6 +35,7 @@ from gpp_jax.passes.partition import PLANNERS
 from gpp_jax.passes.partition.shared import fold, plan_with_shared_devices
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.shared_devices import SHARED_SCHEDULES, round_robin_places
+from gpp_jax.passes.simulation import simulate_times
 
 TOL = 2e-5
 CHAIN4 = [(0, 1), (1, 2), (2, 3)]

@@ -10,13 +10,7 @@ from hypothesis import strategies as st
 
 from gpp_jax.cost.cluster import cpu_cluster
 from gpp_jax.cost.cost_model import plan_costs
-from gpp_jax.cost.simulator import (
-  SimResult,
-  chrome_trace,
-  simulate,
-  simulate_times,
-  write_chrome_trace,
-)
+from gpp_jax.cost.simulator import SimResult, chrome_trace, write_chrome_trace
 from gpp_jax.errors import ScheduleError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, Stage
@@ -24,6 +18,7 @@ from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.inflight import graph_1f1b, inflight_counts, longest_path_to_sink
 from gpp_jax.passes.schedules import gpipe, make_schedule, one_f_one_b
 from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose, with_ordering_edges
+from gpp_jax.passes.simulation import simulate, simulate_times
 
 
 def chain(S):
@@ -271,8 +266,8 @@ def test_sp_tree_covers_every_layer_once_with_convex_nodes(seed, n, p):
 
 
 def test_host_dispatch_mode_limits():
-  from gpp_jax.cost.simulator import simulate_times
   from gpp_jax.passes.schedules import one_f_one_b
+  from gpp_jax.passes.simulation import simulate_times
 
   S, M, tf, tb = 3, 4, 1.0, 2.0
   sched = one_f_one_b(S, [(0, 1), (1, 2)], M)
@@ -305,6 +300,7 @@ def test_the_planners_fast_path_times_the_lowered_program(dag, M, name, xs, mixe
   counts, streams of several steps."""
   from gpp_jax.cost import simulator as sim
   from gpp_jax.passes.schedules import PER_STAGE_COUNTS, stream_schedule
+  from gpp_jax.passes.simulation import lowered_schedule
 
   n, edges = dag
   counts = [M * (1 + (s % 2)) for s in range(n)] if mixed and name in PER_STAGE_COUNTS else None
@@ -326,7 +322,7 @@ def test_the_planners_fast_path_times_the_lowered_program(dag, M, name, xs, mixe
   )
   fast = simulate_times(sched, fwd, bwd, **kw)
   tf, tb, tw = (sim._per_action(t, "x", n) for t in (fwd, bwd, wgt))
-  program = sim.lowered_schedule(sched)
+  program = lowered_schedule(sched)
   durations = []
   for i in program.instrs:
     if i.op.value in ("F", "B", "W"):

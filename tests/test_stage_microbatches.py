@@ -25,7 +25,6 @@ from test_schedule_validator import overlaps, with_lanes
 import gpp_jax
 from gpp_jax.cost.cluster import cpu_cluster, make_cluster
 from gpp_jax.cost.cost_model import plan_costs
-from gpp_jax.cost.simulator import simulate
 from gpp_jax.errors import CaptureError, GppError, PlanError, ScheduleError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, Stage, stage_microbatch_counts, validate_plan
@@ -39,6 +38,7 @@ from gpp_jax.passes.schedules import (
   one_f_one_b,
   plan_schedule,
 )
+from gpp_jax.passes.simulation import simulate
 from gpp_jax.passes.zero_bubble import zero_bubble
 
 TOL = 1e-5

@@ -202,7 +202,7 @@ def test_stream_schedule_validator_names_the_misplaced_action():
 def test_simulated_stream_removes_the_flush():
   """Per step over 8 steps, PipeDream's 1F1B without flushes is faster than 1F1B with them,
   and approaches the busiest stage's work (M * (F + B) + update)."""
-  from gpp_jax.cost.simulator import simulate_times
+  from gpp_jax.passes.simulation import simulate_times
 
   S, M, K = 4, 8, 8
   chain = [(s, s + 1) for s in range(S - 1)]

@@ -8,11 +8,11 @@ import pytest
 from harness import OPTIMIZERS, apply_dense, compare_steps, dense, make_batch, max_diff, mse_step
 
 import gpp_jax
-from gpp_jax.cost.simulator import simulate_times
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.schedule import validate_schedule
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.schedules import make_schedule
+from gpp_jax.passes.simulation import simulate_times
 from gpp_jax.passes.zero_bubble import zero_bubble
 
 TOL = 1e-5
@@ -108,11 +108,11 @@ def test_zero_bubble_rejects_bad_bound():
 def test_planners_simulate_the_split_and_choose_zero_bubble():
   from gpp_jax.cost.cluster import make_cluster
   from gpp_jax.cost.cost_model import plan_costs
-  from gpp_jax.cost.simulator import simulate
   from gpp_jax.experiments.model_graphs import model_graph
   from gpp_jax.passes.partition import get_planner
   from gpp_jax.passes.partition.plan_assembly import memory_bound
   from gpp_jax.passes.schedules import plan_schedule
+  from gpp_jax.passes.simulation import simulate
 
   g = model_graph("mmt")
   cluster = make_cluster("v100", 8)

@@ -16,7 +16,7 @@ from gpp_jax.ir import layer_graph as lg
 def predicted_timeline(pipeline, cluster):
   """The simulator's SimResult for a built ``GraphPipeline``: the program its executor runs,
   timed under the cost model."""
-  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.passes.simulation import simulate
 
   graph = lg.scaled(pipeline.layer_graph, pipeline.batch_size)
   return simulate(

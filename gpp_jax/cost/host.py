@@ -155,7 +155,8 @@ class HostCosts:
     return [*lanes, tuple(range(self.processes))]
 
   def compute_servers(self) -> int | None:
-    """Device computations at full speed at once (``simulate_times(cores=)``), or None."""
+    """Device computations at full speed at once (``cost.simulator.simulate_program(cores=)``),
+    or None."""
     if self.parallel is None:
       return None
     return max(1, round(self.parallel))

@@ -20,7 +20,13 @@ a time in the order the sender produced them and overlap with compute.
 Stashed activations of micro-batch m are held on stage s from the start of F(s, m) to the end
 of B(s, m) (of W(s, m) when the schedule splits it).
 
-Two entry points:
+The simulator times what it is given and builds nothing: a schedule on its lanes
+(``simulate_lanes``, the devices-only model the planners search with), a lowered program
+(``simulate_program``; a schedule's own with per-action times, ``simulate_lowered``; a compiled
+step's with a plan's costs, ``simulate_step``), and a plan's times under the cost model or the
+host-aware one (``plan_times``). Building a plan's schedule, the stale weights it keeps and a
+schedule's lowered program are passes; the entry points that build them and call the
+simulator are ``passes.simulation``:
   simulate_times(schedule, forward, backward, ...)  explicit per-stage (or per-action) times,
       so measured times can be replayed and compared with predictions action by action;
   simulate(plan, layer_graph, cluster, ...)  times, transfers and memory from the cost model.
@@ -30,7 +36,6 @@ Two entry points:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 from collections import defaultdict
@@ -45,9 +50,11 @@ from gpp_jax.cost.cost_model import (
   DEFAULT_COST_MODEL,
   CostModel,
   LayerCosts,
+  PlanCosts,
   layer_costs,
   plan_costs,
 )
+from gpp_jax.cost.memory import program_memory
 from gpp_jax.ir.program import Instr, Op, Program, puts_together
 from gpp_jax.ir.schedule import Action, Schedule, chunk_range, lanes_with_updates
 
@@ -180,8 +187,83 @@ def _per_action(times: Any, what: str, num_stages: int) -> Callable[[int, int], 
   return get
 
 
-def simulate_times(
+def _given_times(
   schedule: Schedule,
+  forward: Sequence[Times],
+  backward: Sequence[Times],
+  weight: Sequence[Times] | None,
+  update: Sequence[float] | None,
+  activation_transfer: Mapping[tuple[int, int], float] | None,
+  cotangent_transfer: Mapping[tuple[int, int], float] | None,
+) -> tuple[
+  Callable[[int, int], float],
+  Callable[[int, int], float],
+  Callable[[int, int], float],
+  list[float],
+  dict[tuple[int, int], float],
+  dict[tuple[int, int], float],
+]:
+  """The times ``simulate_lanes`` and ``simulate_lowered`` take, normalised: per stage and
+  micro-batch the seconds of an F, B and W (``_per_action``, which checks there is an entry
+  per stage), per stage the UPDATE's seconds (0 if None), and per stage edge the seconds of an
+  activation's transfer and of a cotangent's (by default the activation's)."""
+  S = schedule.num_stages
+  tf = _per_action(forward, "forward", S)
+  tb = _per_action(backward, "backward", S)
+  tw = _per_action(weight, "weight", S)
+  up = list(update) if update is not None else [0.0] * S
+  act_x = dict(activation_transfer or {})
+  cot_x = dict(cotangent_transfer if cotangent_transfer is not None else act_x)
+  return tf, tb, tw, up, act_x, cot_x
+
+
+def simulate_lanes(
+  schedule: Schedule,
+  forward: Sequence[Times],
+  backward: Sequence[Times],
+  *,
+  weight: Sequence[Times] | None = None,
+  update: Sequence[float] | None = None,
+  activation_transfer: Mapping[tuple[int, int], float] | None = None,
+  cotangent_transfer: Mapping[tuple[int, int], float] | None = None,
+  static_memory: Sequence[float] | None = None,
+  activation_memory: Sequence[float] | None = None,
+  stage_devices: Sequence[Sequence[int]] | None = None,
+  timeline: bool = True,
+) -> SimResult | None:
+  """Schedule + explicit times -> SimResult under the devices-only model the planners search
+  with (no host issuing the program, no cores shared, every transfer on a channel of its own,
+  no stages sharing devices), computed on the schedule itself without lowering it
+  (``_simulate_lanes``): the times of its lowered program (``simulate_lowered``; the tests
+  hold the two equal). None when the lanes deadlock: the schedule's lowering names the
+  deadlock. The arguments as ``passes.simulation.simulate_times`` takes them, which calls
+  this where the model applies."""
+  if schedule.shares_devices:
+    raise ValueError(
+      f"stages of schedule {schedule.name!r} share devices: time its lowered program "
+      "(simulate_lowered)"
+    )
+  S = schedule.num_stages
+  _, _, _, up, act_x, cot_x = _given_times(
+    schedule, forward, backward, weight, update, activation_transfer, cotangent_transfer
+  )
+  timed = _simulate_lanes(schedule, forward, backward, weight, up, act_x, cot_x, timeline)
+  if timed is None:
+    return None
+  return _summary(
+    schedule.name,
+    S,
+    schedule.num_microbatches,
+    *timed,
+    list(static_memory) if static_memory is not None else [0.0] * S,
+    list(activation_memory) if activation_memory is not None else [0.0] * S,
+    tuple(tuple(d) for d in stage_devices) if stage_devices is not None else ((),) * S,
+  )
+
+
+def simulate_lowered(
+  schedule: Schedule,
+  program: Program,
   forward: Sequence[Times],
   backward: Sequence[Times],
   *,
@@ -199,62 +281,14 @@ def simulate_times(
   timeline: bool = True,
   processes: Sequence[Sequence[int]] | None = None,
 ) -> SimResult:
-  """Schedule + explicit times -> SimResult: the schedule's lowered program
-  (``passes.lowering.lower_schedule``: one activation and one cotangent per stage edge and
-  micro-batch) timed by ``simulate_program``. Without a host, cores or shared channels (the
-  devices-only model the planners search with) the same times come from the schedule itself,
-  without lowering it (``_simulate_lanes``, held equal to the program's by the tests).
-
-  Args:
-    schedule: the schedule to execute (validated by the caller or by its generator).
-    forward, backward, weight: per stage, seconds of one F / B / W action: a float, or a
-      sequence (or mapping) indexed by micro-batch for per-action (e.g. measured) times.
-    update: per stage, seconds of the UPDATE action (0 if None).
-    activation_transfer: seconds to move one micro-batch's activations along edge (i, j)
-      (missing edges: 0; a micro-batch of the producer i); cotangent_transfer likewise for the
-      way back (a micro-batch of the consumer j; default: the same as activation_transfer).
-    static_memory, activation_memory: bytes per device for weights/optimizer state, and for
-      one stashed micro-batch, per stage (0 if None).
-    stage_devices: devices of each stage, to report peak memory per device.
-    host_dispatch: seconds the driver's single host thread spends issuing one action (F, B,
-      W, UPDATE), or seconds per op of the lowered program (``cost.host.HostCosts``), or
-      such a mapping per lane (``HostCosts.lane_costs``); when set, no instruction starts
-      before the host has issued it, in program order.
-    send_factors: per stage edge (i, j), what a SEND along it (either way) costs to issue
-      in lone SENDs (``HostCosts.send_factors``: an edge carries several arrays, put
-      together; default one).
-    cores: the host has this many cores, shared by the computing actions (forced CPU
-      devices share them) and by the issuing thread while it issues an action; None for
-      independent devices.
-    channels: maps a transfer (kind, src, dst) to the channel it queues on; transfers
-      mapped to the same key share it one after another (a node's network interface).
-      Unmapped transfers (the default for all) each have their own channel.
-    timeline: False leaves the result's ``actions`` and ``transfers`` empty (the times,
-      bubbles and memory are the same): what a planner needs of each of its candidates,
-      without building thousands of records it does not read.
-    processes: per lane (the stages', then the host lane), the processes that issue its
-      instructions, each with its own issuing thread and cores (``simulate_program``).
-  """
-  S = schedule.num_stages
-  tf = _per_action(forward, "forward", S)
-  tb = _per_action(backward, "backward", S)
-  tw = _per_action(weight, "weight", S)
-  up = list(update) if update is not None else [0.0] * S
-  act_x = dict(activation_transfer or {})
-  cot_x = dict(cotangent_transfer if cotangent_transfer is not None else act_x)
-  if host_dispatch is None and cores is None and not channels and not schedule.shares_devices:
-    timed = _simulate_lanes(schedule, forward, backward, weight, up, act_x, cot_x, timeline)
-    if timed is not None:  # else a deadlock: the program's lowering names it
-      return _summary(
-        schedule.name,
-        S,
-        schedule.num_microbatches,
-        *timed,
-        list(static_memory) if static_memory is not None else [0.0] * S,
-        list(activation_memory) if activation_memory is not None else [0.0] * S,
-        tuple(tuple(d) for d in stage_devices) if stage_devices is not None else ((),) * S,
-      )
-  program = lowered_schedule(schedule)
+  """Schedule + its lowered program (``passes.lowering.lower_schedule``, which the caller
+  builds) + explicit times -> SimResult: each instruction's seconds from the times (an F, B
+  or W its action's, a SEND its edge's transfer, an UPDATE its stage's, the rest nothing),
+  the program timed by ``simulate_program``. The arguments as ``passes.simulation
+  .simulate_times`` takes them."""
+  tf, tb, tw, up, act_x, cot_x = _given_times(
+    schedule, forward, backward, weight, update, activation_transfer, cotangent_transfer
+  )
   F, B, W, SEND = Op.F, Op.B, Op.W, Op.SEND
   durations = []
   for i in program.instrs:
@@ -589,14 +623,6 @@ def _peaks(actions: Sequence[tuple], S: int, split_w: bool) -> list[int]:
   return peak
 
 
-@functools.lru_cache(maxsize=512)
-def lowered_schedule(schedule: Schedule) -> Program:
-  """``passes.lowering.lower_schedule``, kept for the schedules simulated again and again."""
-  from gpp_jax.passes.lowering import lower_schedule
-
-  return lower_schedule(schedule)
-
-
 _TRANSFER_KINDS = {"act": "activation", "ct": "cotangent"}
 
 
@@ -631,8 +657,8 @@ def simulate_program(
   issued; with ``cores`` the computing instructions and the issuing thread share that many
   cores (forced CPU devices): an instruction of a stage over k devices (``stage_devices``)
   runs on k device threads and holds min(k, cores) of them. The result's actions are the F,
-  B, W and UPDATE instructions, its transfers the SENDs; memory as ``simulate_times``
-  describes. The executor puts consecutive transfers between stages together
+  B, W and UPDATE instructions, its transfers the SENDs; memory as ``passes.simulation
+  .simulate_times`` describes. The executor puts consecutive transfers between stages together
   (``ir.program.puts_together``, by destination); with ``send_extra`` (``HostCosts
   .send_extra``) the host pays for such a group at its first SEND, a lone put plus
   ``send_extra`` of one for each other array, and issues the others with it (without it,
@@ -810,99 +836,74 @@ def split_backward(
   return [b - w for b, w in zip(backward, weight)], weight
 
 
-def simulate(
+@dataclasses.dataclass(frozen=True)
+class PlanTimes:
+  """A plan's times, transfers and memory as the simulator takes them (``plan_times``): what
+  ``passes.simulation.simulate`` times the plan's schedule (``simulate_times``' keywords) or
+  its compiled step's program (``simulate_step``) with.
+
+  Attributes:
+    costs: the plan's costs (``plan_costs``); under the host-aware model with each stage's
+      forward and backward seconds over its devices and its UPDATE seconds as the host prices
+      them (``_spmd_times``, ``_host_updates``).
+    backward, weight: per stage, seconds of a B and of a W (``split_backward``: no W unless
+      the schedule splits the backward); under the host-aware model with the gradients'
+      all-reduce where each backward pays it.
+    static_memory: per stage, bytes per device of its weights and optimizer state, with the
+      older versions of its weights a stale-weight schedule keeps.
+    stage_devices: the devices of each stage.
+    channels: the channel each transfer between nodes queues on (``nic_channels``); None:
+      each transfer has its own.
+    host_cost: per lane, the host's seconds per op (``HostCosts.lane_costs``), or what the
+      caller gave; None: nothing issues the program.
+    send_factors: per stage edge, what a SEND along it costs to issue in lone SENDs
+      (``HostCosts.send_factors``); None without a host.
+    send_extra: ``HostCosts.send_extra`` (a compiled step's puts together); None without one.
+    processes: per lane, the processes that issue it (``HostCosts.lane_processes``).
+    outside: the host's seconds outside the program, added to the iteration time.
+  """
+
+  costs: PlanCosts
+  backward: list[float]
+  weight: list[float] | None
+  static_memory: list[float]
+  stage_devices: list[tuple[int, ...]]
+  channels: dict[tuple[str, int, int], Any] | None
+  host_cost: Any
+  send_factors: dict[tuple[int, int], float] | None
+  send_extra: float | None
+  processes: Any
+  outside: float
+
+
+def plan_times(
   plan,
   layer_graph: nx.DiGraph,
   cluster: Cluster,
+  schedule: Schedule,
+  delays: Sequence[int] | None,
   *,
-  schedule: Schedule | None = None,
   cost_model: CostModel | None = None,
   costs: LayerCosts | None = None,
   shared_nic: bool = False,
-  program: Program | None = None,
+  step: bool = False,
   host_cost: Mapping[Op, float] | None = None,
-  cores: int | None = None,
   host: Any = None,
-  timeline: bool = True,
-) -> SimResult:
-  """Plan + LayerGraph + Cluster -> SimResult, with times and memory from the cost model.
+) -> PlanTimes:
+  """Plan + LayerGraph + Cluster + the plan's schedule -> the plan's ``PlanTimes``: its costs
+  under the cost model, or under the host-aware one (``host``, the machine's ``cost.host
+  .HostCosts``: a stage over k devices computes 1/k of its one-device time times the SPMD
+  factor for k, ``spmd_factor``, or in its layers' times measured over k devices where the
+  graph has them, ``measured_width_times``; the gradients' all-reduce and the update as
+  ``_host_updates`` prices them; the host's issue costs per op, for the schedule's lowering or,
+  with ``step``, for a compiled step's program, and its time outside the program).
 
-  ``program``: the lowered program of the compiled step (``GraphPipeline.program``, the one the
-  executor runs) to time instead of the schedule's own lowering; each of its transfers between
-  stages costs its bytes over the link between their devices, ``host_cost`` and ``cores`` as
-  ``simulate_program`` takes them; memory is then the program's own (``cost.memory``: its
-  buffers' sizes and lifetimes, without the executables' temporaries). ``host``: the machine's
-  ``cost.host.HostCosts`` (per-op issue costs, compute servers, the time outside the program,
-  added to the iteration time; a stage over k devices computes 1/k of its one-device time
-  times the SPMD factor for k, ``spmd_factor``, or in its layers' times measured over k
-  devices where the graph has them, ``measured_width_times``; the gradients' all-reduce and
-  the update as ``_host_updates`` prices them; a fractional ``parallel`` interpolates the
-  iteration time between its two whole neighbours); without a program the schedule's
-  lowering is timed with them.
-
-  ``schedule`` defaults to the plan's named schedule generator over its stage graph. When the
-  schedule has W actions, each stage's backward is split into B and W by the cost model's
-  ``weight_fraction``. Stages with their own micro-batch sizes take their action times and
-  transfers at those sizes (``plan_costs``; the schedule's ``counts``). Under a stale-weight
-  schedule (PipeDream async, 2BW) a stage's static
-  memory includes the ``d(s)`` older versions of its weights it keeps. By default every stage
-  pair has a link of its own; ``shared_nic=True`` makes the transfers that cross nodes into one
-  node (by the receiving stage's first device) queue on that node's one inbound interface
-  (``nic_channels``). ``timeline=False`` leaves out the result's actions and transfers, as
-  ``simulate_times`` does (without a program).
-  """
-  run = _prepared(
-    plan,
-    layer_graph,
-    cluster,
-    schedule=schedule,
-    cost_model=cost_model,
-    costs=costs,
-    shared_nic=shared_nic,
-    program=program,
-    host_cost=host_cost,
-    host=host,
-    timeline=timeline,
-  )
-  if host is None:
-    return run(cores)
-  if host.parallel is not None:
-    # A fractional number of computations at full speed at once (1.5: a second one runs
-    # beside the first at about half speed) is between its two whole neighbours: the
-    # iteration time is interpolated between them, the rest is the nearer one's. Rounding it
-    # instead put a pipeline on one server or on two as probes measured 1.47 or 1.52.
-    lo = math.floor(host.parallel)
-    w = host.parallel - lo
-    if lo >= 1 and w > 1e-9:
-      below, above = run(lo), run(lo + 1)
-      near = below if w < 0.5 else above
-      t = (1 - w) * below.iteration_time + w * above.iteration_time
-      return dataclasses.replace(near, iteration_time=t)
-  return run(host.compute_servers())
-
-
-def _prepared(
-  plan,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  *,
-  schedule: Schedule | None,
-  cost_model: CostModel | None,
-  costs: LayerCosts | None,
-  shared_nic: bool,
-  program: Program | None,
-  host_cost: Mapping[Op, float] | None,
-  host: Any,
-  timeline: bool,
-) -> Callable[[int | None], SimResult]:
-  """``simulate``'s work that does not depend on how many computations run at once: the
-  plan's costs under the cost model, or the host-aware model's (``host``); and the function
-  that simulates the plan with ``cores`` compute servers (``simulate_times(cores=)``), which
-  ``simulate`` calls once, or twice for a fractional ``HostCosts.parallel``."""
-  if schedule is None:
-    from gpp_jax.passes.schedules import plan_schedule
-
-    schedule = plan_schedule(plan)
+  When the schedule has W actions, each stage's backward is split into B and W by the cost
+  model's ``weight_fraction``. ``delays``: per stage, the older versions of its weights the
+  schedule keeps (a stale-weight schedule's ``passes.weight_versions.weight_delays``; None
+  for a synchronous one), counted in its static memory. ``shared_nic=True`` makes the
+  transfers that cross nodes into one node queue on that node's one inbound interface
+  (``nic_channels``). ``host_cost``: the host's seconds per op without a ``host``."""
   if schedule.num_stages != plan.num_stages:
     raise ValueError(
       f"the schedule has {schedule.num_stages} stages but the plan "
@@ -915,7 +916,7 @@ def _prepared(
   wide: dict[int, tuple[float, float]] = {}
   if host is not None:
     processes = host.lane_processes([s.devices for s in plan.stages], cluster.num_devices)
-    host_cost = host.lane_costs([len(s.devices) for s in plan.stages], schedule=program is None)
+    host_cost = host.lane_costs([len(s.devices) for s in plan.stages], schedule=not step)
     outside = host.outside
     wide = measured_width_times(plan, layer_graph, cluster, cost_model, costs)
     fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, costs, pc, host, wide=wide)
@@ -932,74 +933,67 @@ def _prepared(
     for i, t in enumerate(per_call):
       grads[i] += t
     pc = dataclasses.replace(pc, update=update)
-  from gpp_jax.passes.weight_versions import weight_delays
-
   static = list(pc.static_memory)
-  delays = weight_delays(schedule)
   if delays is not None:
     static = [m + d * p for m, d, p in zip(static, delays, pc.param_bytes)]
-  stage_devices = [s.devices for s in plan.stages]
-  channels = nic_channels(plan, cluster) if shared_nic else None
-  if program is not None:
-    durations = step_durations(program, plan, cluster, pc, backward, weight)
-    # The program knows its buffers' sizes and lifetimes: its memory, not the cost model's.
-    from gpp_jax.cost.memory import program_memory
+  return PlanTimes(
+    costs=pc,
+    backward=backward,
+    weight=weight,
+    static_memory=static,
+    stage_devices=[s.devices for s in plan.stages],
+    channels=nic_channels(plan, cluster) if shared_nic else None,
+    host_cost=host_cost,
+    send_factors=host.send_factors(pc.edge_arrays) if host is not None else None,
+    send_extra=host.send_extra if host is not None else None,
+    processes=processes,
+    outside=outside,
+  )
 
-    lanes = [tuple(s.devices) for s in plan.stages] + [()]
-    mem = program_memory(program, lanes)
-    stage_memory = tuple(
-      float(max((mem.peak.get(d, 0) for d in s.devices), default=0)) for s in plan.stages
-    )
-    peak = {int(d): float(n) for d, n in mem.peak.items()}  # type: ignore[call-overload]
 
-    def on_program(cores: int | None) -> SimResult:
-      res = simulate_program(
-        program,
-        durations,
-        host_cost=host_cost,
-        send_extra=host.send_extra if host is not None else None,
-        cores=cores,
-        channels=channels,
-        static_memory=static,
-        activation_memory=pc.activation_memory,
-        stage_devices=stage_devices,
-        num_microbatches=schedule.num_microbatches,
-        processes=processes,
-      )
-      return dataclasses.replace(
-        res,
-        stage_memory=stage_memory,
-        peak_memory=peak,
-        iteration_time=res.iteration_time + outside,
-      )
-
-    return on_program
-  send_factors = host.send_factors(pc.edge_arrays) if host is not None else None
-
-  def on_schedule(cores: int | None) -> SimResult:
-    res = simulate_times(
-      schedule,
-      pc.forward,
-      backward,
-      weight=weight,
-      update=pc.update,
-      activation_transfer=pc.activation_transfer,
-      cotangent_transfer=pc.cotangent_transfer,
-      static_memory=static,
-      activation_memory=pc.activation_memory,
-      stage_devices=stage_devices,
-      channels=channels,
-      host_dispatch=host_cost,
-      send_factors=send_factors,
-      cores=cores,
-      timeline=timeline,
-      processes=processes,
-    )
-    if outside:
-      res = dataclasses.replace(res, iteration_time=res.iteration_time + outside)
-    return res
-
-  return on_schedule
+def simulate_step(
+  program: Program,
+  plan,
+  cluster: Cluster,
+  times: PlanTimes,
+  *,
+  num_microbatches: int,
+  cores: int | None = None,
+) -> SimResult:
+  """The lowered program of a plan's compiled step (``GraphPipeline.program``, the one the
+  executor runs) timed with the plan's ``times`` (``plan_times(step=True)``): each of its
+  transfers between stages costs its bytes over the link between their devices
+  (``step_durations``), the host issues it at ``times.host_cost`` with ``cores`` compute
+  servers as ``simulate_program`` takes them, and the host's time outside the program is added
+  to the iteration time. Memory is the program's own (``cost.memory``: its buffers' sizes and
+  lifetimes, without the executables' temporaries), not the cost model's."""
+  pc = times.costs
+  durations = step_durations(program, plan, cluster, pc, times.backward, times.weight)
+  lanes = [tuple(s.devices) for s in plan.stages] + [()]
+  mem = program_memory(program, lanes)
+  stage_memory = tuple(
+    float(max((mem.peak.get(d, 0) for d in s.devices), default=0)) for s in plan.stages
+  )
+  peak = {int(d): float(n) for d, n in mem.peak.items()}  # type: ignore[call-overload]
+  res = simulate_program(
+    program,
+    durations,
+    host_cost=times.host_cost,
+    send_extra=times.send_extra,
+    cores=cores,
+    channels=times.channels,
+    static_memory=times.static_memory,
+    activation_memory=pc.activation_memory,
+    stage_devices=times.stage_devices,
+    num_microbatches=num_microbatches,
+    processes=times.processes,
+  )
+  return dataclasses.replace(
+    res,
+    stage_memory=stage_memory,
+    peak_memory=peak,
+    iteration_time=res.iteration_time + times.outside,
+  )
 
 
 def _model_or_probe(
@@ -1250,38 +1244,6 @@ def fused_times(layer_graph: nx.DiGraph) -> nx.DiGraph:
   return out
 
 
-def simulate_on_host(
-  plan,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  host: Any,
-  *,
-  schedule: Schedule | None = None,
-  cost_model: CostModel | None = None,
-  costs: LayerCosts | None = None,
-) -> SimResult:
-  """The one prediction of ``plan`` on the machine ``host`` measured (``cost.host.HostCosts``):
-  a pipeline is its schedule's program issued by the host (``simulate(host=)``), a one-stage
-  plan runs as one jitted step (``predict_fused``, its layer times scaled by the measured
-  ``fusion``, ``fused_times``), whose time replaces the simulated iteration time; memory and
-  bubbles are the simulation's. What the training program chooses among its candidates by,
-  and what planners given a host (``PlanningProblem.host``) search with."""
-  res = simulate(
-    plan,
-    layer_graph,
-    cluster,
-    schedule=schedule,
-    cost_model=cost_model,
-    costs=costs,
-    host=host,
-    timeline=False,
-  )
-  if plan.num_stages != 1:
-    return res
-  seconds = predict_fused(plan, fused_times(layer_graph), cluster, host, cost_model)
-  return dataclasses.replace(res, iteration_time=seconds)
-
-
 def step_durations(
   program: Program,
   plan,
@@ -1321,7 +1283,7 @@ def step_durations(
 
 def nic_channels(plan, cluster: Cluster) -> dict[tuple[str, int, int], Any]:
   """Transfers between stages on different nodes -> the inbound interface of the receiving
-  stage's node (its first device's), for ``simulate_times(channels=...)``."""
+  stage's node (its first device's), for ``passes.simulation.simulate_times(channels=...)``."""
   out: dict[tuple[str, int, int], Any] = {}
   node = [cluster.node_of(s.devices[0]) if s.devices else 0 for s in plan.stages]
   for i, j in plan.edges:

@@ -252,7 +252,7 @@ def predict_layout(
   ``stages_per_device`` (those that divide the layers of a pipeline rank), as a record with
   ``iteration_ms``, ``samples_per_s``, ``tflops_per_device`` (the paper's FLOPs per iteration
   / time / GPUs) and the plan."""
-  from gpp_jax.cost.simulator import simulate
+  from gpp_jax.passes.simulation import simulate
 
   cluster = make_cluster(cluster_name, row.gpus)
   rows = row_cluster(cluster, row.tp)

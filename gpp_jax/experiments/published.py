@@ -109,8 +109,8 @@ def zero3(cluster: str = "a100") -> list[dict[str, Any]]:
   sharded over all of them, the parameters gathered for every micro-batch's forward and
   backward): per configuration the modelled and published teraFLOP/s of both."""
   from gpp_jax.cost.cluster import make_cluster
-  from gpp_jax.cost.simulator import simulate
   from gpp_jax.ir.plan import Plan, Stage
+  from gpp_jax.passes.simulation import simulate
 
   out = []
   for params_b, layers, hidden, heads, pp, runs in TABLE_2:

@@ -88,9 +88,9 @@ def schedule_pngs(
   writes ``out_dir/schedule_<name>.png``; returns the file names written (none without
   matplotlib). ``layer_graph`` must be scaled to the plan's batch
   (``ir.layer_graph.scaled``)."""
-  from gpp_jax.cost.simulator import simulate
   from gpp_jax.errors import ScheduleError
   from gpp_jax.passes.schedules import GENERATORS
+  from gpp_jax.passes.simulation import simulate
 
   if pyplot() is None:
     return []

@@ -21,13 +21,13 @@ import networkx as nx
 from absl import logging
 
 from gpp_jax.cost.host import HostCosts
-from gpp_jax.cost.simulator import simulate_on_host
 from gpp_jax.errors import PlanError
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
 from gpp_jax.passes.calibrate import Calibration
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.partition.problem import check_min_stages
+from gpp_jax.passes.simulation import simulate_on_host
 from gpp_jax.runtime.calibration import (
   calibrate,
   calibrate_fusion,

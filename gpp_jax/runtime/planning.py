@@ -14,13 +14,13 @@ import networkx as nx
 from gpp_jax.cost.cluster import as_cluster, devices_cluster
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.host import HostCosts
-from gpp_jax.cost.simulator import simulate, simulate_on_host
 from gpp_jax.errors import PlanError
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, has_mixed_microbatches, validate_plan
 from gpp_jax.passes.partition import KeywordPlanner, get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.partition.problem import planner_name, too_few_stages_error
+from gpp_jax.passes.simulation import simulate, simulate_on_host
 from gpp_jax.runtime.options import Options
 from gpp_jax.runtime.sharding import check_rows
 

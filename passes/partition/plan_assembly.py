@@ -7,7 +7,7 @@ ordering edges the planner asks for), in-flight counts from the stage DAG, and t
 model's prediction (simulated iteration time, throughput, per-stage memory) in
 ``plan.predicted``: the devices-only simulation (every device computes on its own, the host
 costs nothing), or, given the machine's measured host (``cost.host.HostCosts``, ``host=``),
-the prediction for that machine (``cost.simulator.simulate_on_host``), which every planner's
+the prediction for that machine (``passes.simulation.simulate_on_host``), which every planner's
 comparisons then go by.
 """
 
@@ -30,13 +30,14 @@ from gpp_jax.cost.cost_model import (
   plan_costs,
 )
 from gpp_jax.cost.memory import format_bytes
-from gpp_jax.cost.simulator import SimResult, simulate, simulate_on_host
+from gpp_jax.cost.simulator import SimResult
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import validate_layer_graph
 from gpp_jax.ir.plan import Plan, Stage, has_mixed_microbatches, stage_edges
 from gpp_jax.ir.schedule import Schedule, trusted_generators
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.schedules import make_schedule, plan_schedule
+from gpp_jax.passes.simulation import simulate, simulate_on_host
 
 # Sweeps skip micro-batch sizes that need more micro-batches than this (none of the
 # benchmark optima comes near it; it bounds simulation cost).
@@ -291,7 +292,7 @@ def predict(
 ) -> Plan:
   """Plan -> the same Plan with ``predicted`` filled in from a simulation: the devices-only
   one, or with ``host`` (the machine's ``cost.host.HostCosts``) the prediction for that
-  machine (``cost.simulator.simulate_on_host``: the host issuing the program, the cores the
+  machine (``passes.simulation.simulate_on_host``: the host issuing the program, the cores the
   devices share, a one-stage plan as one jitted step), recorded as ``predicted["host_aware"]``.
 
   A zero-bubble plan gets its memory bound (``memory_bound``) as the stages' ``in_flight``,

@@ -49,7 +49,7 @@ class PlanningProblem:
     max_microbatches: a sweep skips sizes needing more micro-batches than this.
     host: the machine's measured host costs (``cost.host.HostCosts``, ``runtime.host.
       measure_host``), or None. Given, every simulation the planner compares plans by is the
-      prediction for that machine (``cost.simulator.simulate_on_host``: the host thread
+      prediction for that machine (``passes.simulation.simulate_on_host``: the host thread
       issuing each instruction, the cores forced CPU devices share, a one-stage plan as one
       jitted step); the planners' own objectives (per-stage times in their DPs) stay the
       cost model's. None: the devices-only model (every device computes on its own, the host

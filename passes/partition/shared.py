@@ -156,8 +156,8 @@ def plan_with_shared_devices(
   ``schedule``: the schedule of a plan whose stages share devices (default interleaved-1f1b);
   plans of one stage per device keep the planner's own (or ``schedule`` where it is one the
   planner takes)."""
-  from gpp_jax.cost.simulator import simulate
   from gpp_jax.passes.partition.plan_assembly import better, prediction
+  from gpp_jax.passes.simulation import simulate
 
   if stages_per_device == "auto":
     choices: Sequence[int] = AUTO_STAGES_PER_DEVICE
