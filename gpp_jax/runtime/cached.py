@@ -37,7 +37,7 @@ class _Entry:
   out_def: Any  # tree of the step's own outputs (the new state follows them)
   nout: int
   written: list[Any] | None = None  # the values the last call wrote to the Variables
-  fast_write: bool = False  # whether the Variables take the direct write (``_write``)
+  fast_write: bool = False  # whether the Variables take the direct write (``write_values``)
 
 
 def _aval(x) -> tuple[tuple[int, ...], Any]:
@@ -72,7 +72,7 @@ class CachedStep:
         if all(_aval(x) == avals[k] for k, x in enumerate(flat) if not unchanged or k >= n):
           outs = self.pipeline.run_compiled(e.compiled, flat)
           new = outs[e.nout :]
-          _write(e.variables, new, e.fast_write)
+          write_values(e.variables, new, e.fast_write)
           e.written = new
           return e.out_def.unflatten(outs[: e.nout])
     return self._full_call(full)
@@ -115,11 +115,11 @@ class CachedStep:
       compiled=c,
       out_def=out_def,
       nout=out_def.num_leaves,
-      fast_write=all(_writable_directly(v) for v in variables),
+      fast_write=all(writable_directly(v) for v in variables),
     )
 
 
-def _writable_directly(v) -> bool:
+def writable_directly(v) -> bool:
   """Whether ``v`` is a plain (not hijax) NNX Variable whose value lives in ``_raw_value``
   and whose trace context is known: the layout ``nnx.cached_partial``'s own update writes."""
   state = getattr(v, "_trace_state", None)
@@ -131,7 +131,7 @@ def _writable_directly(v) -> bool:
   )
 
 
-def _write(variables: Sequence[Any], values: Sequence[Any], fast: bool) -> None:
+def write_values(variables: Sequence[Any], values: Sequence[Any], fast: bool) -> None:
   """``v.set_raw_value(x)`` for each pair. ``set_raw_value`` checks the trace context twice
   per Variable (8 us each on a CPU core: milliseconds a step for a few hundred Variables);
   the fast way checks it once per Variable and writes the value as Flax's cached jit does."""

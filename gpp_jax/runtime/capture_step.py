@@ -306,6 +306,9 @@ class PureStep:
   # Arguments the step takes by position (keyword arguments follow them, ``with_keywords``).
   num_positional: int = -1
   keywords: tuple[str, ...] = ()
+  # The NNX objects' state as split (its Variables are the objects' own, in flattening order:
+  # writing a new value into one updates the object), None without NNX objects.
+  state: Any = None
 
 
 def functionalize(step: Callable, args: tuple) -> tuple[PureStep, list]:
@@ -350,7 +353,7 @@ def functionalize(step: Callable, args: tuple) -> tuple[PureStep, list]:
 
   npos = getattr(step, "num_positional", len(args))
   names = getattr(step, "names", ())
-  return PureStep(pure, in_tree, pos, graphdef, out_tree, npos, names), leaves
+  return PureStep(pure, in_tree, pos, graphdef, out_tree, npos, names, state), leaves
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from gpp_jax.passes.calibrate import Calibration
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.build import CompiledStep
-from gpp_jax.runtime.cached import CachedStep
+from gpp_jax.runtime.cached import CachedStep, writable_directly, write_values
 from gpp_jax.runtime.capture_step import functionalize, with_keywords
 from gpp_jax.runtime.captured import canonical_dtype, capture
 from gpp_jax.runtime.compile import compile_step
@@ -283,7 +283,7 @@ class GraphPipeline:
     """The compiled step for these step arguments (built on first use of their shapes)."""
     key = (
       pure.in_tree,
-      tuple((tuple(np.shape(x)), str(canonical_dtype(x))) for x in leaves),
+      tuple(_leaf_key(x) for x in leaves),
       pure.graph_positions,
       pure.num_positional,
       pure.keywords,
@@ -335,10 +335,9 @@ class GraphPipeline:
       outs, self._memory = c.measure_memory(leaves)
     else:
       outs = self.run_compiled(c, leaves)
-    out, new_state = jax.tree.unflatten(c.out_tree, outs)
     if pure.graph_positions:
-      nnx.update(tuple(args[i] for i in pure.graph_positions), new_state)
-    return out
+      return _write_back(c, pure, args, outs)
+    return jax.tree.unflatten(c.out_tree, outs)[0]
 
   def run_steps(self, *args, stream: bool | None = None):
     """K training steps in one call: ``step(*args_t)`` for t = 0..K-1, where each batch
@@ -440,6 +439,40 @@ class GraphPipeline:
     (assigning new values to their Variables is fine); see ``runtime.cached.CachedStep``.
     """
     return CachedStep(self, cached_args)
+
+
+def _leaf_key(x: Any) -> tuple:
+  """A step argument's (shape, dtype) for the compiled-step cache: a JAX array's own (already
+  canonical), else its canonical dtype (a NumPy array and a JAX array of one shape and dtype
+  key alike). Dtype objects, not their names: naming one costs microseconds, hundreds of times
+  a call."""
+  aval = getattr(x, "aval", None)  # a JAX array's; cheaper than isinstance(x, jax.Array)
+  if aval is not None:
+    return aval.shape, aval.dtype
+  return tuple(np.shape(x)), canonical_dtype(x)
+
+
+def _write_back(c: CompiledStep, pure: Any, args: tuple, outs: list) -> Any:
+  """The step's output, the NNX objects given updated with the new state ``outs`` ends with.
+
+  The new values go straight into the objects' Variables (those ``functionalize``'s split
+  found, in the same order), as ``runtime.cached`` writes them: unflattening the new state
+  into Variables and ``nnx.update`` cost more host time than the step for a few hundred
+  Variables. Where the new state's structure is not the split state's, ``nnx.update``."""
+  out_def, state_def = c.out_tree.children()
+  nout = out_def.num_leaves
+  new = outs[nout:]
+  variables = jax.tree.leaves(pure.state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  if (
+    state_def == pure.in_tree.children()[0]
+    and len(variables) == len(new)
+    and all(isinstance(v, nnx.Variable) for v in variables)
+  ):
+    write_values(variables, new, all(writable_directly(v) for v in variables))
+    return out_def.unflatten(outs[:nout])
+  out, new_state = jax.tree.unflatten(c.out_tree, outs)
+  nnx.update(tuple(args[i] for i in pure.graph_positions), new_state)
+  return out
 
 
 def _candidate_lines(planned: Any) -> list[str]:

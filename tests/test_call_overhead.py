@@ -1,0 +1,84 @@
+"""The decorated step's per-call path: new NNX state written straight into the objects'
+Variables, and the compiled-step cache keyed cheaply (``benchmarks/overhead.py`` times it
+against ``nnx.jit``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from harness import max_diff
+
+import gpp_jax
+from gpp_jax.runtime import pipeline as pipeline_mod
+
+
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Linear(4, 8, rngs=rngs)
+    self.b = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.b(jnp.tanh(self.a(x)))
+
+
+def step(model, optimizer, batch):
+  def loss_fn(model):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+  loss, grads = gpp_jax.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def _batch(n=8):
+  rng = np.random.default_rng(0)
+  return {
+    "x": rng.normal(size=(n, 4)).astype(np.float32),
+    "y": rng.normal(size=(n, 2)).astype(np.float32),
+  }
+
+
+def test_new_state_goes_into_the_same_variables_without_nnx_update(monkeypatch):
+  def fresh():
+    m = Net(nnx.Rngs(0))
+    return m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)
+
+  ref_model, ref_opt = fresh()
+  ref = nnx.jit(step)
+  model, opt = fresh()
+  kernel = model.a.kernel  # the Variable object
+  pp = gpp_jax.graph_pipeline(step, num_microbatches=1, devices=jax.devices()[:1])
+  batch = _batch()
+  pp(model, opt, batch)  # compiles (and may take the general path)
+
+  def no_update(*a, **k):
+    raise AssertionError("the per-call path should write the Variables directly")
+
+  monkeypatch.setattr(pipeline_mod.nnx, "update", no_update)
+  for _ in range(2):
+    pp(model, opt, batch)
+  monkeypatch.undo()
+  for _ in range(3):
+    ref(ref_model, ref_opt, batch)
+  assert model.a.kernel is kernel
+  assert max_diff(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param)) <= 1e-5
+  assert max_diff(nnx.state(opt), nnx.state(ref_opt)) <= 1e-5
+  assert int(opt.step[...]) == 3
+
+
+def test_compiled_step_cache_keys_on_shapes_and_dtypes():
+  m = Net(nnx.Rngs(1))
+  opt = nnx.Optimizer(m, optax.sgd(1e-2), wrt=nnx.Param)
+  pp = gpp_jax.graph_pipeline(step, num_microbatches=1, devices=jax.devices()[:1])
+  pp(m, opt, _batch(8))
+  pp(m, opt, _batch(8))
+  assert len(pp._compiled) == 1
+  pp(m, opt, _batch(4))  # another batch shape: another compiled step
+  assert len(pp._compiled) == 2
+  # A NumPy array and a JAX array of one shape and dtype are the same signature.
+  pp(m, opt, jax.tree.map(jnp.asarray, _batch(4)))
+  assert len(pp._compiled) == 2
+  with pytest.raises(Exception):  # noqa: B017 - a batch the model cannot take fails, not hangs
+    pp(m, opt, {"x": np.ones((4, 3), np.float32), "y": np.ones((4, 2), np.float32)})
