@@ -146,6 +146,7 @@ def test_planned_labels_plain_jit_measured_and_the_pipeline_modelled(dag, monkey
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
 
 
+@pytest.mark.slow
 def test_the_training_program_writes_and_prints_the_labels(tmp_path):
   """A tiny ``gpp_jax.train`` run with the balanced planner (a pipeline of 2 stages, whose
   time is the simulator's): ``summary.json`` has ``candidates_how`` beside ``candidates_ms``,
