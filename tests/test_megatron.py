@@ -115,3 +115,46 @@ def test_plan_cli_layout_writes_the_records(tmp_path):
   )
   assert bad.returncode != 0 and "expected tp:<int>,pp:<int>" in bad.stderr
   assert "Traceback" not in bad.stderr
+
+
+def test_plan_cli_mesh_lets_the_planners_choose_the_stages(tmp_path):
+  """``--mesh=data:R,model:t``: the planners choose stages over the R rows, each tensor
+  parallel over t GPUs; one JSON record per planner."""
+  out = tmp_path / "mesh.json"
+  args = [
+    "--model=gpt",
+    "--gpt_layers=40",
+    "--gpt_hidden=6144",
+    "--gpt_heads=48",
+    "--seq_len=2048",
+    "--vocab_size=51200",
+    "--batch_size=512",
+    "--cluster=a100",
+    "--num_devices=64",
+    "--mesh=data:8,model:8",
+    "--planner=graphpipe,pipedream",
+    f"--json={out}",
+  ]
+  proc = subprocess.run(
+    [sys.executable, "-m", "gpp_jax.plan", *args],
+    capture_output=True,
+    text=True,
+    env=child_env(),
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr
+  records = json.loads(out.read_text())
+  assert [r["planner"] for r in records] == ["graphpipe", "pipedream"]
+  for r in records:
+    assert r["mesh"] == "data:8,model:8"
+    assert r["tflops_per_device"] > 0 and r["iteration_ms"] > 0
+    stages = r["plan"]["stages"]
+    assert sum(len(s["devices"]) for s in stages) <= 8  # rows of the first axis
+  bad = subprocess.run(
+    [sys.executable, "-m", "gpp_jax.plan", *args[:-3], "--mesh=data:4,model:8"],
+    capture_output=True,
+    text=True,
+    env=child_env(),
+    timeout=300,
+  )
+  assert bad.returncode != 0 and "has 32 devices but --num_devices=64" in bad.stderr

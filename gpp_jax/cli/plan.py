@@ -111,6 +111,13 @@ def define_flags() -> None:
     "--model=gpt only: plan exactly this layout, e.g. tp:8,pp:8 (tensor parallel inside a "
     "node, pp equal pipeline stages, data parallel over the rest; Megatron-LM's)",
   )
+  flags.DEFINE_string(
+    "mesh",
+    None,
+    "--model=gpt only: the devices as a mesh, e.g. data:192,model:8: the planners choose the "
+    "stages over the rows of the first axis (pipeline and data parallel), each stage tensor "
+    "parallel over the other (the model's Megatron-style specs), priced as --layout prices it",
+  )
   flags.DEFINE_integer("gpt_layers", None, "--model=gpt: Transformer layers")
   flags.DEFINE_integer("gpt_hidden", None, "--model=gpt: hidden size")
   flags.DEFINE_integer("gpt_heads", None, "--model=gpt: attention heads")
@@ -366,6 +373,9 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.layout:
     layout_main()
     return
+  if FLAGS.mesh:
+    mesh_main()
+    return
   args = dict(
     preset=FLAGS.preset,
     cluster=FLAGS.cluster,
@@ -388,6 +398,127 @@ def main(argv: Sequence[str]) -> None:
     with open(FLAGS.json, "w") as f:
       json.dump(report_to_json(report), f, indent=1)
     print(f"\nwrote {FLAGS.json}")
+
+
+def _gpt_shape() -> dict[str, int]:
+  """The GPT's shape flags, all required (ValueError naming the missing ones)."""
+  names = ("gpt_layers", "gpt_hidden", "gpt_heads", "seq_len", "vocab_size")
+  need = {k: getattr(FLAGS, k) for k in names}
+  missing = sorted(k for k, v in need.items() if v is None)
+  if missing:
+    raise ValueError(
+      f"a GPT of any size needs its shape: pass {', '.join('--' + m for m in missing)}"
+    )
+  if FLAGS.batch_size is None:
+    raise ValueError("pass --batch_size (sequences per iteration)")
+  return need
+
+
+def plan_mesh(
+  mesh: str,
+  *,
+  planners: Sequence[str],
+  cluster: str,
+  num_devices: int,
+  batch_size: int,
+  layers: int,
+  hidden: int,
+  heads: int,
+  seq_len: int,
+  vocab_size: int,
+) -> list[dict[str, Any]]:
+  """Each planner's plan for a GPT over ``mesh`` (``data:R,model:t``, R x t = the devices):
+  stages over the R rows, each tensor parallel over t GPUs of a node, priced as
+  ``experiments.megatron`` prices a layout. One record per planner: ``planner``,
+  ``iteration_ms``, ``samples_per_s``, ``tflops_per_device`` (the Megatron-LM paper's FLOP
+  count) and the plan, or ``error``."""
+  from gpp_jax.experiments.megatron import (
+    MEGATRON_COST_MODEL,
+    gpt_graph,
+    paper_flops,
+    row_cluster,
+  )
+
+  axes = [part.strip().partition(":") for part in mesh.split(",")]
+  if len(axes) != 2 or any(not n or not sep or not v.isdigit() or int(v) < 1 for n, sep, v in axes):
+    raise ValueError(
+      f"--mesh={mesh}: give two axes as NAME:SIZE, the rows and the model (e.g. data:8,model:8)"
+    )
+  names = [n for n, _, _ in axes]
+  rows, tp = (int(v) for _, _, v in axes)
+  if rows * tp != num_devices:
+    raise ValueError(f"--mesh={mesh} has {rows * tp} devices but --num_devices={num_devices}")
+  rc = row_cluster(make_cluster(cluster, num_devices), tp)
+  graph = gpt_graph(batch_size, layers, hidden, heads, seq_len, vocab_size, tp)
+  flops = paper_flops(batch_size, seq_len, layers, hidden, vocab_size)
+  out: list[dict[str, Any]] = []
+  for name in planners:
+    t0 = time.perf_counter()
+    row = run_planner(
+      name,
+      graph,
+      rc,
+      batch_size,
+      keep_plan=True,
+      cost_model=MEGATRON_COST_MODEL,
+      max_microbatches=4096,
+    )
+    if "error" in row:
+      out.append({"planner": name, "error": row["error"], "seconds": row["seconds"]})
+      continue
+    T = row["iteration_time"]
+    out.append(
+      {
+        "planner": name,
+        "mesh": f"{names[0]}:{rows},{names[1]}:{tp}",
+        "iteration_ms": T * 1e3,
+        "samples_per_s": batch_size / T,
+        "tflops_per_device": flops / T / num_devices / 1e12,
+        "seconds": time.perf_counter() - t0,
+        "plan": row["plan"],
+      }
+    )
+  return out
+
+
+def mesh_main() -> None:
+  """``--mesh``: the planners' plans for a GPT over a (rows x model) mesh."""
+  if FLAGS.model != "gpt":
+    raise app.UsageError("--mesh plans a GPT over a (rows x model) mesh: pass --model=gpt")
+  try:
+    check_json_path(FLAGS.json)
+    shape = _gpt_shape()
+    for name in FLAGS.planner:
+      resolve_planner(name)
+    records = plan_mesh(
+      FLAGS.mesh,
+      planners=FLAGS.planner,
+      cluster=FLAGS.cluster,
+      num_devices=FLAGS.num_devices,
+      batch_size=FLAGS.batch_size,
+      layers=shape["gpt_layers"],
+      hidden=shape["gpt_hidden"],
+      heads=shape["gpt_heads"],
+      seq_len=shape["seq_len"],
+      vocab_size=shape["vocab_size"],
+    )
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  for r in records:
+    if "error" in r:
+      print(f"== {r['planner']}: no plan: {r['error']}\n")
+      continue
+    print(f"== {r['planner']} (search {r['seconds']:.2f} s) ==\n{r['plan']}")
+    print(
+      f"{r['iteration_ms'] / 1e3:.3f} s an iteration, {r['samples_per_s']:.1f} sequences/s, "
+      f"{r['tflops_per_device']:.1f} TFLOP/s per GPU (modelled; the Megatron-LM paper's FLOP "
+      "count)\n"
+    )
+  if FLAGS.json:
+    out = [{k: (v.to_dict() if isinstance(v, Plan) else v) for k, v in r.items()} for r in records]
+    with open(FLAGS.json, "w") as f:
+      json.dump(out, f, indent=1)
+    print(f"wrote {FLAGS.json}")
 
 
 def layout_main() -> None:
