@@ -82,14 +82,14 @@ def _shared_schedule(
   places = tuple(places) if places is not None else tuple(range(S))
   if len(places) != S:
     raise ScheduleError(f"places {list(places)} must give one place to each of {S} stages")
-  P = max(places) + 1
+  Q = max(places) + 1  # places
   g = nx.DiGraph()
   g.add_nodes_from(range(S))
   g.add_edges_from(edges)
   if not nx.is_directed_acyclic_graph(g):
     raise ScheduleError(f"stage graph has a cycle {nx.find_cycle(g)}")
   depth = _depths(g)
-  members: list[list[int]] = [[] for _ in range(P)]
+  members: list[list[int]] = [[] for _ in range(Q)]
   for s in sorted(range(S), key=lambda s: (depth[s], s)):
     members[places[s]].append(s)
   if any(not m for m in members):
@@ -109,7 +109,6 @@ def _shared_schedule(
   kinds = ("F", "B", "W") if split else ("F", "B")
   nxt = {(s, k): 0 for s in range(S) for k in kinds}  # each stage runs each kind in order
   done_at: dict[Action, int] = {}
-  Q = len(members)
   held = [0] * Q  # micro-batches holding activations on each place (F run, B or W not yet)
   orders: list[list[Action]] = [[] for _ in range(Q)]
   free = [0] * Q
