@@ -117,6 +117,7 @@ def test_plan_cli_layout_writes_the_records(tmp_path):
   assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_plan_cli_mesh_lets_the_planners_choose_the_stages(tmp_path):
   """``--mesh=data:R,model:t``: the planners choose stages over the R rows, each tensor
   parallel over t GPUs; one JSON record per planner."""

@@ -12,7 +12,7 @@ Nothing passes without running. An example either trains and matches the plain s
 gpp_jax refuses it for a reason listed in ``EXPECTED_REFUSALS`` (exception type, a substring
 of its message, the planners it may come from); any other exception fails the example, and a
 ``ProgramError`` (the lowered program's validator) always does. The default run is
-``EXAMPLES``: 32 examples cycling through ``PLANNERS``, ``SCHEDULES``, the micro-batch counts
+``EXAMPLES``: 24 examples cycling through ``PLANNERS``, ``SCHEDULES``, the micro-batch counts
 1, 2, 4 and v in 1, 2, 4 (every planner and schedule several times, each schedule for stages
 that share devices too), models drawn from fixed seeds, three examples to a model (they share
 its reference step). ``test_examples_trained`` then checks
@@ -60,7 +60,7 @@ SCHEDULES = (
 )
 MICROBATCHES = (1, 2, 4)
 PER_DEVICE = (1, 2, 4)  # stages per device
-NUM_EXAMPLES = 32
+NUM_EXAMPLES = 24
 JOINS = ("sum", "concat", "multiply")
 
 # What gpp_jax may legitimately refuse: (exception type, a substring of its message, the
@@ -452,8 +452,8 @@ def test_examples_trained():
   refused = {k: o.refusal for k, o in runs.items() if o.refusal}
   print(f"{len(trained)} of {len(runs)} trained, {len(piped)} in 2+ stages; refused: {refused}")
   assert len(EXAMPLES) >= 24
-  assert len(trained) >= 28, f"only {len(trained)} examples trained; refused: {refused}"
-  assert len(piped) >= 22, f"only {len(piped)} examples ran a pipeline of 2+ stages: {piped}"
+  assert len(trained) >= 21, f"only {len(trained)} examples trained; refused: {refused}"
+  assert len(piped) >= 16, f"only {len(piped)} examples ran a pipeline of 2+ stages: {piped}"
   assert {c.planner for c in trained} == set(PLANNERS)
   assert {c.schedule for c in trained} == set(SCHEDULES)
   assert {c.num_microbatches for c in trained} == set(MICROBATCHES)
