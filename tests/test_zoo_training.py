@@ -118,6 +118,11 @@ def test_train_entry_point_writes_a_run_folder(tmp_path):
   assert summary["model"] == "host-aware" and summary["predicted_devices_ms"] > 0
   assert summary["prediction"] in ("measured", "modelled")
   assert summary["candidates_how"][summary["chosen"]] == summary["prediction"]
+  # Each device's measured peak beside the program's prediction and the planner's own model.
+  assert summary["memory"] and all(
+    d["planned_peak_bytes"] > 0 and d["measured_peak_bytes"] > 0 for d in summary["memory"]
+  )
+  assert "the planner's memory model" in r.stdout
   assert "step time, measured" in r.stdout and "devices only:" in r.stdout
   cal = json.loads((tmp_path / "calibration.json").read_text())
   layers = {n["id"] for n in json.loads((tmp_path / "layer_graph.json").read_text())["nodes"]}

@@ -24,6 +24,21 @@ def predicted_timeline(pipeline, cluster):
   )
 
 
+def planned_peaks(pipeline, cluster) -> dict[str, float]:
+  """Per device (by name), the peak bytes the planner's own memory model gives the plan (the
+  simulator's stage memory under the cost model, summed over the stages a device runs): the
+  model plans are chosen and refused by, beside the program's prediction and the measurement."""
+  from gpp_jax.passes.simulation import simulate
+
+  graph = lg.scaled(pipeline.layer_graph, pipeline.batch_size)
+  res = simulate(pipeline.plan, graph, cluster, timeline=False)
+  out: dict[str, float] = {}
+  for s, place in enumerate(pipeline.compiled.staged.placements):
+    for d in place.devices:
+      out[str(d)] = out.get(str(d), 0.0) + float(res.stage_memory[s])
+  return out
+
+
 def write_predicted_timeline(pipeline, cluster, path: str):
   from gpp_jax.cost.simulator import write_chrome_trace
 

@@ -516,9 +516,18 @@ def _main(argv: list[str]) -> None:
     )
     reporting.write_schedule_pngs(pp, cluster, run_dir)
     summary = reporting.step_time_summary(pp, cluster, step_ms, predicted)
-    summary["memory"] = [d.to_dict() for d in memory.devices] if memory else None
+    planned = reporting.planned_peaks(pp, cluster)
+    summary["memory"] = (
+      [{**d.to_dict(), "planned_peak_bytes": planned.get(d.device)} for d in memory.devices]
+      if memory
+      else None
+    )
     if memory:
       print(f"peak memory per device (measured step vs the program's prediction):\n{memory}")
+      print(
+        "the planner's memory model (what plans are chosen and refused by), per device: "
+        + ", ".join(f"{d} {b / 2**20:.3f} MiB" for d, b in planned.items())
+      )
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
     print(reporting.format_summary(summary))
