@@ -11,8 +11,8 @@ plans side by side in one process:
     chain linearisation with the same v.
 
 Every figure is the simulator's prediction (modelled, nothing runs), each plan within the
-preset's 16 GiB per device, memory per device the sum of its stages'. The issue of interest:
-on multi-branch models with m <= p micro-batches, does v = 2 pay, and does the DAG keep its
+preset's 16 GiB per device, memory per device the sum of its stages'. The question: on
+multi-branch models with m <= p micro-batches, does v = 2 pay, and does the DAG keep its
 lead over the chain once both interleave.
 
   python benchmarks/shared_devices.py
