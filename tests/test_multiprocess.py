@@ -499,10 +499,11 @@ def test_a_peer_dying_under_the_launcher_ends_the_run_naming_it(point):
 
 def test_four_processes_run_a_planned_pipeline_equal_to_one_device():
   """4 processes of 2 CPU devices (sharing this machine's cores): a plan over all 8 devices
-  ends 2 steps where jax.value_and_grad and optax on one device end."""
+  ends 2 steps where jax.value_and_grad and optax on one device end. A step may take minutes
+  here while another test worker loads the same two cores (the stall timeout is 240 s)."""
   env = child_env()
   cmd = [sys.executable, "-m", "gpp_jax.launch", "--num_processes=4", "--devices_per_process=2"]
-  cmd += ["--platform=cpu", "--nopin", "--", "python", WORKER, "four-balanced", "120"]
+  cmd += ["--platform=cpu", "--nopin", "--", "python", WORKER, "four-balanced", "240"]
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)
   out = r.stdout + r.stderr
   assert r.returncode == 0, out[-3000:]  # each process exits 1 if a value it holds differs
