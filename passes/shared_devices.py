@@ -57,7 +57,7 @@ def round_robin_places(num_stages: int, num_places: int) -> tuple[int, ...]:
   return tuple(s % num_places for s in range(num_stages))
 
 
-def _depths(g: nx.DiGraph) -> dict[int, int]:
+def stage_depths(g: nx.DiGraph) -> dict[int, int]:
   """Each stage's depth: the stages on the longest path from a source to it, less one."""
   depth: dict[int, int] = {}
   for s in nx.topological_sort(g):
@@ -88,7 +88,7 @@ def _shared_schedule(
   g.add_edges_from(edges)
   if not nx.is_directed_acyclic_graph(g):
     raise ScheduleError(f"stage graph has a cycle {nx.find_cycle(g)}")
-  depth = _depths(g)
+  depth = stage_depths(g)
   members: list[list[int]] = [[] for _ in range(Q)]
   for s in sorted(range(S), key=lambda s: (depth[s], s)):
     members[places[s]].append(s)

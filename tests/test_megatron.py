@@ -20,6 +20,17 @@ from gpp_jax.experiments.megatron import (
 )
 
 
+def _plan_cli(args: list[str]) -> subprocess.CompletedProcess:
+  """``python -m gpp_jax.plan`` with ``args``, its output captured."""
+  return subprocess.run(
+    [sys.executable, "-m", "gpp_jax.plan", *args],
+    capture_output=True,
+    text=True,
+    env=child_env(),
+    timeout=300,
+  )
+
+
 def test_parameter_count_is_the_papers_column():
   """Equation (2) gives every row's published parameter count (to its 0.1 billion)."""
   for row in TABLE_1:
@@ -90,13 +101,7 @@ def test_plan_cli_layout_writes_the_records(tmp_path):
     "--layout=tp:8,pp:1",
     f"--json={out}",
   ]
-  proc = subprocess.run(
-    [sys.executable, "-m", "gpp_jax.plan", *args],
-    capture_output=True,
-    text=True,
-    env=child_env(),
-    timeout=300,
-  )
+  proc = _plan_cli(args)
   assert proc.returncode == 0, proc.stderr
   assert "TFLOP/s per GPU" in proc.stdout
   records = json.loads(out.read_text())
@@ -106,13 +111,7 @@ def test_plan_cli_layout_writes_the_records(tmp_path):
   for key in ("iteration_ms", "samples_per_s", "tflops_per_device"):
     assert isinstance(r[key], float) and r[key] > 0
   assert r["samples_per_s"] == pytest.approx(1024 / (r["iteration_ms"] / 1e3))
-  bad = subprocess.run(
-    [sys.executable, "-m", "gpp_jax.plan", *args[:-2], "--layout=tp:8,zz:2"],
-    capture_output=True,
-    text=True,
-    env=child_env(),
-    timeout=300,
-  )
+  bad = _plan_cli([*args[:-2], "--layout=tp:8,zz:2"])
   assert bad.returncode != 0 and "expected tp:<int>,pp:<int>" in bad.stderr
   assert "Traceback" not in bad.stderr
 
@@ -136,13 +135,7 @@ def test_plan_cli_mesh_lets_the_planners_choose_the_stages(tmp_path):
     "--planner=graphpipe,pipedream",
     f"--json={out}",
   ]
-  proc = subprocess.run(
-    [sys.executable, "-m", "gpp_jax.plan", *args],
-    capture_output=True,
-    text=True,
-    env=child_env(),
-    timeout=300,
-  )
+  proc = _plan_cli(args)
   assert proc.returncode == 0, proc.stderr
   records = json.loads(out.read_text())
   assert [r["planner"] for r in records] == ["graphpipe", "pipedream"]
@@ -151,11 +144,5 @@ def test_plan_cli_mesh_lets_the_planners_choose_the_stages(tmp_path):
     assert r["tflops_per_device"] > 0 and r["iteration_ms"] > 0
     stages = r["plan"]["stages"]
     assert sum(len(s["devices"]) for s in stages) <= 8  # rows of the first axis
-  bad = subprocess.run(
-    [sys.executable, "-m", "gpp_jax.plan", *args[:-3], "--mesh=data:4,model:8"],
-    capture_output=True,
-    text=True,
-    env=child_env(),
-    timeout=300,
-  )
+  bad = _plan_cli([*args[:-3], "--mesh=data:4,model:8"])
   assert bad.returncode != 0 and "has 32 devices but --num_devices=64" in bad.stderr

@@ -400,17 +400,17 @@ def main(argv: Sequence[str]) -> None:
     print(f"\nwrote {FLAGS.json}")
 
 
-def _gpt_shape() -> dict[str, int]:
-  """The GPT's shape flags, all required (ValueError naming the missing ones)."""
+def _gpt_shape(flag: str) -> dict[str, int]:
+  """The GPT's shape flags and ``--batch_size``, all required by ``flag`` (ValueError naming
+  the missing ones)."""
+  if FLAGS.batch_size is None:
+    raise ValueError(f"{flag} needs --batch_size (sequences per iteration)")
   names = ("gpt_layers", "gpt_hidden", "gpt_heads", "seq_len", "vocab_size")
   need = {k: getattr(FLAGS, k) for k in names}
   missing = sorted(k for k, v in need.items() if v is None)
   if missing:
-    raise ValueError(
-      f"a GPT of any size needs its shape: pass {', '.join('--' + m for m in missing)}"
-    )
-  if FLAGS.batch_size is None:
-    raise ValueError("pass --batch_size (sequences per iteration)")
+    pass_ = ", ".join("--" + m for m in missing)
+    raise ValueError(f"{flag} needs the GPT's shape: pass {pass_}")
   return need
 
 
@@ -487,7 +487,7 @@ def mesh_main() -> None:
     raise app.UsageError("--mesh plans a GPT over a (rows x model) mesh: pass --model=gpt")
   try:
     check_json_path(FLAGS.json)
-    shape = _gpt_shape()
+    shape = _gpt_shape("--mesh")
     for name in FLAGS.planner:
       resolve_planner(name)
     records = plan_mesh(
@@ -529,27 +529,17 @@ def layout_main() -> None:
     check_json_path(FLAGS.json)
     layout = parse_layout(FLAGS.layout)
     spd = parse_stages_per_device(FLAGS.stages_per_device)
-    if FLAGS.batch_size is None:
-      raise ValueError("--layout needs --batch_size (sequences per iteration)")
-    need = {
-      k: getattr(FLAGS, k)
-      for k in ("gpt_layers", "gpt_hidden", "gpt_heads", "seq_len", "vocab_size")
-    }
-    missing = sorted(k for k, v in need.items() if v is None)
-    if missing:
-      raise ValueError(
-        f"--layout needs the GPT's shape: pass {', '.join('--' + m for m in missing)}"
-      )
+    shape = _gpt_shape("--layout")
     records = plan_layout(
       layout,
       cluster=FLAGS.cluster,
       num_devices=FLAGS.num_devices,
       batch_size=FLAGS.batch_size,
-      layers=FLAGS.gpt_layers,
-      hidden=FLAGS.gpt_hidden,
-      heads=FLAGS.gpt_heads,
-      seq_len=FLAGS.seq_len,
-      vocab_size=FLAGS.vocab_size,
+      layers=shape["gpt_layers"],
+      hidden=shape["gpt_hidden"],
+      heads=shape["gpt_heads"],
+      seq_len=shape["seq_len"],
+      vocab_size=shape["vocab_size"],
       microbatch_size=FLAGS.microbatch_size,
       stages_per_device="auto" if spd == 1 and FLAGS.stages_per_device == "1" else spd,
     )

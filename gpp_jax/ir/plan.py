@@ -100,6 +100,11 @@ class Plan:
     return out if len(seen) < len(out) else None
 
   @property
+  def num_places(self) -> int:
+    """How many device sets the stages run on (stages sharing devices count once)."""
+    return len({frozenset(s.devices) for s in self.stages})
+
+  @property
   def stages_per_device(self) -> int:
     """The most stages any device runs (1 where every stage has devices of its own)."""
     places = self.places()
@@ -357,8 +362,7 @@ def validate_plan(
       raise PlanError(f"stage {i} has no device; give every stage at least one device")
   if plan.num_microbatches < 1:
     raise PlanError(f"num_microbatches must be >= 1, got {plan.num_microbatches}")
-  places = len({frozenset(s.devices) for s in plan.stages})
-  if num_devices is not None and places > num_devices:
+  if num_devices is not None and plan.num_places > num_devices:
     raise PlanError(
       f"the plan has {plan.num_stages} stages but only {num_devices} devices; "
       "merge stages, pass more devices, or give several stages the same devices"

@@ -62,7 +62,7 @@ def stage_step(
   plan, B = planned.plan, captured.batch_size
   sizes = stage_microbatch_sizes(plan, B)
   layout = opts.mesh_layout
-  check_rows(layout, len({frozenset(s.devices) for s in plan.stages}))
+  check_rows(layout, plan.num_places)
   placements = stage_placements(
     [[x for r in s.devices for x in layout.rows[r]] for s in plan.stages],
     sizes,

@@ -28,7 +28,7 @@ from gpp_jax.cost.cluster import Cluster
 from gpp_jax.errors import PlanError, ScheduleError
 from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan, Stage, stage_edges
-from gpp_jax.passes.shared_devices import SHARED_SCHEDULES
+from gpp_jax.passes.shared_devices import SHARED_SCHEDULES, stage_depths
 
 AUTO_STAGES_PER_DEVICE = (1, 2, 4)
 
@@ -60,9 +60,7 @@ def fold(plan: Plan, num_devices: int, v: int) -> Plan | None:
   on device s mod N); on a DAG, concurrent branches and consecutive stages land on different
   devices. None where the blocks need more than ``num_devices`` devices."""
   g = plan.stage_graph()
-  depth: dict[int, int] = {}
-  for s in nx.topological_sort(g):
-    depth[s] = max((depth[p] + 1 for p in g.predecessors(s)), default=0)
+  depth = stage_depths(g)
   by_width: dict[int, list[int]] = {}
   for s in sorted(range(plan.num_stages), key=lambda s: (depth[s], s)):
     by_width.setdefault(len(plan.stages[s].devices), []).append(s)
