@@ -257,6 +257,23 @@ def test_mesh_snippet():
   assert kernel.sharding.shard_shape(kernel.shape) == (8, 3)  # 16 rows split over "model"
 
 
+def test_stage_inner_shape_snippet():
+  """The mesh page's narrowed stage: the decoder's 2 rows run as 4 of "model" size 1, so its
+  kernel (split over "model" on the mesh) is whole on each of the stage's devices."""
+  ns = _run(
+    _snippet("mesh=mesh", SHARDING),
+    {**_imports(), "step": _nnx_step(gpp_jax.value_and_grad)},
+    SHARDING,
+  )
+  ns = _run(_snippet("inner={1: (1,)}", SHARDING), ns, SHARDING)
+  step = gpp_jax.graph_pipeline(ns["step"], num_microbatches=4, mesh=ns["mesh"], planner=ns["plan"])
+  model = _check_nnx_step(step, ShardedEncoderDecoder)
+  assert [s.inner for s in step.plan.stages] == [None, (1,)]
+  kernel = model.decoder.kernel[...]
+  assert kernel.devices() == set(np.asarray(ns["mesh"].devices)[1:3].flat)
+  assert kernel.sharding.shard_shape(kernel.shape) == (16, 3)
+
+
 def test_per_stage_microbatch_snippet():
   ns = _run(
     _snippet("microbatch_sizes=", STATE),

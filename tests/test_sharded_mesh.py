@@ -84,7 +84,7 @@ def batch(seed=0, n=16):
   }
 
 
-def run_nnx(make, tx, plan, mesh, steps=2, microbatches=4, ref_make=None):
+def run_nnx(make, tx, plan, mesh, steps=2, microbatches=4, ref_make=None, **kw):
   """The same NNX model and optimizer, one copy stepped with ``nnx.jit`` on one device, the
   other pipelined over ``mesh``; returns (reference model, pipelined model, its optimizer,
   the pipeline)."""
@@ -98,7 +98,9 @@ def run_nnx(make, tx, plan, mesh, steps=2, microbatches=4, ref_make=None):
     optimizer.update(model, grads)
     return loss
 
-  pp = gpp_jax.graph_pipeline(nnx_step, num_microbatches=microbatches, mesh=mesh, planner=plan)
+  pp = gpp_jax.graph_pipeline(
+    nnx_step, num_microbatches=microbatches, mesh=mesh, planner=plan, **kw
+  )
   for t in range(steps):
     b = batch(t)
     ref_loss = ref_step(ref_model, ref_opt, jax.device_put(b, jax.devices()[0]))

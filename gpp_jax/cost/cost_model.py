@@ -523,10 +523,17 @@ def plan_costs(
   for s in plan.stages:
     idx, params, saved, frac = _stage_terms(costs, s.layers)
     mb = plan_microbatch(plan, s)
-    dp = len(s.devices)
+    # A stage that narrows the mesh (``Stage.inner``) runs each row as q rows of its own: q
+    # times the data parallelism, 1/q of the tensor parallelism (``stage_narrowing``).
+    q = stage_narrowing(layer_graph, s)
+    dp = len(s.devices) * q
     if shards:
       held = [shards[l] for l in s.layers if l in shards]
-      params = params - sum(h[0] for h in held) + sum(h[1] + h[2] / dp for h in held)
+      params = (
+        params
+        - sum(h[0] for h in held)
+        + sum(min(h[0], h[1] * q) + h[2] / len(s.devices) for h in held)
+      )
     key = (s.layers, mb, dp)
     tt = times.get(key)
     if tt is None:
@@ -544,7 +551,9 @@ def plan_costs(
     else:
       f, b = tt
       if tp and any(l in tp for l in s.layers):
-        f, b = _tensor_parallel_times(cm, costs, device, tp, s.layers, mb / dp, cluster, (f, b))
+        f, b = _tensor_parallel_times(
+          cm, costs, device, tp, s.layers, mb / dp, cluster, (f, b), narrowing=q
+        )
       fw.append(f)
       bw.append(b)
       up.append(cm.update_time(params, device, dp, cluster.group_link(s.devices)))
@@ -583,6 +592,19 @@ def plan_costs(
   )
 
 
+def stage_narrowing(layer_graph: nx.DiGraph, stage: Any) -> int:
+  """How many rows of its own each mesh row becomes in ``stage``: the product of the mesh's
+  axes after the first (the layer graph's ``mesh`` attribute, ``runtime.sharding.mesh_facts``)
+  over the stage's (``Stage.inner``); 1 where the stage keeps the mesh's shape. A tensor-
+  parallel layer then splits over 1/q as many devices (exact for one axis after the first,
+  as (data, model) meshes have; an estimate with several)."""
+  inner = getattr(stage, "inner", None)
+  mesh = layer_graph.graph.get("mesh")
+  if inner is None or not mesh:
+    return 1
+  return max(1, math.prod(mesh["inner"]) // math.prod(inner))
+
+
 def _tensor_parallel_times(
   cm: CostModel,
   costs: LayerCosts,
@@ -592,8 +614,10 @@ def _tensor_parallel_times(
   samples: float,
   cluster: Any,
   times: tuple[float, float],
+  narrowing: int = 1,
 ) -> tuple[float, float]:
-  """A stage's (forward, backward) seconds with its tensor-parallel layers split (``tp``)."""
+  """A stage's (forward, backward) seconds with its tensor-parallel layers split (``tp``),
+  over 1/``narrowing`` of the devices the mesh splits them over (``stage_narrowing``)."""
   tf, tb = cm.layer_times(costs, device, samples)
   f, b = times
   link = cluster.intra_link
@@ -602,6 +626,9 @@ def _tensor_parallel_times(
     if t is None:
       continue
     n, out_ps, in_ps = t
+    n = max(1, n // narrowing)
+    if n == 1:
+      continue
     i = costs.index[l]
     f -= float(tf[i]) * (1 - 1 / n)
     b -= float(tb[i]) * (1 - 1 / n)

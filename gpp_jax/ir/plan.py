@@ -30,6 +30,11 @@ class Stage:
     devices: indices into the device list the plan is run on (one data-parallel group).
     microbatch_size: samples per micro-batch at this stage (None: batch / num_microbatches).
     in_flight: micro-batches whose activations this stage holds at most (None: not computed).
+    inner: over a mesh (``graph_pipeline(mesh=)``), the sizes this stage gives the mesh's
+      axes after the first, each dividing the mesh's own (None: the mesh's). A stage that
+      narrows an axis (say "model" from 4 to 2) runs the devices it frees as more rows of the
+      first axis: less tensor parallelism, more data parallelism, on the same devices. The
+      planners choose it per stage (``passes.partition.stage_shapes``).
   """
 
   index: int
@@ -37,9 +42,15 @@ class Stage:
   devices: tuple[int, ...]
   microbatch_size: int | None = None
   in_flight: int | None = None
+  inner: tuple[int, ...] | None = None
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    d = dataclasses.asdict(self)
+    if self.inner is None:
+      del d["inner"]
+    else:
+      d["inner"] = list(self.inner)
+    return d
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> Stage:
@@ -49,6 +60,7 @@ class Stage:
       devices=tuple(d["devices"]),
       microbatch_size=d.get("microbatch_size"),
       in_flight=d.get("in_flight"),
+      inner=None if d.get("inner") is None else tuple(int(n) for n in d["inner"]),
     )
 
 
@@ -226,10 +238,11 @@ class Plan:
         if len(ss) > 1
       )
       head += f"\n{self.stages_per_device} stages per device at most: {groups}"
+    shaped = any(s.inner is not None for s in self.stages)  # a stage narrows the mesh
     rows = [
       head,
-      f"{'stage':>5s} {'devices':>12s} {'mb':>4s} {'flight':>6s} {'mem MiB':>9s}"
-      f" {'next':>8s}  layers",
+      f"{'stage':>5s} {'devices':>12s}{' inner' if shaped else ''} {'mb':>4s} {'flight':>6s}"
+      f" {'mem MiB':>9s} {'next':>8s}  layers",
     ]
     mem = p.get("stage_memory", {})
     for s in self.stages:
@@ -238,8 +251,10 @@ class Plan:
       layers = ", ".join(s.layers)
       if len(layers) > 80:
         layers = f"{s.layers[0]} ... {s.layers[-1]} ({len(s.layers)} layers)"
+      inner = "x".join(map(str, s.inner)) if s.inner is not None else "-"
       rows.append(
-        f"{s.index:5d} {_devs(s.devices):>12s} {s.microbatch_size or '-':>4} "
+        f"{s.index:5d} {_devs(s.devices):>12s}{f' {inner:>5s}' if shaped else ''} "
+        f"{s.microbatch_size or '-':>4} "
         f"{s.in_flight or '-':>6} {'-' if m is None else f'{m / 2**20:.1f}':>9s}"
         f" {nxt:>8s}  {layers}"
       )

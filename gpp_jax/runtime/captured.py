@@ -28,6 +28,7 @@ from gpp_jax.runtime.options import Options
 from gpp_jax.runtime.sharding import (
   check_specs,
   leaf_names,
+  mesh_facts,
   param_shards,
   step_leaf_specs,
   tensor_parallel,
@@ -147,9 +148,11 @@ def capture(
   layering.graph.graph["reduce_once"] = not (
     opts.remat or state or KEY in roles or jax.process_count() > 1
   )
+  if opts.layout is not None:
+    shapes = [None if i in batch_idx else tuple(np.shape(x)) for i, x in enumerate(leaves)]
+    layering.graph.graph["mesh"] = mesh_facts(specs, shapes, opts.layout)
   if any(specs) and opts.layout is not None:
     # Axes the mesh lacks are refused here; what divides what, per plan (``plan_leaf_specs``).
-    shapes = [None if i in batch_idx else tuple(np.shape(x)) for i, x in enumerate(leaves)]
     check_specs(specs, shapes, captured.leaf_names, opts.layout, ())
     # What the cost model holds per device.
     layering.graph.graph["param_shards"] = param_shards(captured, opts.layout)

@@ -358,20 +358,28 @@ def stage_placements(
   microbatch_size: int | Sequence[int],
   inner_shape: tuple[int, ...] = (),
   axis_names: tuple[str, ...] = ("data",),
+  inner_shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> list[StagePlacement]:
   """Placements for each stage's devices (row by row: ``rows x prod(inner_shape)`` of them);
   checks the micro-batch splits across the rows.
 
   ``microbatch_size``: one size for all stages, or one per stage (per-stage sizes).
+  ``inner_shape``: the sizes of the axes after the first, for every stage; ``inner_shapes``:
+  one such tuple per stage instead (stages that narrow the mesh, ``Stage.inner``).
   """
   sizes = (
     [microbatch_size] * len(device_groups)
     if isinstance(microbatch_size, int)
     else list(microbatch_size)
   )
-  inner = int(np.prod(inner_shape, dtype=np.int64))
+  shapes = (
+    [tuple(inner_shape)] * len(device_groups)
+    if inner_shapes is None
+    else [tuple(s) for s in inner_shapes]
+  )
   out = []
-  for s, (devs, b) in enumerate(zip(device_groups, sizes)):
+  for s, (devs, b, shape) in enumerate(zip(device_groups, sizes, shapes)):
+    inner = int(np.prod(shape, dtype=np.int64))
     k = len(devs) // inner
     what = "devices" if inner == 1 else f"rows of the mesh's {axis_names[0]!r} axis"
     if k > 1 and b % k:
@@ -380,5 +388,5 @@ def stage_placements(
         f"examples, which do not split {k} ways; use a stage width that divides "
         f"{b} or a micro-batch size divisible by {k}"
       )
-    out.append(StagePlacement(tuple(devs), b, tuple(inner_shape), tuple(axis_names)))
+    out.append(StagePlacement(tuple(devs), b, shape, tuple(axis_names)))
   return out

@@ -72,11 +72,53 @@ class MeshLayout:
     """One device per row (what the planners count and calibrate on)."""
     return tuple(r[0] for r in self.rows)
 
-  def axis_size(self, name: str, rows: int) -> int:
-    """The size of axis ``name`` inside a stage of ``rows`` rows."""
+  def axis_size(self, name: str, rows: int, inner: tuple[int, ...] | None = None) -> int:
+    """The size of axis ``name`` inside a stage of ``rows`` rows that gives the axes after the
+    first the sizes ``inner`` (``Stage.inner``; None: the mesh's)."""
+    first = rows * self.narrowing(inner)
     if name == self.batch_axis:
-      return rows
-    return self.inner_shape[self.axis_names.index(name) - 1]
+      return first
+    return (inner or self.inner_shape)[self.axis_names.index(name) - 1]
+
+  def narrowing(self, inner: tuple[int, ...] | None) -> int:
+    """How many rows of its own first axis a mesh row becomes in a stage with ``inner``."""
+    if inner is None:
+      return 1
+    return self.row_size // math.prod(inner)
+
+  def check_inner(self, stage: int, inner: tuple[int, ...] | None) -> None:
+    """PlanError unless ``inner`` (stage ``stage``'s ``Stage.inner``) gives each axis after the
+    first a size that divides the mesh's."""
+    if inner is None:
+      return
+    if len(inner) != len(self.inner_shape) or any(
+      n < 1 or m % n for n, m in zip(inner, self.inner_shape)
+    ):
+      raise PlanError(
+        f"stage {stage} gives the mesh's axes {list(self.axis_names[1:])} the sizes "
+        f"{list(inner)}, but each must divide the mesh's own {list(self.inner_shape)} (the "
+        f"mesh is {self}); give one size per axis after {self.batch_axis!r} that divides it, "
+        "or leave the stage's inner shape out"
+      )
+
+  def stage_devices(
+    self, rows: Sequence[int], inner: tuple[int, ...] | None = None
+  ) -> tuple[list[Any], tuple[int, ...]]:
+    """The devices of a stage on mesh rows ``rows``, in the order of its sub-mesh, and the
+    sizes of its axes after the first. Narrowed (``inner``), each mesh row splits into rows of
+    its own: the devices of one of them are neighbours along every axis of the mesh row, so a
+    tensor-parallel group stays inside the row (a node, on a cluster)."""
+    devs = np.array([self.rows[r] for r in rows], dtype=object)
+    if inner is None or tuple(inner) == self.inner_shape:
+      return list(devs.reshape(-1)), self.inner_shape
+    k = len(self.inner_shape)
+    split: list[int] = []
+    for n, m in zip(inner, self.inner_shape):
+      split += [m // n, n]
+    blocks = devs.reshape((len(rows), *split))
+    # (rows, a1/b1, b1, a2/b2, b2, ...) -> (rows, a1/b1, a2/b2, ..., b1, b2, ...)
+    order = [0, *(1 + 2 * i for i in range(k)), *(2 + 2 * i for i in range(k))]
+    return list(blocks.transpose(order).reshape(-1)), tuple(inner)
 
   def __str__(self) -> str:
     sizes = (len(self.rows), *self.inner_shape)
@@ -197,11 +239,11 @@ def check_specs(
   shapes: Sequence[tuple[int, ...] | None],
   names: Sequence[str],
   layout: MeshLayout,
-  stage_rows: Sequence[int],
+  stage_shapes: Sequence[tuple[int, tuple[int, ...] | None]],
 ) -> None:
   """Raises PlanError for a spec the stages cannot hold: an axis the mesh lacks, or a
-  dimension the axis does not divide in a stage of ``stage_rows`` rows (each width among the
-  plan's stages). The message names the leaf and the fix."""
+  dimension the axis does not divide in a stage of one of ``stage_shapes`` (each stage's rows
+  and ``Stage.inner``). The message names the leaf and the fix."""
   for spec, shape, name in zip(specs, shapes, names):
     if spec is None or shape is None:
       continue
@@ -220,20 +262,44 @@ def check_specs(
             f"{(*layout.axis_names, a)!r})) or map it to one of {list(layout.axis_names)} "
             "(nn.logical_axis_rules for logical names)"
           )
-      for rows in sorted(set(stage_rows)):
-        k = math.prod(layout.axis_size(a, rows) for a in axes)
+      for rows, inner in sorted(set(stage_shapes), key=str):
+        k = math.prod(layout.axis_size(a, rows, inner) for a in axes)
         if shape[dim] % k:
           where = (
             f"a stage of {rows} row{'s' if rows != 1 else ''}"
             if layout.batch_axis in axes
             else "the mesh"
           )
+          if inner is not None:
+            where += f" with inner shape {'x'.join(map(str, inner))}"
           raise PlanError(
             f"the partition spec {spec} of {name} splits dimension {dim} (size {shape[dim]}) "
             f"over {'x'.join(axes)} = {k} devices in {where}, which does not divide it; "
             f"choose an axis size (or stage width) that divides {shape[dim]}, or leave that "
             "dimension unsharded"
           )
+
+
+def mesh_facts(
+  specs: Sequence[Spec], shapes: Sequence[tuple[int, ...] | None], layout: MeshLayout
+) -> dict[str, Any]:
+  """The layer graph's ``mesh`` attribute: what the planners and the cost model need of the
+  mesh to choose and price each stage's inner shape (``Stage.inner``) without the model's
+  arrays: the axis names, the sizes of the axes after the first, and every (dimension size,
+  axes) a spec shards, which the stage's axis sizes must divide."""
+  divides = set()
+  for spec, shape in zip(specs, shapes):
+    if spec is None or shape is None:
+      continue
+    for dim, entry in enumerate(spec):
+      axes = entry_axes(entry)
+      if axes and dim < len(shape):
+        divides.add((int(shape[dim]), tuple(axes)))
+  return {
+    "axes": layout.axis_names,
+    "inner": layout.inner_shape,
+    "divides": tuple(sorted(divides)),
+  }
 
 
 def check_rows(layout: MeshLayout, num_stages: int) -> None:
@@ -309,6 +375,8 @@ def plan_leaf_specs(captured: Any, plan: Plan, layout: MeshLayout) -> tuple[Any,
   against the mesh and every stage's width)."""
   invars = captured.step.jaxpr.invars
   rows = [len(s.devices) for s in plan.stages]
+  for s in plan.stages:
+    layout.check_inner(s.index, s.inner)
   batch = set(captured.batch_leaves)
   if plan.param_sharding == "replicated":
     return (None,) * len(invars)
@@ -320,7 +388,8 @@ def plan_leaf_specs(captured: Any, plan: Plan, layout: MeshLayout) -> tuple[Any,
     )
   if any(captured.leaf_specs):
     shapes = [None if i in batch else tuple(v.aval.shape) for i, v in enumerate(invars)]
-    check_specs(captured.leaf_specs, shapes, captured.leaf_names, layout, rows)
+    widths = [(len(s.devices), s.inner) for s in plan.stages]
+    check_specs(captured.leaf_specs, shapes, captured.leaf_names, layout, widths)
   return captured.leaf_specs
 
 

@@ -63,11 +63,14 @@ def stage_step(
   sizes = stage_microbatch_sizes(plan, B)
   layout = opts.mesh_layout
   check_rows(layout, plan.num_places)
+  for s in plan.stages:
+    layout.check_inner(s.index, s.inner)
+  shaped = [layout.stage_devices(s.devices, s.inner) for s in plan.stages]
   placements = stage_placements(
-    [[x for r in s.devices for x in layout.rows[r]] for s in plan.stages],
+    [devs for devs, _ in shaped],
     sizes,
-    layout.inner_shape,
-    layout.axis_names,
+    axis_names=layout.axis_names,
+    inner_shapes=[inner for _, inner in shaped],
   )
   leaf_specs = plan_leaf_specs(captured, plan, layout)
   lay = captured.layering

@@ -38,12 +38,17 @@ class ManualPlan:
     default_stage: stage of layers no rule matches (None: such layers are an error).
     microbatch_sizes: ``{stage: samples per micro-batch}`` for stages with their own size
       (GraphPipe's per-stage micro-batches); stages not named use batch / num_microbatches.
+    inner: over a mesh, ``{stage: sizes of the mesh's axes after the first}`` for stages that
+      narrow them (``Stage.inner``: on a ("data", "model") mesh of model size 4, ``{1: (2,)}``
+      runs stage 1 with tensor parallelism 2 and twice the rows); stages not named keep the
+      mesh's.
   """
 
   rules: Mapping[str, int]
   devices: Mapping[int, int | Sequence[int]] | None = None
   default_stage: int | None = None
   microbatch_sizes: Mapping[int, int] | None = None
+  inner: Mapping[int, Sequence[int]] | None = None
 
   def resolve(
     self,
@@ -104,7 +109,16 @@ class ManualPlan:
       d = (self.devices or {}).get(s, s)
       devs = (d,) if isinstance(d, int) else tuple(d)
       layers = tuple(l for l in topo_layers(layer_graph) if assign[l] == s)
-      stages.append(Stage(s, layers, devs, microbatch_size=sizes.get(s)))
+      shape = (self.inner or {}).get(s)
+      stages.append(
+        Stage(
+          s,
+          layers,
+          devs,
+          microbatch_size=sizes.get(s),
+          inner=None if shape is None else tuple(int(n) for n in shape),
+        )
+      )
     plan = Plan(
       tuple(stages),
       stage_edges(layer_graph, assign),
@@ -305,15 +319,18 @@ def manual_plan(
   devices: Mapping[int, int | Sequence[int]] | None = None,
   default_stage: int | None = None,
   microbatch_sizes: Mapping[int, int] | None = None,
+  inner: Mapping[int, Sequence[int]] | None = None,
 ) -> ManualPlan:
-  """A plan written by hand: ``{module-path prefix: stage}``, optionally stage -> device and
-  stage -> micro-batch size (stages of different sizes re-chunk the batch between them)."""
+  """A plan written by hand: ``{module-path prefix: stage}``, optionally stage -> device,
+  stage -> micro-batch size (stages of different sizes re-chunk the batch between them) and,
+  over a mesh, stage -> the sizes of the axes after the first (``ManualPlan.inner``)."""
   check_microbatch_sizes(microbatch_sizes)
   return ManualPlan(
     dict(rules),
     None if devices is None else dict(devices),
     default_stage,
     None if microbatch_sizes is None else dict(microbatch_sizes),
+    None if inner is None else {int(k): tuple(v) for k, v in inner.items()},
   )
 
 

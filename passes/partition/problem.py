@@ -32,6 +32,7 @@ from gpp_jax.ir.layer_graph import validate_layer_graph
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.idle import with_idle_reason
 from gpp_jax.passes.partition.plan_assembly import MAX_MICROBATCHES, microbatch_sizes
+from gpp_jax.passes.partition.stage_shapes import choose_stage_shapes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,6 +59,9 @@ class PlanningProblem:
       planner's search is kept to plans of at least this many stages and returns its best
       such plan (1: any plan, a one-stage plan included). A planner that cannot search under
       it raises ``PlanError`` naming itself; none hands the problem to another planner.
+    stage_shapes: over a mesh (the layer graph's ``mesh`` attribute), whether every built-in
+      planner's plan then gets each stage's inner shape chosen by prediction
+      (``passes.partition.stage_shapes``); False keeps the mesh's shape in every stage.
   """
 
   layer_graph: nx.DiGraph
@@ -70,6 +74,7 @@ class PlanningProblem:
   max_microbatches: int | None = MAX_MICROBATCHES
   host: Any = None
   min_stages: int = 1
+  stage_shapes: bool = True
   memo: dict = dataclasses.field(default_factory=dict, repr=False)  # work planners share
 
   @classmethod
@@ -85,6 +90,7 @@ class PlanningProblem:
     max_microbatches: int | None = MAX_MICROBATCHES,
     host: Any = None,
     min_stages: int = 1,
+    stage_shapes: bool = True,
   ) -> PlanningProblem:
     """The problem from what a user passes: a device count becomes a ``cpu_cluster``, the
     batch defaults to the LayerGraph's ``batch_size``, the cost model to the default one.
@@ -104,6 +110,7 @@ class PlanningProblem:
       max_microbatches=max_microbatches,
       host=host,
       min_stages=int(min_stages),
+      stage_shapes=bool(stage_shapes),
     )
 
   @property
@@ -198,7 +205,14 @@ class Planner(Protocol):
 Options = TypeVar("Options")
 
 # The keyword arguments that make the problem rather than a planner's options.
-PROBLEM_KEYWORDS = ("cost_model", "schedule", "max_microbatches", "host", "min_stages")
+PROBLEM_KEYWORDS = (
+  "cost_model",
+  "schedule",
+  "max_microbatches",
+  "host",
+  "min_stages",
+  "stage_shapes",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +256,8 @@ class ProblemPlanner(Generic[Options]):
     plan = self.run(problem, options)
     if not problem.enough_stages(plan):  # a search that ignored the constraint: a bug
       raise too_few_stages_error(self.name, plan, problem.min_stages, keyword=True)
+    if problem.stage_shapes:
+      plan = choose_stage_shapes(plan, problem)
     return with_idle_reason(plan, problem, options)
 
   def __call__(
