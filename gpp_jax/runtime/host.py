@@ -268,7 +268,7 @@ def measure_send_extra(devices: Sequence[Any], n: int = 4, reps: int = 40) -> fl
   another in one ``jax.device_put`` (``runtime.placement.transfer_all``, as the executor puts
   a stage edge's arrays), as a share of a lone put: the best of ``reps`` puts of 1 and of
   ``n`` small arrays, taking turns. None for fewer than 2 devices, and with several
-  processes, whose executors put each array on its own (``runtime.executor._send``)."""
+  processes, whose executors put each array on its own (``runtime.op_rules._send``)."""
   import jax
   import numpy as np
 
