@@ -12,7 +12,7 @@ from gpp_jax.passes.partition import PLANNERS
 from gpp_jax.passes.partition.idle import idle_reason, with_idle_reason
 from gpp_jax.passes.partition.plan_assembly import assemble_plan
 from gpp_jax.passes.partition.problem import PlanningProblem
-from gpp_jax.passes.partition.refine import refine_plan
+from gpp_jax.passes.partition.refine import RefineOptions, refine_plan
 
 # The coarse grid's plan is at most this many times slower (simulated) than the exact DP's at
 # 64 devices on the tiny zoo graphs (GraphPipe, unit 2) and at 128 (PipeDream, unit 2).
@@ -81,7 +81,8 @@ def test_dlrm_on_1024_devices_leaves_112_idle_because_the_polish_ran_out():
   assert p["idle_reason"].startswith("pipedream's polish ran out of simulations")
   assert str(plan).splitlines()[1].startswith("112 devices idle: pipedream's polish ran out")
   # True: with a larger budget the same polish gives the idle devices out, and is faster.
-  more = refine_plan(plan, g, cluster, partition=False, max_evals=1000)
+  options = RefineOptions(partition=False, max_evals=1000)
+  more = refine_plan(PlanningProblem.build(g, cluster, batch), plan, options)
   assert more.predicted["iteration_time"] < p["iteration_time"]
   assert len(more.predicted["idle_devices"]) < 112
 

@@ -29,7 +29,7 @@ from gpp_jax.passes.partition.plan_assembly import (
   schedule_for,
 )
 from gpp_jax.passes.partition.problem import PlanningProblem
-from gpp_jax.passes.partition.refine import refine_plan, spend_idle_devices
+from gpp_jax.passes.partition.refine import RefineOptions, refine_plan, spend_idle_devices
 from gpp_jax.passes.simulation import simulate
 
 COST_PLANNERS = ("graphpipe", "pipedream", "piper", "bapipe", "luo", "exhaustive")
@@ -179,7 +179,8 @@ def test_refine_improves_a_poor_plan_and_keeps_it_valid(sequential):
   poor = assemble_plan(
     g, cluster, halves, microbatch=16, batch_size=64, planner="manual", sequential=sequential
   )
-  better_plan = refine_plan(poor, g, cluster)
+  problem = PlanningProblem.build(g, cluster, 64)
+  better_plan = refine_plan(problem, poor)
   check_plan(better_plan, g, cluster)
   assert better_plan.predicted["iteration_time"] < 0.9 * poor.predicted["iteration_time"]
   assert better_plan.num_microbatches == poor.num_microbatches
@@ -188,7 +189,7 @@ def test_refine_improves_a_poor_plan_and_keeps_it_valid(sequential):
     order = [l for s in better_plan.stages for l in s.layers]
     assert all(order.index(u) < order.index(v) for u, v in g.edges)
   budget = [0]
-  assert refine_plan(poor, g, cluster, budget=budget) is poor  # nothing simulated
+  assert refine_plan(problem, poor, budget=budget) is poor  # nothing simulated
 
 
 def test_exhaustive_enumerates_every_acyclic_partition():
@@ -321,7 +322,7 @@ def test_idle_devices_are_handed_out_when_they_help():
     keep_order=True,
     extra_edges=pd.edges,
   )
-  polished = spend_idle_devices(lean, g, cluster)
+  polished = spend_idle_devices(PlanningProblem.build(g, cluster, 32), lean)
   assert polished.predicted["iteration_time"] <= lean.predicted["iteration_time"]
   assert len(polished.predicted["idle_devices"]) <= len(lean.predicted["idle_devices"])
 
@@ -403,7 +404,8 @@ def test_the_update_bound_only_saves_simulations(sequential, max_evals, monkeypa
 
   def polish_once() -> tuple[Plan, int]:
     simulated.clear()
-    out = refine_plan(poor, g, cluster, max_evals=max_evals)
+    problem = PlanningProblem.build(g, cluster, poor.batch_size)
+    out = refine_plan(problem, poor, RefineOptions(max_evals=max_evals))
     return out, len(simulated)
 
   monkeypatch.setattr(plan_assembly, "_simulate", counted)
@@ -438,15 +440,7 @@ def test_pipedream_leaves_out_only_plans_its_polish_would_not_refine():
       costs=problem.costs,
       keep_within=keep_within,
     )
-    best = refine.polish(
-      cands,
-      g,
-      problem.cluster,
-      cost_model=problem.cost_model,
-      costs=problem.costs,
-      microbatch_sizes=sizes,
-      refine_within=1.1,
-    )
+    best = refine.polish(problem, cands, microbatch_sizes=sizes, refine_within=1.1)
     return best, len(cands)
 
   kept, n_kept = polished(1.1)

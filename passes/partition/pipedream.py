@@ -196,18 +196,7 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
     )
     if not evaluated:
       raise no_chain_error(problem)
-    plan = polish(
-      evaluated,
-      problem.layer_graph,
-      problem.cluster,
-      cost_model=problem.cost_model,
-      costs=problem.costs,
-      microbatch_sizes=sizes,
-      memo=problem.simulations(),
-      refine_within=REFINE_WITHIN,
-      host=problem.host,
-      min_stages=k,
-    )
+    plan = polish(problem, evaluated, microbatch_sizes=sizes, refine_within=REFINE_WITHIN)
   pred = dict(plan.predicted)
   pred["search"] = {
     "seconds": time.perf_counter() - t0,

@@ -423,16 +423,7 @@ def piper_search(problem: PlanningProblem, opts: PiperOptions) -> Plan:
       )
     raise no_plan_error("piper", layer_graph, cluster, B)
   if opts.selection != "published":
-    best = polish(
-      plans,
-      layer_graph,
-      cluster,
-      cost_model=cm,
-      costs=costs,
-      microbatch_sizes=sizes,
-      host=problem.host,
-      min_stages=problem.min_stages,
-    )
+    best = polish(problem, plans, microbatch_sizes=sizes)
   pred = dict(best.predicted)
   pred["search"] = {
     "seconds": time.perf_counter() - t0,

@@ -23,14 +23,15 @@ from in ``predicted["polish_stopped"]``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
+from gpp_jax.cost.cost_model import CostModel, LayerCosts
 from gpp_jax.ir.plan import Plan
 from gpp_jax.ir.schedule import trusted_generators
 from gpp_jax.passes.inflight import topological_order
@@ -40,6 +41,9 @@ from gpp_jax.passes.partition.plan_assembly import (
   data_parallel_degrees,
   schedule_for,
 )
+
+if TYPE_CHECKING:
+  from gpp_jax.passes.partition.problem import PlanningProblem
 
 # ``plan.predicted`` entries that describe the prediction itself (recomputed on every move);
 # the rest (search statistics, the planner's own notes) is carried over.
@@ -62,282 +66,319 @@ _PREDICTION_KEYS = (
 Stages = tuple[tuple[tuple[str, ...], int], ...]
 
 
-def refine_plan(
-  plan: Plan,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  *,
-  cost_model: CostModel | None = None,
-  costs: LayerCosts | None = None,
-  partition: bool = True,
-  max_rounds: int = 16,
-  max_takers: int = 3,
-  max_evals: int = 200,
-  budget: list[int] | None = None,
-  memo: dict | None = None,
-  host: Any = None,
-  min_stages: int = 1,
-  outcome: dict | None = None,
-) -> Plan:
-  """Plan -> a plan at least as fast (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class RefineOptions:
+  """How far ``refine_plan`` searches.
 
-  Args:
-    plan: a plan with uniform micro-batch size and ``predicted`` filled in.
-    layer_graph, cluster, cost_model, costs: what the plan was made from.
+  Attributes:
     partition: also move layers between stages (else device counts only, same stages).
     max_rounds: at most this many improving moves.
     max_takers: moves touch one of this many busiest stages (smallest bubble).
-    max_evals: at most this many simulated candidates in all.
-    budget: a one-element list holding a simulation budget shared between calls (it is
-      decremented; ``max_evals`` is ignored when given).
-    memo: the problem's simulations (``plan_assembly.predict``).
-    host: the machine's measured host costs: moves are judged by the prediction for that
-      machine (``plan_assembly.predict``). The devices-only lower bound that skips moves
-      without simulating them is then kept for pipelines only: a one-stage plan runs as one
-      jitted step, which can be faster than its layers' times add up to.
-    min_stages: moves to plans of fewer stages are not made (``PlanningProblem.min_stages``).
-    outcome: a dict given gets ``"stopped"``: why the search ended short of a local optimum
-      ("budget": the simulation budget ran out; "rounds": ``max_rounds`` moves were made), or
-      None where no move gained.
+    max_evals: at most this many simulated candidates in all (unless a shared budget is
+      given to ``refine_plan``).
   """
-  costs = costs or layer_costs(layer_graph)
-  info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
-  sequential = bool(plan.predicted.get("sequential"))
-  K = cluster.num_devices
-  B = plan.batch_size
-  if B is None:
-    raise ValueError("refine_plan needs a plan with its batch_size")
-  mb = plan.stages[0].microbatch_size or B // plan.num_microbatches
-  ok = data_parallel_degrees(mb, K)
-  ok_set = set(ok)
-  fixed_edges = tuple(plan.edges) if not partition else ()
 
-  def build(stages: Stages) -> Plan:
-    if not partition:  # same stages, same order and edges: only device counts change
-      return assemble_plan(
-        layer_graph,
-        cluster,
-        stages,
-        microbatch=mb,
-        batch_size=B,
-        planner=plan.planner,
-        schedule=plan.schedule,
-        extra_edges=fixed_edges,
-        keep_order=True,
-        cost_model=cost_model,
-        costs=costs,
-        info=info,
-        memo=memo,
-        host=host,
-      )
+  partition: bool = True
+  max_rounds: int = 16
+  max_takers: int = 3
+  max_evals: int = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveSpace:
+  """What the move generators need of a plan's setting: the device counts a stage may have
+  (divisors of the micro-batch, ``data_parallel_degrees``) and the layer graph's edges."""
+
+  ok: tuple[int, ...]
+  edges: tuple[tuple[str, str], ...]
+
+  @functools.cached_property
+  def ok_set(self) -> frozenset[int]:
+    return frozenset(self.ok)
+
+  def splits(self, d: int, spare: int) -> Iterator[tuple[int, int]]:
+    """Device counts (d1, d2) for the two halves of a stage on d devices."""
+    for total in sorted({d, d + spare}):
+      for d1 in self.ok:
+        if total - d1 in self.ok_set:
+          yield d1, total - d1
+
+  def merged_count(self, total: int) -> int:
+    return max(x for x in self.ok if x <= total)
+
+
+def device_moves(
+  space: MoveSpace, stages: Stages, takers: Sequence[int], idle: int
+) -> Iterator[Stages]:
+  """Give idle devices to a stage, or shift devices between one of the busiest stages
+  (``takers``) and another."""
+  counts = [d for _, d in stages]
+  for i in range(len(counts)):
+    for d in space.ok:
+      if counts[i] < d <= counts[i] + idle:
+        yield tuple((ls, d if x == i else c) for x, (ls, c) in enumerate(stages))
+  for i in takers:
+    for j in range(len(counts)):
+      total = counts[i] + counts[j]
+      if i == j:
+        continue
+      for d in space.ok:
+        if d != counts[i] and total - d in space.ok_set:
+          yield tuple(
+            (ls, d if x == i else total - d if x == j else c) for x, (ls, c) in enumerate(stages)
+          )
+
+
+def chain_moves(
+  space: MoveSpace, stages: Stages, takers: Sequence[int], idle: int
+) -> Iterator[Stages]:
+  """A sequential plan's moves: shift a cut next to a busy stage, merge two neighbours,
+  split a busy stage, or relocate a cut into a busy stage (the plan stays a chain)."""
+  n = len(stages)
+  near = {j for i in takers for j in (i - 1, i, i + 1) if 0 <= j < n}
+  for k in range(n - 1):  # shift the cut between k and k + 1
+    if k not in near and k + 1 not in near:
+      continue
+    (a, da), (b, db) = stages[k], stages[k + 1]
+    head, tail = stages[:k], stages[k + 2 :]
+    if len(a) > 1:
+      yield head + ((a[:-1], da), ((a[-1],) + b, db)) + tail
+    if len(b) > 1:
+      yield head + ((a + (b[0],), da), (b[1:], db)) + tail
+    yield head + ((a + b, space.merged_count(da + db + idle)),) + tail
+  for i in takers:  # split a busy stage
+    ls, d = stages[i]
+    for cut in range(1, len(ls)):
+      for d1, d2 in space.splits(d, idle):
+        yield stages[:i] + ((ls[:cut], d1), (ls[cut:], d2)) + stages[i + 1 :]
+  for i in takers:  # relocate a cut into a busy stage
+    ls, d = stages[i]
+    for k in range(n - 1):
+      if i in (k, k + 1):
+        continue
+      (a, da), (b, db) = stages[k], stages[k + 1]
+      for cut in range(1, len(ls)):
+        new = list(stages)
+        new[i : i + 1] = [(ls[:cut], d), (ls[cut:], min(da, db))]
+        at = k if k < i else k + 1
+        new[at : at + 2] = [(a + b, max(da, db))]
+        yield tuple(new)
+
+
+def dag_moves(
+  space: MoveSpace, stages: Stages, takers: Sequence[int], idle: int
+) -> Iterator[Stages]:
+  """A DAG plan's moves: move one layer across a stage edge touching a busy stage, merge two
+  stages joined by such an edge, split a busy stage, or relocate a stage (merge two joined
+  stages and split a busy one)."""
+  where = {l: i for i, (ls, _) in enumerate(stages) for l in ls}
+  busy = set(takers)
+  pairs = set()
+  stage_pairs = []
+  for u, v in space.edges:
+    su, sv = where[u], where[v]
+    if su != sv:
+      stage_pairs.append((su, sv))
+    if su == sv or (su not in busy and sv not in busy):
+      continue
+    pairs.add((su, sv))
+    for l, src, dst in ((u, su, sv), (v, sv, su)):
+      if len(stages[src][0]) > 1:
+        yield tuple(
+          (tuple(x for x in ls if x != l), d)
+          if i == src
+          else (ls + (l,), d)
+          if i == dst
+          else (ls, d)
+          for i, (ls, d) in enumerate(stages)
+        )
+  for a, b in sorted(pairs):
+    rest = tuple(s for i, s in enumerate(stages) if i not in (a, b))
+    ls = stages[a][0] + stages[b][0]
+    yield rest + ((ls, space.merged_count(stages[a][1] + stages[b][1] + idle)),)
+  for i in takers:
+    ls, d = stages[i]
+    rest = stages[:i] + stages[i + 1 :]
+    for cut in range(1, len(ls)):
+      for d1, d2 in space.splits(d, idle):
+        yield rest + ((ls[:cut], d1), (ls[cut:], d2))
+  # Relocate a stage: merge two stages joined by an edge and split a busy one.
+  for a, b in sorted(set(stage_pairs)):
+    for i in takers:
+      if i in (a, b):
+        continue
+      ls, d = stages[i]
+      rest = tuple(s for j, s in enumerate(stages) if j not in (a, b, i))
+      (la, da), (lb, db) = stages[a], stages[b]
+      for cut in range(1, len(ls)):
+        yield rest + ((la + lb, max(da, db)), (ls[:cut], d), (ls[cut:], min(da, db)))
+
+
+class _Search:
+  """One refinement's setting: how a candidate becomes a priced Plan (``build``), its stage
+  graph (``stage_order``), the simulation-free lower bound that skips it (``bound``), and the
+  key under which it counts as seen."""
+
+  def __init__(self, problem: PlanningProblem, plan: Plan, partition: bool):
+    self.problem = problem
+    self.plan = plan
+    self.partition = partition
+    self.costs = problem.costs
+    self.info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
+    self.sequential = bool(plan.predicted.get("sequential"))
+    B = plan.batch_size
+    if B is None:
+      raise ValueError("refine_plan needs a plan with its batch_size")
+    self.batch_size = B
+    self.mb = plan.stages[0].microbatch_size or B // plan.num_microbatches
+    self.M = B // self.mb
+    self.space = MoveSpace(
+      tuple(data_parallel_degrees(self.mb, problem.cluster.num_devices)),
+      tuple(problem.layer_graph.edges),  # walked for every candidate: a tuple walks faster
+    )
+    self.fixed_edges = tuple(plan.edges) if not partition else ()
+    self.per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # devices -> layer times
+    # F, B seconds and the fastest update (all-reduce on the fastest link, placement unknown).
+    self.stage_times: dict[tuple[tuple[str, ...], int], tuple[float, float, float]] = {}
+    # Whether a stage's last backward is followed by its predecessors' whole backwards (not
+    # so when the schedule splits W off the backward: the way back is B alone).
+    with trusted_generators():
+      self.drains = not schedule_for(plan).splits_backward
+
+  def build(self, stages: Stages) -> Plan:
+    p = self.problem
+    # Without partition moves: same stages, same order and edges, only device counts change.
     return assemble_plan(
-      layer_graph,
-      cluster,
+      p.layer_graph,
+      p.cluster,
       stages,
-      microbatch=mb,
-      batch_size=B,
-      planner=plan.planner,
-      schedule=plan.schedule,
-      sequential=sequential,
-      keep_order=sequential,
-      cost_model=cost_model,
-      costs=costs,
-      info=info,
-      memo=memo,
-      host=host,
+      microbatch=self.mb,
+      batch_size=self.batch_size,
+      planner=self.plan.planner,
+      schedule=self.plan.schedule,
+      extra_edges=self.fixed_edges,
+      keep_order=self.sequential or not self.partition,
+      sequential=self.sequential and self.partition,
+      cost_model=p.cost_model,
+      costs=self.costs,
+      info=self.info,
+      memo=p.simulations(),
+      host=p.host,
     )
 
-  cm = cost_model or DEFAULT_COST_MODEL
-  M = B // mb
-  per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # device count -> layer times
-  # F, B seconds and the fastest update (all-reduce on the fastest link, placement unknown).
-  stage_times: dict[tuple[tuple[str, ...], int], tuple[float, float, float]] = {}
-  # Whether a stage's last backward is followed by its predecessors' whole backwards (not so
-  # when the schedule splits W off the backward: the way back is B alone).
-  with trusted_generators():
-    drains = not schedule_for(plan).splits_backward
-
-  edges = list(layer_graph.edges)  # walked for every candidate: a list walks faster
-
-  def stage_order(stages: Stages) -> tuple[list[int], list[list[int]]] | None:
+  def stage_order(self, stages: Stages) -> tuple[list[int], list[list[int]]] | None:
     """A topological order of the stage graph and each stage's predecessors, None if it has
     a cycle (a sequential plan is a chain in its own order)."""
     n = len(stages)
-    if sequential:
+    if self.sequential:
       return list(range(n)), [[i - 1] if i else [] for i in range(n)]
     where = {l: i for i, (ls, _) in enumerate(stages) for l in ls}
     preds: list[set[int]] = [set() for _ in range(n)]
-    for u, v in edges:
+    for u, v in self.space.edges:
       su, sv = where[u], where[v]
       if su != sv:
         preds[sv].add(su)
     order = topological_order(preds)
     return (order, [list(ps) for ps in preds]) if order is not None else None
 
-  def times(stage: tuple[tuple[str, ...], int]) -> tuple[float, float, float]:
+  def times(self, stage: tuple[tuple[str, ...], int]) -> tuple[float, float, float]:
     """The stage's forward and backward seconds per micro-batch and its fastest update."""
-    fbu = stage_times.get(stage)
+    fbu = self.stage_times.get(stage)
     if fbu is None:
       ls, d = stage
-      t = per_layer.get(d)
+      p = self.problem
+      t = self.per_layer.get(d)
       if t is None:
-        t = per_layer[d] = cm.planner_layer_times(costs, cluster, mb / d)
-      idx = [costs.index[l] for l in ls]
-      fbu = stage_times[stage] = stage_bound_times(cm, cluster, costs, t, idx, d)
+        t = self.per_layer[d] = p.cost_model.planner_layer_times(self.costs, p.cluster, self.mb / d)
+      idx = [self.costs.index[l] for l in ls]
+      fbu = stage_bound_times(p.cost_model, p.cluster, self.costs, t, idx, d)
+      self.stage_times[stage] = fbu
     return fbu
 
-  def bound(stages: Stages, order: list[int], preds: list[list[int]]) -> float:
+  def bound(self, stages: Stages, order: list[int], preds: list[list[int]]) -> float:
     """``pipeline_lower_bound`` of the stages at their device counts with their updates, less
     1e-9 of it, so that summing in another order than the simulator cannot lift a bound that
     the updates make tight above the time."""
-    fwd, bwd, upd = zip(*(times(stage) for stage in stages))
-    return pipeline_lower_bound(fwd, bwd, order, preds, M, drains, update=upd) * (1 - 1e-9)
+    fwd, bwd, upd = zip(*(self.times(stage) for stage in stages))
+    return pipeline_lower_bound(fwd, bwd, order, preds, self.M, self.drains, update=upd) * (
+      1 - 1e-9
+    )
 
-  def key(stages: Stages):
-    return tuple(stages) if sequential or not partition else frozenset(stages)
+  def key(self, stages: Stages) -> Any:
+    return tuple(stages) if self.sequential or not self.partition else frozenset(stages)
 
-  def splits(d: int, spare: int):
-    """Device counts (d1, d2) for the two halves of a stage on d devices."""
-    for total in sorted({d, d + spare}):
-      for d1 in ok:
-        if total - d1 in ok_set:
-          yield d1, total - d1
+  def canon(self, stages: Stages) -> Stages:
+    return tuple((tuple(sorted(ls, key=self.costs.index.__getitem__)), d) for ls, d in stages)
 
-  def merged_count(total: int) -> int:
-    return max(x for x in ok if x <= total)
+  def moves(self, stages: Stages, takers: Sequence[int], idle: int) -> list[Stages]:
+    out = list(device_moves(self.space, stages, takers, idle))
+    if self.partition:
+      out += list((chain_moves if self.sequential else dag_moves)(self.space, stages, takers, idle))
+    return out
 
-  def device_moves(stages: Stages, takers: Sequence[int], idle: int):
-    counts = [d for _, d in stages]
-    for i in range(len(counts)):
-      for d in ok:
-        if counts[i] < d <= counts[i] + idle:
-          yield tuple((ls, d if x == i else c) for x, (ls, c) in enumerate(stages))
-    for i in takers:
-      for j in range(len(counts)):
-        total = counts[i] + counts[j]
-        if i == j:
-          continue
-        for d in ok:
-          if d != counts[i] and total - d in ok_set:
-            yield tuple(
-              (ls, d if x == i else total - d if x == j else c) for x, (ls, c) in enumerate(stages)
-            )
 
-  def chain_moves(stages: Stages, takers: Sequence[int], idle: int):
-    n = len(stages)
-    near = {j for i in takers for j in (i - 1, i, i + 1) if 0 <= j < n}
-    for k in range(n - 1):  # shift the cut between k and k + 1
-      if k not in near and k + 1 not in near:
-        continue
-      (a, da), (b, db) = stages[k], stages[k + 1]
-      head, tail = stages[:k], stages[k + 2 :]
-      if len(a) > 1:
-        yield head + ((a[:-1], da), ((a[-1],) + b, db)) + tail
-      if len(b) > 1:
-        yield head + ((a + (b[0],), da), (b[1:], db)) + tail
-      yield head + ((a + b, merged_count(da + db + idle)),) + tail
-    for i in takers:  # split a busy stage
-      ls, d = stages[i]
-      for cut in range(1, len(ls)):
-        for d1, d2 in splits(d, idle):
-          yield stages[:i] + ((ls[:cut], d1), (ls[cut:], d2)) + stages[i + 1 :]
-    for i in takers:  # relocate a cut into a busy stage
-      ls, d = stages[i]
-      for k in range(n - 1):
-        if i in (k, k + 1):
-          continue
-        (a, da), (b, db) = stages[k], stages[k + 1]
-        for cut in range(1, len(ls)):
-          new = list(stages)
-          new[i : i + 1] = [(ls[:cut], d), (ls[cut:], min(da, db))]
-          at = k if k < i else k + 1
-          new[at : at + 2] = [(a + b, max(da, db))]
-          yield tuple(new)
+def refine_plan(
+  problem: PlanningProblem,
+  plan: Plan,
+  options: RefineOptions = RefineOptions(),
+  *,
+  budget: list[int] | None = None,
+  outcome: dict | None = None,
+) -> Plan:
+  """Plan -> a plan at least as fast (see the module docstring).
 
-  def dag_moves(stages: Stages, takers: Sequence[int], idle: int):
-    where = {l: i for i, (ls, _) in enumerate(stages) for l in ls}
-    busy = set(takers)
-    pairs = set()
-    stage_pairs = []
-    for u, v in edges:
-      su, sv = where[u], where[v]
-      if su != sv:
-        stage_pairs.append((su, sv))
-      if su == sv or (su not in busy and sv not in busy):
-        continue
-      pairs.add((su, sv))
-      for l, src, dst in ((u, su, sv), (v, sv, su)):
-        if len(stages[src][0]) > 1:
-          yield tuple(
-            (tuple(x for x in ls if x != l), d)
-            if i == src
-            else (ls + (l,), d)
-            if i == dst
-            else (ls, d)
-            for i, (ls, d) in enumerate(stages)
-          )
-    for a, b in sorted(pairs):
-      rest = tuple(s for i, s in enumerate(stages) if i not in (a, b))
-      ls = stages[a][0] + stages[b][0]
-      yield rest + ((ls, merged_count(stages[a][1] + stages[b][1] + idle)),)
-    for i in takers:
-      ls, d = stages[i]
-      rest = stages[:i] + stages[i + 1 :]
-      for cut in range(1, len(ls)):
-        for d1, d2 in splits(d, idle):
-          yield rest + ((ls[:cut], d1), (ls[cut:], d2))
-    # Relocate a stage: merge two stages joined by an edge and split a busy one.
-    for a, b in sorted(set(stage_pairs)):
-      for i in takers:
-        if i in (a, b):
-          continue
-        ls, d = stages[i]
-        rest = tuple(s for j, s in enumerate(stages) if j not in (a, b, i))
-        (la, da), (lb, db) = stages[a], stages[b]
-        for cut in range(1, len(ls)):
-          yield rest + ((la + lb, max(da, db)), (ls[:cut], d), (ls[cut:], min(da, db)))
-
-  def canon(stages: Stages) -> Stages:
-    return tuple((tuple(sorted(ls, key=costs.index.__getitem__)), d) for ls, d in stages)
-
-  current = canon(tuple((tuple(s.layers), len(s.devices)) for s in plan.stages))
-  seen = {key(current)}
-  budget = budget if budget is not None else [max_evals]
+  Args:
+    problem: the ``PlanningProblem`` the plan was made for (its layer graph, cluster, cost
+      model, costs and simulations; with its ``host``, moves are judged by the prediction for
+      that machine, ``plan_assembly.predict``, and the devices-only lower bound that skips
+      moves without simulating them is kept for pipelines only: a one-stage plan runs as one
+      jitted step, which can be faster than its layers' times add up to). Moves to plans of
+      fewer than its ``min_stages`` stages are not made.
+    plan: a plan with uniform micro-batch size and ``predicted`` filled in.
+    options: how far to search (``RefineOptions``).
+    budget: a one-element list holding a simulation budget shared between calls (it is
+      decremented; ``options.max_evals`` is ignored when given).
+    outcome: a dict given gets ``"stopped"``: why the search ended short of a local optimum
+      ("budget": the simulation budget ran out; "rounds": ``max_rounds`` moves were made), or
+      None where no move gained.
+  """
+  search = _Search(problem, plan, options.partition)
+  K = problem.cluster.num_devices
+  current = search.canon(tuple((tuple(s.layers), len(s.devices)) for s in plan.stages))
+  seen = {search.key(current)}
+  budget = budget if budget is not None else [options.max_evals]
   stopped: str | None = None  # why the search ended short of a local optimum, if it did
-  for _ in range(max_rounds):
+  for _ in range(options.max_rounds):
     stopped = None
     # The busiest stages (smallest bubble), in ``current``'s indexing: the plan may list its
     # stages in another order.
     bubble = plan.predicted.get("bubble") or [0.0] * plan.num_stages
     index_of = {ls: i for i, (ls, _) in enumerate(current)}
     takers = [
-      index_of[canon(((s.layers, 0),))[0][0]]
-      for s in sorted(plan.stages, key=lambda s: bubble[s.index])[:max_takers]
+      index_of[search.canon(((s.layers, 0),))[0][0]]
+      for s in sorted(plan.stages, key=lambda s: bubble[s.index])[: options.max_takers]
     ]
     idle = K - sum(d for _, d in current)
-    moves = list(device_moves(current, takers, idle))
-    if partition:
-      moves += list((chain_moves if sequential else dag_moves)(current, takers, idle))
     best: Plan | None = None
     best_stages: Stages | None = None
-    for cand in moves:
-      cand = canon(cand)
-      k = key(cand)
-      if k in seen or sum(d for _, d in cand) > K or len(cand) < min_stages:
+    for cand in search.moves(current, takers, idle):
+      cand = search.canon(cand)
+      k = search.key(cand)
+      if k in seen or sum(d for _, d in cand) > K or len(cand) < problem.min_stages:
         continue
       seen.add(k)
-      graph = stage_order(cand)
+      graph = search.stage_order(cand)
       if graph is None:  # a cycle between stages
         continue
       target = (best or plan).predicted["iteration_time"] * (1 - 1e-4)
       # The budget counts simulations: a candidate the bound rules out costs none of it.
-      if (host is None or len(cand) > 1) and bound(cand, *graph) >= target:
+      if (problem.host is None or len(cand) > 1) and search.bound(cand, *graph) >= target:
         continue
       if budget[0] <= 0:
         stopped = "budget"
         break
       budget[0] -= 1
-      p = build(cand)
+      p = search.build(cand)
       if p.predicted["memory_ok"] and p.predicted["iteration_time"] < target:
         best, best_stages = p, cand
     if best is None:
@@ -427,14 +468,7 @@ def update_lower_bound(cm: CostModel, cluster: Cluster, param_bytes: float, n: i
 
 
 def spend_idle_devices(
-  plan: Plan,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  *,
-  cost_model: CostModel | None = None,
-  costs: LayerCosts | None = None,
-  max_rounds: int = 16,
-  max_takers: int = 3,
+  problem: PlanningProblem, plan: Plan, *, max_rounds: int = 16, max_takers: int = 3
 ) -> Plan:
   """Plan -> the same stages with their device counts improved by local search.
 
@@ -442,17 +476,10 @@ def spend_idle_devices(
   the bottleneck cannot be improved, and it prices a stage's gradient all-reduce as if it
   were spread over the iteration, although it runs when the stage's last backward ends.
   """
-  return refine_plan(
-    plan,
-    layer_graph,
-    cluster,
-    cost_model=cost_model,
-    costs=costs,
-    partition=False,
-    max_rounds=max_rounds,
-    max_takers=max_takers,
-    max_evals=10_000,
+  options = RefineOptions(
+    partition=False, max_rounds=max_rounds, max_takers=max_takers, max_evals=10_000
   )
+  return refine_plan(problem, plan, options)
 
 
 # The polish refines plans within this factor of the best simulated one (planners that skip
@@ -461,19 +488,13 @@ REFINE_WITHIN = 1.1
 
 
 def polish(
+  problem: PlanningProblem,
   plans: Sequence[Plan],
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
   *,
-  cost_model: CostModel | None = None,
-  costs: LayerCosts | None = None,
   refine_sizes: int = 4,
   refine_within: float = REFINE_WITHIN,
   max_evals: int = 200,
   microbatch_sizes: Sequence[int] = (),
-  memo: dict | None = None,
-  host: Any = None,
-  min_stages: int = 1,
 ) -> Plan:
   """The planners' last step: the fastest plan after local search on the simulated time.
 
@@ -483,13 +504,13 @@ def polish(
   favours some micro-batch sizes the simulator does not, so polishing one plan per size finds
   what polishing only the best one misses. Last, the polished stages are tried (and
   refined) at the neighbouring micro-batch sizes (half and double) among ``microbatch_sizes``,
-  the sizes the planner may choose from. ``memo``: the problem's simulations
-  (``plan_assembly.predict``); ``host``: the machine's measured host costs, the prediction
-  every step goes by (``refine_plan``). ``min_stages``: only plans of at least that many
-  stages are started from or moved to (``PlanningProblem.min_stages``). The plan returned
-  records in ``predicted["polish_stopped"]`` why the refinement it comes from ended short of
-  a local optimum (the budget, or ``max_rounds``), where it did.
+  the sizes the planner may choose from. Every step goes by the ``problem``'s prediction
+  (with its host costs where it has them) and shares its simulations; only plans of at least
+  its ``min_stages`` stages are started from or moved to. The plan returned records in
+  ``predicted["polish_stopped"]`` why the refinement it comes from ended short of a local
+  optimum (the budget, or ``max_rounds``), where it did.
   """
+  min_stages = problem.min_stages
   plans = sorted(
     (p for p in plans if p.predicted.get("memory_ok", True) and p.num_stages >= min_stages),
     key=lambda p: p.predicted["iteration_time"],
@@ -506,18 +527,7 @@ def polish(
 
   def refine(p: Plan) -> Plan:  # every refinement shares the budget and the simulations
     outcome: dict = {}
-    q = refine_plan(
-      p,
-      layer_graph,
-      cluster,
-      cost_model=cost_model,
-      costs=costs,
-      budget=budget,
-      memo=memo,
-      host=host,
-      min_stages=min_stages,
-      outcome=outcome,
-    )
+    q = refine_plan(problem, p, budget=budget, outcome=outcome)
     stops.append((q, outcome["stopped"]))
     return q
 
@@ -534,24 +544,15 @@ def polish(
   for b2 in (b // 2, 2 * b):
     if b2 not in microbatch_sizes:
       continue
-    moved = _at_microbatch(best, b2, layer_graph, cluster, cost_model, costs, memo, host)
+    moved = _at_microbatch(problem, best, b2)
     if moved.predicted["memory_ok"] and moved.predicted["iteration_time"] <= cutoff:
       best = better(best, refine(moved))
   return _stopped(best, next((why for q, why in reversed(stops) if q is best), None))
 
 
-def _at_microbatch(
-  plan: Plan,
-  b: int,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  cost_model: CostModel | None,
-  costs: LayerCosts | None,
-  memo: dict | None = None,
-  host: Any = None,
-) -> Plan:
+def _at_microbatch(problem: PlanningProblem, plan: Plan, b: int) -> Plan:
   """The same stages at micro-batch size ``b`` (device counts cut to divisors of ``b``)."""
-  ok = data_parallel_degrees(b, cluster.num_devices)
+  ok = data_parallel_degrees(b, problem.cluster.num_devices)
   sequential = bool(plan.predicted.get("sequential"))
   info = {
     k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS and k != "sequential"
@@ -559,8 +560,8 @@ def _at_microbatch(
   stages = [(s.layers, max(d for d in ok if d <= len(s.devices))) for s in plan.stages]
   assert plan.batch_size is not None  # planners' plans carry their batch size
   return assemble_plan(
-    layer_graph,
-    cluster,
+    problem.layer_graph,
+    problem.cluster,
     stages,
     microbatch=b,
     batch_size=plan.batch_size,
@@ -568,9 +569,9 @@ def _at_microbatch(
     schedule=plan.schedule,
     sequential=sequential,
     keep_order=sequential,
-    cost_model=cost_model,
-    costs=costs,
+    cost_model=problem.cost_model,
+    costs=problem.costs,
     info=info,
-    memo=memo,
-    host=host,
+    memo=problem.simulations(),
+    host=problem.host,
   )

@@ -41,9 +41,7 @@ def inner_shapes(mesh: Mapping[str, Any]) -> list[tuple[int, ...]]:
   return [t for t in itertools.product(*divisors) if t != own]
 
 
-def shape_fits(
-  mesh: Mapping[str, Any], rows: int, inner: tuple[int, ...], microbatch: int
-) -> bool:
+def shape_fits(mesh: Mapping[str, Any], rows: int, inner: tuple[int, ...], microbatch: int) -> bool:
   """Whether a stage of ``rows`` mesh rows can run with ``inner``: its first axis (rows x the
   narrowing) divides the micro-batch, and every dimension a spec shards divides over the
   stage's axis sizes (the ``divides`` facts of ``runtime.sharding.mesh_facts``)."""

@@ -462,31 +462,24 @@ def polished(
   opts: GraphPipeOptions,
   cands: Candidates,
   sizes,
-  min_stages: int = 1,
 ) -> Plan:
   """Phase 4: the DP's objective is a proxy; the best plans are polished by local search on
   the simulated time (device counts, layer moves, splits and merges, per micro-batch size).
   Then the best strategy with its idle devices handed out, polished on its own (a quarter of
   the budget), where it beats every candidate the polish started from (a rule that does not
-  hang on how far the polish went). ``min_stages``: the problem's (the polish keeps to plans of
-  that many stages)."""
+  hang on how far the polish went). The polish keeps to plans of the problem's
+  ``min_stages`` stages."""
   if not opts.polish_plans:
     return min(cands.evaluated + cands.handed, key=lambda p: p.predicted["iteration_time"])
 
   def run(plans: list[Plan], refine_sizes: int, max_evals: int) -> Plan:
     return polish(
+      problem,
       plans,
-      problem.layer_graph,
-      problem.cluster,
-      cost_model=problem.cost_model,
-      costs=problem.costs,
       refine_sizes=refine_sizes,
       refine_within=opts.refine_within,
       max_evals=max_evals,
       microbatch_sizes=sizes,
-      memo=problem.simulations(),
-      host=problem.host,
-      min_stages=min_stages,
     )
 
   start = min(p.predicted["iteration_time"] for p in cands.evaluated)
@@ -570,7 +563,7 @@ def graphpipe_search(problem: PlanningProblem, opts: GraphPipeOptions) -> Plan:
     )
   t_seeds = time.perf_counter() - t1
   t1 = time.perf_counter()
-  best = polished(problem, opts, cands, sizes, problem.min_stages)
+  best = polished(problem, opts, cands, sizes)
   t_polish = time.perf_counter() - t1
   t1 = time.perf_counter()
   best, n_seeded = seeded(problem, opts, best)
