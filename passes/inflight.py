@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 import networkx as nx
 
 from gpp_jax.errors import ScheduleError
+from gpp_jax.ir.program import Op
 from gpp_jax.ir.schedule import Action, Schedule, overlapping, validate_schedule
 
 
@@ -222,12 +223,12 @@ def graph_1f1b(
         continue
       m = b_next[s]
       if m < f_next[s] and ready("B", s, m, succs[s]) and done[("F", s, m)] <= now:
-        kind, dur = "B", tb[s]
+        kind, dur = Op.B, tb[s]
         b_next[s] += 1
       else:
         m = f_next[s]
         if m < Ms[s] and m - b_next[s] < cap[s] and ready("F", s, m, preds[s]):
-          kind, dur = "F", tf[s]
+          kind, dur = Op.F, tf[s]
           f_next[s] += 1
         else:
           continue
@@ -252,7 +253,7 @@ def graph_1f1b(
     now = heapq.heappop(events)
   if update:
     for s in range(S):
-      lanes[s].append(Action("UPDATE", s))
+      lanes[s].append(Action(Op.UPDATE, s))
   sched = Schedule(
     "graph-1f1b",
     num_microbatches,

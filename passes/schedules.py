@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.plan import has_mixed_microbatches, stage_microbatch_counts
+from gpp_jax.ir.program import Op
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.inflight import (
   graph_1f1b,
@@ -58,9 +59,9 @@ def gpipe(
   lanes = []
   for s in range(num_stages):
     Ms = M if cs is None else cs[s]
-    lane = [Action("F", s, m) for m in range(Ms)] + [Action("B", s, m) for m in range(Ms)]
+    lane = [Action(Op.F, s, m) for m in range(Ms)] + [Action(Op.B, s, m) for m in range(Ms)]
     if update:
-      lane.append(Action("UPDATE", s))
+      lane.append(Action(Op.UPDATE, s))
     lanes.append(tuple(lane))
   sched = Schedule("gpipe", M, tuple(sorted(edges)), tuple(lanes), cs)
   validate_schedule(sched)
@@ -68,7 +69,7 @@ def gpipe(
 
 
 @functools.lru_cache(maxsize=1024)
-def stage_actions(kind: str, stage: int, count: int) -> tuple[Action, ...]:
+def stage_actions(kind: Op, stage: int, count: int) -> tuple[Action, ...]:
   """``kind`` actions of ``stage`` for micro-batches 0..count-1 (the same objects every time:
   planners build thousands of schedules over the same stages)."""
   return tuple(Action(kind, stage, m) for m in range(count))
@@ -94,14 +95,14 @@ def one_f_one_b(
   for s in range(num_stages):
     M = num_microbatches if cs is None else cs[s]
     w = max(1, min(L[s], M))
-    fs, bs = stage_actions("F", s, M), stage_actions("B", s, M)
+    fs, bs = stage_actions(Op.F, s, M), stage_actions(Op.B, s, M)
     # Warm-up, then B(i) F(w + i) in turn (interleaved by slices), then the last backwards.
     steady: list[Action] = [bs[0]] * (2 * (M - w))
     steady[::2] = bs[: M - w]
     steady[1::2] = fs[w:]
     lane = [*fs[:w], *steady, *bs[M - w :]]
     if update:
-      lane.append(Action("UPDATE", s))
+      lane.append(Action(Op.UPDATE, s))
     lanes.append(tuple(lane))
   sched = Schedule("1f1b", num_microbatches, tuple(sorted(edges)), tuple(lanes), cs)
   validate_schedule(sched)
@@ -164,7 +165,7 @@ def stream_schedule(sched: Schedule, steps: int) -> Schedule:
       for t in range(steps):
         for a in lane:
           if a.kind == "UPDATE":
-            out.append(Action("UPDATE", s, t))
+            out.append(Action(Op.UPDATE, s, t))
           else:
             out.append(Action(a.kind, s, t * counts[s] + a.microbatch))
       lanes.append(out)
@@ -174,14 +175,14 @@ def stream_schedule(sched: Schedule, steps: int) -> Schedule:
     L = longest_path_to_sink(sched.num_stages, sched.edges)
     for s in range(sched.num_stages):
       w = max(1, min(L[s], delays[s] * M + 1, total))
-      out = [Action("F", s, g) for g in range(w)]
+      out = [Action(Op.F, s, g) for g in range(w)]
       f = w
       for b in range(total):
-        out.append(Action("B", s, b))
+        out.append(Action(Op.B, s, b))
         if (b + 1) % M == 0:
-          out.append(Action("UPDATE", s, b // M))
+          out.append(Action(Op.UPDATE, s, b // M))
         if f < total:
-          out.append(Action("F", s, f))
+          out.append(Action(Op.F, s, f))
           f += 1
       lanes.append(out)
   multi = Schedule(

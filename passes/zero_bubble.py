@@ -32,6 +32,7 @@ import heapq
 from collections.abc import Sequence
 
 from gpp_jax.errors import ScheduleError
+from gpp_jax.ir.program import Op
 from gpp_jax.ir.schedule import Action, Schedule, overlapping, validate_schedule
 from gpp_jax.passes.inflight import _stage_graph, one_f_one_b_in_flight, stage_counts
 
@@ -92,7 +93,7 @@ def zero_bubble(
   lanes = best[1]
   if update:
     for s in range(S):
-      lanes[s].append(Action("UPDATE", s))
+      lanes[s].append(Action(Op.UPDATE, s))
   sched = Schedule(
     "zero-bubble",
     M,
@@ -135,11 +136,11 @@ def _list_schedule(g, Ms, cap, soft, tf, tb, tw) -> tuple[float, list[list[Actio
         f < Ms[s] and f - w < (soft[s] if w_ready else cap[s]) and ended("F", s, f, preds[s])
       )
       if b < f and done[("F", s, b)] <= now and ended("B", s, b, succs[s]):
-        kind, m, dur = "B", b, tb[s]
+        kind, m, dur = Op.B, b, tb[s]
       elif f_ready:
-        kind, m, dur = "F", f, tf[s]
+        kind, m, dur = Op.F, f, tf[s]
       elif w_ready:
-        kind, m, dur = "W", w, tw[s]
+        kind, m, dur = Op.W, w, tw[s]
       else:
         continue
       nxt[kind][s] += 1

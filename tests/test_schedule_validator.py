@@ -9,6 +9,7 @@ import networkx as nx
 import pytest
 
 from gpp_jax.errors import ScheduleError
+from gpp_jax.ir.program import Op
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.schedules import GENERATORS
 
@@ -29,7 +30,7 @@ def runnable(sched: Schedule) -> bool:
   respected, and the lanes run to the end with dependencies from the sample-overlap rule."""
   g, counts = sched.stage_graph(), sched.stage_counts
   kinds = {a.kind for lane in sched.lanes for a in lane} - {"UPDATE"}
-  updates = [lane[-1:] == (Action("UPDATE", s),) for s, lane in enumerate(sched.lanes)]
+  updates = [lane[-1:] == (Action(Op.UPDATE, s),) for s, lane in enumerate(sched.lanes)]
   if any(updates) and not all(updates):
     return False
   for s, lane in enumerate(sched.lanes):
@@ -41,7 +42,7 @@ def runnable(sched: Schedule) -> bool:
       return False
     pos = {a: i for i, a in enumerate(body)}
     for m in range(counts[s]):
-      chain = [Action(k, s, m) for k in ("F", "B", "W") if k in kinds]
+      chain = [Action(Op(k), s, m) for k in ("F", "B", "W") if k in kinds]
       if [pos[a] for a in chain] != sorted(pos[a] for a in chain):
         return False
       if m and any(pos[Action(k, s, m - 1)] > pos[Action(k, s, m)] for k in kinds):

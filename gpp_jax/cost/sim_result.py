@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from gpp_jax.ir.program import Op
 from gpp_jax.ir.schedule import Action
 
 
@@ -24,7 +25,7 @@ class ActionTime(NamedTuple):
 
   @property
   def action(self) -> Action:
-    return Action(self.kind, self.stage, self.microbatch)
+    return Action(Op(self.kind), self.stage, self.microbatch)
 
 
 class TransferTime(NamedTuple):

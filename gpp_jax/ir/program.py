@@ -51,8 +51,9 @@ class ProgramError(ScheduleError):
   """A lowered program that reads a value before it exists, or loses one."""
 
 
-class Op(enum.Enum):
-  """Instruction kinds."""
+class Op(enum.StrEnum):
+  """Instruction kinds, and the kinds of a schedule's actions (``ir.schedule.Action.kind``:
+  ``F``, ``B``, ``W``, ``UPDATE``). A member equals its name as a string (``Op.F == "F"``)."""
 
   # Moving values.
   SEND = "SEND"  # a buffer to another lane (jax.device_put); RECV marks its arrival
@@ -78,6 +79,9 @@ class Op(enum.Enum):
   # The step around the pipeline.
   PIECE = "PIECE"  # a piece of the train step (passes.step_split; arg: its index)
   STEP = "STEP"  # the whole step as one executable (one stage; arg donate=<reads> it consumes)
+
+  # Hashed as the string it equals, in C: schedules and simulations key dicts by kinds.
+  __hash__ = str.__hash__
 
 
 # Ops that compute on their lane's devices (the rest move or mark values).

@@ -38,22 +38,34 @@ from collections.abc import Iterable, Sequence
 import networkx as nx
 
 from gpp_jax.errors import ScheduleError
+from gpp_jax.ir.program import Op
 
-KINDS = ("F", "B", "W", "UPDATE")
+KINDS = (Op.F, Op.B, Op.W, Op.UPDATE)
+_KIND = {str(k): k for k in KINDS}
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Action:
-  kind: str
+  """One action of a lane: ``kind`` (``Op.F``, ``Op.B``, ``Op.W`` or ``Op.UPDATE``, the same
+  ``Op`` as the lowered program's instructions; a string naming one is taken as it), the
+  stage, and the micro-batch (for an UPDATE over several steps, the step; -1 for a step's
+  only one)."""
+
+  kind: Op
   stage: int
   microbatch: int = -1
 
   def __post_init__(self):
-    if self.kind not in KINDS:
-      raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
+    kind = _KIND.get(self.kind)
+    if kind is None:
+      raise ValueError(
+        f"unknown action kind {self.kind!r}; expected one of {[str(k) for k in KINDS]}"
+      )
+    if kind is not self.kind:
+      object.__setattr__(self, "kind", kind)
 
   def __str__(self) -> str:
-    if self.kind == "UPDATE" and self.microbatch < 0:
+    if self.kind is Op.UPDATE and self.microbatch < 0:
       return f"UPDATE{self.stage}"
     return f"{self.kind}{self.stage}.{self.microbatch}"
 
@@ -225,7 +237,7 @@ def lanes_with_updates(sched: Schedule) -> list[list[Action]]:
   for s, lane in enumerate(sched.lanes):
     out = list(lane)
     if not (lane and lane[-1].kind == "UPDATE") and not any(a.kind == "UPDATE" for a in lane):
-      out.append(Action("UPDATE", s))
+      out.append(Action(Op.UPDATE, s))
     lanes.append(out)
   return lanes
 
@@ -243,7 +255,7 @@ def device_lanes_with_updates(sched: Schedule) -> list[list[Action]]:
     order = list(lane)
     for s in sched.place_stages()[p]:
       if not any(a.kind == "UPDATE" for a in sched.lanes[s]):
-        order.append(Action("UPDATE", s))
+        order.append(Action(Op.UPDATE, s))
     out.append(order)
   return out
 
@@ -265,14 +277,14 @@ def dependencies(
   if a.kind == "F":
     for p in g.predecessors(s):
       for k in chunks(p):
-        yield Action("F", p, k)
+        yield Action(Op.F, p, k)
   elif a.kind == "B":
-    yield Action("F", s, m)
+    yield Action(Op.F, s, m)
     for c in g.successors(s):
       for k in chunks(c):
-        yield Action("B", c, k)
+        yield Action(Op.B, c, k)
   elif a.kind == "W":
-    yield Action("B", s, m)
+    yield Action(Op.B, s, m)
 
 
 _TRUSTED = contextvars.ContextVar("trusted_schedule_generators", default=False)
@@ -356,14 +368,14 @@ def validate_schedule(sched: Schedule) -> None:
             _fail(sched, a, f"{a} must be the last action of stage {s}, not before {lane[-1]}")
           continue
         if a.microbatch != updated + 1:
-          expected = Action("UPDATE", s, updated + 1)
+          expected = Action(Op.UPDATE, s, updated + 1)
           _fail(
             sched,
             a,
             f"stage {s} runs its updates out of order: {a} comes where {expected} should "
             f"({expected} is missing or later in the lane)",
           )
-        for k in ("B", "W") if split_w else ("B",):
+        for k in (Op.B, Op.W) if split_w else (Op.B,):
           if last[k] < (a.microbatch + 1) * M - 1:
             _fail(
               sched,
@@ -384,9 +396,9 @@ def validate_schedule(sched: Schedule) -> None:
           f"({expected} is missing or later in the lane)",
         )
       last[a.kind] = a.microbatch
-      if a.kind == "B" and Action("F", s, a.microbatch) not in seen:
+      if a.kind == "B" and Action(Op.F, s, a.microbatch) not in seen:
         _fail(sched, a, f"{a} comes before F{s}.{a.microbatch} on its stage")
-      if a.kind == "W" and Action("B", s, a.microbatch) not in seen:
+      if a.kind == "W" and Action(Op.B, s, a.microbatch) not in seen:
         _fail(sched, a, f"{a} comes before B{s}.{a.microbatch} on its stage")
       if K > 1:
         u = a.microbatch // M
@@ -405,14 +417,14 @@ def validate_schedule(sched: Schedule) -> None:
             f"{a} (step {u}) computes with the weights UPDATE{s}.{need} makes "
             f"(stage {s} is {delays[s]} updates behind) but comes before it",
           )
-    end = Action("UPDATE", s) if K == 1 else Action("UPDATE", s, K - 1)
+    end = Action(Op.UPDATE, s) if K == 1 else Action(Op.UPDATE, s, K - 1)
     if has_update and (not lane or lane[-1] != end):
-      missing = end if K == 1 else Action("UPDATE", s, updated + 1)
+      missing = end if K == 1 else Action(Op.UPDATE, s, updated + 1)
       raise ScheduleError(
         f"stage {s} never runs {missing}: other stages end with an UPDATE, so every lane must "
         f"(add {missing} at the end of stage {s}'s lane)\n{sched.grid()}"
       )
-    kinds = ("F", "B", "W") if split_w else ("F", "B")
+    kinds = (Op.F, Op.B, Op.W) if split_w else (Op.F, Op.B)
     for k in kinds:
       if last[k] != total - 1:
         missing = Action(k, s, last[k] + 1)
