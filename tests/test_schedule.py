@@ -80,3 +80,10 @@ def test_validator_rejects_backward_before_forward():
 def test_unknown_schedule_name():
   with pytest.raises(ValueError, match="unknown schedule 'zb'"):
     make_schedule("zb", 2, [(0, 1)], 2)
+
+
+def test_schedule_text_counts_in_the_right_number():
+  one = make_schedule("1f1b", 1, [], 1)
+  assert str(one).startswith("Schedule 1f1b: 1 stage x 1 micro-batch\n")
+  two = make_schedule("1f1b", 2, [(0, 1)], 4)
+  assert str(two).startswith("Schedule 1f1b: 2 stages x 4 micro-batches\n")

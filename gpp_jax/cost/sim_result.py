@@ -112,8 +112,9 @@ class SimResult:
 
   def __str__(self) -> str:
     rows = [
-      f"Simulated {self.schedule}: {self.num_stages} stages x {self.num_microbatches} "
-      f"micro-batches, iteration {self.iteration_time * 1e3:.3f} ms",
+      f"Simulated {self.schedule}: {self.num_stages} stage{'s' if self.num_stages != 1 else ''}"
+      f" x {self.num_microbatches} micro-batch{'es' if self.num_microbatches != 1 else ''}, "
+      f"iteration {self.iteration_time * 1e3:.3f} ms",
       f"{'stage':>5s} {'busy ms':>9s} {'bubble':>7s} {'in-flight':>9s} {'mem MiB':>9s}",
     ]
     for s in range(self.num_stages):

@@ -202,12 +202,13 @@ class Schedule:
 
   def __str__(self) -> str:
     shape = (
-      f"{self.num_microbatches} micro-batches"
+      f"{self.num_microbatches} micro-batch{'es' if self.num_microbatches != 1 else ''}"
       if self.counts is None
       else f"micro-batches per stage {list(self.counts)}"
     )
     steps = f" x {self.steps} steps" if self.steps > 1 else ""
-    return f"Schedule {self.name}: {self.num_stages} stages x {shape}{steps}\n" + self.grid()
+    stages = f"{self.num_stages} stage{'s' if self.num_stages != 1 else ''}"
+    return f"Schedule {self.name}: {stages} x {shape}{steps}\n" + self.grid()
 
   def step_of(self, a: Action) -> int:
     """The step an action belongs to (0 for a one-step schedule)."""

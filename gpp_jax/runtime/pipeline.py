@@ -262,11 +262,15 @@ class GraphPipeline:
     return "\n".join(lines)
 
   def _memory_lines(self, c: CompiledStep) -> list[str]:
-    """Peak memory per device: the program's prediction, and the last measuring step's."""
-    predicted = c.predicted_memory(c.executor_for(1).temps)
+    """Peak memory per device: the program's prediction, and the last measuring step's. The
+    prediction counts the executables' temporaries once a measuring step has read them
+    (``measure_memory``), and says so where it does not."""
+    temps = c.executor_for(1).temps
+    predicted = c.predicted_memory(temps)
     measured = {d.device: d for d in self._memory.devices} if self._memory else {}
     how = "measured (measure_memory) / " if measured else ""
-    lines = [f"peak memory per device ({how}predicted from the step's program):"]
+    what = "" if temps else ", without the executables' temporaries (measure_memory reads them)"
+    lines = [f"peak memory per device ({how}predicted from the step's program{what}):"]
     for d in sorted(predicted.peak, key=lambda d: getattr(d, "id", 0)):
       m = measured.get(str(d))
       got = f"{format_bytes(m.measured_peak_bytes)} / " if m else ""
