@@ -26,30 +26,15 @@ Every equation is attributed to one layer by these rules, applied in program ord
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import networkx as nx
 from jax.extend import core as xc
 
 from gpp_jax.ir import layer_graph as lg
+from gpp_jax.ir.layering import Layering
 from gpp_jax.passes.capture import scope_path
 from gpp_jax.passes.costs import aval_bytes, eqn_bytes, eqn_flops
-
-
-@dataclasses.dataclass(frozen=True)
-class Layering:
-  """Result of the layering pass.
-
-  Attributes:
-    eqn_layer: the layer of each equation of the (inlined) jaxpr.
-    param_layer: for each jaxpr invar, the layer owning it if it is a parameter, else None.
-    graph: the LayerGraph with costs (for the traced micro-batch size).
-  """
-
-  eqn_layer: tuple[str, ...]
-  param_layer: tuple[str | None, ...]
-  graph: nx.DiGraph
 
 
 def _truncate(path: str, depth: int | None) -> str:

@@ -18,44 +18,15 @@ the optimizer update, metrics) is split by where values live:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from jax.extend import core as xc
 
+from gpp_jax.ir.step import Piece, StepProgram
 from gpp_jax.passes.capture import host_constant
 from gpp_jax.passes.costs import aval_bytes
 
 PIPE = -1  # home of the pipeline marker
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-  """A group of step equations that run together on one stage's devices."""
-
-  home: int
-  level: int
-  jaxpr: xc.ClosedJaxpr
-  inputs: tuple[xc.Var, ...]
-  outputs: tuple[xc.Var, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepProgram:
-  """The train step around the pipeline.
-
-  Attributes:
-    jaxpr: the whole step's ClosedJaxpr (its invars are the flattened step arguments).
-    marker: the marker equation (the pipelined value-and-grad).
-    before, after: pieces that run before / after the pipeline, in a valid order.
-    invar_home: home stage of each step input (-1: not placed, e.g. batch data or unused).
-  """
-
-  jaxpr: xc.ClosedJaxpr
-  marker: xc.JaxprEqn
-  before: tuple[Piece, ...]
-  after: tuple[Piece, ...]
-  invar_home: tuple[int, ...]
 
 
 def split_step(

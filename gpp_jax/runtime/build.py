@@ -23,10 +23,10 @@ from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan
 from gpp_jax.ir.program import Program
 from gpp_jax.ir.schedule import Schedule
+from gpp_jax.ir.step import StepProgram
 from gpp_jax.passes.lowering import KEY, Lowered, lower_fused, lower_step
 from gpp_jax.passes.schedules import plan_schedule, stream_schedule
 from gpp_jax.passes.staging import row_local_functions, stage_functions
-from gpp_jax.passes.step_split import StepProgram
 from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.buffers import buffer_bytes, constant_bytes
 from gpp_jax.runtime.captured import Captured

@@ -17,10 +17,12 @@ from flax import nnx
 from jax.extend import core as xc
 
 from gpp_jax.errors import BatchError, CaptureError
+from gpp_jax.ir.layering import Layering
+from gpp_jax.ir.scan import ScanSplit
 from gpp_jax.passes.capture import inline_calls
-from gpp_jax.passes.layering import Layering, layer_program
+from gpp_jax.passes.layering import layer_program
 from gpp_jax.passes.lowering import BATCH, BROADCAST, KEY, STATE
-from gpp_jax.passes.scan_split import ScanSplit, split_scans
+from gpp_jax.passes.scan_split import split_scans
 from gpp_jax.runtime.capture_step import PureStep, recording, value_and_grad_p
 from gpp_jax.runtime.input_checks import check_loss_is_pure
 from gpp_jax.runtime.loss_state import StatePair, check_state_returned

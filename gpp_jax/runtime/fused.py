@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as xc
 
+from gpp_jax.ir.step import StepProgram
 from gpp_jax.passes.lowering import BATCH, KEY, reduction
-from gpp_jax.passes.step_split import StepProgram
 
 
 def _accumulated_value_and_grad(

@@ -14,9 +14,11 @@ import jax
 
 from gpp_jax.errors import CaptureError, GppError, PlanError
 from gpp_jax.ir.plan import Plan, stage_microbatch_sizes
+from gpp_jax.ir.staged import StagedProgram
+from gpp_jax.ir.step import StepProgram
 from gpp_jax.passes.lowering import BATCH, KEY, StepSpec
-from gpp_jax.passes.staging import StagedProgram, stage_program
-from gpp_jax.passes.step_split import StepProgram, split_step
+from gpp_jax.passes.staging import stage_program
+from gpp_jax.passes.step_split import split_step
 from gpp_jax.runtime.captured import Captured
 from gpp_jax.runtime.choice import Planned
 from gpp_jax.runtime.loss_state import StatePair, split_state, state_carries
