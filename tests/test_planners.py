@@ -185,7 +185,7 @@ def test_refine_improves_a_poor_plan_and_keeps_it_valid(sequential):
   assert better_plan.predicted["iteration_time"] < 0.9 * poor.predicted["iteration_time"]
   assert better_plan.num_microbatches == poor.num_microbatches
   if sequential:  # a chain stays a chain: its stages are cuts of one topological order
-    assert better_plan.predicted["sequential"] and better_plan.depth() == better_plan.num_stages
+    assert better_plan.sequential and better_plan.depth() == better_plan.num_stages
     order = [l for s in better_plan.stages for l in s.layers]
     assert all(order.index(u) < order.index(v) for u, v in g.edges)
   budget = [0]

@@ -83,6 +83,9 @@ class Plan:
       where it has none), ``"replicated"`` on every device of the stage, ``"fsdp"`` each
       sharded over all of the stage's devices along its largest dimension they divide
       (``runtime.sharding``).
+    sequential: the stages form a chain in their order (a sequential planner's pipeline:
+      PipeDream's, Piper's, ...): a local search on the plan keeps it a chain
+      (``passes.partition.refine``). It does not change how the plan runs.
   """
 
   stages: tuple[Stage, ...]
@@ -93,6 +96,7 @@ class Plan:
   batch_size: int | None = None
   predicted: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
   param_sharding: str = "model"
+  sequential: bool = False
 
   @property
   def num_stages(self) -> int:
@@ -169,6 +173,8 @@ class Plan:
     }
     if self.param_sharding != "model":
       d["param_sharding"] = self.param_sharding
+    if self.sequential:
+      d["sequential"] = True
     return d
 
   def to_json(self, indent: int | None = 1) -> str:
@@ -185,6 +191,7 @@ class Plan:
       batch_size=d.get("batch_size"),
       predicted=dict(d.get("predicted", {})),
       param_sharding=d.get("param_sharding", "model"),
+      sequential=bool(d.get("sequential", False)),
     )
 
   @classmethod
@@ -211,6 +218,7 @@ class Plan:
     not of the planner's predictions: equal for plans that run identically."""
     d = self.to_dict()
     del d["predicted"], d["planner"]
+    d.pop("sequential", None)  # how a search may move it, not how it runs
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
   def __str__(self) -> str:

@@ -129,8 +129,8 @@ def assemble_plan(
     extra_edges: ordering edges between stages (indices into ``stages`` as given).
     keep_order: keep the given stage order (else sort stages topologically by first layer).
     sequential: the stages form a chain in the given order (a sequential pipeline): implies
-      ``keep_order``, adds an ordering edge between consecutive stages, and records
-      ``predicted["sequential"]``.
+      ``keep_order``, adds an ordering edge between consecutive stages, and sets
+      ``Plan.sequential``.
     device_order: the order in which device indices are handed out (default 0..n-1).
     info: extra entries for ``plan.predicted``.
     memo: simulations already run for this problem (``predict``).
@@ -144,7 +144,6 @@ def assemble_plan(
   if sequential:
     keep_order = True
     extra_edges = list(extra_edges) + [(k, k + 1) for k in range(len(stages) - 1)]
-    info = {**(info or {}), "sequential": True}
   order = (
     list(range(len(raw)))
     if keep_order
@@ -189,6 +188,7 @@ def assemble_plan(
     schedule=schedule,
     planner=planner,
     batch_size=batch_size,
+    sequential=sequential,
   )
   return predict(
     plan,

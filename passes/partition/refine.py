@@ -13,7 +13,7 @@ module polishes a plan by steepest descent on the simulated iteration time over 
   joined by an edge.
 
 A DAG plan keeps only moves whose stage graph stays acyclic (which keeps every stage convex).
-A sequential plan (``predicted["sequential"]``) stays a chain: its stages are cuts of one
+A sequential plan (``Plan.sequential``) stays a chain: its stages are cuts of one
 topological order, and moves shift, add or remove a cut. Under ``min_stages`` (the planning
 problem's fewest stages) no move merges a plan below that many stages. The search stops when
 no move gains more than ``1e-4`` of the iteration time, or after ``max_evals`` simulations (or
@@ -225,7 +225,7 @@ class _Search:
     self.partition = partition
     self.costs = problem.costs
     self.info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
-    self.sequential = bool(plan.predicted.get("sequential"))
+    self.sequential = plan.sequential
     B = plan.batch_size
     if B is None:
       raise ValueError("refine_plan needs a plan with its batch_size")
@@ -553,10 +553,8 @@ def polish(
 def _at_microbatch(problem: PlanningProblem, plan: Plan, b: int) -> Plan:
   """The same stages at micro-batch size ``b`` (device counts cut to divisors of ``b``)."""
   ok = data_parallel_degrees(b, problem.cluster.num_devices)
-  sequential = bool(plan.predicted.get("sequential"))
-  info = {
-    k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS and k != "sequential"
-  }
+  sequential = plan.sequential
+  info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
   stages = [(s.layers, max(d for d in ok if d <= len(s.devices))) for s in plan.stages]
   assert plan.batch_size is not None  # planners' plans carry their batch size
   return assemble_plan(

@@ -639,7 +639,7 @@ def as_graphpipe(
   order = [d for s in plan.stages for d in s.devices]
   order += [d for d in range(cluster.num_devices) if d not in set(order)]
   out = []
-  chain = bool(plan.predicted.get("sequential"))
+  chain = plan.sequential
   info = {"seed": plan.planner}
   if "polish_stopped" in plan.predicted:  # how the seed's own polish ended
     info["polish_stopped"] = plan.predicted["polish_stopped"]
