@@ -20,16 +20,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
 
-import networkx as nx
 import numpy as np
 
-from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.plan_assembly import (
-  MAX_MICROBATCHES,
   assemble_plan,
   better,
   no_plan_error,
@@ -153,29 +148,5 @@ def bapipe_search(problem: PlanningProblem, opts: BaPipeOptions) -> Plan:
 BAPIPE = ProblemPlanner("bapipe", BaPipeOptions, bapipe_search)
 
 
-def bapipe_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int | None = None,
-  batch_size: int | None = None,
-  *,
-  num_microbatches: int | None = None,
-  cost_model: CostModel | None = None,
-  modes: tuple[str, ...] = MODES,
-  max_microbatches: int | None = MAX_MICROBATCHES,
-  simulate_top: int = 8,
-  host: Any = None,
-) -> Plan:
-  """BaPipe: LayerGraph + Cluster -> sequential Plan: builds the ``PlanningProblem``
-  (``cost_model``, ``num_microbatches``, ``max_microbatches``) and runs ``bapipe_search``
-  with the other keywords as ``BaPipeOptions``."""
-  return BAPIPE(
-    layer_graph,
-    cluster,
-    batch_size,
-    num_microbatches=num_microbatches,
-    cost_model=cost_model,
-    max_microbatches=max_microbatches,
-    host=host,
-    modes=modes,
-    simulate_top=simulate_top,
-  )
+# The keyword form (``BAPIPE(layer_graph, cluster, batch_size, **options)``) under its own name.
+bapipe_plan = BAPIPE

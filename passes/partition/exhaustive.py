@@ -14,17 +14,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any
 
 import networkx as nx
 
-from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.plan_assembly import (
-  MAX_MICROBATCHES,
   assemble_plan,
   better,
   data_parallel_degrees,
@@ -161,30 +157,5 @@ def best_at_size(
 EXHAUSTIVE = ProblemPlanner("exhaustive", ExhaustiveOptions, exhaustive_search)
 
 
-def exhaustive_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int | None = None,
-  batch_size: int | None = None,
-  *,
-  num_microbatches: int | None = None,
-  cost_model: CostModel | None = None,
-  schedule: str = "1f1b",
-  max_layers: int = 8,
-  max_devices: int = 8,
-  max_microbatches: int | None = MAX_MICROBATCHES,
-  host: Any = None,
-) -> Plan:
-  """Exhaustive search (see the module docstring); for at most ``max_layers`` layers and
-  ``max_devices`` devices. Builds the ``PlanningProblem`` and runs ``exhaustive_search``."""
-  return EXHAUSTIVE(
-    layer_graph,
-    cluster,
-    batch_size,
-    num_microbatches=num_microbatches,
-    cost_model=cost_model,
-    schedule=schedule,
-    max_microbatches=max_microbatches,
-    host=host,
-    max_layers=max_layers,
-    max_devices=max_devices,
-  )
+# The keyword form (``EXHAUSTIVE(layer_graph, cluster, batch_size, **options)``) under its own name.
+exhaustive_plan = EXHAUSTIVE

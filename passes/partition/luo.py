@@ -30,16 +30,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
 
-import networkx as nx
 import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.plan_assembly import (
-  MAX_MICROBATCHES,
   assemble_plan,
   better,
   no_plan_error,
@@ -204,29 +200,5 @@ def luo_search(problem: PlanningProblem, opts: LuoOptions) -> Plan:
 LUO = ProblemPlanner("luo", LuoOptions, luo_search)
 
 
-def luo_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int | None = None,
-  batch_size: int | None = None,
-  *,
-  num_microbatches: int | None = None,
-  cost_model: CostModel | None = None,
-  orders: tuple[str, ...] = ORDERS,
-  max_microbatches: int | None = MAX_MICROBATCHES,
-  simulate_top: int = 4,
-  host: Any = None,
-) -> Plan:
-  """Luo et al.: LayerGraph + Cluster -> sequential Plan: builds the ``PlanningProblem``
-  (``cost_model``, ``num_microbatches``, ``max_microbatches``) and runs ``luo_search`` with
-  the other keywords as ``LuoOptions``."""
-  return LUO(
-    layer_graph,
-    cluster,
-    batch_size,
-    num_microbatches=num_microbatches,
-    cost_model=cost_model,
-    max_microbatches=max_microbatches,
-    host=host,
-    orders=orders,
-    simulate_top=simulate_top,
-  )
+# The keyword form (``LUO(layer_graph, cluster, batch_size, **options)``) under its own name.
+luo_plan = LUO

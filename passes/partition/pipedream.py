@@ -46,7 +46,6 @@ from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.plan_assembly import (
-  MAX_MICROBATCHES,
   assemble_plan,
   data_parallel_degrees,
   no_plan_error,
@@ -209,29 +208,8 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
 PIPEDREAM = ProblemPlanner("pipedream", PipeDreamOptions, pipedream_search)
 
 
-def pipedream_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int | None = None,
-  batch_size: int | None = None,
-  *,
-  num_microbatches: int | None = None,
-  cost_model: CostModel | None = None,
-  schedule: str = "1f1b",
-  max_microbatches: int | None = MAX_MICROBATCHES,
-  **options: Any,
-) -> Plan:
-  """PipeDream: LayerGraph + Cluster -> sequential Plan: builds the ``PlanningProblem`` and
-  runs ``pipedream_search`` with ``PipeDreamOptions(**options)``."""
-  return PIPEDREAM(
-    layer_graph,
-    cluster,
-    batch_size,
-    num_microbatches=num_microbatches,
-    cost_model=cost_model,
-    schedule=schedule,
-    max_microbatches=max_microbatches,
-    **options,
-  )
+# The keyword form (``PIPEDREAM(layer_graph, cluster, batch_size, **options)``) under its own name.
+pipedream_plan = PIPEDREAM
 
 
 def chain_tables(problem: PlanningProblem) -> dict:

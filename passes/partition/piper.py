@@ -51,18 +51,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
 
 import networkx as nx
 import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel, LayerCosts
+from gpp_jax.cost.cost_model import LayerCosts
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.pipedream import chain_dp
 from gpp_jax.passes.partition.plan_assembly import (
-  MAX_MICROBATCHES,
   assemble_plan,
   better,
   data_parallel_degrees,
@@ -437,36 +435,5 @@ def piper_search(problem: PlanningProblem, opts: PiperOptions) -> Plan:
 PIPER = ProblemPlanner("piper", PiperOptions, piper_search)
 
 
-def piper_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int | None = None,
-  batch_size: int | None = None,
-  *,
-  num_microbatches: int | None = None,
-  cost_model: CostModel | None = None,
-  schedule: str = "1f1b",
-  selection: str = "simulated",
-  max_downsets: int = IDEALS_LIMIT,
-  max_pairs: int = 50_000_000,
-  max_microbatches: int | None = MAX_MICROBATCHES,
-  simulate_top: int = 6,
-  host: Any = None,
-) -> Plan:
-  """Piper: LayerGraph + Cluster -> sequential Plan over downset differences: builds the
-  ``PlanningProblem`` (``cost_model``, ``schedule``, ``num_microbatches``,
-  ``max_microbatches``) and runs ``piper_search`` with the other keywords as
-  ``PiperOptions``."""
-  return PIPER(
-    layer_graph,
-    cluster,
-    batch_size,
-    num_microbatches=num_microbatches,
-    cost_model=cost_model,
-    schedule=schedule,
-    max_microbatches=max_microbatches,
-    host=host,
-    selection=selection,
-    max_downsets=max_downsets,
-    max_pairs=max_pairs,
-    simulate_top=simulate_top,
-  )
+# The keyword form (``PIPER(layer_graph, cluster, batch_size, **options)``) under its own name.
+piper_plan = PIPER

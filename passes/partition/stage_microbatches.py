@@ -127,23 +127,5 @@ GRAPHPIPE_STAGE_MB = ProblemPlanner(
 )
 
 
-def graphpipe_stage_microbatch_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int,
-  batch_size: int,
-  *,
-  num_microbatches: int | None = None,
-  max_evals: int = 64,
-  **options,
-) -> Plan:
-  """GraphPipe's plan, then per-stage micro-batch sizes: builds the ``PlanningProblem`` and
-  runs ``graphpipe_stage_microbatch_search`` with ``StageMicrobatchOptions`` (``options``:
-  ``cost_model``, ``schedule``, ``max_microbatches`` and GraphPipe's options)."""
-  return GRAPHPIPE_STAGE_MB(
-    layer_graph,
-    cluster,
-    batch_size,
-    num_microbatches=num_microbatches,
-    max_evals=max_evals,
-    **options,
-  )
+# The keyword form (``GRAPHPIPE_STAGE_MB(layer_graph, cluster, batch_size, **options)``).
+graphpipe_stage_microbatch_plan = GRAPHPIPE_STAGE_MB

@@ -590,34 +590,8 @@ def graphpipe_search(problem: PlanningProblem, opts: GraphPipeOptions) -> Plan:
 GRAPHPIPE = ProblemPlanner("graphpipe", GraphPipeOptions, graphpipe_search)
 
 
-def graphpipe_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster | int | None = None,
-  batch_size: int | None = None,
-  *,
-  num_microbatches: int | None = None,
-  cost_model: CostModel | None = None,
-  schedule: str = "1f1b",
-  max_microbatches: int | None = MAX_MICROBATCHES,
-  **options: Any,
-) -> Plan:
-  """GraphPipe: LayerGraph + Cluster -> Plan with a stage DAG (see the package docstring).
-
-  Builds the ``PlanningProblem`` (a device count as ``cluster`` is a ``cpu_cluster``; the
-  batch defaults to the graph's; ``num_microbatches`` fixes M instead of sweeping sizes;
-  ``schedule`` is the generator the plan names) and runs ``graphpipe_search`` with
-  ``GraphPipeOptions(**options)``.
-  """
-  return GRAPHPIPE(
-    layer_graph,
-    cluster,
-    batch_size,
-    num_microbatches=num_microbatches,
-    cost_model=cost_model,
-    schedule=schedule,
-    max_microbatches=max_microbatches,
-    **options,
-  )
+# The keyword form (``GRAPHPIPE(layer_graph, cluster, batch_size, **options)``) under its own name.
+graphpipe_plan = GRAPHPIPE
 
 
 def as_graphpipe(
