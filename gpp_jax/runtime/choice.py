@@ -172,72 +172,9 @@ def plan_step(
   trials: dict[str, tuple[Any, float]] = {}
   # The plain step, timed, calibrates one-stage predictions (a given pipeline needs none).
   if host is not None and trial is not None and (not given or plan.num_stages == 1):
-    # Layers timed one call each add up to more than XLA makes of the whole model (it fuses
-    # across layers): plain jit, compiled and timed, says by how much.
-    plain = candidates.get("plain jit") or baseline_plans(graph, B, opts, (1,))["plain jit"]
-    _timed(trials, "plain jit", plain, trial, candidates, opts.timeout_s)
-    # Jit data parallel timed too: how much slower than 1/k of plain jit's time its step is
-    # over k devices depends on the model (its share of work per device against the
-    # collectives), which the host's probe of a small MLP only guesses (measured 0.5x to 3.5x
-    # off: BUILD_NOTES, fidelity). It is what a user would run: measured, not modelled.
-    dp = candidates.get("jit data parallel")
-    # Plain jit's step in the planner's micro-batches on its one device (gradient
-    # accumulation) is timed beside it, and where the planner's plan is jit data parallel's
-    # step in micro-batches, that too: the two times of one width tell the fixed seconds each
-    # micro-batch pays from the share of work that divides (``calibrate_fusion``,
-    # ``calibrate_spmd``). Timed whatever the planner's first plan, since the second search
-    # below may return it. A throwaway dict: a plan over the memory budget leaves no
-    # candidate here.
-    acc = candidates["pipeline"]
-    M = opts.num_microbatches or acc.num_microbatches
-    one_acc = plain.replace(num_microbatches=M) if M > 1 and B % M == 0 else None
-    if "plain jit" in trials and one_acc is not None and (not given or is_same(plan, one_acc)):
-      name = "pipeline" if is_same(acc, one_acc) else ACCUMULATED
-      _timed(trials, name, one_acc, trial, dict(candidates), opts.timeout_s)
-    wide_acc = dp is not None and acc.num_stages == 1 and acc.num_microbatches > 1
-    wide_acc = wide_acc and dp is not None and acc.stages[0].devices == dp.stages[0].devices
-    if dp is not None:
-      _timed(trials, "jit data parallel", dp, trial, candidates, opts.timeout_s)
-      if "jit data parallel" in trials and wide_acc:
-        _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
-    if again is not None:
-      _interleaved(trials, list(trials), again, opts.timeout_s)
-    if "plain jit" in trials:
-      timed = trials.get(ACCUMULATED)
-      if one_acc is not None and is_same(acc, one_acc):
-        timed = trials.get("pipeline")
-      pieces = (one_acc, timed[1]) if one_acc is not None and timed is not None else None
-      graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1], pieces)
-    if dp is not None and "jit data parallel" in trials:
-      pieces = (acc, trials["pipeline"][1]) if wide_acc and "pipeline" in trials else None
-      graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
-    if not given and trials:
-      # The search ran before the trials said what XLA makes of a step in one program (the
-      # fusion, the model's own SPMD factor, the fixed seconds per micro-batch), so it priced
-      # one-stage plans with the host's probe only: searched again with them, the planner's
-      # plan replaces its first one.
-      better_plan = make_plan(graph, B, opts, host)
-      if plan_shape(better_plan) != plan_shape(plan):
-        logging.info(
-          "graph_pipeline: searched again with the trials' calibration, %s's plan has %d "
-          "stage(s) (first: %d)",
-          better_plan.planner,
-          better_plan.num_stages,
-          plan.num_stages,
-        )
-        plan = candidates["pipeline"] = better_plan
-        trials.pop("pipeline", None)  # the first plan's timing
-        if one_acc is not None and ACCUMULATED in trials and is_same(plan, one_acc):
-          trials["pipeline"] = trials[ACCUMULATED]  # the step it timed
-        graph = calibrate_widths(captured, graph, [plan], host, opts.devices)
-    candidate = not given and opts.min_stages <= 1
-    if one_acc is not None and ACCUMULATED in trials and candidate:
-      if is_same(plan, one_acc):
-        trials.pop(ACCUMULATED)  # the planner's plan, timed as "pipeline"
-      else:  # timed: chosen where it measured faster than plain jit (``choose_plan``)
-        candidates[ACCUMULATED] = one_acc
-    else:
-      trials.pop(ACCUMULATED, None)
+    graph, plan = _timed_baselines(
+      captured, opts, graph, plan, candidates, trials, trial, again, host, cluster, given
+    )
   measured = {k: t for k, (_, t) in trials.items()}
   chose = choose(candidates, lg.scaled(graph, B), cluster, host, measured)
   choice, predicted = chose.name, chose.predicted
@@ -249,46 +186,9 @@ def plan_step(
   if note:
     logging.info("graph_pipeline: %s", note)
     plan = candidates[choice]
-  elif choice != "pipeline" and host is None:
-    # Devices-only layer estimates are not this machine's: say so, keep the planner's plan.
-    if predicted[choice] < predicted["pipeline"]:
-      note = (
-        f"{choice} is predicted faster than {plan.planner}'s pipeline of {plan.num_stages} "
-        f"stages by the devices-only model ({predicted[choice] * 1e3:.2f} against "
-        f"{predicted['pipeline'] * 1e3:.2f} ms); calibrate=True measures this machine and "
-        "chooses by it"
-      )
-      logging.info("graph_pipeline: %s", note)
-    choice = "pipeline"
-  elif choice != "pipeline":
-    theirs = (
-      f"pipeline of {plan.num_stages} stages"
-      if plan.num_stages > 1
-      else f"one stage of {plan.num_microbatches} micro-batches"
-    )
-    note = (
-      f"{choice} is predicted fastest on this machine: {predicted[choice] * 1e3:.2f} ms per "
-      f"step against {predicted['pipeline'] * 1e3:.2f} ms for {plan.planner}'s {theirs}"
-    )
-    if predicted[choice] > predicted["pipeline"]:  # the planner's plan accumulates gradients
-      note = (
-        f"{choice} runs the step in one call ({predicted[choice] * 1e3:.2f} ms predicted): "
-        f"{plan.planner}'s {theirs} ({predicted['pipeline'] * 1e3:.2f} ms predicted) is the "
-        "same computation in pieces, which saves memory, not time"
-      )
-    if candidates[choice].num_stages == 1:
-      note += " (min_stages=2 runs a pipeline regardless)"
-    logging.info("graph_pipeline: %s", note)
-    plan = candidates[choice]
-  elif choice == "pipeline" and plan.num_stages == 1 and plan.num_microbatches > 1:
-    base = "plain jit" if len(plan.stages[0].devices) == 1 else "jit data parallel"
-    if "pipeline" in measured and base in measured:  # chosen for its measurement
-      note = (
-        f"{plan.planner}'s one stage of {plan.num_microbatches} micro-batches measured "
-        f"{measured['pipeline'] * 1e3:.2f} ms per step, faster than {base}'s "
-        f"{measured[base] * 1e3:.2f} ms in one call"
-      )
-      logging.info("graph_pipeline: %s", note)
+  else:
+    choice, note = _choice_note(choice, plan, candidates, predicted, measured, host)
+    plan = candidates[choice] if choice != "pipeline" else plan
   if not given and opts.min_stages > 1:
     kept_to = (
       f"min_stages={opts.min_stages}: {plan.planner}'s search kept to plans of at least "
@@ -318,6 +218,149 @@ def plan_step(
     chose.how,
     choice,
   )
+
+
+def _timed_baselines(
+  captured: Captured,
+  opts: Options,
+  graph: nx.DiGraph,
+  plan: Plan,
+  candidates: dict[str, Plan],
+  trials: dict[str, tuple[Any, float]],
+  trial: Callable[[Plan], tuple[Any, float]],
+  again: Callable[[Any], float] | None,
+  host: HostCosts,
+  cluster: Any,
+  given: bool,
+) -> tuple[nx.DiGraph, Plan]:
+  """``plan_step``'s timing trials (into ``trials``) and what they calibrate: plain jit, its
+  step in the planner's micro-batches, jit data parallel (and the planner's plan where it is
+  that step in micro-batches), timed in turns with ``again``; the fusion and the model's own
+  SPMD factor fitted to them; the planner searched again with them. Returns the calibrated
+  graph and the planner's plan (``candidates`` follow it)."""
+  B = captured.batch_size
+  # Layers timed one call each add up to more than XLA makes of the whole model (it fuses
+  # across layers): plain jit, compiled and timed, says by how much.
+  plain = candidates.get("plain jit") or baseline_plans(graph, B, opts, (1,))["plain jit"]
+  _timed(trials, "plain jit", plain, trial, candidates, opts.timeout_s)
+  # Jit data parallel timed too: how much slower than 1/k of plain jit's time its step is
+  # over k devices depends on the model (its share of work per device against the
+  # collectives), which the host's probe of a small MLP only guesses (measured 0.5x to 3.5x
+  # off: BUILD_NOTES, fidelity). It is what a user would run: measured, not modelled.
+  dp = candidates.get("jit data parallel")
+  # Plain jit's step in the planner's micro-batches on its one device (gradient
+  # accumulation) is timed beside it, and where the planner's plan is jit data parallel's
+  # step in micro-batches, that too: the two times of one width tell the fixed seconds each
+  # micro-batch pays from the share of work that divides (``calibrate_fusion``,
+  # ``calibrate_spmd``). Timed whatever the planner's first plan, since the second search
+  # below may return it. A throwaway dict: a plan over the memory budget leaves no
+  # candidate here.
+  acc = candidates["pipeline"]
+  M = opts.num_microbatches or acc.num_microbatches
+  one_acc = plain.replace(num_microbatches=M) if M > 1 and B % M == 0 else None
+  if "plain jit" in trials and one_acc is not None and (not given or is_same(plan, one_acc)):
+    name = "pipeline" if is_same(acc, one_acc) else ACCUMULATED
+    _timed(trials, name, one_acc, trial, dict(candidates), opts.timeout_s)
+  wide_acc = dp is not None and acc.num_stages == 1 and acc.num_microbatches > 1
+  wide_acc = wide_acc and dp is not None and acc.stages[0].devices == dp.stages[0].devices
+  if dp is not None:
+    _timed(trials, "jit data parallel", dp, trial, candidates, opts.timeout_s)
+    if "jit data parallel" in trials and wide_acc:
+      _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
+  if again is not None:
+    _interleaved(trials, list(trials), again, opts.timeout_s)
+  if "plain jit" in trials:
+    timed = trials.get(ACCUMULATED)
+    if one_acc is not None and is_same(acc, one_acc):
+      timed = trials.get("pipeline")
+    pieces = (one_acc, timed[1]) if one_acc is not None and timed is not None else None
+    graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1], pieces)
+  if dp is not None and "jit data parallel" in trials:
+    pieces = (acc, trials["pipeline"][1]) if wide_acc and "pipeline" in trials else None
+    graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
+  if not given and trials:
+    # The search ran before the trials said what XLA makes of a step in one program (the
+    # fusion, the model's own SPMD factor, the fixed seconds per micro-batch), so it priced
+    # one-stage plans with the host's probe only: searched again with them, the planner's
+    # plan replaces its first one.
+    better_plan = make_plan(graph, B, opts, host)
+    if plan_shape(better_plan) != plan_shape(plan):
+      logging.info(
+        "graph_pipeline: searched again with the trials' calibration, %s's plan has %d "
+        "stage(s) (first: %d)",
+        better_plan.planner,
+        better_plan.num_stages,
+        plan.num_stages,
+      )
+      plan = candidates["pipeline"] = better_plan
+      trials.pop("pipeline", None)  # the first plan's timing
+      if one_acc is not None and ACCUMULATED in trials and is_same(plan, one_acc):
+        trials["pipeline"] = trials[ACCUMULATED]  # the step it timed
+      graph = calibrate_widths(captured, graph, [plan], host, opts.devices)
+  candidate = not given and opts.min_stages <= 1
+  if one_acc is not None and ACCUMULATED in trials and candidate:
+    if is_same(plan, one_acc):
+      trials.pop(ACCUMULATED)  # the planner's plan, timed as "pipeline"
+    else:  # timed: chosen where it measured faster than plain jit (``choose_plan``)
+      candidates[ACCUMULATED] = one_acc
+  else:
+    trials.pop(ACCUMULATED, None)
+  return graph, plan
+
+
+def _choice_note(
+  choice: str,
+  plan: Plan,
+  candidates: Mapping[str, Plan],
+  predicted: Mapping[str, float],
+  measured: Mapping[str, float],
+  host: HostCosts | None,
+) -> tuple[str, str]:
+  """What runs and why, where no trial overturned the prediction: (the choice, the note said
+  of it). Without the host's costs the planner's plan is kept, and a faster baseline only
+  noted; else the candidate predicted fastest runs, and the note says what it beat (or, for
+  the planner's one-stage plan in micro-batches, what its measurement beat)."""
+  note = ""
+  if choice != "pipeline" and host is None:
+    # Devices-only layer estimates are not this machine's: say so, keep the planner's plan.
+    if predicted[choice] < predicted["pipeline"]:
+      note = (
+        f"{choice} is predicted faster than {plan.planner}'s pipeline of {plan.num_stages} "
+        f"stage{'s' if plan.num_stages != 1 else ''} by the devices-only model ({predicted[choice] * 1e3:.2f} against "
+        f"{predicted['pipeline'] * 1e3:.2f} ms); calibrate=True measures this machine and "
+        "chooses by it"
+      )
+      logging.info("graph_pipeline: %s", note)
+    choice = "pipeline"
+  elif choice != "pipeline":
+    theirs = (
+      f"pipeline of {plan.num_stages} stages"
+      if plan.num_stages > 1
+      else f"one stage of {plan.num_microbatches} micro-batches"
+    )
+    note = (
+      f"{choice} is predicted fastest on this machine: {predicted[choice] * 1e3:.2f} ms per "
+      f"step against {predicted['pipeline'] * 1e3:.2f} ms for {plan.planner}'s {theirs}"
+    )
+    if predicted[choice] > predicted["pipeline"]:  # the planner's plan accumulates gradients
+      note = (
+        f"{choice} runs the step in one call ({predicted[choice] * 1e3:.2f} ms predicted): "
+        f"{plan.planner}'s {theirs} ({predicted['pipeline'] * 1e3:.2f} ms predicted) is the "
+        "same computation in pieces, which saves memory, not time"
+      )
+    if candidates[choice].num_stages == 1:
+      note += " (min_stages=2 runs a pipeline regardless)"
+    logging.info("graph_pipeline: %s", note)
+  elif choice == "pipeline" and plan.num_stages == 1 and plan.num_microbatches > 1:
+    base = "plain jit" if len(plan.stages[0].devices) == 1 else "jit data parallel"
+    if "pipeline" in measured and base in measured:  # chosen for its measurement
+      note = (
+        f"{plan.planner}'s one stage of {plan.num_microbatches} micro-batches measured "
+        f"{measured['pipeline'] * 1e3:.2f} ms per step, faster than {base}'s "
+        f"{measured[base] * 1e3:.2f} ms in one call"
+      )
+      logging.info("graph_pipeline: %s", note)
+  return choice, note
 
 
 def predicted_peak(plan: Plan, graph: nx.DiGraph, cluster: Any, host: HostCosts | None) -> float:
