@@ -35,7 +35,9 @@ def split_step(
   marker_in_home: Sequence[int],
   marker_out_home: Sequence[int],
 ) -> StepProgram:
-  """Splits the step around the marker equation.
+  """Splits the step around the marker equation: each equation gets a home stage
+  (``_eqn_homes``), each step input the home of its first reader, each equation a level
+  (``_eqn_levels``), and the equations of one (level, home) become a piece (``_pieces``).
 
   Args:
     closed: the train step's ClosedJaxpr with exactly one marker equation.
@@ -45,6 +47,58 @@ def split_step(
   """
   J = closed.jaxpr
   eqns = list(J.eqns)
+  marker = eqns[marker_index]
+  producer: dict[xc.Var, int] = {}
+  for k, e in enumerate(eqns):
+    for o in e.outvars:
+      if not isinstance(o, xc.DropVar):
+        producer[o] = k
+  consumers: dict[int, list[int]] = {k: [] for k in range(len(eqns))}
+  for k, e in enumerate(eqns):
+    for v in e.invars:
+      if isinstance(v, xc.Var) and v in producer:
+        consumers[producer[v]].append(k)
+  home, homes = _eqn_homes(eqns, marker_index, marker_in_home, marker_out_home, consumers)
+  # Step inputs: their first consumer's home (parameters: their owner).
+  invar_home = []
+  for v in J.invars:
+    if v in home:
+      invar_home.append(home[v])
+      continue
+    h = -1
+    for k, e in enumerate(eqns):
+      if k != marker_index and any(a is v for a in e.invars):
+        h = homes[k]
+        break
+    invar_home.append(h)
+    if h >= 0:
+      home[v] = h
+  mlevel, eqn_level, exported = _eqn_levels(eqns, marker_index, homes, producer, consumers)
+  first = [False] * len(eqns)
+  for k in reversed(range(len(eqns))):
+    if k == marker_index:
+      continue
+    first[k] = exported[k] or any(
+      first[c] and homes[c] == homes[k] and eqn_level[c] == eqn_level[k] for c in consumers[k]
+    )
+  groups: dict[tuple[int, int, int], list[int]] = {}
+  for k in range(len(eqns)):
+    if k != marker_index:
+      groups.setdefault((eqn_level[k], 0 if first[k] else 1, homes[k]), []).append(k)
+  before, after = _pieces(closed, groups, producer, consumers, mlevel)
+  return StepProgram(closed, marker, before, after, tuple(invar_home))
+
+
+def _eqn_homes(
+  eqns: Sequence[xc.JaxprEqn],
+  marker_index: int,
+  marker_in_home: Sequence[int],
+  marker_out_home: Sequence[int],
+  consumers: dict[int, list[int]],
+) -> tuple[dict[xc.Var, int], list[int]]:
+  """The home stage of each value and each equation: the marker's outputs and parameter
+  inputs where the pipeline puts them; forward, an equation goes with its largest input of
+  known home; backward, an undecided one with its first consumer (stage 0 where none)."""
   home: dict[xc.Var, int] = {}
   marker = eqns[marker_index]
   for v, h in zip(marker.outvars, marker_out_home):
@@ -54,11 +108,6 @@ def split_step(
   for v, h in zip(marker.invars, marker_in_home):
     if isinstance(v, xc.Var) and h >= 0 and v not in home:
       home[v] = h
-  producer: dict[xc.Var, int] = {}
-  for k, e in enumerate(eqns):
-    for o in e.outvars:
-      if not isinstance(o, xc.DropVar):
-        producer[o] = k
   eqn_home: list[int | None] = [None] * len(eqns)
   eqn_home[marker_index] = PIPE
   # Forward: the home of the largest input with a known home.
@@ -83,11 +132,6 @@ def split_step(
         if not isinstance(o, xc.DropVar):
           home.setdefault(o, hk)
   # Backward: undecided equations take their first consumer's home.
-  consumers: dict[int, list[int]] = {k: [] for k in range(len(eqns))}
-  for k, e in enumerate(eqns):
-    for v in e.invars:
-      if isinstance(v, xc.Var) and v in producer:
-        consumers[producer[v]].append(k)
   for k in reversed(range(len(eqns))):
     if eqn_home[k] is None:
       hs = [h for h in (eqn_home[c] for c in consumers[k]) if h is not None and h != PIPE]
@@ -101,20 +145,18 @@ def split_step(
   for hk in eqn_home:
     assert hk is not None
     homes.append(hk)
-  # Step inputs: their first consumer's home (parameters: their owner).
-  invar_home = []
-  for v in J.invars:
-    if v in home:
-      invar_home.append(home[v])
-      continue
-    h = -1
-    for k, e in enumerate(eqns):
-      if k != marker_index and any(a is v for a in e.invars):
-        h = homes[k]
-        break
-    invar_home.append(h)
-    if h >= 0:
-      home[v] = h
+  return home, homes
+
+
+def _eqn_levels(
+  eqns: Sequence[xc.JaxprEqn],
+  marker_index: int,
+  homes: Sequence[int],
+  producer: dict[xc.Var, int],
+  consumers: dict[int, list[int]],
+) -> tuple[int, list[int], list[bool]]:
+  """(the marker's level, each equation's level, whether another home or the pipeline reads
+  each equation): one level more whenever a value crosses between homes."""
   # What the pipeline reads: the marker's ancestors. Everything else waits until after it, so
   # work that does not feed the loss fuses with what consumes it (Adam's ``b1 * mu`` with the
   # rest of the moment update) instead of being written out before the pipeline and read
@@ -162,17 +204,20 @@ def split_step(
     if k == marker_index or feeds_marker[k] or exported[k] or eqns[k].effects or not consumers[k]:
       continue
     eqn_level[k] = max(eqn_level[k], min(eqn_level[c] for c in consumers[k]))
-  first = [False] * len(eqns)
-  for k in reversed(range(len(eqns))):
-    if k == marker_index:
-      continue
-    first[k] = exported[k] or any(
-      first[c] and homes[c] == homes[k] and eqn_level[c] == eqn_level[k] for c in consumers[k]
-    )
-  groups: dict[tuple[int, int, int], list[int]] = {}
-  for k in range(len(eqns)):
-    if k != marker_index:
-      groups.setdefault((eqn_level[k], 0 if first[k] else 1, homes[k]), []).append(k)
+  return mlevel, eqn_level, exported
+
+
+def _pieces(
+  closed: xc.ClosedJaxpr,
+  groups: dict[tuple[int, int, int], list[int]],
+  producer: dict[xc.Var, int],
+  consumers: dict[int, list[int]],
+  mlevel: int,
+) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+  """One piece per group of equations ((level, first, home) -> equation indices), in order:
+  (those below the marker's level, those above it)."""
+  J = closed.jaxpr
+  eqns = J.eqns
   pieces_before: list[Piece] = []
   pieces_after: list[Piece] = []
   out_set = {v for v in J.outvars if isinstance(v, xc.Var)}
@@ -217,4 +262,4 @@ def split_step(
     )
     # The marker reads only values of lower levels, and whatever reads the marker sits above it.
     (pieces_before if key[0] < mlevel else pieces_after).append(piece)
-  return StepProgram(closed, marker, tuple(pieces_before), tuple(pieces_after), tuple(invar_home))
+  return tuple(pieces_before), tuple(pieces_after)
