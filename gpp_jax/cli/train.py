@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Any
 
 from absl import app, flags, logging
 
@@ -351,18 +352,12 @@ def main(argv: list[str]) -> None:
     raise
 
 
-def _main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
-  _check_flags()
-  _setup_devices()
-  import jax
-
+def _pipeline_from_flags() -> tuple[Any, Any, Any]:
+  """(the zoo run, its ``graph_pipeline``, the cluster preset) as the flags ask: the devices,
+  the model and optimizer, the mesh, and every option of the pipeline."""
   import gpp_jax
-  from gpp_jax.cli import reporting
   from gpp_jax.cost.cluster import make_cluster, process_cluster
   from gpp_jax.experiments import zoo
-  from gpp_jax.ir import layer_graph as lg
 
   devices = pick_devices(FLAGS.platform, FLAGS.num_devices)
   cluster_name = FLAGS.cluster or ("cuda" if devices[0].platform == "gpu" else "cpu")
@@ -382,8 +377,6 @@ def _main(argv: list[str]) -> None:
     clip_norm=FLAGS.clip_norm,
     dtype=None if FLAGS.dtype == "float32" else FLAGS.dtype,
   )
-  model, optimizer, train_step = run.model, run.optimizer, run.train_step
-  data = run.batches(FLAGS.batch_size, FLAGS.num_batches)
   mesh = None
   if FLAGS.mesh:
     from gpp_jax.runtime.sharding import MeshLayout, parse_mesh
@@ -400,7 +393,7 @@ def _main(argv: list[str]) -> None:
   else:
     cluster = make_cluster(cluster_name, len(devices), dtype=FLAGS.dtype)
   pp = gpp_jax.graph_pipeline(
-    train_step,
+    run.train_step,
     num_microbatches=FLAGS.num_microbatches,
     devices=None if mesh is not None else devices,
     mesh=mesh,
@@ -418,6 +411,39 @@ def _main(argv: list[str]) -> None:
     memory_limit=FLAGS.memory_limit,
     donate_argnums=(0, 1) if FLAGS.donate else (),
   )
+  return run, pp, cluster
+
+
+def _write_plan_files(pp: Any, run_dir: str) -> None:
+  """The run folder's plan.json, plan.txt, layer_graph.json, calibration.json (where the
+  layers were timed) and stage_graph.dot."""
+  from gpp_jax.ir import layer_graph as lg
+
+  with open(os.path.join(run_dir, "plan.json"), "w") as f:
+    f.write(pp.plan.to_json())
+  with open(os.path.join(run_dir, "plan.txt"), "w") as f:
+    f.write(pp.explain() + "\n")
+  with open(os.path.join(run_dir, "layer_graph.json"), "w") as f:
+    f.write(lg.to_json(pp.layer_graph))
+  if pp.calibration is not None:
+    with open(os.path.join(run_dir, "calibration.json"), "w") as f:
+      f.write(pp.calibration.to_json() + "\n")
+  write_stage_graph(pp.plan, pp.layer_graph, os.path.join(run_dir, "stage_graph.dot"))
+
+
+def _main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+  _check_flags()
+  _setup_devices()
+  import jax
+
+  import gpp_jax
+  from gpp_jax.cli import reporting
+
+  run, pp, cluster = _pipeline_from_flags()
+  model, optimizer = run.model, run.optimizer
+  data = run.batches(FLAGS.batch_size, FLAGS.num_batches)
   label = "plan" if FLAGS.plan else FLAGS.planner
   run_dir = FLAGS.run_dir or os.path.join(
     "runs", f"{FLAGS.model}-{label}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -452,16 +478,7 @@ def _main(argv: list[str]) -> None:
   logging.info("compiled and ran the first step in %.1f s", time.perf_counter() - t_start)
   if main_process:
     print(pp.explain())
-    with open(os.path.join(run_dir, "plan.json"), "w") as f:
-      f.write(pp.plan.to_json())
-    with open(os.path.join(run_dir, "plan.txt"), "w") as f:
-      f.write(pp.explain() + "\n")
-    with open(os.path.join(run_dir, "layer_graph.json"), "w") as f:
-      f.write(lg.to_json(pp.layer_graph))
-    if pp.calibration is not None:
-      with open(os.path.join(run_dir, "calibration.json"), "w") as f:
-        f.write(pp.calibration.to_json() + "\n")
-    write_stage_graph(pp.plan, pp.layer_graph, os.path.join(run_dir, "stage_graph.dot"))
+    _write_plan_files(pp, run_dir)
   after_step(start)
   # Open for the whole run (closed after the last step); lines are flushed as they are written.
   metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w") if main_process else None  # noqa: SIM115
