@@ -208,7 +208,7 @@ def test_the_handed_out_plan_is_polished_where_it_beats_every_starting_plan(monk
   polished_from = {"start": plan(0.5, "polished start"), "handed": plan(0.4, "polished handed")}
   calls = []
 
-  def fake_polish(plans, *args, **kwargs):
+  def fake_polish(problem, plans, **kwargs):
     which = "handed" if plans[0].planner == "handed" else "start"
     calls.append(which)
     return polished_from[which]
