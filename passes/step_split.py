@@ -105,9 +105,9 @@ def _eqn_homes(
     if not isinstance(v, xc.DropVar):
       home[v] = h
   # Parameters flow into the marker: their sources live on the owner stage.
-  for v, h in zip(marker.invars, marker_in_home):
-    if isinstance(v, xc.Var) and h >= 0 and v not in home:
-      home[v] = h
+  for a, h in zip(marker.invars, marker_in_home):
+    if isinstance(a, xc.Var) and h >= 0 and a not in home:
+      home[a] = h
   eqn_home: list[int | None] = [None] * len(eqns)
   eqn_home[marker_index] = PIPE
   # Forward: the home of the largest input with a known home.

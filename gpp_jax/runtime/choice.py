@@ -326,8 +326,9 @@ def _choice_note(
     if predicted[choice] < predicted["pipeline"]:
       note = (
         f"{choice} is predicted faster than {plan.planner}'s pipeline of {plan.num_stages} "
-        f"stage{'s' if plan.num_stages != 1 else ''} by the devices-only model ({predicted[choice] * 1e3:.2f} against "
-        f"{predicted['pipeline'] * 1e3:.2f} ms); calibrate=True measures this machine and "
+        f"stage{'s' if plan.num_stages != 1 else ''} by the devices-only model "
+        f"({predicted[choice] * 1e3:.2f} against {predicted['pipeline'] * 1e3:.2f} ms); "
+        "calibrate=True measures this machine and "
         "chooses by it"
       )
       logging.info("graph_pipeline: %s", note)
