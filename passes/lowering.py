@@ -3,7 +3,8 @@
 Two front ends share one builder:
 
 * ``lower_step`` lowers a schedule together with the staged step it runs: every value the
-  runtime handles becomes a buffer and every move a SEND/RECV pair: step inputs onto their
+  runtime handles becomes a buffer, made with the kind it holds (``ir.program.BufferKind``),
+  and every move a SEND/RECV pair (its ``Transfer`` says what it carries): step inputs onto their
   homes, parameters to the stages that read them, the batch onto each stage and into its
   micro-batches, activations and cotangents between stages (split or joined where stages cut
   the batch differently), gradients back to the parameters' owners, and the pieces of the
@@ -38,7 +39,17 @@ import numpy as np
 from jax.extend import core as xc
 
 from gpp_jax.errors import BatchError, CaptureError
-from gpp_jax.ir.program import Instr, Op, format_indices
+from gpp_jax.ir.program import (
+  BufferKind,
+  Cotangents,
+  Count,
+  Donate,
+  Instr,
+  Op,
+  Piece,
+  Reduce,
+  Transfer,
+)
 from gpp_jax.ir.schedule import Schedule, lanes_with_updates
 from gpp_jax.passes.costs import aval_bytes
 from gpp_jax.passes.program_builder import (
@@ -55,14 +66,17 @@ from gpp_jax.passes.schedule_lowering import lower_schedule  # noqa: F401
 BATCH, KEY, BROADCAST = "batch", "key", "broadcast"
 STATE = "state"  # state the loss updates: carried from one micro-batch to the next
 
+_ACT, _CT, _BATCH = Transfer(BufferKind.ACT), Transfer(BufferKind.CT), Transfer(BufferKind.BATCH)
+_STACKED = Transfer(BufferKind.BATCH, stacked=True)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
   """The staged train step, as the lowering reads it.
 
   Attributes:
-    staged: the staged loss (``passes.staging.StagedProgram``).
-    prog: the step around the pipeline (``passes.step_split.StepProgram``).
+    staged: the staged loss (``ir.staged.StagedProgram``).
+    prog: the step around the pipeline (``ir.step.StepProgram``).
     roles: per input of the (scan-split) loss: None for a parameter, else BATCH, KEY,
       BROADCAST or STATE.
     scan_split: how the captured loss's inputs and outputs map to the split loss's.
@@ -100,11 +114,12 @@ class StepSpec:
 
 def lower_fused(spec: StepSpec, num_microbatches: int = 1) -> Lowered:
   """The step as one executable on stage 0's devices: every argument put there, one STEP
-  (arg ``donate=<reads>``: the reads it consumes, as ``format_indices`` writes them).
+  (arg ``Donate``: the reads it consumes, written ``donate=<reads>``).
 
   On several devices (jit data parallel) each batch array is first cut into its micro-batches
-  stacked along a new leading axis (``CHUNK`` with arg ``M:stacked`` on the host lane) and put
-  with every micro-batch split over the devices (SEND arg ``stacked``)."""
+  stacked along a new leading axis (``CHUNK`` with arg ``Count(M, stacked=True)``, written
+  ``M:stacked``, on the host lane) and put with every micro-batch split over the devices (SEND
+  arg ``Transfer(batch, stacked=True)``, written ``stacked``)."""
   J = spec.prog.jaxpr.jaxpr
   bld = _Builder(1, "fused", 1)
   reads = []
@@ -113,19 +128,23 @@ def lower_fused(spec: StepSpec, num_microbatches: int = 1) -> Lowered:
   for i, v in enumerate(J.invars):
     batch = i in spec.batch_leaves
     aval = _whole_batch(v.aval, spec.batch_size) if batch else v.aval
-    b = bld.bind(Binding("leaf", i), bld.host, f"in{i}", aval)
+    b = bld.bind(Binding("leaf", i), bld.host, f"in{i}", aval, kind=BufferKind.INPUT)
     if batch and stacked:
       chunked = aval.update(shape=(M, aval.shape[0] // M, *aval.shape[1:]))
-      c = bld.new(bld.host, f"b{i}.t0@host", chunked)
-      bld.emit(Instr(Op.CHUNK, bld.host, 0, 0, (b,), (c,), arg=f"{M}:stacked"), "step")
-      dst = bld.new(0, f"b{i}.t0", chunked, nbytes=int(aval_bytes(chunked)) // spec.widths[0])
-      bld.send(c, dst, 0, "stacked", "step")
-      bld.recv(dst, bld.host, "stacked", "step")
+      c = bld.new(bld.host, f"b{i}.t0@host", chunked, kind=BufferKind.BATCH)
+      bld.emit(Instr(Op.CHUNK, bld.host, 0, 0, (b,), (c,), arg=Count(M, stacked=True)), "step")
+      nbytes = int(aval_bytes(chunked)) // spec.widths[0]
+      dst = bld.new(0, f"b{i}.t0", chunked, nbytes=nbytes, kind=BufferKind.BATCH)
+      bld.send(c, dst, 0, _STACKED, "step")
+      bld.recv(dst, bld.host, _STACKED, "step")
       reads.append(dst)
       continue
-    reads.append(bld.on(b, 0, "input", queue="step"))
-  outs = tuple(bld.new(0, f"out{k}", getattr(v, "aval", None)) for k, v in enumerate(J.outvars))
-  arg = f"donate={format_indices(spec.donated)}" if spec.donated else ""
+    reads.append(bld.on(b, 0, BufferKind.INPUT, queue="step"))
+  outs = tuple(
+    bld.new(0, f"out{k}", getattr(v, "aval", None), kind=BufferKind.PIECE)
+    for k, v in enumerate(J.outvars)
+  )
+  arg = Donate(tuple(sorted(spec.donated))) if spec.donated else None
   bld.emit(Instr(Op.STEP, 0, 0, 0, tuple(reads), outs, arg=arg), "step")
   program = bld.finish(outs, [["step"], []])
   return Lowered(
@@ -200,7 +219,7 @@ class _StepLowering:
     self.acc: dict[tuple[int, int], int] = {}
     self.res: dict[tuple[int, int], int] = {}
     self.outs: dict[tuple[int, int], tuple[int, ...]] = {}
-    self.cts: dict[tuple[int, int], tuple[tuple[int, ...], str]] = {}
+    self.cts: dict[tuple[int, int], tuple[tuple[int, ...], Cotangents]] = {}
     self.kept: dict[tuple[int, int], int] = {}
     self.seeds: dict[int, int] = {}
     self.grad_parts: dict[tuple[int, int], list[int]] = {}
@@ -210,7 +229,8 @@ class _StepLowering:
 
   # ------------------------------------------------------------------ step values
   def const(self, value: Any, name: str) -> int:
-    return self.bld.bind(Binding("const", value=value), self.bld.host, name, _aval_of(value))
+    binding = Binding("const", value=value)
+    return self.bld.bind(binding, self.bld.host, name, _aval_of(value), kind=BufferKind.INPUT)
 
   def read(self, t: int, v) -> int:
     """The buffer of step variable ``v`` at step t (wherever it lives); a step argument is
@@ -223,7 +243,9 @@ class _StepLowering:
       aval = v.aval
       if i in self.spec.batch_leaves:  # traced at micro-batch size
         aval = _whole_batch(aval, self.spec.batch_size)
-      b = self.vals[t][v] = self.bld.bind(Binding("leaf", i, t), self.bld.host, f"in{i}.t{t}", aval)
+      b = self.vals[t][v] = self.bld.bind(
+        Binding("leaf", i, t), self.bld.host, f"in{i}.t{t}", aval, kind=BufferKind.INPUT
+      )
     return b
 
   def bind_inputs(self, t: int) -> None:
@@ -236,13 +258,13 @@ class _StepLowering:
   def pieces(self, t: int, pieces) -> None:
     bld = self.bld
     for p in pieces:
-      reads = tuple(bld.on(self.read(t, v), p.home, "data") for v in p.inputs)
+      reads = tuple(bld.on(self.read(t, v), p.home, BufferKind.DATA) for v in p.inputs)
       writes = []
       for o in p.outputs:
-        self.vals[t][o] = b = bld.new(p.home, f"v.t{t}", o.aval)
+        self.vals[t][o] = b = bld.new(p.home, f"v.t{t}", o.aval, kind=BufferKind.PIECE)
         writes.append(b)
-      index = str(self.piece_index[id(p)])
-      bld.emit(Instr(Op.PIECE, p.home, -1, t, reads, tuple(writes), arg=index))
+      arg = Piece(self.piece_index[id(p)])
+      bld.emit(Instr(Op.PIECE, p.home, -1, t, reads, tuple(writes), arg=arg))
 
   def step_outputs(self, t: int) -> list[int]:
     """Step t's flat outputs (an argument returned as it is comes back on its home)."""
@@ -251,7 +273,7 @@ class _StepLowering:
       b = self.read(t, v)
       i = self.invar_index.get(v)
       if i is not None and self.spec.prog.invar_home[i] >= 0:
-        b = self.bld.on(b, self.spec.prog.invar_home[i], "input")
+        b = self.bld.on(b, self.spec.prog.invar_home[i], BufferKind.INPUT)
       out.append(b)
     return out
 
@@ -275,15 +297,17 @@ class _StepLowering:
       if i < self.nparam:
         if owner[ks[0]] < 0:
           raise CaptureError(f"parameter {i} of the loss belongs to no stage")
-        b = bld.on(b, owner[ks[0]], "param")
+        b = bld.on(b, owner[ks[0]], BufferKind.PARAM)
       if len(ks) == 1:
         ins[ks[0]] = b
         continue
       lane = bld.buffers[b].lane
-      slices = tuple(bld.new(lane, f"slice{k}.t{t}", self.loss_aval(k)) for k in ks)
+      slices = tuple(
+        bld.new(lane, f"slice{k}.t{t}", self.loss_aval(k), kind=BufferKind.PARAM) for k in ks
+      )
       bld.emit(Instr(Op.UNSTACK, lane, -1, t, (b,), slices))
       for k, sl in zip(ks, slices):
-        ins[k] = bld.on(sl, owner[k], "param") if i < self.nparam else sl
+        ins[k] = bld.on(sl, owner[k], BufferKind.PARAM) if i < self.nparam else sl
     self.loss_in[t] = ins
 
   def param(self, t: int, s: int, k: int) -> int:
@@ -296,8 +320,9 @@ class _StepLowering:
       return self.loss_in[0][k]
     if (back, k) not in self.versions:
       aval = self.loss_aval(k)
-      b = self.bld.bind(Binding("version", k, back), self.bld.host, f"p{k}-{back}", aval)
-      self.versions[(back, k)] = self.bld.on(b, self.st.param_owner[k], "input")
+      binding = Binding("version", k, back)
+      b = self.bld.bind(binding, self.bld.host, f"p{k}-{back}", aval, kind=BufferKind.INPUT)
+      self.versions[(back, k)] = self.bld.on(b, self.st.param_owner[k], BufferKind.INPUT)
     return self.versions[(back, k)]
 
   # ------------------------------------------------------------------ a stage's set-up
@@ -309,10 +334,12 @@ class _StepLowering:
     fixed = self.fixed[(s, t)] = {}
     for j, r in enumerate(st.inputs):
       if r.kind == "param":
-        fixed[j] = bld.on(self.param(t, s, r.index), s, "param", queue=grp, mb=t)
+        fixed[j] = bld.on(self.param(t, s, r.index), s, BufferKind.PARAM, queue=grp, mb=t)
     if self.spec.packed[s]:
       params = tuple(fixed[j] for j, r in enumerate(st.inputs) if r.kind == "param")
-      self.packed_buf[(s, t)] = pp = bld.new(s, f"pp{s}.t{t}", nbytes=self.size(s, "pp"))
+      self.packed_buf[(s, t)] = pp = bld.new(
+        s, f"pp{s}.t{t}", nbytes=self.size(s, "pp"), kind=BufferKind.PARAM
+      )
       bld.emit(Instr(Op.PACK, s, s, t, params, (pp,)), grp)
     for j, r in enumerate(st.inputs):
       if r.kind != "data":
@@ -321,8 +348,10 @@ class _StepLowering:
       if self.spec.roles[r.index] == BATCH:
         self.batch_setup(s, t, j, r.index, src, grp)
       else:
-        fixed[j] = bld.on(src, s, "data", queue=grp, mb=t)
-    self.acc[(s, t)] = acc = bld.new(s, f"acc{s}.t{t}", nbytes=self.size(s, "acc"))
+        fixed[j] = bld.on(src, s, BufferKind.DATA, queue=grp, mb=t)
+    self.acc[(s, t)] = acc = bld.new(
+      s, f"acc{s}.t{t}", nbytes=self.size(s, "acc"), kind=BufferKind.ACC
+    )
     bld.emit(Instr(Op.ZERO, s, s, t, (), (acc,)), grp)
 
   def batch_setup(self, s: int, t: int, j: int, k: int, src: int, grp) -> None:
@@ -343,9 +372,9 @@ class _StepLowering:
         raise CaptureError(f"batch input {k} is computed on a stage; pass it to the step")
       lane, here = bld.host, src
     else:
-      lane, here = s, bld.on(src, s, "batch", queue=grp, mb=t)
-    chunks = tuple(bld.new(lane, f"b{k}.{m}.t{t}", chunk) for m in range(M))
-    bld.emit(Instr(Op.CHUNK, lane, s, t, (here,), chunks, arg=str(M)), grp)
+      lane, here = s, bld.on(src, s, BufferKind.BATCH, queue=grp, mb=t)
+    chunks = tuple(bld.new(lane, f"b{k}.{m}.t{t}", chunk, kind=BufferKind.BATCH) for m in range(M))
+    bld.emit(Instr(Op.CHUNK, lane, s, t, (here,), chunks, arg=Count(M)), grp)
     self.chunks[(s, t, j)] = chunks
 
   # ------------------------------------------------------------------ actions
@@ -364,18 +393,21 @@ class _StepLowering:
       elif spec.roles[r.index] == BATCH:
         c = self.chunks[(s, t, j)][lm]
         if spec.multi_device[s]:
-          b = bld.new(s, f"{bld.buffers[c].name}@{s}", bld.avals[c])
-          bld.send(c, b, s, "batch", grp, s, m)
-          bld.recv(b, bld.host, "batch", grp, s, m)
+          b = bld.new(s, f"{bld.buffers[c].name}@{s}", bld.avals[c], kind=BufferKind.BATCH)
+          bld.send(c, b, s, _BATCH, grp, s, m)
+          bld.recv(b, bld.host, _BATCH, grp, s, m)
           c = b
         reads.append(c)
       elif spec.roles[r.index] == STATE and lm > 0 and (s, r.index) in self.carries:
         reads.append(self.outs[(s, m - 1)][self.carries[(s, r.index)]])
       else:
         reads.append(fixed[j])
-    self.res[(s, m)] = res = bld.new(s, f"res{s}.{m}", nbytes=self.size(s, "res"))
+    self.res[(s, m)] = res = bld.new(
+      s, f"res{s}.{m}", nbytes=self.size(s, "res"), kind=BufferKind.RES
+    )
     outs = tuple(
-      bld.new(s, f"x{o.vid}.{m}", v.aval) for o, v in zip(st.outputs, st.jaxpr.jaxpr.outvars)
+      bld.new(s, f"x{o.vid}.{m}", v.aval, kind=BufferKind.ACT)
+      for o, v in zip(st.outputs, st.jaxpr.jaxpr.outvars)
     )
     self.outs[(s, m)] = outs
     bld.emit(Instr(Op.F, s, s, m, tuple(reads), (res, *outs)), grp)
@@ -387,40 +419,42 @@ class _StepLowering:
     """Chunk m of stage s's value ``vid`` on its way to consumer c, in c's chunks."""
     bld = self.bld
     Ms, Mc = self.counts[s], self.counts[c]
+    act = BufferKind.ACT
     if Ms == Mc:
-      dst = bld.keyed_buffer(("x", c, vid, m), c, f"x{vid}.{m}@{c}", bld.avals[x])
-      bld.send(x, dst, c, "act", grp, s, m)
+      dst = bld.keyed_buffer(("x", c, vid, m), c, f"x{vid}.{m}@{c}", bld.avals[x], kind=act)
+      bld.send(x, dst, c, _ACT, grp, s, m)
     elif Mc > Ms:  # c's chunks are smaller: split here, send each piece
       r = Mc // Ms
       aval = _rows(bld.avals[x], r)
-      pieces = tuple(bld.new(s, f"x{vid}.{m}/{i}", aval) for i in range(r))
-      bld.emit(Instr(Op.SPLIT, s, s, m, (x,), pieces, arg=str(r)), grp)
+      pieces = tuple(bld.new(s, f"x{vid}.{m}/{i}", aval, kind=act) for i in range(r))
+      bld.emit(Instr(Op.SPLIT, s, s, m, (x,), pieces, arg=Count(r)), grp)
       for i, p in enumerate(pieces):
         g = m * r + i
-        dst = bld.keyed_buffer(("x", c, vid, g), c, f"x{vid}.{g}@{c}", aval)
-        bld.send(p, dst, c, "act", grp, s, m)
+        dst = bld.keyed_buffer(("x", c, vid, g), c, f"x{vid}.{g}@{c}", aval, kind=act)
+        bld.send(p, dst, c, _ACT, grp, s, m)
     else:  # c's chunk covers r of ours: send ours, c joins them
-      dst = bld.keyed_buffer(("xpart", c, vid, m), c, f"x{vid}.{m}@{c}", bld.avals[x])
-      bld.send(x, dst, c, "act", grp, s, m)
+      dst = bld.keyed_buffer(("xpart", c, vid, m), c, f"x{vid}.{m}@{c}", bld.avals[x], kind=act)
+      bld.send(x, dst, c, _ACT, grp, s, m)
 
   def activation_in(self, c: int, s: int, vid: int, m: int, aval, grp) -> int:
     """Value ``vid`` of producer s as consumer c's chunk m: received (and joined) on c."""
     bld = self.bld
     Ms, Mc = self.counts[s], self.counts[c]
     src_aval = self.st.stages[s].jaxpr.jaxpr.outvars[self.out_pos[vid][1]].aval
+    act = BufferKind.ACT
     if Mc >= Ms:
       piece = src_aval if Mc == Ms else _rows(src_aval, Mc // Ms)
-      b = bld.keyed_buffer(("x", c, vid, m), c, f"x{vid}.{m}@{c}", piece)
-      bld.recv(b, s, "act", grp, c, m)
+      b = bld.keyed_buffer(("x", c, vid, m), c, f"x{vid}.{m}@{c}", piece, kind=act)
+      bld.recv(b, s, _ACT, grp, c, m)
       return b
     r = Ms // Mc
     parts = []
     for g in range(m * r, m * r + r):
-      p = bld.keyed_buffer(("xpart", c, vid, g), c, f"x{vid}.{g}@{c}", src_aval)
-      bld.recv(p, s, "act", grp, c, m)
+      p = bld.keyed_buffer(("xpart", c, vid, g), c, f"x{vid}.{g}@{c}", src_aval, kind=act)
+      bld.recv(p, s, _ACT, grp, c, m)
       parts.append(p)
-    whole = bld.new(c, f"x{vid}.{m}@{c}", aval)
-    bld.emit(Instr(Op.CONCAT, c, c, m, tuple(parts), (whole,), arg="act"), grp)
+    whole = bld.new(c, f"x{vid}.{m}@{c}", aval, kind=act)
+    bld.emit(Instr(Op.CONCAT, c, c, m, tuple(parts), (whole,), arg=act), grp)
     return whole
 
   def backward(self, s: int, m: int, grp) -> None:
@@ -438,17 +472,24 @@ class _StepLowering:
           got.append(self.seed(s))
       groups.append(len(got))
       contribs.extend(got)
-    arg = ".".join(map(str, groups))
+    arg = Cotangents(tuple(groups))
     self.cts[(s, m)] = (tuple(contribs), arg)
     pre = [self.res[(s, m)]] + ([self.packed_buf[(s, t)]] if self.spec.packed[s] else [])
     acts = [(j, r) for j, r in enumerate(st.inputs) if r.diff and r.kind == "act"]
-    ict = tuple(bld.new(s, f"ct{r.index}.{m}@{s}", st.jaxpr.jaxpr.invars[j].aval) for j, r in acts)
+    ict = tuple(
+      bld.new(s, f"ct{r.index}.{m}@{s}", st.jaxpr.jaxpr.invars[j].aval, kind=BufferKind.CT)
+      for j, r in acts
+    )
     if self.split_w:
-      self.kept[(s, m)] = kept = bld.new(s, f"kept{s}.{m}", nbytes=self.size(s, "kept"))
+      self.kept[(s, m)] = kept = bld.new(
+        s, f"kept{s}.{m}", nbytes=self.size(s, "kept"), kind=BufferKind.RES
+      )
       bld.emit(Instr(Op.B, s, s, m, (*pre, *contribs), (kept, *ict), arg=arg), grp)
     else:
       acc = self.acc[(s, t)]
-      self.acc[(s, t)] = new = bld.new(s, f"acc{s}.{m}", nbytes=self.size(s, "acc"))
+      self.acc[(s, t)] = new = bld.new(
+        s, f"acc{s}.{m}", nbytes=self.size(s, "acc"), kind=BufferKind.ACC
+      )
       bld.emit(Instr(Op.B, s, s, m, (*pre, acc, *contribs), (new, *ict), arg=arg), grp)
     for (_, r), b in zip(acts, ict):
       p, k = self.out_pos[r.index]
@@ -460,7 +501,9 @@ class _StepLowering:
     contribs, arg = self.cts.pop((s, m))
     pre = [self.res[(s, m)]] + ([self.packed_buf[(s, t)]] if self.spec.packed[s] else [])
     acc = self.acc[(s, t)]
-    self.acc[(s, t)] = new = bld.new(s, f"acc{s}.{m}", nbytes=self.size(s, "acc"))
+    self.acc[(s, t)] = new = bld.new(
+      s, f"acc{s}.{m}", nbytes=self.size(s, "acc"), kind=BufferKind.ACC
+    )
     reads = (*pre, self.kept[(s, m)], acc, *contribs)
     bld.emit(Instr(Op.W, s, s, m, reads, (new,), arg=arg), grp)
 
@@ -472,54 +515,59 @@ class _StepLowering:
     if s not in self.seeds:
       ls, lk = self.st.loss_outputs[0]
       aval = self.st.stages[ls].jaxpr.jaxpr.outvars[lk].aval
-      self.seeds[s] = self.bld.bind(Binding("seed", s), s, f"seed{s}", aval)
+      self.seeds[s] = self.bld.bind(Binding("seed", s), s, f"seed{s}", aval, kind=BufferKind.DATA)
     return self.seeds[s]
 
   def cotangent_out(self, s: int, p: int, k: int, m: int, ct: int, grp) -> None:
     """Consumer s's cotangent (its chunk m) for output k of producer p -> p's chunks."""
     bld = self.bld
     Ms, Mp = self.counts[s], self.counts[p]
+    kind = BufferKind.CT
     if Ms == Mp:
-      dst = bld.keyed_buffer(("ct", p, k, m, s), p, f"ct{p}.{k}.{m}<{s}", bld.avals[ct])
-      bld.send(ct, dst, p, "ct", grp, s, m)
+      name = f"ct{p}.{k}.{m}<{s}"
+      dst = bld.keyed_buffer(("ct", p, k, m, s), p, name, bld.avals[ct], kind=kind)
+      bld.send(ct, dst, p, _CT, grp, s, m)
     elif Mp > Ms:
       r = Mp // Ms
       aval = _rows(bld.avals[ct], r)
-      pieces = tuple(bld.new(s, f"ct{p}.{k}.{m}<{s}/{i}", aval) for i in range(r))
-      bld.emit(Instr(Op.SPLIT, s, s, m, (ct,), pieces, arg=str(r)), grp)
+      pieces = tuple(bld.new(s, f"ct{p}.{k}.{m}<{s}/{i}", aval, kind=kind) for i in range(r))
+      bld.emit(Instr(Op.SPLIT, s, s, m, (ct,), pieces, arg=Count(r)), grp)
       for i, piece in enumerate(pieces):
         g = m * r + i
-        dst = bld.keyed_buffer(("ct", p, k, g, s), p, f"ct{p}.{k}.{g}<{s}", aval)
-        bld.send(piece, dst, p, "ct", grp, s, m)
+        dst = bld.keyed_buffer(("ct", p, k, g, s), p, f"ct{p}.{k}.{g}<{s}", aval, kind=kind)
+        bld.send(piece, dst, p, _CT, grp, s, m)
     else:
-      dst = bld.keyed_buffer(("ctpart", p, k, m, s), p, f"ct{p}.{k}.{m}<{s}", bld.avals[ct])
-      bld.send(ct, dst, p, "ct", grp, s, m)
+      name = f"ct{p}.{k}.{m}<{s}"
+      dst = bld.keyed_buffer(("ctpart", p, k, m, s), p, name, bld.avals[ct], kind=kind)
+      bld.send(ct, dst, p, _CT, grp, s, m)
 
   def cotangent_in(self, p: int, k: int, s: int, m: int, grp) -> int:
     """Consumer s's cotangent for output k of p, as p's chunk m, received on p."""
     bld = self.bld
     Ms, Mp = self.counts[s], self.counts[p]
     aval = self.st.stages[p].jaxpr.jaxpr.outvars[k].aval
+    kind = BufferKind.CT
     if Mp >= Ms:
       piece = aval
-      b = bld.keyed_buffer(("ct", p, k, m, s), p, f"ct{p}.{k}.{m}<{s}", piece)
-      bld.recv(b, s, "ct", grp, p, m)
+      b = bld.keyed_buffer(("ct", p, k, m, s), p, f"ct{p}.{k}.{m}<{s}", piece, kind=kind)
+      bld.recv(b, s, _CT, grp, p, m)
       return b
     r = Ms // Mp
     parts = []
     for g in range(m * r, m * r + r):
-      b = bld.keyed_buffer(("ctpart", p, k, g, s), p, f"ct{p}.{k}.{g}<{s}", _rows(aval, r))
-      bld.recv(b, s, "ct", grp, p, m)
+      name = f"ct{p}.{k}.{g}<{s}"
+      b = bld.keyed_buffer(("ctpart", p, k, g, s), p, name, _rows(aval, r), kind=kind)
+      bld.recv(b, s, _CT, grp, p, m)
       parts.append(b)
-    whole = bld.new(p, f"ct{p}.{k}.{m}<{s}", aval)
-    bld.emit(Instr(Op.CONCAT, p, p, m, tuple(parts), (whole,), arg="ct"), grp)
+    whole = bld.new(p, f"ct{p}.{k}.{m}<{s}", aval, kind=kind)
+    bld.emit(Instr(Op.CONCAT, p, p, m, tuple(parts), (whole,), arg=kind), grp)
     return whole
 
   def update(self, s: int, t: int, grp) -> None:
     """Stage s's gradient sums of step t, one buffer per parameter it reads."""
     bld, st = self.bld, self.st.stages[s]
     ins = [(r, v) for r, v in zip(st.inputs, st.jaxpr.jaxpr.invars) if r.kind == "param"]
-    grads = tuple(bld.new(s, f"g{r.index}.t{t}@{s}", v.aval) for r, v in ins)
+    grads = tuple(bld.new(s, f"g{r.index}.t{t}@{s}", v.aval, kind=BufferKind.GRAD) for r, v in ins)
     bld.emit(Instr(Op.UPDATE, s, s, t, (self.acc[(s, t)],), grads), grp)
     for (r, _), g in zip(ins, grads):
       self.grad_parts.setdefault((t, r.index), []).append(g)
@@ -544,11 +592,11 @@ class _StepLowering:
       grads = []
       for k in ks:
         own = owner[k]
-        parts = [bld.on(g, own, "grad") for g in self.grad_parts.get((t, k), [])]
+        parts = [bld.on(g, own, BufferKind.GRAD) for g in self.grad_parts.get((t, k), [])]
         if len(parts) == 1:
           grads.append(parts[0])
           continue
-        g = bld.new(own, f"g{k}.t{t}", self.loss_aval(k))
+        g = bld.new(own, f"g{k}.t{t}", self.loss_aval(k), kind=BufferKind.GRAD)
         bld.emit(Instr(Op.ADD if parts else Op.ZEROS, own, -1, t, tuple(parts), (g,)))
         grads.append(g)
       self.vals[t][o] = self.stacked(grads, [owner[k] for k in ks], o.aval, t)
@@ -564,11 +612,11 @@ class _StepLowering:
     asked = self.spec.reduce[q] if q < len(self.spec.reduce) else None
     mode = reduction(q, aval, self.mb[ls], q in self.state_outputs, asked)
     out_aval = aval
-    if mode == "concat":
+    if mode is Reduce.CONCAT:
       out_aval = aval.update(shape=(aval.shape[0] * M, *aval.shape[1:]))
-    elif mode == "last":
+    elif mode is Reduce.LAST:
       vals = vals[-1:]
-    out = bld.new(ls, f"loss{q}.t{t}", out_aval)
+    out = bld.new(ls, f"loss{q}.t{t}", out_aval, kind=BufferKind.LOSS)
     bld.emit(Instr(Op.REDUCE, ls, ls, t, tuple(vals), (out,), arg=mode))
     return out
 
@@ -577,8 +625,8 @@ class _StepLowering:
     if len(bufs) == 1:
       return bufs[0]
     bld = self.bld
-    parts = tuple(bld.on(b, lanes[0], "grad") for b in bufs)
-    out = bld.new(lanes[0], f"stack.t{t}", aval)
+    parts = tuple(bld.on(b, lanes[0], BufferKind.GRAD) for b in bufs)
+    out = bld.new(lanes[0], f"stack.t{t}", aval, kind=BufferKind.GRAD)
     bld.emit(Instr(Op.STACK, lanes[0], -1, t, parts, (out,)))
     return out
 
@@ -632,23 +680,23 @@ class _StepLowering:
     )
 
 
-def reduction(index: int, aval, microbatch: int, state: bool, asked: str | None) -> str:
+def reduction(index: int, aval, microbatch: int, state: bool, asked: str | None) -> Reduce:
   """How loss output ``index`` combines over micro-batches: the loss (index 0) is averaged;
   state the loss carries takes the last micro-batch's value; an aux leaf what ``aux_reduce``
   asked, else per-example values (leading axis = the micro-batch) are concatenated, other
   floating values averaged, the rest (integers) the last."""
   if index == 0:
-    return "mean"
+    return Reduce.MEAN
   if state:
-    return "last"
+    return Reduce.LAST
   per_example = len(aval.shape) >= 1 and aval.shape[0] == microbatch
   if asked is not None:
     if asked == "concat" and not len(aval.shape):
       raise CaptureError(f"aux_reduce asks to concatenate aux leaf {index - 1}, a scalar")
-    return asked
+    return Reduce(asked)
   if per_example:
-    return "concat"
-  return "mean" if jnp.issubdtype(aval.dtype, jnp.inexact) else "last"
+    return Reduce.CONCAT
+  return Reduce.MEAN if jnp.issubdtype(aval.dtype, jnp.inexact) else Reduce.LAST
 
 
 def _rows(aval, r: int):

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import re
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 from gpp_jax.errors import ScheduleError
-from gpp_jax.ir.program import Buffer, Instr, Op, Program, validate_program
+from gpp_jax.ir.program import Buffer, BufferKind, Instr, Op, Program, Transfer, validate_program
 from gpp_jax.ir.schedule import Action, Schedule, device_lanes_with_updates
 from gpp_jax.passes.costs import aval_bytes
 
@@ -65,8 +64,14 @@ class _Pending:
   missing: int = 0
 
 
+# Copies that hold what the transfer says (a parameter, the batch, a gradient); a copy sent for
+# another reason (a step input, data) holds what its source holds.
+_COPY_KINDS = frozenset({BufferKind.PARAM, BufferKind.BATCH, BufferKind.GRAD})
+
+
 class _Builder:
-  """Buffers and instructions, queued per lane or floating; ``finish`` orders them."""
+  """Buffers and instructions, queued per lane or floating; ``finish`` orders them. Each
+  buffer is made with its ``BufferKind``."""
 
   def __init__(self, num_stages: int, name: str, steps: int):
     self.S = num_stages
@@ -94,7 +99,8 @@ class _Builder:
     name: str,
     aval: Any = None,
     nbytes: int | None = None,
-    kind: str | None = None,
+    *,
+    kind: BufferKind,
   ) -> int:
     shape: tuple[int, ...] = ()
     dtype = ""
@@ -105,20 +111,21 @@ class _Builder:
         width, mb = self.split.get(lane, (1, 0))
         if width > 1 and shape and shape[0] == mb:  # split over the lane's devices
           nbytes //= width
-    kind = kind or _kind_of(name)
     self.buffers.append(Buffer(lane, name, shape, dtype, -1 if nbytes is None else nbytes, kind))
     self.avals.append(aval)
     return len(self.buffers) - 1
 
-  def keyed_buffer(self, key: Hashable, lane: int, name: str, aval: Any = None) -> int:
+  def keyed_buffer(
+    self, key: Hashable, lane: int, name: str, aval: Any = None, *, kind: BufferKind
+  ) -> int:
     """The buffer named by ``key``, made on first use (both ends of a transfer meet there)."""
     b = self.keyed.get(key)
     if b is None:
-      b = self.keyed[key] = self.new(lane, name, aval)
+      b = self.keyed[key] = self.new(lane, name, aval, kind=kind)
     return b
 
-  def bind(self, binding: Binding, lane: int, name: str, aval: Any) -> int:
-    b = self.new(lane, name, aval)
+  def bind(self, binding: Binding, lane: int, name: str, aval: Any, *, kind: BufferKind) -> int:
+    b = self.new(lane, name, aval, kind=kind)
     self.inputs.append(b)
     self.bindings.append(binding)
     return b
@@ -130,8 +137,12 @@ class _Builder:
     (self.floating if group is None else self.groups.setdefault(group, [])).append(p)
     return instr
 
-  def on(self, b: int, lane: int, kind: str, queue: Hashable | None = None, mb: int = -1) -> int:
-    """Buffer ``b`` on ``lane``: itself, or a copy sent there (made once per buffer and lane).
+  def on(
+    self, b: int, lane: int, kind: BufferKind, queue: Hashable | None = None, mb: int = -1
+  ) -> int:
+    """Buffer ``b`` on ``lane``: itself, or a copy sent there (made once per buffer and lane)
+    by a transfer of ``kind``; the copy is of that kind where it is a parameter, the batch or
+    a gradient, else of the source's kind.
 
     The SEND and RECV are queued in group ``queue`` (a stage's set-up) or float."""
     src = self.buffers[b].lane
@@ -140,22 +151,25 @@ class _Builder:
     c = self.copies.get((b, lane))
     if c is None:
       src_buf = self.buffers[b]
-      copy_kind = kind if kind in ("param", "batch", "grad") else src_buf.kind
+      copy_kind = kind if kind in _COPY_KINDS else src_buf.kind
       c = self.copies[(b, lane)] = self.new(
-        lane, f"{src_buf.name}@{lane}", self.avals[b], src_buf.nbytes, copy_kind
+        lane, f"{src_buf.name}@{lane}", self.avals[b], src_buf.nbytes, kind=copy_kind
       )
-      self.emit(Instr(Op.SEND, src, mb=mb, reads=(b,), writes=(c,), peer=lane, arg=kind), queue)
-      self.emit(Instr(Op.RECV, lane, mb=mb, reads=(c,), peer=src, arg=kind), queue)
+      arg = Transfer(kind)
+      self.emit(Instr(Op.SEND, src, mb=mb, reads=(b,), writes=(c,), peer=lane, arg=arg), queue)
+      self.emit(Instr(Op.RECV, lane, mb=mb, reads=(c,), peer=src, arg=arg), queue)
     return c
 
-  def send(self, b: int, dst: int, lane: int, kind: str, queue: Hashable, stage=-1, mb=-1) -> None:
+  def send(
+    self, b: int, dst: int, lane: int, arg: Transfer, queue: Hashable, stage=-1, mb=-1
+  ) -> None:
     """A SEND of ``b`` into the (keyed) buffer ``dst`` on ``lane``; its RECV is queued apart."""
     src = self.buffers[b].lane
-    self.emit(Instr(Op.SEND, src, stage, mb, reads=(b,), writes=(dst,), peer=lane, arg=kind), queue)
+    self.emit(Instr(Op.SEND, src, stage, mb, reads=(b,), writes=(dst,), peer=lane, arg=arg), queue)
 
-  def recv(self, dst: int, src_lane: int, kind: str, queue: Hashable, stage=-1, mb=-1) -> None:
+  def recv(self, dst: int, src_lane: int, arg: Transfer, queue: Hashable, stage=-1, mb=-1) -> None:
     lane = self.buffers[dst].lane
-    self.emit(Instr(Op.RECV, lane, stage, mb, reads=(dst,), peer=src_lane, arg=kind), queue)
+    self.emit(Instr(Op.RECV, lane, stage, mb, reads=(dst,), peer=src_lane, arg=arg), queue)
 
   # ------------------------------------------------------------------ ordering
   def finish(
@@ -303,26 +317,3 @@ def program_places(sched: Schedule) -> tuple[int, ...] | None:
   if not sched.shares_devices:
     return None
   return (*(sched.places or ()), sched.num_places)
-
-
-# Buffer names the lowering gives -> what the buffer holds (``ir.program.KINDS``).
-_NAME_KINDS = tuple(
-  (re.compile(pattern), kind)
-  for pattern, kind in (
-    (r"in\d|literal|out-literal|p\d+-\d", "input"),
-    (r"seed", "data"),
-    (r"slice|pp\d", "param"),
-    (r"acc", "acc"),
-    (r"b\d", "batch"),
-    (r"res|kept", "res"),
-    (r"x\d", "act"),
-    (r"ct\d", "ct"),
-    (r"g\d|stack", "grad"),
-    (r"loss", "loss"),
-    (r"v\.|out\d", "piece"),
-  )
-)
-
-
-def _kind_of(name: str) -> str:
-  return next((kind for pattern, kind in _NAME_KINDS if pattern.match(name)), "other")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpp_jax.ir.program import Buffer, Instr, Op, Program
+from gpp_jax.ir.program import Buffer, BufferKind, Instr, Op, Program, Transfer
 from gpp_jax.ir.schedule import (
   Schedule,
   chunk_range,
@@ -15,6 +15,8 @@ from gpp_jax.ir.schedule import (
   lanes_with_updates,
 )
 from gpp_jax.passes.program_builder import program_places
+
+_ACT, _CT = Transfer(BufferKind.ACT), Transfer(BufferKind.CT)
 
 
 def lower_schedule(sched: Schedule) -> Program:
@@ -38,7 +40,7 @@ def lower_schedule(sched: Schedule) -> Program:
   order = dispatch_order(sched)
   one_step = sched.steps == 1
   split_w = [any(a.kind == "W" for a in lane) for lane in lanes]
-  anon = [Buffer(l, "v") for l in range(S + 1)]
+  anon = [Buffer(l, "v", kind=BufferKind.OTHER) for l in range(S + 1)]
   buffers: list[Buffer] = []
   keyed: dict[tuple, int] = {}
   readers: dict[int, int] = {}  # received buffer -> reads still to come
@@ -48,7 +50,7 @@ def lower_schedule(sched: Schedule) -> Program:
     buffers.append(anon[lane])
     return len(buffers) - 1
 
-  def arrive(key: tuple, s: int, src: int, kind: str, m: int, uses: int) -> int:
+  def arrive(key: tuple, s: int, src: int, kind: Transfer, m: int, uses: int) -> int:
     """The buffer ``key`` sent to s: received (before its first reader), freed by its last."""
     b = keyed.get(key)
     if b is None:
@@ -74,7 +76,7 @@ def lower_schedule(sched: Schedule) -> Program:
     s, m = a.stage, a.microbatch
     if a.kind == "F":
       reads = [
-        arrive(("a", p, s, k), s, p, "act", m, uses(s, p))
+        arrive(("a", p, s, k), s, p, _ACT, m, uses(s, p))
         for p in preds[s]
         for k in chunk_range(counts, s, m, p)
       ]
@@ -89,11 +91,11 @@ def lower_schedule(sched: Schedule) -> Program:
         if dst == len(buffers):
           new(c)
         last = (out,) if i == len(succs[s]) - 1 else ()
-        instrs.append(Instr(Op.SEND, s, s, m, (out,), (dst,), last, c, "act"))
+        instrs.append(Instr(Op.SEND, s, s, m, (out,), (dst,), last, c, _ACT))
     elif a.kind == "B":
       res = keyed[("res", s, m)]
       cts = [
-        arrive(("c", c, s, k), s, c, "ct", m, uses(s, c))
+        arrive(("c", c, s, k), s, c, _CT, m, uses(s, c))
         for c in succs[s]
         for k in chunk_range(counts, s, m, c)
       ]
@@ -112,7 +114,7 @@ def lower_schedule(sched: Schedule) -> Program:
         if dst == len(buffers):
           new(p)
         last = (ict,) if i == len(preds[s]) - 1 else ()
-        instrs.append(Instr(Op.SEND, s, s, m, (ict,), (dst,), last, p, "ct"))
+        instrs.append(Instr(Op.SEND, s, s, m, (ict,), (dst,), last, p, _CT))
     elif a.kind == "W":
       both = (keyed[("res", s, m)], keyed[("bw", s, m)])
       instrs.append(Instr(Op.W, s, s, m, both, (), both))

@@ -10,7 +10,22 @@ from harness import DAG_STAGES, OPTIMIZERS, dag_model, dag_params, make_batch, m
 import gpp_jax
 from gpp_jax.cost.cluster import cpu_cluster
 from gpp_jax.cost.simulator import simulate_program
-from gpp_jax.ir.program import Instr, Op, Program, ProgramError, validate_program
+from gpp_jax.ir.program import (
+  Arg,
+  BufferKind,
+  Cotangents,
+  Count,
+  Donate,
+  Instr,
+  Op,
+  Piece,
+  Program,
+  ProgramError,
+  Reduce,
+  Transfer,
+  _parse_instr,
+  validate_program,
+)
 from gpp_jax.passes.lowering import lower_schedule
 from gpp_jax.passes.schedules import make_schedule, stream_schedule
 from gpp_jax.passes.simulation import simulate_times
@@ -61,12 +76,41 @@ def test_the_step_program_reads_back_from_text(dag):
   prog = pp.program
   validate_program(prog)
   assert Program.from_text(prog.to_text()) == prog
-  kinds = {i.arg for i in prog.instrs if i.op is Op.SEND}
+  kinds = {i.arg.kind for i in prog.instrs if isinstance(i.arg, Transfer) and i.op is Op.SEND}
   # Activations and cotangents between stages, parameters onto their owners, the batch onto
   # the stages that read it, gradients and optimizer values between the step's pieces.
   assert {"act", "ct", "param", "batch"} <= kinds, kinds
   assert prog.count(Op.F) == prog.count(Op.B) == 4 * 4
   assert prog.count(Op.PIECE) == len(pp.compiled.prog.before + pp.compiled.prog.after)
+
+
+@pytest.mark.parametrize(
+  "op, arg, word",
+  [
+    (Op.SEND, Transfer(BufferKind.PARAM), "param"),
+    (Op.RECV, Transfer(BufferKind.BATCH, stacked=True), "stacked"),
+    (Op.CHUNK, Count(4, stacked=True), "4:stacked"),
+    (Op.SPLIT, Count(2), "2"),
+    (Op.CONCAT, BufferKind.CT, "ct"),
+    (Op.B, Cotangents((2, 0, 1)), "2.0.1"),
+    (Op.REDUCE, Reduce.CONCAT, "concat"),
+    (Op.PIECE, Piece(3), "3"),
+    (Op.STEP, Donate((0, 1, 2, 5)), "donate=0-2.5"),
+  ],
+)
+def test_an_instruction_argument_is_one_word_that_reads_back(op, arg, word):
+  peer = 1 if op in (Op.SEND, Op.RECV) else -1
+  ins = Instr(op, 0, 0, 0, (1,), (2,), peer=peer, arg=arg)
+  assert str(ins).split(" : ")[0].endswith(f" {word}")
+  back = _parse_instr(str(ins))
+  assert back == ins and type(back.arg) is type(arg)
+
+
+def test_the_text_form_rejects_an_argument_it_cannot_read():
+  with pytest.raises(ProgramError, match="takes no argument"):
+    _parse_instr("L1 F1.3 2 : %1")
+  with pytest.raises(ProgramError, match="cannot read SEND's argument"):
+    _parse_instr("L1 SEND>2 weights : %1 -> %2")
 
 
 def _drop(prog: Program, k: int) -> Program:
@@ -75,8 +119,8 @@ def _drop(prog: Program, k: int) -> Program:
   return dataclasses.replace(prog, instrs=tuple(instrs))
 
 
-def _first(prog: Program, op: Op, arg: str = "") -> int:
-  return next(k for k, i in enumerate(prog.instrs) if i.op is op and (not arg or i.arg == arg))
+def _first(prog: Program, op: Op, arg: Arg | None = None) -> int:
+  return next(k for k, i in enumerate(prog.instrs) if i.op is op and arg in (None, i.arg))
 
 
 def test_the_validator_catches_a_missing_recv():
@@ -98,7 +142,7 @@ def test_the_validator_catches_a_read_before_arrival():
 
 def test_the_validator_catches_a_recv_without_send():
   prog = lower_schedule(make_schedule("1f1b", 2, [(0, 1)], 2))
-  k = _first(prog, Op.SEND, "act")
+  k = _first(prog, Op.SEND, Transfer(BufferKind.ACT))
   send = prog.instrs[k]
   instrs = list(prog.instrs)
   instrs.insert(k, Instr(Op.RECV, send.peer, reads=send.writes, peer=send.lane))

@@ -14,6 +14,7 @@ from gpp_jax.cost.simulator import SimResult, chrome_trace, write_chrome_trace
 from gpp_jax.errors import ScheduleError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, Stage
+from gpp_jax.ir.program import BufferKind, Transfer
 from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.inflight import graph_1f1b, inflight_counts, longest_path_to_sink
 from gpp_jax.passes.schedules import gpipe, make_schedule, one_f_one_b
@@ -328,8 +329,9 @@ def test_the_planners_fast_path_times_the_lowered_program(dag, M, name, xs, mixe
     if i.op.value in ("F", "B", "W"):
       durations.append({"F": tf, "B": tb, "W": tw}[i.op.value](i.stage, i.mb))
     elif i.op.value == "SEND":
-      x = kw["activation_transfer"] if i.arg == "act" else kw["cotangent_transfer"]
-      durations.append(x.get((i.lane, i.peer) if i.arg == "act" else (i.peer, i.lane), 0.0))
+      act = i.arg == Transfer(BufferKind.ACT)
+      x = kw["activation_transfer"] if act else kw["cotangent_transfer"]
+      durations.append(x.get((i.lane, i.peer) if act else (i.peer, i.lane), 0.0))
     elif i.op.value == "UPDATE":
       durations.append(kw["update"][i.stage])
     else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 
-from gpp_jax.ir.program import Op, Program, step_donates
+from gpp_jax.ir.program import BufferKind, Op, Program, Transfer, step_donates
 
 
 def format_bytes(n: float) -> str:
@@ -31,22 +31,22 @@ def format_bytes(n: float) -> str:
 
 # Transfers from the host lane whose destination is the caller's own array when it is already
 # placed (the step's arguments: parameters, optimizer state), not a new one.
-_ALIASING_SENDS = ("input", "param")
+_ALIASING_SENDS = frozenset({Transfer(BufferKind.INPUT), Transfer(BufferKind.PARAM)})
 
-# Buffer kinds -> the categories a memory breakdown reports.
-CATEGORIES = {
-  "param": "parameters",
-  "input": "optimizer state",
-  "acc": "gradients",
-  "grad": "gradients",
-  "res": "stashed activations",
-  "act": "activations and cotangents",
-  "ct": "activations and cotangents",
-  "batch": "batch",
-  "piece": "optimizer work",
-  "loss": "other",
-  "data": "other",
-  "other": "other",
+# Buffer kinds -> the categories a memory breakdown reports (read with a kind's string too).
+CATEGORIES: dict[str, str] = {
+  BufferKind.PARAM: "parameters",
+  BufferKind.INPUT: "optimizer state",
+  BufferKind.ACC: "gradients",
+  BufferKind.GRAD: "gradients",
+  BufferKind.RES: "stashed activations",
+  BufferKind.ACT: "activations and cotangents",
+  BufferKind.CT: "activations and cotangents",
+  BufferKind.BATCH: "batch",
+  BufferKind.PIECE: "optimizer work",
+  BufferKind.LOSS: "other",
+  BufferKind.DATA: "other",
+  BufferKind.OTHER: "other",
 }
 
 
@@ -126,7 +126,7 @@ def program_memory(
     # A backward donates the gradient sums it reads: the new sums take their memory; a fused
     # step the arguments given by donate_argnums (the caller's arrays, or their placed copies).
     if ins.op in (Op.B, Op.W):
-      donated = {b for b in ins.frees if program.buffers[b].kind == "acc"}
+      donated = {b for b in ins.frees if program.buffers[b].kind == BufferKind.ACC}
     elif ins.op is Op.STEP:
       donated = {ins.reads[i] for i in step_donates(ins)}
     else:

@@ -75,7 +75,7 @@ from gpp_jax.cost.step_model import (  # noqa: F401
   spmd_factor,
   step_durations,
 )
-from gpp_jax.ir.program import Instr, Op, Program, puts_together
+from gpp_jax.ir.program import BufferKind, Instr, Op, Program, Transfer, puts_together
 from gpp_jax.ir.schedule import Schedule
 
 
@@ -107,7 +107,7 @@ def simulate_lowered(
   tf, tb, tw, up, act_x, cot_x = _given_times(
     schedule, forward, backward, weight, update, activation_transfer, cotangent_transfer
   )
-  F, B, W, SEND = Op.F, Op.B, Op.W, Op.SEND
+  F, B, W, SEND, ACT = Op.F, Op.B, Op.W, Op.SEND, _ACT
   durations = []
   for i in program.instrs:
     op = i.op
@@ -119,7 +119,7 @@ def simulate_lowered(
       durations.append(tw(i.stage, i.mb))
     elif op is SEND:
       durations.append(
-        act_x.get((i.lane, i.peer), 0.0) if i.arg == "act" else cot_x.get((i.peer, i.lane), 0.0)
+        act_x.get((i.lane, i.peer), 0.0) if i.arg == ACT else cot_x.get((i.peer, i.lane), 0.0)
       )
     elif op is Op.UPDATE:
       durations.append(float(up[i.stage]))
@@ -148,7 +148,9 @@ def simulate_lowered(
   return res if timeline else dataclasses.replace(res, actions=(), transfers=())
 
 
-_TRANSFER_KINDS = {"act": "activation", "ct": "cotangent"}
+_ACT = Transfer(BufferKind.ACT)
+# What a transfer carries -> its kind in the result (``TransferTime.kind``; others by their word).
+_TRANSFER_KINDS: dict[Any, str] = {_ACT: "activation", Transfer(BufferKind.CT): "cotangent"}
 
 
 def simulate_program(
@@ -278,7 +280,7 @@ def simulate_program(
         ready[b] = max(dep, issued)
       continue
     if op is SEND:
-      kind = kinds.get(i.arg, i.arg)
+      kind = kinds.get(i.arg) or ("" if i.arg is None else str(i.arg))
       key = (kind, i.lane, i.peer)
       chan = chan_of.get(key, key)
       start = max(dep, chan_free[chan], issued)

@@ -33,7 +33,9 @@ Text form (``Program.to_text`` / ``Program.from_text``), one instruction a line:
   L2 RECV<1 act : %47
 
 ``L<lane>``, the op with its stage and micro-batch where it has them, ``>peer`` / ``<peer`` for
-transfers, an argument word, the buffers read ``->`` written, and those freed.
+transfers, the op's argument (``Instr.arg``, one word: ``Transfer``, ``Count``, ``Cotangents``,
+``Reduce``, ``Piece``, ``Donate`` or a ``BufferKind``, each written by its ``str``), the buffers
+read ``->`` written, and those freed.
 """
 
 from __future__ import annotations
@@ -55,30 +57,30 @@ class Op(enum.StrEnum):
   """Instruction kinds, and the kinds of a schedule's actions (``ir.schedule.Action.kind``:
   ``F``, ``B``, ``W``, ``UPDATE``). A member equals its name as a string (``Op.F == "F"``)."""
 
-  # Moving values.
+  # Moving values (arg: Transfer).
   SEND = "SEND"  # a buffer to another lane (jax.device_put); RECV marks its arrival
   RECV = "RECV"
   # A stage's set-up for a step.
-  CHUNK = "CHUNK"  # a batch array cut into the stage's micro-batches (arg: how many)
+  CHUNK = "CHUNK"  # a batch array cut into the stage's micro-batches (arg: Count)
   PACK = "PACK"  # the stage's parameters packed into one buffer per dtype
   ZERO = "ZERO"  # the stage's gradient sums, zeroed
   # The schedule's actions.
   F = "F"  # forward of (stage, micro-batch)
-  B = "B"  # backward (input cotangents only when the schedule has W)
-  W = "W"  # weight-gradient part of a split backward
+  B = "B"  # backward (input cotangents only when the schedule has W; arg: Cotangents)
+  W = "W"  # weight-gradient part of a split backward (arg: Cotangents)
   UPDATE = "UPDATE"  # the stage's gradient sums of a step are complete: one per parameter
   # Re-chunking between stages of different micro-batch sizes.
-  SPLIT = "SPLIT"  # a chunk cut into smaller chunks (arg: how many)
-  CONCAT = "CONCAT"  # chunks joined into a bigger one
+  SPLIT = "SPLIT"  # a chunk cut into smaller chunks (arg: Count)
+  CONCAT = "CONCAT"  # chunks joined into a bigger one (arg: their BufferKind, act or ct)
   # Gradients and outputs.
   ADD = "ADD"  # a parameter's gradient contributions summed on its owner
   ZEROS = "ZEROS"  # the zero gradient of a parameter the loss never reads
-  REDUCE = "REDUCE"  # a loss output over micro-batches (arg: mean, concat or last)
+  REDUCE = "REDUCE"  # a loss output over micro-batches (arg: Reduce)
   UNSTACK = "UNSTACK"  # a stacked (scanned) array cut into its slices
   STACK = "STACK"  # slices stacked into one array
   # The step around the pipeline.
-  PIECE = "PIECE"  # a piece of the train step (passes.step_split; arg: its index)
-  STEP = "STEP"  # the whole step as one executable (one stage; arg donate=<reads> it consumes)
+  PIECE = "PIECE"  # a piece of the train step (passes.step_split; arg: Piece)
+  STEP = "STEP"  # the whole step as one executable (one stage; arg: Donate, the reads it consumes)
 
   # Hashed as the string it equals, in C: schedules and simulations key dicts by kinds.
   __hash__ = str.__hash__
@@ -90,39 +92,171 @@ COMPUTE = frozenset(Op) - {Op.SEND, Op.RECV}
 _SCHEDULED = frozenset({Op.F, Op.B, Op.W, Op.UPDATE})
 
 
+class BufferKind(enum.StrEnum):
+  """What a buffer holds, for memory accounting (``cost.memory.CATEGORIES``), set where the
+  lowering makes it. A member equals its value as a string (``BufferKind.ACT == "act"``)."""
+
+  INPUT = "input"  # a step argument (and its copies), a constant, an older parameter version
+  PARAM = "param"  # parameters: copies on the stages that read them, packed, slices of a scan
+  BATCH = "batch"  # the batch, its copies and its chunks
+  DATA = "data"  # other loss inputs (keys, constants) and the loss seed
+  ACT = "act"  # activations
+  CT = "ct"  # cotangents
+  RES = "res"  # stashed residuals, and what a split backward keeps for W
+  ACC = "acc"  # gradient sums
+  GRAD = "grad"  # gradients (and scan slices stacked again)
+  LOSS = "loss"  # loss outputs reduced over micro-batches
+  PIECE = "piece"  # values of the step's pieces (the optimizer) and a fused step's outputs
+  OTHER = "other"  # anything else (a schedule's values, lowered without the step)
+
+  # Hashed as the string it equals, in C: dicts keyed by kinds are read with either.
+  __hash__ = str.__hash__
+
+
+# Every buffer kind, in ``BufferKind``'s order.
+KINDS = tuple(BufferKind)
+
+
 @dataclasses.dataclass(frozen=True)
 class Buffer:
   """A value of the program: where it lives and what it is.
 
   ``name`` is readable (``x12.3``: value 12 of micro-batch 3; ``res1.3``; ``acc1.2``);
   ``nbytes`` is its size per device holding it (-1 when lowering does not know it); ``kind``
-  what it is for (``KINDS``), for memory accounting."""
+  what it is for, for memory accounting."""
 
   lane: int
   name: str
   shape: tuple[int, ...] = ()
   dtype: str = ""
   nbytes: int = -1
-  kind: str = "other"
+  kind: BufferKind = BufferKind.OTHER
 
 
-# What a buffer holds: a step argument, parameters (copies, packed, slices), the batch (and its
-# chunks), other loss inputs (keys, constants), activations and cotangents, stashed residuals,
-# gradient sums and gradients, loss outputs, values of the step's pieces (the optimizer).
-KINDS = (
-  "input",
-  "param",
-  "batch",
-  "data",
-  "act",
-  "ct",
-  "res",
-  "acc",
-  "grad",
-  "loss",
-  "piece",
-  "other",
-)
+# ---------------------------------------------------------------------- instruction arguments
+# One type per shape of ``Instr.arg``; ``str`` of each is its word in the text form.
+
+# Transfers whose value has the micro-batch as its leading axis (split over a stage's devices).
+_BATCHED = frozenset({BufferKind.ACT, BufferKind.CT, BufferKind.BATCH})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transfer:
+  """SEND's and RECV's argument: what the transfer carries (``act``, ``ct``, ``param``,
+  ``grad``, ``data``, ``batch``, ``input``). ``stacked``: a batch array's micro-batches stacked
+  along a new leading axis, each split over the destination's devices (a fused step over
+  several devices), written ``stacked``."""
+
+  kind: BufferKind
+  stacked: bool = False
+
+  @property
+  def batched(self) -> bool:
+    """Whether the value's leading axis is the micro-batch (activations, cotangents, batch)."""
+    return self.stacked or self.kind in _BATCHED
+
+  def __str__(self) -> str:
+    return "stacked" if self.stacked else self.kind.value
+
+  @classmethod
+  def parse(cls, word: str) -> Transfer:
+    return cls(BufferKind.BATCH, stacked=True) if word == "stacked" else cls(BufferKind(word))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Count:
+  """CHUNK's and SPLIT's argument: how many pieces a value is cut into along its leading axis.
+  ``stacked`` (CHUNK): the pieces stacked along a new leading axis in one array (a fused step
+  over several devices), written ``4:stacked``."""
+
+  n: int
+  stacked: bool = False
+
+  def __str__(self) -> str:
+    return f"{self.n}:stacked" if self.stacked else str(self.n)
+
+  @classmethod
+  def parse(cls, word: str) -> Count:
+    n, sep, how = word.partition(":")
+    if sep and how != "stacked":
+      raise ValueError(f"not a count: {word!r}")
+    return cls(int(n), stacked=bool(sep))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cotangents:
+  """B's and W's argument: per output of the stage, how many cotangent contributions it reads
+  (consumers' cotangents, and the loss seed on the loss output), written ``2.0.1``."""
+
+  groups: tuple[int, ...]
+
+  def __str__(self) -> str:
+    return ".".join(map(str, self.groups))
+
+  @classmethod
+  def parse(cls, word: str) -> Cotangents:
+    return cls(tuple(int(x) for x in word.split(".")))
+
+
+class Reduce(enum.StrEnum):
+  """REDUCE's argument: how a loss output combines over micro-batches."""
+
+  MEAN = "mean"
+  SUM = "sum"
+  CONCAT = "concat"  # per-example values, joined along the leading axis
+  LAST = "last"  # the last micro-batch's value (carried state, integers)
+
+  __hash__ = str.__hash__
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+  """PIECE's argument: the index of the step's piece (``passes.step_split``) it runs."""
+
+  index: int
+
+  def __str__(self) -> str:
+    return str(self.index)
+
+  @classmethod
+  def parse(cls, word: str) -> Piece:
+    return cls(int(word))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Donate:
+  """STEP's argument: the positions among its reads that it consumes (donates to its
+  executable), sorted; written ``donate=0-3.7`` (``format_indices``)."""
+
+  reads: tuple[int, ...]
+
+  def __str__(self) -> str:
+    return f"donate={format_indices(self.reads)}"
+
+  @classmethod
+  def parse(cls, word: str) -> Donate:
+    head, sep, rest = word.partition("=")
+    if head != "donate" or not sep:
+      raise ValueError(f"not a donation: {word!r}")
+    return cls(parse_indices(rest))
+
+
+# What ``Instr.arg`` holds (None: no argument).
+Arg = Transfer | Count | Cotangents | Reduce | Piece | Donate | BufferKind
+
+# The argument each op takes, read back from its word (ops not here take none).
+_ARG_OF: dict[Op, Callable[[str], Arg]] = {
+  Op.SEND: Transfer.parse,
+  Op.RECV: Transfer.parse,
+  Op.CHUNK: Count.parse,
+  Op.SPLIT: Count.parse,
+  Op.CONCAT: BufferKind,
+  Op.B: Cotangents.parse,
+  Op.W: Cotangents.parse,
+  Op.REDUCE: Reduce,
+  Op.PIECE: Piece.parse,
+  Op.STEP: Donate.parse,
+}
 
 
 class Instr(NamedTuple):
@@ -135,9 +269,9 @@ class Instr(NamedTuple):
       UPDATE (``mb`` = the step); for other ops the stage and micro-batch they serve, or -1.
     reads, writes, frees: buffer ids.
     peer: SEND's destination lane, RECV's source lane (-1 otherwise).
-    arg: an op-specific word: a transfer's kind (``act``, ``ct``, ``param``, ``grad``,
-      ``data``, ``batch``, ``input``), REDUCE's mode, PIECE's index, CHUNK's and SPLIT's count,
-      B's and W's cotangents per output (``2.0.1``).
+    arg: the op's argument, or None: a transfer's ``Transfer`` (what it carries), CHUNK's and
+      SPLIT's ``Count``, CONCAT's ``BufferKind`` (what it joins), B's and W's ``Cotangents``
+      (per output), REDUCE's ``Reduce`` mode, PIECE's ``Piece``, STEP's ``Donate``.
   """
 
   op: Op
@@ -148,7 +282,7 @@ class Instr(NamedTuple):
   writes: tuple[int, ...] = ()
   frees: tuple[int, ...] = ()
   peer: int = -1
-  arg: str = ""
+  arg: Arg | None = None
 
   def label(self) -> str:
     """``F1.3``, ``UPDATE1.0``, ``SEND>2[1.3]``, ``RECV<1[2.3]``, ``PIECE[-1.0]`` ...: other ops
@@ -163,7 +297,8 @@ class Instr(NamedTuple):
     return self.op.value + where
 
   def __str__(self) -> str:
-    head = f"L{self.lane} {self.label()}" + (f" {self.arg}" if self.arg else "")
+    word = "" if self.arg is None else str(self.arg)
+    head = f"L{self.lane} {self.label()}" + (f" {word}" if word else "")
     body = " ".join(f"%{b}" for b in self.reads)
     if self.writes:
       body += (" " if body else "") + "-> " + " ".join(f"%{b}" for b in self.writes)
@@ -265,9 +400,13 @@ class Program:
           raise ProgramError(f"bad buffer line {line!r}")
         shape = tuple(int(x) for x in bm.group(4).split(",") if x)
         dtype = "" if bm.group(5) == "-" else bm.group(5)
-        buffers.append(
-          Buffer(int(bm.group(2)), bm.group(3), shape, dtype, int(bm.group(6)), bm.group(7))
-        )
+        try:
+          kind = BufferKind(bm.group(7))
+        except ValueError:
+          raise ProgramError(
+            f"unknown buffer kind in {line!r}; kinds are {[k.value for k in BufferKind]}"
+          ) from None
+        buffers.append(Buffer(int(bm.group(2)), bm.group(3), shape, dtype, int(bm.group(6)), kind))
       elif line.startswith("inputs"):
         inputs = _ids(line[len("inputs") :])
       elif line.startswith("outputs"):
@@ -311,7 +450,7 @@ def _ids(s: str) -> tuple[int, ...]:
 _INSTR = re.compile(
   r"L(\d+) (?P<op>[A-Z]+)(?:(?P<stage>\d+)\.(?P<mb>\d+)|(?P<dir>[<>])(?P<peer>\d+))?"
   r"(?:\[(?P<wstage>-?\d+)\.(?P<wmb>-?\d+)\])?"
-  r"(?: (?P<arg>[^:%|\s]+))?(?: : (?P<body>[^|]*?))?\s*(?:\| free (?P<frees>.*))?$"
+  r"(?: (?P<arg>[^:%|\s][^%|\s]*))?(?: : (?P<body>[^|]*?))?\s*(?:\| free (?P<frees>.*))?$"
 )
 
 
@@ -325,6 +464,16 @@ def _parse_instr(line: str) -> Instr:
     raise ProgramError(f"unknown op in {line!r}; ops are {[o.value for o in Op]}") from None
   body = m.group("body") or ""
   reads, _, writes = body.partition("->")
+  arg: Arg | None = None
+  word = m.group("arg")
+  if word is not None:
+    read_arg = _ARG_OF.get(op)
+    if read_arg is None:
+      raise ProgramError(f"{op.value} takes no argument, got {word!r} in {line!r}")
+    try:
+      arg = read_arg(word)
+    except ValueError:
+      raise ProgramError(f"cannot read {op.value}'s argument {word!r} in {line!r}") from None
   stage, mb = m.group("stage") or m.group("wstage"), m.group("mb") or m.group("wmb")
   return Instr(
     op,
@@ -335,7 +484,7 @@ def _parse_instr(line: str) -> Instr:
     _ids(writes),
     _ids(m.group("frees") or ""),
     int(m.group("peer")) if m.group("peer") is not None else -1,
-    m.group("arg") or "",
+    arg,
   )
 
 
@@ -486,8 +635,7 @@ def parse_indices(text: str) -> tuple[int, ...]:
 
 def step_donates(ins: Instr) -> tuple[int, ...]:
   """Positions among a STEP's reads that it consumes (donates to its executable)."""
-  head, _, rest = ins.arg.partition("=")
-  return parse_indices(rest) if ins.op is Op.STEP and head == "donate" else ()
+  return ins.arg.reads if ins.op is Op.STEP and isinstance(ins.arg, Donate) else ()
 
 
 def puts_together(

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from gpp_jax.errors import GppError, ScheduleError
-from gpp_jax.ir.program import Instr, Op, puts_together
+from gpp_jax.ir.program import Instr, Op, Transfer, puts_together
 from gpp_jax.passes.lowering import Lowered
 from gpp_jax.runtime import liveness
 from gpp_jax.runtime.op_rules import _RULES, send_sharding
@@ -180,7 +180,7 @@ def wait_for(values, timeout_s: float) -> None:
 class StageKernels:
   """A stage's executables and where they run (``passes.staging.stage_functions``)."""
 
-  stage: Any  # passes.staging.StageProgram
+  stage: Any  # ir.staged.StageProgram
   fns: Any  # passes.staging.StageFunctions
   placement: StagePlacement
   zeros: Callable[[], Any]
@@ -542,12 +542,10 @@ class Executor:
     return events
 
 
-_BATCH_KINDS = ("act", "ct", "batch", "stacked")
-
-
 def buffer_specs(lowered: Lowered, leaf_specs: Sequence[Any]) -> dict[int, Any]:
   """Buffer -> the partition spec of the step argument it holds (a bound argument leaf, or a
-  copy of one sent elsewhere), for the arguments that have one."""
+  copy of one sent elsewhere whole: not by a ``Transfer.batched``), for the arguments that
+  have one."""
   if not any(leaf_specs):
     return {}
   P = lowered.program
@@ -558,7 +556,8 @@ def buffer_specs(lowered: Lowered, leaf_specs: Sequence[Any]) -> dict[int, Any]:
       if spec is not None:
         out[b] = spec
   for ins in P.instrs:
-    if ins.op is Op.SEND and ins.arg not in _BATCH_KINDS and ins.reads[0] in out:
+    batched = isinstance(ins.arg, Transfer) and ins.arg.batched
+    if ins.op is Op.SEND and not batched and ins.reads[0] in out:
       out[ins.writes[0]] = out[ins.reads[0]]
   return out
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from gpp_jax.ir.program import Instr, Op
+from gpp_jax.ir.program import Cotangents, Count, Instr, Op, Piece, Reduce, Transfer
 from gpp_jax.runtime.array_ops import (
   _add,
   _concat,
@@ -30,15 +30,18 @@ if TYPE_CHECKING:
 
 
 def send_sharding(ex: Executor, ins: Instr) -> Any:
-  """Where a SEND puts its array: its destination stage's sharding for the array's kind (a
-  step argument with a partition spec: by its spec over the stage's sub-mesh)."""
+  """Where a SEND puts its array: its destination stage's sharding for what it carries
+  (``Transfer``; a step argument with a partition spec: by its spec over the stage's
+  sub-mesh)."""
   place = ex.lanes[ins.peer].placement
   assert place is not None, "a SEND to the host lane"
   aval = ex.lowered.avals[ins.writes[0]]
-  if ins.arg in ("act", "ct", "batch") and aval is not None:
-    return place.for_array(aval)
-  if ins.arg == "stacked":  # micro-batches stacked: each split over the devices
+  arg = ins.arg
+  assert isinstance(arg, Transfer), f"{ins} carries no Transfer"
+  if arg.stacked:  # micro-batches stacked: each split over the devices
     return place.stacked
+  if arg.batched and aval is not None:
+    return place.for_array(aval)
   spec = ex.specs.get(ins.writes[0])
   if spec is not None and aval is not None and hasattr(aval, "ndim"):
     return place.sharded(spec, aval.ndim)
@@ -82,11 +85,12 @@ def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
 
 
 def _chunk(ex: Executor, ins: Instr) -> Callable[[], None]:
-  count, _, how = ins.arg.partition(":")
-  M = int(count)
+  arg = ins.arg
+  assert isinstance(arg, Count), f"{ins} has no Count"
+  M = arg.n
   (lst, i) = ex.where[ins.reads[0]]
   put = ex._setter(ins.writes)
-  if how == "stacked":  # one array, the micro-batches along a new leading axis
+  if arg.stacked:  # one array, the micro-batches along a new leading axis
 
     def stack():
       x = lst[i]
@@ -168,8 +172,9 @@ def _with_kernel(run: Callable[[], None], kernel: Any, args: Callable[[], Any]):
   return run
 
 
-def _groups(arg: str) -> tuple[int, ...]:
-  return tuple(int(x) for x in arg.split(".")) if arg else ()
+def _groups(ins: Instr) -> tuple[int, ...]:
+  """B's or W's cotangent contributions per output (none without a ``Cotangents``)."""
+  return ins.arg.groups if isinstance(ins.arg, Cotangents) else ()
 
 
 def _grouped(groups: Sequence[int], flat: Sequence[Any]) -> list[tuple[Any, ...]]:
@@ -186,7 +191,7 @@ def _backward(ex: Executor, ins: Instr) -> Callable[[], None]:
     return remote
   fns = ex.kernels.stages[ins.lane].fns
   packed = fns.pack_params is not None
-  groups = _groups(ins.arg)
+  groups = _groups(ins)
   get, put = ex._getter(ins.reads), ex._setter(ins.writes)
   pre = 2 if packed else 1
   if ins.lane in ex.split_lanes:  # B computes input cotangents only; W the gradient sums
@@ -220,7 +225,7 @@ def _weight(ex: Executor, ins: Instr) -> Callable[[], None]:
     return remote
   fns = ex.kernels.stages[ins.lane].fns
   pre = 2 if fns.pack_params is not None else 1
-  groups = _groups(ins.arg)
+  groups = _groups(ins)
   get, (lst, i) = ex._getter(ins.reads), ex.where[ins.writes[0]]
   bwd_weight = fns.bwd_weight
 
@@ -247,7 +252,8 @@ def _split(ex: Executor, ins: Instr) -> Callable[[], None]:
   remote = ex._remote(ins)
   if remote is not None:
     return remote
-  r = int(ins.arg)
+  assert isinstance(ins.arg, Count), f"{ins} has no Count"
+  r = ins.arg.n
   (lst, i), put = ex.where[ins.reads[0]], ex._setter(ins.writes)
   return lambda: put(_split_on_device(lst[i], r))
 
@@ -301,14 +307,15 @@ def _reduce(ex: Executor, ins: Instr) -> Callable[[], None]:
     return remote
   get, (lst, i) = ex._getter(ins.reads), ex.where[ins.writes[0]]
   mode = ins.arg
-  if mode == "last":
+  assert isinstance(mode, Reduce), f"{ins} has no Reduce mode"
+  if mode is Reduce.LAST:
     src, j = ex.where[ins.reads[-1]]
 
     def last():
       lst[i] = src[j]
 
     return last
-  f = {"concat": _concat, "sum": _sum, "mean": _mean}[mode]
+  f = {Reduce.CONCAT: _concat, Reduce.SUM: _sum, Reduce.MEAN: _mean}[mode]
 
   def run():
     lst[i] = f(get())
@@ -345,7 +352,8 @@ def _piece(ex: Executor, ins: Instr) -> Callable[[], None]:
   remote = ex._remote(ins)
   if remote is not None:
     return remote
-  f = ex.kernels.pieces[int(ins.arg)]
+  assert isinstance(ins.arg, Piece), f"{ins} has no Piece"
+  f = ex.kernels.pieces[ins.arg.index]
   get, put = ex._getter(ins.reads), ex._setter(ins.writes)
   return _with_kernel(lambda: put(f(*get())), f, get)
 
