@@ -251,13 +251,14 @@ def predict_layout(
   """The simulated iteration of ``row``'s layout on ``cluster_name``: the best of
   ``stages_per_device`` (those that divide the layers of a pipeline rank), as a record with
   ``iteration_ms``, ``samples_per_s``, ``tflops_per_device`` (the paper's FLOPs per iteration
-  / time / GPUs) and the plan."""
+  / time / GPUs), ``iteration_ms_by_v`` (every v simulated) and the plan."""
   from gpp_jax.passes.simulation import simulate
 
   cluster = make_cluster(cluster_name, row.gpus)
   rows = row_cluster(cluster, row.tp)
   graph = gpt_graph(row.batch, row.layers, row.hidden, row.heads, seq, vocab, row.tp)
   best: dict[str, Any] | None = None
+  by_v: dict[int, float] = {}
   per_rank = row.layers // row.pp
   for v in stages_per_device:
     if (row.pp == 1 and v > 1) or per_rank % v:
@@ -265,6 +266,7 @@ def predict_layout(
     plan = layout_plan(graph, rows.num_devices, row.batch, row.pp, microbatch, v)
     res = simulate(plan, graph, rows, cost_model=MEGATRON_COST_MODEL, timeline=False)
     T = res.iteration_time
+    by_v[v] = T * 1e3
     rec = {
       "planner": "layout",
       "layout": f"tp:{row.tp},pp:{row.pp},dp:{rows.num_devices // row.pp}",
@@ -283,4 +285,5 @@ def predict_layout(
     if best is None or rec["iteration_ms"] < best["iteration_ms"]:
       best = rec
   assert best is not None, f"no layout for {row}"
+  best["iteration_ms_by_v"] = by_v
   return best

@@ -5,6 +5,7 @@ order on a ``PlanningProblem``; ``graphpipe_plan`` is the keyword entry point.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -17,6 +18,7 @@ import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts
+from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
 from gpp_jax.passes.partition.graphpipe.dp import MinMaxDP, Stages
@@ -29,7 +31,6 @@ from gpp_jax.passes.partition.pipedream import (
   chain_tables,
 )
 from gpp_jax.passes.partition.plan_assembly import (
-  MAX_MICROBATCHES,
   assemble_plan,
   better,
   data_parallel_degrees,
@@ -400,6 +401,29 @@ def sweep_sizes(runs: DPRuns, sizes: list[int], cands: Candidates) -> list[SizeR
   return per_size
 
 
+def finer_grid_may_plan(runs: DPRuns, sizes: Sequence[int]) -> bool:
+  """Whether counting devices in smaller slots than ``runs.unit`` can give the DP strategies
+  its grid left out: no micro-batch size allows a stage a multiple of the unit as its device
+  count (a stage's devices each take whole samples of its micro-batch), or the slots are
+  fewer than the stages a chain of the layers needs for their weights, gradients and
+  optimizer state alone (layers packed in topological order up to the device memory)."""
+  p, u = runs.problem, runs.unit
+  if u <= 1:
+    return False
+  if not any(
+    d % u == 0
+    for b in sizes
+    for d in data_parallel_degrees(b, p.num_devices, runs.opts.powers_of_two)
+  ):
+    return True
+  stages, held = 1, 0.0
+  for x in p.cost_model.static_memory(p.costs.held_param_bytes):
+    if held > 0 and held + x > p.memory_limit:
+      stages, held = stages + 1, 0.0
+    held += float(x)
+  return p.num_devices // u < stages <= p.num_devices
+
+
 def no_replication(runs: DPRuns, cands: Candidates) -> None:
   """Phase 3: the TPS objective spreads a stage's gradient all-reduce over the iteration, but
   it runs after the stage's last backward; at the two best micro-batch sizes, search again
@@ -496,7 +520,9 @@ def seeded(problem: PlanningProblem, opts: GraphPipeOptions, best: Plan) -> tupl
   PipeDream's search keeps to them too). Returns the plan and the simulations."""
   seeds = [p for p in opts.seed_plans if problem.enough_stages(p)]
   if opts.chain_plans:
-    seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions(device_grid=opts.chain_device_grid)))
+    # Where PipeDream's chain finds no plan (its device grid, memory) there is none to add.
+    with contextlib.suppress(PlanError):
+      seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions(device_grid=opts.chain_device_grid)))
   n = 0
   for seed in seeds:
     for plan in as_graphpipe(
@@ -538,6 +564,11 @@ def graphpipe_search(problem: PlanningProblem, opts: GraphPipeOptions) -> Plan:
     per_size = sweep_sizes(runs, sizes, cands)
     if opts.replication_variant and problem.num_devices > 1:
       no_replication(runs, cands)
+    while not cands.evaluated and not cands.short and finer_grid_may_plan(runs, sizes):
+      runs.unit //= 2  # the device grid left the DP no strategy: slots half as large
+      per_size += sweep_sizes(runs, sizes, cands)
+      if opts.replication_variant and problem.num_devices > 1:
+        no_replication(runs, cands)
   finally:
     sys.setrecursionlimit(old_limit)
   if not cands.evaluated and not cands.short:
