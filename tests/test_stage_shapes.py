@@ -99,9 +99,7 @@ def test_plan_json_round_trips_a_stage_inner_shape():
 
 
 def _gpt(hidden, heads, tp, batch_size=64, layers=4):
-  g = gpt_graph(batch_size, layers, hidden, heads, seq=512, vocab=4096, tp=tp)
-  g.graph["mesh"] = {"axes": ("data", "model"), "inner": (tp,), "divides": ()}
-  return g
+  return gpt_graph(batch_size, layers, hidden, heads, seq=512, vocab=4096, tp=tp)
 
 
 def test_cost_model_prices_a_narrowed_stage_as_less_tensor_and_more_data_parallelism():

@@ -170,6 +170,9 @@ def gpt_graph(
   if tp > 1:
     g.graph["tensor_parallel"] = tensor_parallel
     g.graph["param_shards"] = shards
+    # Rows of tp GPUs, as a ("data", "model") mesh: a stage may narrow "model" to a divisor
+    # of tp (``Stage.inner``, chosen by the planners: ``passes.partition.stage_shapes``).
+    g.graph["mesh"] = {"axes": ("data", "model"), "inner": (tp,), "divides": ()}
   return g
 
 
