@@ -383,8 +383,13 @@ def check_memory(c: CompiledStep, opts: Options, planned_by_user: bool) -> None:
 
 
 def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float:
-  """Median seconds of at least ``repeats`` runs of one step of ``c`` (after two to warm up;
-  quick steps run until ``TIME_STEP_SECONDS`` of runs or 100); the
+  """Seconds per step of ``c`` in the steady state of a training loop: after two runs to warm
+  up, at least ``repeats`` rounds (quick steps: more, until ``TIME_STEP_SECONDS`` of rounds or
+  100 runs) of ``ROUND_CALLS`` runs issued back to back, as a loop issues its steps, the clock
+  read when the last one's outputs are ready; the median round's time per run. A step timed
+  one run at a time, each waited for, pays the host's issue of a run and the devices' work
+  one after the other, where a loop overlaps the issue of one step with the work of the one
+  before: on tiny steps that was most of the step (a trial up to 1.9x the loop's time). The
   step's own host time outside its program is not in it. Arrays among ``leaves`` are placed
   where the step keeps them first: on the first call a model's arrays are not yet where a
   training loop's later steps find them (the step's own outputs), and moving them every run
@@ -428,21 +433,40 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
         return home(i, jax.device_put(mine, may_alias=False))
     return jax.device_put(x, may_alias=False)
 
-  times: list[float] = []
-  k = 0
-  # At least ``repeats`` runs, more while they add up to under TIME_STEP_SECONDS: a step of a
-  # few milliseconds on a shared machine needs dozens for a median that holds.
-  while len(times) < repeats or (not multi and sum(times) < TIME_STEP_SECONDS and len(times) < 100):
-    run = [
+  def arguments() -> list[Any]:
+    return [
       fresh(i, x) if i in donated and isinstance(x, jax.Array) else x for i, x in enumerate(leaves)
     ]
+
+  for _ in range(2):  # to warm up, each waited for
+    run = arguments()
     jax.block_until_ready(run)
-    t = time.perf_counter()
     jax.block_until_ready(c.run([run]))
-    if k >= 2:
-      times.append(time.perf_counter() - t)
-    k += 1
-  return statistics.median(times)
+  # A round's consumed arguments are copied before its clock starts: at most ROUND_BYTES of
+  # copies a round.
+  consumed = sum(
+    int(x.nbytes) for i, x in enumerate(leaves) if i in donated and isinstance(x, jax.Array)
+  )
+  calls = max(1, min(ROUND_CALLS, ROUND_BYTES // consumed)) if consumed else ROUND_CALLS
+  per_run: list[float] = []
+  spent = 0.0
+  # At least ``repeats`` rounds, more while they add up to under TIME_STEP_SECONDS: a step of
+  # a few milliseconds on a shared machine needs dozens of runs for a median that holds.
+  while len(per_run) < repeats or (
+    not multi and spent < TIME_STEP_SECONDS and len(per_run) * calls < 100
+  ):
+    runs = [arguments() for _ in range(calls)]
+    jax.block_until_ready(runs)
+    t = time.perf_counter()
+    for run in runs:  # only the last run's outputs are kept: each run's are freed as it ends
+      out = c.run([run])
+    jax.block_until_ready(out)
+    dt = time.perf_counter() - t
+    spent += dt
+    per_run.append(dt / calls)
+  return statistics.median(per_run)
 
 
-TIME_STEP_SECONDS = 0.3  # the timed runs of a trial add up to at least this (or 100 runs)
+TIME_STEP_SECONDS = 0.3  # the timed rounds of a trial add up to at least this (or 100 runs)
+ROUND_CALLS = 4  # runs a round issues back to back
+ROUND_BYTES = 256 << 20  # consumed arguments copied for a round at most

@@ -1,0 +1,136 @@
+"""A candidate's predicted step time against the training loop's, measured in one run.
+
+  python benchmarks/trial_vs_loop.py                 # tiny MMT, CANDLE-Uno, DLRM; 4 devices
+  python benchmarks/trial_vs_loop.py --models=mmt --devices=8
+
+For each model (zoo, tiny preset, batch ``--batch_size``), ``graph_pipeline(calibrate=True)``
+chooses among its candidates as it always does; then the chosen step runs as
+``gpp_jax.train`` runs it (``cached_partial``, the loss fetched every ``--log_every`` steps)
+for ``--steps`` steps, and the step time is the median over the logged intervals after the
+first. Printed per model: the chosen candidate, whether its time is measured (a timing
+trial) or modelled (the cost model, calibrated), the time it was chosen by, the trial's own
+seconds (``Planned.measured``), the host's time outside the step that the prediction adds
+(``HostCosts.outside``), the loop's measured step time, and the prediction's error against
+it; once per ``--round_calls`` (the trials' runs issued back to back per round, 1 being
+each run waited for). Every row runs in a process of its own.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["mmt", "candle_uno", "dlrm"], "zoo models (tiny preset)")
+flags.DEFINE_integer("devices", 4, "forced CPU devices")
+flags.DEFINE_integer("batch_size", 64, "samples per step")
+flags.DEFINE_integer(
+  "num_microbatches", 8, "the pipelines' micro-batches (gpp_jax.train's default)"
+)
+flags.DEFINE_integer("steps", 200, "steps the loop runs after the first")
+flags.DEFINE_integer("log_every", 20, "steps between the loop's clock readings")
+flags.DEFINE_list(
+  "round_calls",
+  ["1", "4"],
+  "trials timed with each of these many runs issued back to back per round "
+  "(runtime.build.ROUND_CALLS; 1: each run waited for), one row each",
+)
+flags.DEFINE_string("child", None, "internal: run one model and print its record as JSON")
+
+
+def child(cfg: dict) -> dict:
+  import statistics
+  import time
+
+  import jax
+
+  import gpp_jax
+  from gpp_jax.experiments import zoo
+  from gpp_jax.runtime import build
+
+  build.ROUND_CALLS = cfg["round_calls"]
+  run = zoo.setup(cfg["model"], "tiny")
+  data = run.batches(cfg["batch_size"], 4)
+  pp = gpp_jax.graph_pipeline(
+    run.train_step,
+    num_microbatches=cfg["num_microbatches"],
+    devices=jax.devices()[: cfg["devices"]],
+    calibrate=True,
+    layer_depth=run.spec.layer_depth,
+  )
+  train = pp.cached_partial(run.model, run.optimizer)
+  jax.block_until_ready(train(data[0]))
+  planned = pp.compiled.planned
+  intervals = []
+  t, n = time.perf_counter(), 0
+  for step in range(1, cfg["steps"] + 1):
+    loss = train(data[step % len(data)])
+    n += 1
+    if step % cfg["log_every"] == 0:
+      jax.block_until_ready(loss)
+      now = time.perf_counter()
+      intervals.append((now - t) / n)
+      t, n = now, 0
+  loop = statistics.median(intervals[1:] or intervals)
+  return {
+    "model": cfg["model"],
+    "round_calls": cfg["round_calls"],
+    "chosen": planned.chosen,
+    "how": planned.predicted_how,
+    "predicted_ms": planned.predicted_s * 1e3,
+    "trial_ms": planned.measured.get(planned.chosen, float("nan")) * 1e3,
+    "outside_ms": (planned.host.outside if planned.host is not None else 0.0) * 1e3,
+    "loop_ms": loop * 1e3,
+  }
+
+
+def main(argv):
+  del argv
+  if FLAGS.child:
+    print("RESULT " + json.dumps(child(json.loads(FLAGS.child))))
+    return
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={FLAGS.devices}"
+  print(
+    f"predicted step time against the training loop's, {FLAGS.devices} forced CPU devices, "
+    f"batch {FLAGS.batch_size}, {len(os.sched_getaffinity(0))} cores (measured in one run)"
+  )
+  print(
+    f"{'model':11s} {'round':>5s} {'chosen':26s} {'how':9s} {'predicted':>9s} {'trial':>7s}"
+    f" {'outside':>8s} {'loop':>7s} {'error':>7s}"
+  )
+  for model in FLAGS.models:
+    for calls in FLAGS.round_calls:
+      cfg = {
+        "model": model,
+        "round_calls": int(calls),
+        "devices": FLAGS.devices,
+        "batch_size": FLAGS.batch_size,
+        "num_microbatches": FLAGS.num_microbatches,
+        "steps": FLAGS.steps,
+        "log_every": FLAGS.log_every,
+      }
+      out = subprocess.run(
+        [sys.executable, __file__, f"--child={json.dumps(cfg)}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+      )
+      line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+      if line is None:
+        print(f"{model:11s} {calls:>5s} failed: {out.stderr.strip().splitlines()[-1:]}")
+        continue
+      r = json.loads(line[len("RESULT ") :])
+      err = r["predicted_ms"] / r["loop_ms"] - 1
+      print(
+        f"{model:11s} {calls:>5s} {r['chosen']:26s} {r['how']:9s} {r['predicted_ms']:8.2f}ms"
+        f" {r['trial_ms']:6.2f}ms {r['outside_ms']:7.2f}ms {r['loop_ms']:6.2f}ms {err:+7.0%}",
+        flush=True,
+      )
+
+
+if __name__ == "__main__":
+  app.run(main)
