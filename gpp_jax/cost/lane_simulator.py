@@ -211,6 +211,34 @@ def _lane_facts(sched: Schedule) -> _LaneFacts | None:
   return facts
 
 
+def _wiring(
+  facts: _LaneFacts,
+  S: int,
+  act_x: Mapping[tuple[int, int], float],
+  cot_x: Mapping[tuple[int, int], float],
+) -> tuple[list, list, list, list]:
+  """``_simulate_lanes``' arrivals, per stage: what its F and B wait for ((arrivals, the
+  chunks per micro-batch or None for the same micro-batch)), and what they send ((arrivals,
+  channel, seconds, receiver)). Per edge (u, v) the arrivals are when each chunk's activation
+  reaches v (indexed by u's chunks) and each cotangent reaches u (by v's chunks), None until
+  sent; channel c carries edge c's activations, E + c its cotangents."""
+  lengths, edges, chunks = facts.lengths, facts.edges, facts.chunks
+  act = {e: [None] * lengths[e[0]] for e in edges}
+  cot = {e: [None] * lengths[e[1]] for e in edges}
+  f_in: list[list[tuple[list, list[range] | None]]] = [[] for _ in range(S)]
+  b_in: list[list[tuple[list, list[range] | None]]] = [[] for _ in range(S)]
+  f_out: list[list[tuple[list, int, float, int]]] = [[] for _ in range(S)]
+  b_out: list[list[tuple[list, int, float, int]]] = [[] for _ in range(S)]
+  E = len(edges)
+  for c, (u, v) in enumerate(edges):
+    f_in[v].append((act[(u, v)], chunks.get((v, u))))
+    f_out[u].append((act[(u, v)], c, act_x.get((u, v), 0.0), v))
+  for c, (u, v) in enumerate(edges):  # the cotangents, in the order the program sends them
+    b_in[u].append((cot[(u, v)], chunks.get((u, v))))
+    b_out[v].append((cot[(u, v)], E + c, cot_x.get((u, v), 0.0), u))
+  return f_in, b_in, f_out, b_out
+
+
 def _simulate_lanes(
   sched: Schedule,
   forward: Any,
@@ -251,25 +279,8 @@ def _simulate_lanes(
   ups = [float(u) for u in up]
   lasting = all(t >= 0.0 for t in chain(f_low, b_low, w_low, ups))
   record = record or timeline or not lasting
-  # Per edge (u, v): when each chunk's activation reaches v (indexed by u's chunks) and each
-  # cotangent reaches u (by v's chunks); None until sent.
-  act = {e: [None] * lengths[e[0]] for e in edges}
-  cot = {e: [None] * lengths[e[1]] for e in edges}
-  chunks = facts.chunks
-  # Per stage, what its F / B waits for: (arrivals, the chunks per micro-batch or None for
-  # the same micro-batch), and what it sends: (arrivals, channel, seconds, receiver).
-  f_in: list[list[tuple[list, list[range] | None]]] = [[] for _ in range(S)]
-  b_in: list[list[tuple[list, list[range] | None]]] = [[] for _ in range(S)]
-  f_out: list[list[tuple[list, int, float, int]]] = [[] for _ in range(S)]
-  b_out: list[list[tuple[list, int, float, int]]] = [[] for _ in range(S)]
-  E = len(edges)
-  for c, (u, v) in enumerate(edges):
-    f_in[v].append((act[(u, v)], chunks.get((v, u))))
-    f_out[u].append((act[(u, v)], c, act_x.get((u, v), 0.0), v))
-  for c, (u, v) in enumerate(edges):  # the cotangents, in the order the program sends them
-    b_in[u].append((cot[(u, v)], chunks.get((u, v))))
-    b_out[v].append((cot[(u, v)], E + c, cot_x.get((u, v), 0.0), u))
-  chan = [0.0] * (2 * E)  # when each channel is free
+  f_in, b_in, f_out, b_out = _wiring(facts, S, act_x, cot_x)
+  chan = [0.0] * (2 * len(edges))  # when each channel is free
   lanes = facts.lanes
   lane_free = [0.0] * S
   busy = [0.0] * S

@@ -224,26 +224,9 @@ def simulate_program(
   # Each process's issuing thread's clock (one process: one thread issues everything).
   host_clock = [0.0] * (1 + max((max(p) for p in issuers or () if p), default=0))
   one = (0,)
-  if host_cost is None or isinstance(host_cost, Mapping):
-    lane_host = [host_cost or {}] * program.num_lanes
-  else:
-    lane_host = list(host_cost)
-    if len(lane_host) != program.num_lanes:
-      raise ValueError(f"host costs for {len(lane_host)} lanes, not {program.num_lanes}")
+  lane_host = _lane_host_costs(host_cost, program.num_lanes)
   hosted = any(lane_host)
-  # Puts issued together: the host's cost of each SEND as a share of a lone put's.
-  share: dict[int, float] = {}
-  if hosted and send_extra is not None:
-
-    def where(k: int) -> Any:
-      i = instrs[k]
-      if i.op is not Op.SEND or i.lane == program.host or place[i.lane] == place[i.peer]:
-        return None
-      return (i.peer, i.arg if len(devs[i.peer]) > 1 else None)
-
-    for members in puts_together(instrs, where):
-      share[members[0]] = 1.0 + (len(members) - 1) * send_extra
-      share.update(dict.fromkeys(members[1:], 0.0))
+  share = _put_shares(program, place, devs, send_extra) if hosted else {}
   actions: list[ActionTime] = []
   transfers: list[TransferTime] = []
   one_step = program.steps == 1
@@ -315,6 +298,44 @@ def simulate_program(
     forwards = [sum(a.kind == "F" and a.stage == s for a in actions) for s in range(S)]
     num_microbatches = max(forwards, default=0) // max(program.steps, 1)
   return _result(program.name, S, num_microbatches, actions, transfers, stat, actm, devs)
+
+
+def _lane_host_costs(
+  host_cost: Mapping[Op, float] | Sequence[Mapping[Op, float]] | None, num_lanes: int
+) -> list[Mapping[Op, float]]:
+  """``simulate_program``'s ``host_cost`` as one mapping per lane."""
+  if host_cost is None or isinstance(host_cost, Mapping):
+    return [host_cost or {}] * num_lanes
+  lane_host = list(host_cost)
+  if len(lane_host) != num_lanes:
+    raise ValueError(f"host costs for {len(lane_host)} lanes, not {num_lanes}")
+  return lane_host
+
+
+def _put_shares(
+  program: Program,
+  place: Sequence[int],
+  devs: Sequence[Sequence[int]],
+  send_extra: float | None,
+) -> dict[int, float]:
+  """Puts issued together (``ir.program.puts_together``): per SEND among them, the host's cost
+  as a share of a lone put's (the first pays for the group, the others nothing); none without
+  ``send_extra``."""
+  share: dict[int, float] = {}
+  if send_extra is None:
+    return share
+  instrs = program.instrs
+
+  def where(k: int) -> Any:
+    i = instrs[k]
+    if i.op is not Op.SEND or i.lane == program.host or place[i.lane] == place[i.peer]:
+      return None
+    return (i.peer, i.arg if len(devs[i.peer]) > 1 else None)
+
+  for members in puts_together(instrs, where):
+    share[members[0]] = 1.0 + (len(members) - 1) * send_extra
+    share.update(dict.fromkeys(members[1:], 0.0))
+  return share
 
 
 def _result(name, S, M, actions, transfers, stat, actm, devs) -> SimResult:
