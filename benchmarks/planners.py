@@ -391,7 +391,7 @@ def report(rows: list[dict]) -> None:
   if FLAGS.markdown:
     command = "python benchmarks/planners.py " + " ".join(sys.argv[1:])
     note = (
-      " from the rows of earlier `--json` runs (BUILD_NOTES.md, Planner fidelity, lists them)"
+      " from the rows of earlier `--json` runs (docs/results/planning.md lists them)"
       if FLAGS.from_json
       else ""
     )

@@ -28,11 +28,13 @@ def _run(*args: str, cwd: str = REPO, timeout: float = 120) -> subprocess.Comple
 
 
 def _docs_digest() -> dict[str, str]:
-  """File name -> sha256 of every file in the committed docs/."""
+  """Path under docs/ -> sha256 of every file in the committed docs/ (sub-folders included)."""
   out = {}
-  for name in sorted(os.listdir(DOCS)):
-    with open(os.path.join(DOCS, name), "rb") as f:
-      out[name] = hashlib.sha256(f.read()).hexdigest()
+  for root, _, names in os.walk(DOCS):
+    for name in sorted(names):
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, DOCS)] = hashlib.sha256(f.read()).hexdigest()
   return out
 
 

@@ -19,8 +19,8 @@ from gpp_jax.passes.partition.refine import RefineOptions, refine_plan
 # Measured: at most 1.0 on these; at the paper's shapes at 64 devices at most 1.064
 # (CANDLE-Uno). Larger clusters are not held here: the paper's CANDLE-Uno at 256 devices
 # reaches 1.29 (GraphPipe) and 1.32 (PipeDream), tiny CANDLE-Uno with a mini-batch of 2,048
-# 1.28 at 128 and 1.54 at 256 (GraphPipe); BUILD_NOTES, "Coarse device grid against the exact
-# DP", and ``python benchmarks/device_grid.py``.
+# 1.28 at 128 and 1.54 at 256 (GraphPipe); docs/results/planning.md, "The coarse device grid
+# against the exact DP", and ``python benchmarks/device_grid.py``.
 COARSE_FACTOR = 1.10
 
 

@@ -440,7 +440,7 @@ def test_a_peer_dying_ends_the_survivor_within_a_minute_naming_it(point, dying):
     # once (a fraction of a second, before the watch's next poll), with its own message.
     assert "the leader task was preempted/died" in out, out[-3000:]
     return
-  if dying == 0:  # a send to it broke first (which process died is not named: BUILD_NOTES)
+  if dying == 0:  # a send to it broke first (which process died is not named: BUILD_NOTES.md)
     broken = ("Connection reset by peer", "Socket closed", "was lost")  # as the race falls
     assert any(b in failed[0] for b in broken), failed
     if "was lost" not in failed[0]:  # the transfer names the processes it joins

@@ -304,7 +304,7 @@ A100_LINKS = {
 }
 # The A100's and H100's fraction of tensor-core peak by GEMM rows (tokens per device) and
 # width (``DeviceSpec.width_half``): fitted once, on the four Megatron-LM rows named in
-# BUILD_NOTES ("Megatron-LM's GPT runs, predicted"), not per row.
+# docs/results/megatron.md ("Megatron-LM's GPT runs, predicted"), not per row.
 GPU_GEMM_EFFICIENCY = ((1, 0.0175), (64, 0.22), (512, 0.48), (2048, 0.63), (16384, 0.7))
 GPU_GEMM_WIDTH_HALF = 400.0
 

@@ -4,7 +4,7 @@ The executor issues a step's program from one Python thread (``runtime.executor`
 each issued computation then runs on its own device; on forced CPU devices, or processes
 pinned to cores, the devices share the host's cores with each other and with the issuing
 thread. Planners that ignore this pick plans whose predicted time is a fraction of what the
-machine gives (BUILD_NOTES, "Plans for the machine at hand"). ``HostCosts`` holds what the
+machine gives (BUILD_NOTES.md, "The simulator and the cost model"). ``HostCosts`` holds what the
 simulator needs to include the host, measured like the layer times:
 
 * ``per_op``: seconds the thread spends issuing one instruction of each op (F, B, W, SEND, ...),

@@ -73,7 +73,7 @@ TABLE_1 = (
   Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
   Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 )
-# The four rows the GPU efficiency model's level was set on (BUILD_NOTES), and no other.
+# The four rows the GPU efficiency model's level was set on (docs/results/megatron.md), no other.
 FITTED_ON: tuple[float, ...] = (1.7, 18.4, 145.6, 1008.0)
 SEQ_LEN, VOCAB = 2048, 51200
 

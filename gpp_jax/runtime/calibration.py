@@ -68,8 +68,8 @@ def calibrate_widths(
   of the host's SPMD factor. Only on CPU devices of one process, where the host measured the
   factor: devices that share a host's cores pay per op, per device and per collective what
   no small probe tells (medium MMT's stages over 4 of 8 forced CPU devices measured 2.3-2.7x
-  the factor's time, the layers timed this way added up to within 10% of them: BUILD_NOTES,
-  "Stages over several devices, timed layer by layer"). A width that does not divide the
+  the factor's time, the layers timed this way added up to within 10% of them: BUILD_NOTES.md,
+  "The simulator and the cost model"). A width that does not divide the
   micro-batch is left out. ``devices``: what the plans' device numbers index. ``captured``
   must be the capture ``graph`` was made from (its micro-batch is the graph's batch: the
   times are kept as measured)."""

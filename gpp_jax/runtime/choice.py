@@ -246,7 +246,8 @@ def _timed_baselines(
   # Jit data parallel timed too: how much slower than 1/k of plain jit's time its step is
   # over k devices depends on the model (its share of work per device against the
   # collectives), which the host's probe of a small MLP only guesses (measured 0.5x to 3.5x
-  # off: BUILD_NOTES, fidelity). It is what a user would run: measured, not modelled.
+  # off: BUILD_NOTES.md, "Choosing what runs"). It is what a user would run: measured, not
+  # modelled.
   dp = candidates.get("jit data parallel")
   # Plain jit's step in the planner's micro-batches on its one device (gradient
   # accumulation) is timed beside it, and where the planner's plan is jit data parallel's
@@ -400,9 +401,10 @@ def checked_by_trial(
   taken: (the choice, "" where it stands; else the fastest candidate timed, and the note that
   says why). Where no baseline among ``candidates`` was timed, the prediction stands alone.
   The predictions of one-call steps are their measurements; a pipeline's is the simulator's,
-  which misses what the host and the devices do to it on some machines (BUILD_NOTES,
-  fidelity). Its compiled step is kept, so a pipeline that stands is compiled once. With
-  ``again``, it and the fastest baseline are then timed in turns (``_interleaved``)."""
+  which misses what the host and the devices do to it on some machines
+  (docs/results/fidelity.md). Its compiled step is kept, so a pipeline that stands is compiled
+  once. With ``again``, it and the fastest baseline are then timed in turns
+  (``_interleaved``)."""
   # Only candidates the cost model found to fit the memory budget (``predicted``) compete: a
   # baseline timed to calibrate (plain jit, always) may not.
   timed = [k for k in trials if k in candidates and k in predicted]
@@ -464,7 +466,7 @@ def _interleaved(
   (``again(compiled step)``), backwards and forwards in alternate rounds; each keeps the
   median of its times, the trial's own included. Trials taken one after another fall in
   different spells of a shared machine's speed, which last from milliseconds to seconds: on
-  2 cores, one step measured 1.4x apart in one run (BUILD_NOTES, fidelity), enough to flip a
+  2 cores, one step measured 1.4x apart in one run (docs/results/fidelity.md), enough to flip a
   choice between steps within 20% of each other. With several processes every process times
   the same steps in the same order, and all take process 0's clock, as ``_timed`` does."""
   names = [k for k in names if k in trials]
@@ -546,9 +548,9 @@ def choose(
   ``calibrate_spmd``). Where a one-call candidate over the same number of devices fits (plain
   jit on one, jit data parallel on all), it is not chosen, unless trials timed both
   (``measured``: name -> seconds per call) and the step in micro-batches measured faster
-  (medium MMT on one forced CPU device in 4 micro-batches: 0.92x plain jit's time, BUILD_NOTES):
-  it is then predicted at the one-call step's prediction times the ratio of the two
-  measurements.
+  (medium MMT on one forced CPU device in 4 micro-batches: 0.92x plain jit's time,
+  docs/results/fidelity.md): it is then predicted at the one-call step's prediction times the
+  ratio of the two measurements.
 
   Each time is labelled (``Choice.how``): measured where it is the candidate's own trial's
   (``measured``, plus the host's time outside the step, which the fits add), else

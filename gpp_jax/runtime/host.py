@@ -165,7 +165,7 @@ def measure_spmd(
   4 devices of a 2-core host: 8-12 at batch 64, about 5 at 128, 3-4 at 256): most of a small
   call's time over k devices is the fixed part (0.3-0.5 ms over 2 forced devices, about 2 ms
   over 4 on this machine, whatever the batch), which a pipeline stage over k devices pays for
-  every action of its small micro-batches (BUILD_NOTES, "Plans for the machine at hand")."""
+  every action of its small micro-batches (BUILD_NOTES.md, "The simulator and the cost model")."""
   import jax
   import jax.numpy as jnp
   import numpy as np

@@ -357,7 +357,7 @@ class GraphPipeline:
     the steps can be issued as one stream without a flush between them (``runtime.steps``), as
     PipeDream runs. ``stream=None`` (default) streams on accelerators and runs K calls on CPU
     devices, where the client blocks the issuing thread once a device has a few dozen
-    computations queued and the stream measured slower than K calls (see BUILD_NOTES);
+    computations queued and the stream measured slower than K calls (docs/results/schedules.md);
     ``True`` streams wherever it can, ``False`` never. Other schedules, and runs the stream
     does not cover (one fused stage, several processes,
     ``measure=True``), run the K steps one after another. The values are those of K calls
@@ -598,7 +598,7 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
       (the Variables then hold the step's new values). Where the step runs as one executable
       (plain jit, jit data parallel, a fused one-stage plan) XLA writes the new state into
       the donated buffers: no second copy of the state, and on a GPU no time spent allocating
-      one (see BUILD_NOTES, GPUs). The caller must not read
+      one (see docs/results/gpus.md). The caller must not read
       a donated array afterwards (JAX raises: deleted); a pipeline of several stages does not
       consume them.
   """

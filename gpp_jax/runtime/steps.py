@@ -11,7 +11,7 @@ steps (the state a step returns feeding the next, ``carry_map``), which the exec
 any other. JAX's CPU client, though, makes the issuing thread wait once a device has a few dozen
 computations queued, and a stream queues many more than one step does; with one thread feeding
 every device, the others then starve. ``run_steps`` therefore streams by default only on
-accelerators (BUILD_NOTES, "Measured (schedules)").
+accelerators (docs/results/schedules.md, "PipeDream without flushes").
 """
 
 from __future__ import annotations

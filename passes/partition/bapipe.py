@@ -2,7 +2,7 @@
 
 BaPipe (Zhao et al., arXiv 2012.12544) "automatically explores pipeline schedule modes and
 balanced partitions". Only its abstract is available, so the details here are this
-repository's reading of it (recorded in BUILD_NOTES.md):
+repository's reading of it (recorded in BUILD_NOTES.md, "Planners"):
 
 * schedule modes: GPipe (all forwards, then all backwards) and synchronous 1F1B;
 * balanced partitions: the topologically ordered layers are cut into S contiguous stages that

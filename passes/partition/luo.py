@@ -5,7 +5,7 @@ Luo et al., "Efficient Pipeline Planning for Expedited Distributed DNN Training"
 partitions onto devices of an arbitrary topology, jointly minimising the iteration time, and
 (2) decide the order in which micro-batches are processed on each partition. Only the
 abstract is available, so this is this repository's reconstruction (recorded in
-BUILD_NOTES.md):
+BUILD_NOTES.md, "Planners"):
 
 * Mapping. Every stage is replicated over r devices and stage s gets devices
   [s * r, (s + 1) * r) (nodes are filled in order), so on a two-level cluster the planner knows

@@ -67,7 +67,7 @@ Extensions beyond the paper's recurrence (each keeps stages convex and the stage
     variant, the chain seeds of that many stages and more); the polish never merges below
     it, and the search returns its best such plan, or ``PlanError`` where none fits.
 
-Choices the paper leaves open, made here (see BUILD_NOTES.md):
+Choices the paper leaves open, made here (see BUILD_NOTES.md, "Planners"):
   * TPS of a stage = combine(compute, transfers) / b + (all-reduce + optimizer) / B, with
     ``CostModel.tps_formula`` "sum" by default; transfers priced on the slowest link of the
     cluster (placement is decided after the search);
