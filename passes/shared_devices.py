@@ -17,7 +17,15 @@ free takes, of the actions whose inputs are done, the first by its schedule's ru
       (v - 1) * P for a place with v stages whose first stage has depth d, P the places on
       the longest path of stages; P - d - 1 with one stage), then a
       forward whenever fewer than ``warm-up + 1`` micro-batches are in flight, else a
-      backward: one of each in turn, as Megatron's steady state runs them.
+      backward: one of each in turn, as Megatron's steady state runs them. Two more rules
+      run a ready backward before any forward (under the same bound), by micro-batch or by
+      Megatron's groups, and each of the three also lists with an activation or cotangent
+      between two places taking half a forward (a hand-over on one place none); of the six
+      orders the one whose replay in those times (``_makespan``) ends first is kept,
+      Megatron's where they tie. On a chain with Megatron's placement that is Megatron's
+      order (``tests/test_shared_devices.py``); on a DAG whose places hold stages of unequal
+      depth (a tower's piece beside the head's) Megatron's warm-up can fill a place with
+      forwards while the place after it waits for a backward.
   looped-bfs: breadth first, every forward before any backward on a place, its stages in
       topological order (forwards) and reverse (backwards), all micro-batches of one stage
       before the next (torch's ScheduleLoopedBFS).
@@ -40,7 +48,8 @@ from collections.abc import Callable, Sequence
 import networkx as nx
 
 from gpp_jax.errors import ScheduleError
-from gpp_jax.ir.schedule import Action, Schedule, dependencies, validate_schedule
+from gpp_jax.ir.program import Op
+from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 
 SHARED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zb-v")
 
@@ -102,13 +111,72 @@ def _shared_schedule(
   P = max(1, len({places[s] for s in path}))
   rank = {q: min(depth[m[0]], P - 1) for q, m in enumerate(members)}  # where q joins the pipe
   split = name == "zb-v"
-  dur = {"F": 1, "B": 1 if split else 2, "W": 1}
   bound = _bound(name, P, members, rank, M)
-  prefer = _RULES[name](P, chunk)
+  # Interleaved 1F1B: Megatron's rule and two that run a ready backward first, each listed
+  # with transfers free and with a transfer between places half a forward; the order whose
+  # replay ends first is kept, the first (Megatron's, transfers free) where they tie.
+  if name == "interleaved-1f1b":
+    tries = [(rule, hop) for hop in (0, 1) for rule in _INTERLEAVED_VARIANTS]
+  else:
+    tries = [(_RULES[name], 0)]
+  best: tuple[int, list[list[Action]]] | None = None
+  for rule, hop in tries:
+    orders = _list_schedule(name, S, M, Q, g, members, bound, rule(P, chunk), split, hop)
+    end = _makespan(orders, g, places, split) if len(tries) > 1 else 0
+    if best is None or end < best[0]:
+      best = (end, orders)
+  assert best is not None
+  orders = best[1]
+  for q in range(Q):
+    orders[q].extend(Action(Op.UPDATE, s) for s in members[q])
+  lanes = tuple(tuple(a for a in orders[places[s]] if a.stage == s) for s in range(S))
+  sched = Schedule(
+    name,
+    M,
+    tuple(sorted(edges)),
+    lanes,
+    places=places,
+    orders=tuple(map(tuple, orders)),
+  )
+  validate_schedule(sched)
+  return sched
 
-  kinds = ("F", "B", "W") if split else ("F", "B")
+
+def _list_schedule(
+  name: str,
+  S: int,
+  M: int,
+  Q: int,
+  g: nx.DiGraph,
+  members: Sequence[Sequence[int]],
+  bound: Sequence[float],
+  prefer: Callable,
+  split: bool,
+  hop: int = 0,
+) -> list[list[Action]]:
+  """Each place's order by list scheduling in half units (F 2, B 4; B 2 and W 2 when
+  ``split``; an activation or cotangent between two places ``hop``, a hand-over on one place
+  0) under ``prefer`` and the places' in-flight ``bound``. Actions are (kind, stage,
+  micro-batch) tuples here; ``dependencies`` (``ir.schedule``) is what the readiness test
+  spells out."""
+  dur = {Op.F: 2, Op.B: 2 if split else 4, Op.W: 2}
+  kinds = (Op.F, Op.B, Op.W) if split else (Op.F, Op.B)
+  never = 1 << 62
+  place = {s: q for q, ms in enumerate(members) for s in ms}
+  done = {k: [[never] * M for _ in range(S)] for k in kinds}  # when each action ends
+  # Each producer (consumer) of a stage, with the time its activation (cotangent) takes over.
+  preds = [[(p, hop * (place[p] != place[s])) for p in g.predecessors(s)] for s in range(S)]
+  succs = [[(c, hop * (place[c] != place[s])) for c in g.successors(s)] for s in range(S)]
+  fdone, bdone = done[Op.F], done[Op.B]
+
+  def ready(k: Op, s: int, m: int, t: int) -> bool:
+    if k is Op.F:
+      return all(fdone[p][m] + x <= t for p, x in preds[s])
+    if k is Op.B:
+      return fdone[s][m] <= t and all(bdone[c][m] + x <= t for c, x in succs[s])
+    return bdone[s][m] <= t
+
   nxt = {(s, k): 0 for s in range(S) for k in kinds}  # each stage runs each kind in order
-  done_at: dict[Action, int] = {}
   held = [0] * Q  # micro-batches holding activations on each place (F run, B or W not yet)
   orders: list[list[Action]] = [[] for _ in range(Q)]
   free = [0] * Q
@@ -123,43 +191,68 @@ def _shared_schedule(
       for q in range(Q):
         if free[q] > t:
           continue
-        ready = []
-        for st in members[q]:
-          for k in kinds:
-            m = nxt[st, k]
-            if m < M:
-              a = Action(k, st, m)
-              if all(done_at.get(d, t + 1) <= t for d in dependencies(a, g, split)):
-                ready.append(a)
-        pick = _choose(ready, prefer, held[q], bound[q], force)
+        cands = [
+          (k, st, nxt[st, k])
+          for st in members[q]
+          for k in kinds
+          if nxt[st, k] < M and ready(k, st, nxt[st, k], t)
+        ]
+        pick = _choose(cands, prefer, held[q], bound[q], force)
         if pick is None:
           continue
         picked = True
-        nxt[pick.stage, pick.kind] += 1
-        orders[q].append(pick)
+        k, st, m = pick
+        nxt[st, k] += 1
+        orders[q].append(Action(k, st, m))
         left -= 1
-        end = t + dur[pick.kind]
-        done_at[pick] = end
+        end = t + dur[k]
+        done[k][st][m] = end
         free[q] = end
-        held[q] += 1 if pick.kind == "F" else -1 if pick.kind == kinds[-1] else 0
+        held[q] += 1 if k is Op.F else -1 if k is kinds[-1] else 0
         heapq.heappush(events, end)
-      if picked or any(f > t for f in free):
+        if hop:
+          heapq.heappush(events, end + hop)  # where it reaches another place
+      if picked or any(f > t for f in free) or events:
         break
     else:  # pragma: no cover - a DAG always has a ready action when nothing runs
       raise ScheduleError(f"schedule {name!r}: no place can run anything at time {t}")
-  for q in range(Q):
-    orders[q].extend(Action("UPDATE", s) for s in members[q])
-  lanes = tuple(tuple(a for a in orders[places[s]] if a.stage == s) for s in range(S))
-  sched = Schedule(
-    name,
-    M,
-    tuple(sorted(edges)),
-    lanes,
-    places=places,
-    orders=tuple(map(tuple, orders)),
-  )
-  validate_schedule(sched)
-  return sched
+  return orders
+
+
+def _makespan(
+  orders: Sequence[Sequence[Action]], g: nx.DiGraph, places: Sequence[int], split: bool
+) -> int:
+  """When the places' ``orders`` end, each place running its order one action after another,
+  in half units: F 2, B 4 (B 2 and W 2 where ``split``), an activation or cotangent between
+  two places 1, a hand-over on one place 0."""
+  dur = {Op.F: 2, Op.B: 2 if split else 4, Op.W: 2}
+  end: dict[tuple[Op, int, int], int] = {}
+  nxt = [0] * len(orders)
+  free = [0] * len(orders)
+  left = sum(map(len, orders))
+  while left:
+    moved = False
+    for q, order in enumerate(orders):
+      while nxt[q] < len(order):
+        a = order[nxt[q]]
+        k, s, m = a.kind, a.stage, a.microbatch
+        if k is Op.F:
+          deps = [((Op.F, p, m), places[p] != places[s]) for p in g.predecessors(s)]
+        elif k is Op.B:
+          deps = [((Op.F, s, m), False)]
+          deps += [((Op.B, c, m), places[c] != places[s]) for c in g.successors(s)]
+        else:
+          deps = [((Op.B, s, m), False)]
+        if any(d not in end for d, _ in deps):
+          break
+        start = max([free[q], *(end[d] + int(x) for d, x in deps)])
+        end[k, s, m] = free[q] = start + dur[k]
+        nxt[q] += 1
+        left -= 1
+        moved = True
+    if not moved:  # pragma: no cover - the orders come from list scheduling, free of deadlock
+      raise ScheduleError("the places' orders wait on each other")
+  return max(free, default=0)
 
 
 def _bound(
@@ -180,35 +273,75 @@ def _bound(
   return out
 
 
-def _interleaved_rule(P: int, chunk: dict[int, int]) -> Callable[[Action, int, float], tuple]:
-  def key(a: Action, held: int, bound: float) -> tuple:
+# A rule orders the ready actions of a place, each a (kind, stage, micro-batch) tuple: the
+# first by its key runs (``_choose``).
+Ready = tuple[Op, int, int]  # (kind, stage, micro-batch)
+Rule = Callable[[Ready], tuple]
+
+
+def _interleaved_rule(P: int, chunk: dict[int, int]) -> Rule:
+  def key(a: Ready) -> tuple:
     # A forward while the bound lets one run (``_choose``), else a backward: the warm-up,
     # then one forward and one backward in turn, then the backwards left.
-    group, c = a.microbatch // P, chunk[a.stage]
-    if a.kind == "F":
-      return (0, group, c, a.microbatch)
-    return (1, group, -c, a.microbatch)
+    k, s, m = a
+    group, c = m // P, chunk[s]
+    if k == "F":
+      return (0, group, c, m)
+    return (1, group, -c, m)
 
   return key
 
 
-def _bfs_rule(P: int, chunk: dict[int, int]) -> Callable[[Action, int, float], tuple]:
-  def key(a: Action, held: int, bound: float) -> tuple:
-    c = chunk[a.stage]
-    return (0, c, a.microbatch) if a.kind == "F" else (1, -c, a.microbatch)
+def _interleaved_backward_first_rule(P: int, chunk: dict[int, int]) -> Rule:
+  def key(a: Ready) -> tuple:
+    # Megatron's groups and chunks, a ready backward before any forward.
+    k, s, m = a
+    group, c = m // P, chunk[s]
+    if k == "F":
+      return (1, group, c, m)
+    return (0, group, -c, m)
 
   return key
 
 
-def _zbv_rule(P: int, chunk: dict[int, int]) -> Callable[[Action, int, float], tuple]:
+def _backward_first_rule(P: int, chunk: dict[int, int]) -> Rule:
+  def key(a: Ready) -> tuple:
+    # A ready backward first, micro-batch by micro-batch (the oldest first, its deepest
+    # chunk first), then forwards in the same order (its shallowest chunk first).
+    k, s, m = a
+    c = chunk[s]
+    if k == "F":
+      return (1, m, c)
+    return (0, m, -c)
+
+  return key
+
+
+def _bfs_rule(P: int, chunk: dict[int, int]) -> Rule:
+  def key(a: Ready) -> tuple:
+    k, s, m = a
+    c = chunk[s]
+    return (0, c, m) if k == "F" else (1, -c, m)
+
+  return key
+
+
+def _zbv_rule(P: int, chunk: dict[int, int]) -> Rule:
   order = {"B": 0, "F": 1, "W": 2}
 
-  def key(a: Action, held: int, bound: float) -> tuple:
-    c = chunk[a.stage]
-    return (order[a.kind], a.microbatch, -c if a.kind != "F" else c)
+  def key(a: Ready) -> tuple:
+    k, s, m = a
+    c = chunk[s]
+    return (order[k], m, -c if k != "F" else c)
 
   return key
 
+
+_INTERLEAVED_VARIANTS = (
+  _interleaved_rule,
+  _backward_first_rule,
+  _interleaved_backward_first_rule,
+)
 
 _RULES = {
   "interleaved-1f1b": _interleaved_rule,
@@ -218,13 +351,13 @@ _RULES = {
 
 
 def _choose(
-  ready: Sequence[Action], prefer: Callable, held: int, bound: float, force: bool
-) -> Action | None:
+  ready: Sequence[Ready], prefer: Rule, held: int, bound: float, force: bool
+) -> Ready | None:
   """The ready action the rule puts first, a forward only under the bound (or ``force``)."""
-  allowed = [a for a in ready if a.kind != "F" or held < bound or force]
+  allowed = [a for a in ready if a[0] != "F" or held < bound or force]
   if not allowed:
     return None
-  return min(allowed, key=lambda a: prefer(a, held, bound))
+  return min(allowed, key=prefer)
 
 
 def interleaved_1f1b(num_stages, edges, num_microbatches, places=None, counts=None) -> Schedule:

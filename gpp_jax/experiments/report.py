@@ -1,16 +1,19 @@
 """The reproduction's outputs: CSVs, markdown tables, plots and ``results.md``.
 
 ``write_csv`` and ``md_table`` (number formatting), ``write_plots`` (each figure module's plot),
-``paper_comparison`` (the paper's reported figures beside ours, ours/paper) and
-``results_markdown`` (the whole report: the comparison, tables (a)-(e), the real-training
-check, what limits the comparison).
+``paper_comparison`` (the paper's reported figures beside ours, ours/paper),
+``shared_devices_section`` (several stages per device: ``benchmarks/shared_devices.py``'s table)
+and ``results_markdown`` (the whole report: the comparison, tables (a)-(e), several stages per
+device, the real-training check, what limits the comparison).
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import itertools
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpp_jax.experiments import plotting
@@ -18,7 +21,7 @@ from gpp_jax.experiments.ablation import plot_ablation
 from gpp_jax.experiments.branches import plot_branches
 from gpp_jax.experiments.microbatch import plot_microbatch
 from gpp_jax.experiments.planner_runs import MODEL_LABELS, default_batch_size
-from gpp_jax.experiments.sweeps import ALL_PLANNERS, PAPER_BASELINES, Sweep
+from gpp_jax.experiments.sweeps import ALL_PLANNERS, PAPER_BASELINES, Sweep, progress_log
 from gpp_jax.experiments.throughput import plot_throughput
 
 Tables = Mapping[str, Sequence[Mapping[str, Any]]]
@@ -370,6 +373,66 @@ def _section(
   return out
 
 
+# The several-stages-per-device benchmark, beside the package in the repository.
+SHARED_DEVICES_BENCHMARK = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+  "benchmarks",
+  "shared_devices.py",
+)
+
+
+def shared_devices_section(
+  sweep: Sweep, progress: Callable[[str], None] | None = progress_log
+) -> str:
+  """Section (g): GraphPipe with two (and the better of two and four) stages per device against
+  one, and against PipeDream's chain with as many, on the multi-branch models at 16-64 devices
+  and 2-8 micro-batches: the table of ``benchmarks/shared_devices.py`` (its ``rows`` and
+  ``markdown``, imported from the repository). A sweep of fewer than 16 devices (``QUICK``)
+  gets MMT at 16 devices and 2 and 4 micro-batches; "" where the benchmark is not beside the
+  package (an installed copy) or the preset is not the paper's."""
+  if sweep.preset != "paper" or not os.path.exists(SHARED_DEVICES_BENCHMARK):
+    return ""
+  spec = importlib.util.spec_from_file_location(
+    "shared_devices_benchmark", SHARED_DEVICES_BENCHMARK
+  )
+  assert spec is not None and spec.loader is not None
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  full = max(sweep.devices) >= 16
+  config = (
+    dict(models=bench.MODELS, devices=bench.DEVICES, microbatches=bench.MICROBATCHES)
+    if full
+    else dict(models=("mmt",), devices=(16,), microbatches=(2, 4))
+  )
+
+  def log(r: dict[str, Any]) -> None:
+    if progress is not None:
+      progress(
+        f"[shared devices] {r['model']} {r['devices']} devices, {r['microbatches']} "
+        f"micro-batches: v=2 {r['gain_v2']:.3f}x v=1, {r['chain_v2']:.3f}x the chain"
+      )
+
+  table = bench.rows(**config, progress=log)
+  command = "python benchmarks/shared_devices.py" + (
+    "" if full else " --models=mmt --devices=16 --microbatches=2,4"
+  )
+  return "\n".join(
+    [
+      "## (g) Several stages per device (interleaving) on the multi-branch models",
+      "",
+      "Predicted iteration times (ms) on the V100 preset at the paper's shapes: GraphPipe with "
+      "one stage per device, with two, and with the better of two and four (its plan cut and "
+      "interleaved, its plan for v times as many micro-batches cut the same way, or its plan "
+      "for a virtual cluster of v x N devices folded, whichever is faster; interleaved 1F1B), "
+      "against PipeDream's chain with as many stages per device. Few micro-batches per "
+      "device count: the pipeline bubble's regime.",
+      "",
+      bench.markdown(table, command).rstrip("\n"),
+      "",
+    ]
+  )
+
+
 def results_markdown(
   tables: Tables,
   sweep: Sweep,
@@ -379,8 +442,9 @@ def results_markdown(
   extra: str = "",
 ) -> str:
   """``results.md``: the paper comparison, then tables (a)-(e), ``extra`` (markdown written by
-  another benchmark, e.g. ``benchmarks/planners.py``'s section (f)) and the real-training
-  check."""
+  another benchmark, e.g. ``benchmarks/planners.py``'s section (f)), section (g) (several
+  stages per device, ``shared_devices_section``: planned here, for the paper's preset) and the
+  real-training check."""
   k_ab = sweep.ablation_devices
   out = [
     "# GraphPipe reproduction: simulated results beside the paper's",
@@ -585,6 +649,9 @@ def results_markdown(
 
   if extra:
     out += [extra.rstrip("\n"), ""]
+  section = shared_devices_section(sweep)
+  if section:
+    out += [section.rstrip("\n"), ""]
   out += [
     "## What limits the comparison",
     "",

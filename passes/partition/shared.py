@@ -9,22 +9,36 @@ one device per stage that is Megatron's placement (stage s on device s mod N); o
 stages at the same depth (concurrent branches) and consecutive ones land on different
 devices.
 
-Each v also gets a second candidate: the planner's own plan for the real devices, each stage
-cut into v (``split_stages``) and folded the same way. The candidates are simulated on the real
-cluster under a schedule for shared devices (``interleaved-1f1b`` unless another is asked for),
-devices running their stages one at a time, memory per device the sum of its stages'. With
-``stages_per_device="auto"`` the planner chooses v among 1, 2 and 4 by that prediction.
+Each v also gets candidates cut from plans for the real devices (``split_stages``: each stage
+cut into v consecutive pieces, folded the same way; a linearised plan's ordering edges kept,
+so a chain stays a chain), each cut two ways: where the pieces' FLOPs reach their shares, and
+into pieces of balanced seconds under the cost model (``balanced_cuts``, ``layer_seconds``):
+
+  * the planner's own plan;
+  * the planner's plan for v times as many micro-batches, run at the planner's count: its
+    stages and widths are chosen for the bubble of v M micro-batches, about what interleaving
+    v stages per device leaves at M, where the plan for M is chosen for a bubble interleaving
+    shrinks (five of the six configurations of ``benchmarks/shared_devices.py`` where v = 2
+    is 15% faster than v = 1 and than the chain).
+
+The candidates are simulated on the real cluster under a schedule for shared devices
+(``interleaved-1f1b`` unless another is asked for; ZB-V too where the backward may be split,
+``shared_schedules``), devices running their stages one at a time, memory per device the sum
+of its stages'; the fastest within memory is kept. With ``stages_per_device="auto"`` the
+planner chooses v among 1, 2 and 4 by that prediction (it is not the default: it plans up to
+five times and simulates every candidate, 4-40x the search time of v = 1 at 32 devices).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.errors import PlanError, ScheduleError
 from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan, Stage, stage_edges
@@ -35,7 +49,10 @@ AUTO_STAGES_PER_DEVICE = (1, 2, 4)
 
 def virtual_cluster(cluster: Cluster, v: int) -> Cluster:
   """``cluster`` with each device cut into ``v`` virtual devices: v times as many, each with
-  1/v of the speed, memory bandwidth and memory (links as they were)."""
+  1/v of the speed, memory bandwidth and memory (links as they were). Nodes keep their size
+  in devices: ``fold`` puts a virtual stage of w devices on w real ones, so its all-reduce
+  and transfers cross the links of w real devices (a stage of 8 on nodes of 4 crosses
+  nodes, as it does folded)."""
   dev = dataclasses.replace(
     cluster.device,
     peak_flops=cluster.device.peak_flops / v,
@@ -46,7 +63,6 @@ def virtual_cluster(cluster: Cluster, v: int) -> Cluster:
     num_devices=cluster.num_devices * v,
     device=dev,
     memory_per_device=cluster.memory_per_device / v,
-    devices_per_node=None if cluster.devices_per_node is None else cluster.devices_per_node * v,
     name=f"{cluster.name} (x{v} virtual)",
   )
 
@@ -90,28 +106,28 @@ def fold(plan: Plan, num_devices: int, v: int) -> Plan | None:
   return plan.replace(stages=stages)
 
 
-def split_stages(plan: Plan, layer_graph: nx.DiGraph, v: int) -> Plan | None:
-  """Each stage of ``plan`` cut into up to ``v`` stages of about equal FLOPs, consecutive in
-  its layers' topological order (each piece convex, as its stage was), on the stage's width;
-  the pieces then folded onto the devices of the plan (``fold``): Megatron's interleaving of a
-  chain when every stage has one device. None where no stage has two layers to cut."""
+def split_stages(
+  plan: Plan,
+  layer_graph: nx.DiGraph,
+  v: int,
+  weights: Mapping[str, float] | None = None,
+) -> Plan | None:
+  """Each stage of ``plan`` cut into up to ``v`` stages, consecutive in its layers'
+  topological order (each piece convex, as its stage was), on the stage's width; the pieces
+  then folded onto the devices of the plan (``fold``): Megatron's interleaving of a chain when
+  every stage has one device. Without ``weights`` a piece ends where the running sum of the
+  layers' FLOPs first reaches its share; with ``weights`` (seconds per layer, ``layer_seconds``)
+  the cuts make the largest piece as small as the layers allow (``balanced_cuts``). None where
+  no stage has two layers to cut."""
   order = {l: k for k, l in enumerate(topo_layers(layer_graph))}
   assign: dict[str, int] = {}
   pieces: list[tuple[tuple[str, ...], int]] = []  # (layers, width)
   for st in plan.stages:
     layers = sorted(st.layers, key=order.__getitem__)
-    flops = [float(layer_graph.nodes[l].get("flops", 0.0)) or 1.0 for l in layers]
-    total, k = sum(flops), min(v, len(layers))
-    cuts: list[int] = []
-    acc = 0.0
-    for i, f in enumerate(flops[:-1]):
-      acc += f
-      if (
-        len(cuts) < k - 1
-        and acc >= total * (len(cuts) + 1) / k
-        and len(layers) - i - 1 >= k - 1 - len(cuts)
-      ):
-        cuts.append(i + 1)
+    if weights is None:
+      cuts = _share_cuts([float(layer_graph.nodes[l].get("flops", 0.0)) or 1.0 for l in layers], v)
+    else:
+      cuts = balanced_cuts([float(weights[l]) for l in layers], v)
     for a, b in zip([0, *cuts], [*cuts, len(layers)]):
       for l in layers[a:b]:
         assign[l] = len(pieces)
@@ -121,9 +137,86 @@ def split_stages(plan: Plan, layer_graph: nx.DiGraph, v: int) -> Plan | None:
   stages = tuple(
     Stage(i, layers, tuple(range(w))) for i, (layers, w) in enumerate(pieces)
   )  # devices: the width; ``fold`` deals them onto blocks
-  cut = plan.replace(stages=stages, edges=stage_edges(layer_graph, assign))
+  # The plan's ordering edges (no tensor along them: a linearised plan's chain) stay, from
+  # the last piece of one stage to the first of the next, so a chain stays a chain.
+  data = set(stage_edges(layer_graph, {l: st.index for st in plan.stages for l in st.layers}))
+  first = {st.index: assign[min(st.layers, key=order.__getitem__)] for st in plan.stages}
+  last = {st.index: assign[max(st.layers, key=order.__getitem__)] for st in plan.stages}
+  edges = set(stage_edges(layer_graph, assign))
+  edges |= {(last[i], first[j]) for i, j in plan.edges if (i, j) not in data}
+  cut = plan.replace(stages=stages, edges=tuple(sorted(edges)))
   used = len({d for st in plan.stages for d in st.devices})
   return fold(_widths_as_virtual(cut), used, v)
+
+
+def _share_cuts(flops: Sequence[float], v: int) -> list[int]:
+  """Cuts into up to ``v`` pieces, each ending where the running sum first reaches its share
+  of the total (leaving a layer for each piece still to come)."""
+  total, k = sum(flops), min(v, len(flops))
+  cuts: list[int] = []
+  acc = 0.0
+  for i, f in enumerate(flops[:-1]):
+    acc += f
+    if (
+      len(cuts) < k - 1
+      and acc >= total * (len(cuts) + 1) / k
+      and len(flops) - i - 1 >= k - 1 - len(cuts)
+    ):
+      cuts.append(i + 1)
+  return cuts
+
+
+def balanced_cuts(weights: Sequence[float], v: int) -> list[int]:
+  """Cut positions splitting ``weights`` into min(v, len) consecutive pieces whose largest
+  sum is the least possible: the least bound that v greedy pieces fit under (bisection),
+  then pieces filled up to it, each leaving a layer for every piece still to come."""
+  n = len(weights)
+  k = min(v, n)
+  if k <= 1:
+    return []
+
+  def pieces(bound: float) -> int:
+    count, acc = 1, 0.0
+    for w in weights:
+      if acc + w > bound and acc > 0:
+        count, acc = count + 1, w
+      else:
+        acc += w
+    return count
+
+  lo, hi = max(weights), float(sum(weights))
+  for _ in range(64):
+    mid = (lo + hi) / 2
+    if pieces(mid) <= k:
+      hi = mid
+    else:
+      lo = mid
+  bound = hi * (1 + 1e-9)
+  cuts: list[int] = []
+  acc = 0.0
+  for i, w in enumerate(weights):
+    if i > 0 and len(cuts) < k - 1 and (acc + w > bound or n - i == k - 1 - len(cuts)):
+      cuts.append(i)
+      acc = 0.0
+    acc += w
+  return cuts
+
+
+def layer_seconds(
+  plan: Plan, layer_graph: nx.DiGraph, cluster: Cluster, cost_model: Any = None
+) -> dict[str, float]:
+  """Each layer's forward and backward seconds under the cost model, at the micro-batch each
+  device of its stage computes (the plan's micro-batch over the stage's width)."""
+  cm = cost_model or DEFAULT_COST_MODEL
+  costs = layer_costs(layer_graph)
+  mb = (plan.batch_size or layer_graph.graph.get("batch_size", 1)) / plan.num_microbatches
+  out: dict[str, float] = {}
+  for st in plan.stages:
+    tf, tb = cm.layer_times(costs, cluster.device, mb / len(st.devices))
+    for l in st.layers:
+      i = costs.index[l]
+      out[l] = float(tf[i] + tb[i])
+  return out
 
 
 def _widths_as_virtual(plan: Plan) -> Plan:
@@ -135,6 +228,19 @@ def _widths_as_virtual(plan: Plan) -> Plan:
     stages.append(dataclasses.replace(st, devices=tuple(range(first, first + w))))
     first += w
   return plan.replace(stages=tuple(stages))
+
+
+def shared_schedules(
+  schedule: str | None, schedules: Sequence[str] | None = None
+) -> tuple[str, ...]:
+  """The schedules a plan whose stages share devices is simulated under: ``schedule`` where
+  given, else interleaved 1F1B; with ZB-V too where the backward may be split (``schedule``
+  is zero-bubble, or the planner's ``schedules`` option names zero-bubble or zb-v), as the
+  planner's own plan may then be zero-bubble."""
+  out = [schedule or "interleaved-1f1b"]
+  if schedule == "zero-bubble" or {"zero-bubble", "zb-v"} & set(schedules or ()):
+    out.append("zb-v")
+  return tuple(dict.fromkeys(out))
 
 
 def plan_with_shared_devices(
@@ -165,7 +271,7 @@ def plan_with_shared_devices(
     raise ValueError(
       f"stages_per_device must be a positive int or 'auto', not {stages_per_device!r}"
     )
-  shared_schedule = schedule or "interleaved-1f1b"
+  shared = shared_schedules(schedule, kw.get("schedules"))
   own = {} if schedule is None or schedule in SHARED_SCHEDULES else {"schedule": schedule}
   host = kw.get("host")
   cost_model = kw.get("cost_model")  # the candidates are priced as the planner prices its own
@@ -178,29 +284,53 @@ def plan_with_shared_devices(
     if plan is None or plan.places() is None:
       tried.append(f"v={v} ({how}): no two stages share devices")
       return
-    plan = plan.replace(schedule=shared_schedule, num_microbatches=one.num_microbatches)
-    try:
-      res = simulate(plan, layer_graph, cluster, cost_model=cost_model, timeline=False, host=host)
-    except ScheduleError as e:
-      tried.append(f"v={v} ({how}): {e}")
-      return
-    peak = max(res.peak_memory.values(), default=0.0)
-    info = {
-      "stages_per_device": plan.stages_per_device,
-      "shared_devices": how,
-      "max_memory": peak,
-      "memory_ok": bool(peak <= cluster.memory_per_device),
-    }
-    plan = plan.replace(predicted=prediction(res, plan, cluster, info=info))
-    if peak > cluster.memory_per_device:
-      tried.append(f"v={v} ({how}): needs {peak / 2**20:.2f} MiB on a device")
-      return
-    best = better(best, plan)
+    for name in shared:
+      cand = plan.replace(schedule=name, num_microbatches=one.num_microbatches)
+      try:
+        res = simulate(cand, layer_graph, cluster, cost_model=cost_model, timeline=False, host=host)
+      except ScheduleError as e:
+        tried.append(f"v={v} ({how}, {name}): {e}")
+        continue
+      peak = max(res.peak_memory.values(), default=0.0)
+      info = {
+        "stages_per_device": cand.stages_per_device,
+        "shared_devices": how,
+        "max_memory": peak,
+        "memory_ok": bool(peak <= cluster.memory_per_device),
+      }
+      cand = cand.replace(predicted=prediction(res, cand, cluster, info=info))
+      if peak > cluster.memory_per_device:
+        tried.append(f"v={v} ({how}, {name}): needs {peak / 2**20:.2f} MiB on a device")
+        continue
+      best = better(best, cand)
 
+  def split_both(plan: Plan, v: int, how: str) -> None:
+    """``plan``'s stages cut into v where their FLOPs reach each share, and cut into v
+    pieces of balanced seconds (the two differ where layers are coarse)."""
+    consider(split_stages(plan, layer_graph, v), v, how)
+    weights = layer_seconds(plan, layer_graph, cluster, cost_model)
+    consider(split_stages(plan, layer_graph, v, weights), v, how + ", balanced")
+
+  batch = one.batch_size or batch_size or layer_graph.graph.get("batch_size")
+  M = one.num_microbatches
   for v in choices:
     if v == 1:
       continue
-    consider(split_stages(one, layer_graph, v), v, "the stages cut and interleaved")
+    split_both(one, v, "the stages cut and interleaved")
+    # The planner's plan for v times as many micro-batches, cut into v and run at M: its
+    # stages and widths are chosen for the bubble of v M micro-batches, about the bubble
+    # interleaving v stages per device leaves at M (Megatron: (p - 1)/(v m)).
+    if batch and batch % (v * M) == 0:
+      try:
+        many = planner(layer_graph, cluster, batch_size, num_microbatches=v * M, **own, **kw)
+      except PlanError as e:
+        tried.append(f"v={v} (planned for {v * M} micro-batches): {e}")
+      else:
+        split_both(
+          many.replace(num_microbatches=M),
+          v,
+          f"planned for {v * M} micro-batches, the stages cut and interleaved",
+        )
     try:
       vplan = planner(
         layer_graph,
