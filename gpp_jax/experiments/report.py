@@ -102,18 +102,21 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
   tp, st = tables.get("throughput") or [], tables.get("search_time") or []
   br, mb = tables.get("branches") or [], tables.get("microbatch") or []
   ab = tables.get("ablation") or []
-  rows = []
+  rows: list[dict[str, Any]] = []
 
-  def add(claim, paper, ours, ratio, note=""):
+  def add(claim: str, paper: str | None, ours: str, ratio: str | None, note: str = "") -> None:
     rows.append({"claim": claim, "paper": paper, "ours": ours, "ratio": ratio, "note": note})
 
-  def fmt_span(s):
-    return (
-      "-"
-      if s is None
-      else (f"{s[0]:.2f}x" if abs(s[0] - s[1]) < 5e-3 else f"{s[0]:.2f}-{s[1]:.2f}x")
-    )
+  _headline_claims(add, tp)
+  _ablation_claims(add, ab, sweep)
+  _branch_claims(add, br)
+  _microbatch_claims(add, mb, sweep)
+  _search_claims(add, st, sweep)
+  return rows
 
+
+def _headline_claims(add: Callable[..., None], tp: Sequence[Mapping[str, Any]]) -> None:
+  """``paper_comparison``'s rows for the end-to-end headline (the abstract, Fig. 6)."""
   # End-to-end headline (abstract, Fig. 6).
   vs_base = []
   for r in tp:
@@ -156,6 +159,11 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
     "lost: Fig. 6 was an image; only the claims above survive",
   )
 
+
+def _ablation_claims(
+  add: Callable[..., None], ab: Sequence[Mapping[str, Any]], sweep: Sweep
+) -> None:
+  """``paper_comparison``'s rows for the ablation (Fig. 9)."""
   # Ablation (Fig. 9).
   k = sweep.ablation_devices
   full = _span([r.get("full_speedup") for r in ab])
@@ -165,7 +173,7 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
       f"Full GraphPipe / sequential at {k} devices, range over models (Fig. 9: 1.25-1.61x "
       "at 32 GPUs)",
       "1.25-1.61x",
-      fmt_span(full),
+      _fmt_span(full),
       f"{full[0] / 1.25:.2f} / {full[1] / 1.61:.2f}",
       "ratio: low ends / high ends",
     )
@@ -174,11 +182,14 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
       f"'Parallel' (GraphPipe stages at the sequential micro-batch) / sequential at {k} "
       "devices (Fig. 9: 1.12-1.40x)",
       "1.12-1.40x",
-      fmt_span(par),
+      _fmt_span(par),
       f"{par[0] / 1.12:.2f} / {par[1] / 1.40:.2f}",
       "ratio: low ends / high ends",
     )
 
+
+def _branch_claims(add: Callable[..., None], br: Sequence[Mapping[str, Any]]) -> None:
+  """``paper_comparison``'s rows for the branch sweep (Fig. 7 left)."""
   # Branch sweep (Fig. 7 left).
   if br:
     top = max(br, key=lambda r: r["branches"])
@@ -207,6 +218,11 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
       None,
     )
 
+
+def _microbatch_claims(
+  add: Callable[..., None], mb: Sequence[Mapping[str, Any]], sweep: Sweep
+) -> None:
+  """``paper_comparison``'s rows for the micro-batch sweep (Fig. 7 right)."""
   # Micro-batch sweep (Fig. 7 right).
   if mb:
     ok = [r for r in mb if r.get("speedup")]
@@ -216,11 +232,14 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
       "GraphPipe above the sequential planners at every fixed micro-batch size (Fig. 7 right)",
       "every size",
       f"{wins} of {len(ok)} sizes with a plan on both sides"
-      + (f" (gain {fmt_span(_span([r['speedup'] for r in ok]))})" if ok else ""),
+      + (f" (gain {_fmt_span(_span([r['speedup'] for r in ok]))})" if ok else ""),
       None,
       "bar heights lost (image)",
     )
 
+
+def _search_claims(add: Callable[..., None], st: Sequence[Mapping[str, Any]], sweep: Sweep) -> None:
+  """``paper_comparison``'s rows for the search time (Table 1)."""
   # Search time (Table 1).
   pd = _span([r.get("pipedream_over_graphpipe") for r in st])
   gp_max = max((r["graphpipe_s"] for r in st if r.get("graphpipe_s") is not None), default=None)
@@ -229,7 +248,7 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
       "Search time of PipeDream / GraphPipe (Table 1: GraphPipe 9-21x faster than PipeDream "
       "and Piper)",
       "9-21x",
-      fmt_span(pd),
+      _fmt_span(pd),
       f"{pd[0] / 9:.3f} / {pd[1] / 21:.3f}",
       (
         "below 1x = our GraphPipe searched slower (one min-max DP over the SP tree per "
@@ -266,7 +285,7 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
       + ", ".join(_label(r["model"]) + f" x{r['devices']}" for r in piper_ok)
       + ")",
       "9-21x",
-      fmt_span(sp_),
+      _fmt_span(sp_),
       f"{sp_[0] / 9:.2f} / {sp_[1] / 21:.2f}",
       "Piper's cost grows with the downsets, l^b for b branches of l layers",
     )
@@ -292,7 +311,12 @@ def paper_comparison(tables: Tables, sweep: Sweep) -> list[dict[str, Any]]:
     None,
     "lost: we scale the mini-batch with the device count",
   )
-  return rows
+
+
+def _fmt_span(s: tuple[float, float] | None) -> str:
+  return (
+    "-" if s is None else (f"{s[0]:.2f}x" if abs(s[0] - s[1]) < 5e-3 else f"{s[0]:.2f}-{s[1]:.2f}x")
+  )
 
 
 def _label(model: str) -> str:
@@ -433,6 +457,30 @@ def shared_devices_section(
   )
 
 
+# ``results.md``'s closing section.
+_RESULTS_LIMITS = [
+  "## What limits the comparison",
+  "",
+  "- Simulation, not measurement: a roofline cost model with a fitted efficiency curve "
+  "and affine links stands in for FlexFlow on Summit; absolute samples/s are not "
+  "comparable, ratios between planners priced by the same model are.",
+  "- The baselines are our re-implementations (PipeDream and Piper from their "
+  "papers' and code's DPs, BaPipe and Luo et al. from abstracts only); the paper ran "
+  "the authors' PipeDream and Piper planners on FlexFlow. GraphPipe, PipeDream and "
+  "Piper all end with the same local search against the simulator "
+  "(`passes/partition/refine.py`), so the chain baselines of tables (a)-(e) are stronger "
+  "than the published planners and the gains are those of the stage DAG alone; section "
+  "(f), when present, puts PipeDream and Piper as published beside them.",
+  "- Lost figures: every plotted value and Table 1's seconds; the mini-batch sizes per "
+  "GPU count (we use a fixed number of samples per device).",
+  "- Piper: the authors' limit of 40,000 downsets; it plans MMT (10,003 downsets) and stops "
+  "on DLRM and CANDLE-Uno, as in the paper.",
+  "- Model shapes follow App. A.2 (MMT 4 branches, DLRM 7+7, CANDLE-Uno 7); the paper "
+  "itself gives other branch counts in §7.2.",
+  "",
+]
+
+
 def results_markdown(
   tables: Tables,
   sweep: Sweep,
@@ -445,7 +493,20 @@ def results_markdown(
   another benchmark, e.g. ``benchmarks/planners.py``'s section (f)), section (g) (several
   stages per device, ``shared_devices_section``: planned here, for the paper's preset) and the
   real-training check."""
-  k_ab = sweep.ablation_devices
+  out = _results_header(tables, sweep, command, elapsed)
+  out += _planner_sections(tables, sweep, plots)
+  out += _loss_check_section(tables)
+  if extra:
+    out += [extra.rstrip("\n"), ""]
+  section = shared_devices_section(sweep)
+  if section:
+    out += [section.rstrip("\n"), ""]
+  out += _RESULTS_LIMITS
+  return "\n".join(out)
+
+
+def _results_header(tables: Tables, sweep: Sweep, command: str, elapsed: float | None) -> list[str]:
+  """``results.md``'s opening: what its numbers are, the paper, and the comparison with it."""
   out = [
     "# GraphPipe reproduction: simulated results beside the paper's",
     "",
@@ -498,6 +559,14 @@ def results_markdown(
     "",
   ]
 
+  return out
+
+
+def _planner_sections(tables: Tables, sweep: Sweep, plots: Sequence[str]) -> list[str]:
+  """``results.md``'s tables (a)-(e): throughput, the branch and micro-batch sweeps, the
+  ablation and the search times, each where the tables have it."""
+  k_ab = sweep.ablation_devices
+  out: list[str] = []
   tp = tables.get("throughput") or []
   if tp:
     out += _section(
@@ -614,7 +683,12 @@ def results_markdown(
         ],
       ),
     )
+  return out
 
+
+def _loss_check_section(tables: Tables) -> list[str]:
+  """``results.md``'s real-training check (pipelined against one device), where run."""
+  out: list[str] = []
   lc = tables.get("loss_check") or []
   if lc:
     out += _section(
@@ -646,31 +720,4 @@ def results_markdown(
       ),
       after="`first step > 1e-5`: `-` when the curves never differ by more than 1e-5.",
     )
-
-  if extra:
-    out += [extra.rstrip("\n"), ""]
-  section = shared_devices_section(sweep)
-  if section:
-    out += [section.rstrip("\n"), ""]
-  out += [
-    "## What limits the comparison",
-    "",
-    "- Simulation, not measurement: a roofline cost model with a fitted efficiency curve "
-    "and affine links stands in for FlexFlow on Summit; absolute samples/s are not "
-    "comparable, ratios between planners priced by the same model are.",
-    "- The baselines are our re-implementations (PipeDream and Piper from their "
-    "papers' and code's DPs, BaPipe and Luo et al. from abstracts only); the paper ran "
-    "the authors' PipeDream and Piper planners on FlexFlow. GraphPipe, PipeDream and "
-    "Piper all end with the same local search against the simulator "
-    "(`passes/partition/refine.py`), so the chain baselines of tables (a)-(e) are stronger "
-    "than the published planners and the gains are those of the stage DAG alone; section "
-    "(f), when present, puts PipeDream and Piper as published beside them.",
-    "- Lost figures: every plotted value and Table 1's seconds; the mini-batch sizes per "
-    "GPU count (we use a fixed number of samples per device).",
-    "- Piper: the authors' limit of 40,000 downsets; it plans MMT (10,003 downsets) and stops "
-    "on DLRM and CANDLE-Uno, as in the paper.",
-    "- Model shapes follow App. A.2 (MMT 4 branches, DLRM 7+7, CANDLE-Uno 7); the paper "
-    "itself gives other branch counts in §7.2.",
-    "",
-  ]
-  return "\n".join(out)
+  return out
