@@ -16,9 +16,12 @@ another configuration left alive is counted.
     on 8 devices, what a JAX user would run against pipelines, side by side in one run: plain
     jit, jit data parallel, jit fsdp, jit sharded (the model's specs over the mesh
     ``data:4,model:2``), GraphPipe's plan with replicated stages (8 devices) and with sharded
-    stages (over the 4 rows of that mesh); per configuration the measured peak per device,
-    the program's predicted peak, the measured step time (median of ``--timed_steps``) and
-    the modelled one, and whether it fits ``--budget_fraction`` of plain jit's measured peak.
+    stages (over the 4 rows of that mesh), the latter with every stage keeping the mesh's shape
+    ("mesh shape", ``stage_shapes=False``) and with each stage's shape chosen by the planner
+    (the stages column: rows, "xK" where a stage narrows "model" to K); per configuration
+    the measured peak per device, the program's predicted peak, the measured step time
+    (median of ``--timed_steps``) and the modelled one, and whether it fits
+    ``--budget_fraction`` of plain jit's measured peak.
 (b) ``fit``: a budget below what the plain step needs on one device (measured), the model
     trained pipelined under it on 4 devices with ``memory_limit``, every device's measured
     peak against the budget and the values against the one-device step; then the largest
@@ -57,6 +60,7 @@ SHARDED_CONFIGS = (
   "jit fsdp",
   "jit sharded",
   "graphpipe replicated",
+  "graphpipe mesh shape",
   "graphpipe sharded",
 )
 
@@ -110,10 +114,12 @@ def _run_sharded_child(cfg: dict) -> dict:
       run.train_step, num_microbatches=M, devices=jax.devices()[:n], planner="graphpipe",
       min_stages=2, **kw,
     )  # fmt: skip
-  else:
+  else:  # sharded stages; "mesh shape": every stage keeps the mesh's (stage_shapes=False)
+    keep = {"stage_shapes": False} if kind == "graphpipe mesh shape" else {}
     pp = gpp_jax.graph_pipeline(
-      run.train_step, num_microbatches=M, mesh=mesh, planner="graphpipe", min_stages=2, **kw
-    )
+      run.train_step, num_microbatches=M, mesh=mesh, planner="graphpipe", min_stages=2,
+      planner_options=keep, **kw,
+    )  # fmt: skip
   first = float(pp(run.model, run.optimizer, batch))
   times = []
   for _ in range(cfg["timed"]):
@@ -125,7 +131,10 @@ def _run_sharded_child(cfg: dict) -> dict:
   return {
     "config": kind,
     "stages": pp.plan.num_stages,
-    "widths": [len(s.devices) for s in pp.plan.stages],
+    # Rows per stage, with "xK" where a stage narrows "model" to K (``Stage.inner``).
+    "widths": [
+      f"{len(s.devices)}" + ("" if s.inner is None else f"x{s.inner[0]}") for s in pp.plan.stages
+    ],
     "max_measured": max(d.measured_peak_bytes for d in rep.devices),
     "max_predicted": max(d.predicted_peak_bytes for d in rep.devices),
     # The cost model's (what planners and the choice filter by), borrowing nothing measured.
