@@ -26,8 +26,10 @@ def predicted_timeline(pipeline, cluster):
 
 def planned_peaks(pipeline, cluster) -> dict[str, float]:
   """Per device (by name), the peak bytes the planner's own memory model gives the plan (the
-  simulator's stage memory under the cost model, summed over the stages a device runs): the
-  model plans are chosen and refused by, beside the program's prediction and the measurement."""
+  simulator's stage memory under the cost model, summed over the stages a device runs; for a
+  captured step what its program holds, ``cost_model.step_memory_terms``): the model plans
+  are chosen and refused by, beside the program's prediction and the measurement
+  (``benchmarks/memory_model.py`` compares them term by term)."""
   from gpp_jax.passes.simulation import simulate
 
   graph = lg.scaled(pipeline.layer_graph, pipeline.batch_size)

@@ -28,6 +28,16 @@ Memory per device of a stage:
 ``param_bytes * (1 + gradient_factor + optimizer_state_factor)``   (weights, grads, Adam m, v)
 ``+ saved_bytes_per_sample * microbatch / d * in_flight``          (stashed activations)
 with ``in_flight`` the micro-batches the stage holds at once (its 1F1B warm-up).
+
+A graph captured from a train step carries what the step itself holds per layer (the graph
+attribute ``step_memory``, ``runtime.layer_memory``); there a stage's memory per device is
+what its program holds (``step_memory_terms``): during the pipeline its parameters (and, on
+one device, the packed copy its forward and backward read), gradient sums, the optimizer's
+own state, the step's batch not yet consumed, the executables' temporaries, and per
+micro-batch in flight its vjp residuals (on several devices with a copy of the parameters);
+during the optimizer update, which keeps the old parameters and state until the new ones are
+written, twice the parameters and state plus the gradients. The saved bytes per sample the
+planners' searches read are then the residuals too.
 """
 
 from __future__ import annotations
@@ -214,6 +224,61 @@ def _layer_times(cm: CostModel, costs: LayerCosts, device: DeviceSpec, samples: 
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class StepMemoryCosts:
+  """What a captured step holds per layer besides its parameters (the graph attribute
+  ``step_memory``, ``runtime.layer_memory``), as arrays in ``LayerCosts.layers`` order.
+
+  Attributes:
+    residual_ps: vjp residual bytes per sample (its parameters left out, its inputs in).
+    packed_residual_ps: of those, the bytes per sample a stage on one device packs into one
+      buffer in its forward (built in the executable's temporaries).
+    kept_inputs: (layer, the layer it reads from, bytes per sample) of the small inputs the
+      layer keeps, which such a stage packs too where both layers are in it.
+    state: bytes of the step's other non-batch arguments living with the layer (optimizer
+      state).
+    batch_ps: batch bytes per sample the layer is the first to read.
+    one_call: a plan of one stage runs as one call of the whole step, unless its schedule is
+      one of ``stale_schedules`` (they keep older weights: the executor runs them).
+  """
+
+  residual_ps: np.ndarray
+  packed_residual_ps: np.ndarray
+  state: np.ndarray
+  batch_ps: np.ndarray
+  kept_inputs: tuple[tuple[int, int, float], ...] = ()
+  one_call: bool = False
+  stale_schedules: tuple[str, ...] = ()
+
+
+def _step_memory_costs(g: nx.DiGraph, layers: Sequence[str]) -> StepMemoryCosts | None:
+  """The graph's ``step_memory`` attribute as ``StepMemoryCosts`` (None without one)."""
+  mem = g.graph.get("step_memory")
+  if not mem:
+    return None
+  per = float(mem["batch_size"])
+  index = {l: i for i, l in enumerate(layers)}
+
+  def arr(key: str, scale: float = 1.0) -> np.ndarray:
+    d = mem.get(key) or {}
+    return np.array([float(d.get(l, 0.0)) / scale for l in layers])
+
+  return StepMemoryCosts(
+    residual_ps=arr("residuals", per),
+    packed_residual_ps=arr("packed_residuals", per),
+    state=arr("state"),
+    batch_ps=arr("batch", per),
+    kept_inputs=tuple(
+      (index[l], index[src], float(n) / per)
+      for l, srcs in (mem.get("kept_inputs") or {}).items()
+      for src, n in srcs.items()
+      if l in index and src in index
+    ),
+    one_call=bool(mem.get("one_call", False)),
+    stale_schedules=tuple(mem.get("stale_schedules", ())),
+  )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class LayerCosts:
   """Per-layer costs of a LayerGraph as arrays, per sample, in topological order.
 
@@ -236,6 +301,8 @@ class LayerCosts:
       forward and backward all-reduce), None without; ``CostModel.planner_layer_times``.
     param_held: parameter bytes per layer each device holds under the model's partition
       specs (graph attribute ``param_shards``), None without; ``held_param_bytes``.
+    memory: what the step holds per layer besides its parameters (graph attribute
+      ``step_memory``), None without; ``StepMemoryCosts``, ``step_memory_terms``.
     edges: (u, v, bytes per sample) with u, v positions.
     edge_arrays: the arrays each edge carries (the edge attribute ``arrays``, default 1), in
       the order of ``edges``.
@@ -273,6 +340,7 @@ class LayerCosts:
   tp_out_ps: np.ndarray | None = None
   tp_in_ps: np.ndarray | None = None
   param_held: np.ndarray | None = None
+  memory: StepMemoryCosts | None = None
   time_at: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
     default_factory=dict, repr=False
   )
@@ -285,6 +353,7 @@ class LayerCosts:
     return self.param_bytes if self.param_held is None else self.param_held
 
   _stages: dict = dataclasses.field(default_factory=dict, repr=False)
+  _memory: dict = dataclasses.field(default_factory=dict, repr=False)
   _stage_times: dict = dataclasses.field(default_factory=dict, repr=False)
   _stage_edges: dict = dataclasses.field(default_factory=dict, repr=False)
   _widths: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -332,6 +401,9 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
     return d["param_bytes"] if d["bytes"] >= d["param_bytes"] else 0.0
 
   W = arr(fixed)
+  memory = _step_memory_costs(g, layers)
+  # A captured step's stashed activations are its layers' vjp residuals.
+  saved = memory.residual_ps if memory is not None else arr(lambda d: d["saved_bytes"] / B)
   rows = arr(lambda d: d.get("rows", 1.0))
   if (rows <= 0).any():
     bad = [l for l, r in zip(layers, rows, strict=True) if r <= 0]
@@ -347,12 +419,13 @@ def layer_costs(g: nx.DiGraph) -> LayerCosts:
     act_bytes_ps=np.maximum(arr(lambda d: d["bytes"]) - W, 0.0) / B,
     param_bytes=arr(lambda d: d["param_bytes"]),
     param_read_bytes=W,
-    saved_ps=arr(lambda d: d["saved_bytes"] / B),
+    saved_ps=saved,
     time_f_ps=tf,
     time_b_ps=np.where(np.isnan(tf), math.nan, tb),
     rows_ps=rows,
     width=arr(lambda d: d.get("width", 0.0)),
     **_sharding_arrays(g, layers),
+    memory=memory,
     edges=tuple((index[u], index[v], d["bytes"] / B) for u, v, d in g.edges(data=True)),
     edge_arrays=tuple(int(d.get("arrays", 1)) for _, _, d in g.edges(data=True)),
     time_at=_times_at_widths(nd, B, tf, tb),
@@ -562,7 +635,17 @@ def plan_costs(
       bw.append(b)
       up.append(cm.update_time(params, device, dp, cluster.group_link(s.devices)))
       stat.append(cm.static_memory(params))
-    act.append(cm.activation_memory(saved, mb, dp, 1))
+    if costs.memory is not None and not (fsdp and dp > 1):
+      # A captured step: what its program holds (``step_memory_terms``).
+      one = len(s.devices) == 1 and _row_width(layer_graph, s) == 1
+      total = float(plan.batch_size) if plan.batch_size else mb * plan.num_microbatches
+      call = _one_call(costs, plan)
+      flight = float(s.in_flight or 1)
+      fixed, per_mb = _held_memory(cm, costs, s.layers, params, mb, dp, one, total, call, flight)
+      stat[-1] = fixed
+      act.append(per_mb)
+    else:
+      act.append(cm.activation_memory(saved, mb, dp, 1))
     mbs.append(mb)
     wfrac.append(frac)
     pbytes.append(params)
@@ -594,6 +677,188 @@ def plan_costs(
     param_bytes=tuple(pbytes),
     edge_arrays={e: edge_arrays.get(e, 1) for e in plan.edges},
   )
+
+
+def step_memory_terms(
+  cm: CostModel,
+  costs: LayerCosts,
+  layers: tuple[str, ...],
+  params: float,
+  microbatch: float,
+  dp: int,
+  one_device: bool,
+  batch: float,
+  one_call: bool = False,
+  in_flight: float = 1.0,
+) -> tuple[dict[str, float], dict[str, float]]:
+  """A stage's memory per device from what its captured step holds (``costs.memory``): (bytes
+  held for the whole step, bytes per micro-batch in flight), by term.
+
+  ``params``: its parameter bytes per device (its shard under the model's specs); ``dp``: the
+  devices a micro-batch is split over; ``one_device``: the stage runs on one device (its
+  program then packs its parameters and residuals, ``passes.staging.stage_functions``);
+  ``batch``: samples per step; ``in_flight``: the micro-batches the stage holds at once where
+  the plan says (``Stage.in_flight``), else 1. During the pipeline a device holds:
+
+  * its parameters, and on one device their packed copy (its forward and backward read);
+  * the gradient sums (as many bytes as the parameters) and the optimizer's own state
+    (``StepMemoryCosts.state``, sharded like the parameters);
+  * the step's batch its layers read, cut into micro-batches at the start: a forward consumes
+    one (what the backward needs of it is among the residuals), so a micro-batch in flight
+    holds one fewer (the per micro-batch term "batch", negative);
+  * the temporaries of its forward and backward: the largest of what a one-device stage's
+    forward packs, the largest residuals of one of its layers (a backward's working set) and,
+    on several devices, the parameters' gradients a backward computes before adding them to
+    the sums;
+  * one micro-batch of the activations it receives and sends, and of their cotangents;
+  * per micro-batch in flight the vjp residuals (split over ``dp``), and on several devices a
+    copy of the parameters among them.
+
+  During the optimizer update after the pipeline the old parameters and state stay alive until
+  the new ones are written: twice the parameters and state, plus the gradients. The stage's
+  peak is the larger of the two phases; the static memory holds the difference as "update"
+  where the update's is larger with ``in_flight`` micro-batches in flight (exact when the
+  schedule holds that many; where it holds more, over by what each further one adds, where
+  fewer, under by as much).
+
+  ``one_call``: the stage is a one-stage plan's, run as one call of the whole step
+  (``runtime.build.fuses``): the step's arguments (parameters, state, batch), its new
+  parameters and state, and in its temporaries the gradients and one micro-batch's
+  residuals at a time, whatever the schedule."""
+  mem = costs.memory
+  assert mem is not None
+  sums = costs._memory.get(("sums", layers))
+  if sums is None:
+    idx = [costs.index[l] for l in layers]
+    mine = set(idx)
+    sent: dict[int, float] = {}  # per layer of the stage, its largest output leaving it
+    received: dict[int, float] = {}  # per layer outside, its largest output coming in
+    for u, v, b in costs.edges:
+      if (u in mine) != (v in mine):
+        ends = sent if u in mine else received
+        ends[u] = max(ends.get(u, 0.0), b)
+    sums = costs._memory[("sums", layers)] = (
+      float(costs.param_bytes[idx].sum()),
+      float(mem.residual_ps[idx].sum()),
+      float(mem.packed_residual_ps[idx].sum())
+      + sum(n for l, src, n in mem.kept_inputs if l in mine and src in mine),
+      float(mem.residual_ps[idx].max(initial=0.0)),
+      float(mem.state[idx].sum()),
+      float(mem.batch_ps[idx].sum()),
+      sum(sent.values()) + sum(received.values()),
+    )
+  full, res_ps, packed_ps, largest_ps, state, batch_ps, edge_ps = sums
+  share = params / full if full > 0 else 1.0  # the state is sharded like the parameters
+  opt = state * share
+  residuals = res_ps * microbatch / dp
+  chunk = min(batch_ps * microbatch / dp, residuals)
+  if one_call:
+    fixed = {
+      "parameters": params,
+      "gradients": cm.gradient_factor * params,
+      "optimizer state": opt,
+      "batch": batch_ps * batch / dp,
+      "temporaries": residuals,
+      "update": params + opt,
+    }
+    return fixed, {}
+  temps = max(packed_ps * microbatch if one_device else params, largest_ps * microbatch / dp)
+  fixed = {
+    "parameters": params * (2.0 if one_device else 1.0),
+    "gradients": cm.gradient_factor * params,
+    "optimizer state": opt,
+    "batch": batch_ps * (batch + microbatch) / dp,
+    "temporaries": temps,
+    "activations and cotangents": 2.0 * edge_ps * microbatch / dp,
+  }
+  per_mb = {
+    "stashed activations": residuals + (0.0 if one_device else params),
+    "batch": -chunk,
+  }
+  update = 2.0 * (params + opt) + cm.gradient_factor * params
+  fixed["update"] = max(0.0, update - in_flight * sum(per_mb.values()) - sum(fixed.values()))
+  return fixed, per_mb
+
+
+def _held_memory(
+  cm: CostModel,
+  costs: LayerCosts,
+  layers: tuple[str, ...],
+  params: float,
+  microbatch: float,
+  dp: int,
+  one_device: bool,
+  batch: float,
+  one_call: bool,
+  in_flight: float,
+) -> tuple[float, float]:
+  """``step_memory_terms`` summed: (static, per micro-batch) bytes, remembered per stage."""
+  key = (layers, params, microbatch, dp, one_device, batch, one_call, in_flight, cm)
+  hit = costs._memory.get(key)
+  if hit is None:
+    fixed, per_mb = step_memory_terms(
+      cm, costs, layers, params, microbatch, dp, one_device, batch, one_call, in_flight
+    )
+    hit = costs._memory[key] = (sum(fixed.values()), sum(per_mb.values()))
+  return hit
+
+
+def _one_call(costs: LayerCosts, plan: Any) -> bool:
+  """Whether ``plan`` runs as one call of the whole step: one stage of a step that allows it
+  (``StepMemoryCosts.one_call``), under a schedule that keeps no older weights."""
+  if costs.memory is None or not costs.memory.one_call or plan.num_stages != 1:
+    return False
+  return getattr(plan, "schedule", None) not in costs.memory.stale_schedules
+
+
+def _row_width(layer_graph: nx.DiGraph, stage: Any) -> int:
+  """Devices per row of ``stage``: the product of its inner axes (``Stage.inner``, else the
+  mesh's), 1 without a mesh."""
+  inner = getattr(stage, "inner", None)
+  if inner is None:
+    mesh = layer_graph.graph.get("mesh")
+    inner = mesh["inner"] if mesh else ()
+  return math.prod(inner)
+
+
+def memory_terms(
+  plan,
+  layer_graph: nx.DiGraph,
+  cluster: Cluster,
+  cost_model: CostModel | None = None,
+  costs: LayerCosts | None = None,
+) -> list[tuple[dict[str, float], dict[str, float]]]:
+  """Per stage, the cost model's memory per device by term: (what it holds for the whole step,
+  what it holds per micro-batch in flight); their sums are ``plan_costs``' static and
+  activation memory, and the simulator's stage memory is the first plus the micro-batches it
+  holds at once times the second."""
+  cm = cost_model or DEFAULT_COST_MODEL
+  costs = costs or layer_costs(layer_graph)
+  pc = plan_costs(plan, layer_graph, cluster, cm, costs)
+  fsdp = getattr(plan, "param_sharding", "model") == "fsdp"
+  out = []
+  for s in range(plan.num_stages):
+    stage = plan.stages[s]
+    p = pc.param_bytes[s]
+    dp = len(stage.devices) * stage_narrowing(layer_graph, stage)
+    if costs.memory is not None and not (fsdp and dp > 1):
+      one = len(stage.devices) == 1 and _row_width(layer_graph, stage) == 1
+      mb = pc.microbatch[s]
+      total = float(plan.batch_size) if plan.batch_size else mb * plan.num_microbatches
+      call = _one_call(costs, plan)
+      flight = float(stage.in_flight or 1)
+      out.append(step_memory_terms(cm, costs, stage.layers, p, mb, dp, one, total, call, flight))
+      continue
+    fixed = {
+      "parameters": p,
+      "gradients": cm.gradient_factor * p,
+      "optimizer state": cm.optimizer_state_factor * p,
+    }
+    total = sum(fixed.values())
+    if total > 0:  # FSDP keeps 1/dp of them
+      fixed = {k: v * pc.static_memory[s] / total for k, v in fixed.items()}
+    out.append((fixed, {"stashed activations": pc.activation_memory[s]}))
+  return out
 
 
 def stage_narrowing(layer_graph: nx.DiGraph, stage: Any) -> int:

@@ -43,7 +43,9 @@ class ZooRun:
     keys = jax.random.split(jax.random.key(self.seed + 1), count)
 
     def host(x):
-      x = np.asarray(x)
+      # A copy: np.asarray of a CPU device array is a view that keeps the device buffer (on
+      # the first device) alive for as long as the batch lives.
+      x = np.array(x)
       return x.astype(self.dtype) if self.dtype and np.issubdtype(x.dtype, np.floating) else x
 
     return [jax.tree.map(host, self.spec.synthetic_batch(self.config, batch_size, k)) for k in keys]

@@ -7,6 +7,7 @@ The ``value_and_grad`` marker the step records its loss with and the NNX functio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +26,10 @@ from gpp_jax.passes.lowering import BATCH, BROADCAST, KEY, STATE
 from gpp_jax.passes.scan_split import split_scans
 from gpp_jax.runtime.capture_step import PureStep, recording, value_and_grad_p
 from gpp_jax.runtime.input_checks import check_loss_is_pure
+from gpp_jax.runtime.layer_memory import step_memory
 from gpp_jax.runtime.loss_state import StatePair, check_state_returned
 from gpp_jax.runtime.options import Options
+from gpp_jax.runtime.placement import PACK_LIMIT_BYTES, pack_limit
 from gpp_jax.runtime.sharding import (
   check_specs,
   leaf_names,
@@ -159,6 +162,14 @@ def capture(
     # What the cost model holds per device.
     layering.graph.graph["param_shards"] = param_shards(captured, opts.layout)
     layering.graph.graph["tensor_parallel"] = tensor_parallel(captured, opts.layout)
+  if microbatch_size is None:  # the capture the planners plan on
+    # What each layer holds besides its parameters, for the cost model's memory: residuals,
+    # packed copies, optimizer state, batch (``runtime.layer_memory``). Layers that cannot be
+    # traced as stages of their own leave it out: the planners then use the layers' saved
+    # bytes and the cost model's fixed factors.
+    with contextlib.suppress(Exception):  # a refinement of the estimate, never an error
+      limit = pack_limit(opts.devices[0]) if opts.devices else PACK_LIMIT_BYTES["cpu"]
+      layering.graph.graph["step_memory"] = step_memory(captured, limit, opts.fuse)
   return captured
 
 
