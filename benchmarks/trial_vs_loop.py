@@ -29,8 +29,8 @@ flags.DEFINE_integer("batch_size", 64, "samples per step")
 flags.DEFINE_integer(
   "num_microbatches", 8, "the pipelines' micro-batches (gpp_jax.train's default)"
 )
-flags.DEFINE_integer("steps", 200, "steps the loop runs after the first")
-flags.DEFINE_integer("log_every", 20, "steps between the loop's clock readings")
+flags.DEFINE_integer("steps", 2000, "steps the loop runs after the first")
+flags.DEFINE_integer("log_every", 200, "steps between the loop's clock readings")
 flags.DEFINE_list(
   "round_calls",
   ["1", "4"],
