@@ -400,8 +400,9 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
   made before the clock starts: the caller's arrays survive.
 
   With several processes every process runs the same number of runs (a stage over devices of
-  several processes is one SPMD program that each calls), ``repeats``, the batch stays on the
-  host, and each process's own clock is returned: the caller takes one process's."""
+  several processes is one SPMD program that each calls), ``repeats`` rounds of one run each,
+  the batch stays on the host, and each process's own clock is returned: the caller takes one
+  process's."""
   multi = jax.process_count() > 1
   if c.staged.placements:
     place, batch = c.staged.placements[0], set(c.staged.spec.batch_leaves)
@@ -448,6 +449,8 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
     int(x.nbytes) for i, x in enumerate(leaves) if i in donated and isinstance(x, jax.Array)
   )
   calls = max(1, min(ROUND_CALLS, ROUND_BYTES // consumed)) if consumed else ROUND_CALLS
+  if multi:  # processes keep in step run by run, as before: one run a round
+    calls = 1
   per_run: list[float] = []
   spent = 0.0
   # At least ``repeats`` rounds, more while they add up to under TIME_STEP_SECONDS: a step of
