@@ -511,6 +511,7 @@ def test_main_example_pipelines_because_the_one_call_steps_do_not_fit():
   runs fits it on every device as measured after a step (as the training program measures
   it, once the parameters live on their stages)."""
   from gpp_jax.experiments import zoo
+  from gpp_jax.runtime.memory import OUTSIDE
 
   run = zoo.setup("mmt", "tiny")
   b = run.batches(64, 1)[0]
@@ -529,7 +530,9 @@ def test_main_example_pipelines_because_the_one_call_steps_do_not_fit():
   assert pp.plan.num_stages >= 2
   for name in ("plain jit", "jit data parallel", "jit fsdp"):
     assert planned.memory[name] > budget and name not in planned.alternatives
-  assert max(d.measured_peak_bytes for d in pp.memory.devices) <= budget
+  # What the step holds: arrays other tests in this process left alive are not its own.
+  held = [d.measured_peak_bytes - d.breakdown.get(OUTSIDE, 0) for d in pp.memory.devices]
+  assert max(held) <= budget, held
   assert "left out: over the memory budget" in pp.explain()
 
 
