@@ -1,7 +1,7 @@
 """Trains a model-zoo model with a graph pipeline on synthetic data.
 
   python -m gpp_jax.train --model=mmt --planner=graphpipe --num_devices=8 \\
-      --num_microbatches=8 --memory_limit=320KiB --steps=200
+      --num_microbatches=8 --memory_limit=310KiB --steps=200
 
 Logs loss, throughput and progress while it runs and writes a run folder (``--run_dir``):
   plan.json, plan.txt        the plan (rerun it exactly with --plan=plan.json), and a

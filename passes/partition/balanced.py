@@ -86,7 +86,7 @@ def balanced_search(problem: PlanningProblem, opts: BalancedOptions) -> Plan:
   )
 
 
-BALANCED = ProblemPlanner("balanced", BalancedOptions, balanced_search)
+BALANCED = ProblemPlanner("balanced", BalancedOptions, balanced_search, shapes_stages=False)
 
 
 def balanced_plan(

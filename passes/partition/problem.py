@@ -232,6 +232,9 @@ class ProblemPlanner(Generic[Options]):
   options_type: type[Options]
   run: Callable[[PlanningProblem, Options], Plan]
   doc: str = ""
+  # Whether its plans get each stage's shape over a mesh chosen by prediction
+  # (``PlanningProblem.stage_shapes``): not for a planner that prices nothing (balanced).
+  shapes_stages: bool = True
 
   def options(self, **kw: Any) -> Options:
     names = {f.name for f in dataclasses.fields(self.options_type)}  # type: ignore[arg-type]
@@ -256,7 +259,7 @@ class ProblemPlanner(Generic[Options]):
     plan = self.run(problem, options)
     if not problem.enough_stages(plan):  # a search that ignored the constraint: a bug
       raise too_few_stages_error(self.name, plan, problem.min_stages, keyword=True)
-    if problem.stage_shapes:
+    if problem.stage_shapes and self.shapes_stages:
       plan = choose_stage_shapes(plan, problem)
     return with_idle_reason(plan, problem, options)
 
