@@ -10,7 +10,7 @@ from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.experiments.planner_runs import PER_DEVICE_BATCH, build_graph
 from gpp_jax.passes.partition import PLANNERS
 from gpp_jax.passes.partition.idle import idle_reason, with_idle_reason
-from gpp_jax.passes.partition.plan_assembly import assemble_plan
+from gpp_jax.passes.partition.plan_assembly import StageLayout, assemble_plan
 from gpp_jax.passes.partition.problem import PlanningProblem
 from gpp_jax.passes.partition.refine import RefineOptions, refine_plan
 
@@ -32,13 +32,11 @@ def chain_plan(widths, num_devices, batch=8, microbatch=4):
   problem = PlanningProblem.build(g, cluster, batch)
   layers = sorted(g.nodes, key=list(g.nodes).index)
   plan = assemble_plan(
-    g,
-    cluster,
+    problem,
     [([l], w) for l, w in zip(layers, widths)],
     microbatch=microbatch,
-    batch_size=batch,
     planner="manual",
-    sequential=True,
+    layout=StageLayout(sequential=True),
   )
   return problem, with_idle_reason(plan, problem)
 

@@ -18,8 +18,8 @@ from gpp_jax.passes.partition.plan_assembly import (
   assemble_plan,
   data_parallel_degrees,
   microbatch_sizes,
-  planner_inputs,
 )
+from gpp_jax.passes.partition.problem import PlanningProblem
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.series_parallel import sp_decompose
 
@@ -27,11 +27,9 @@ from gpp_jax.passes.series_parallel import sp_decompose
 def setup(g: nx.DiGraph, cluster, B: int, b: int, memory: float | None = None):
   if memory is not None:
     cluster = cluster.replace(memory_per_device=memory)
-  cluster, cm, B, costs = planner_inputs(g, cluster, B, None)
-  ctx = microbatch_context(
-    b, B, data_parallel_degrees(b, cluster.num_devices, False), cluster, cm, costs
-  )
-  return ctx, sp_tree(sp_decompose(g), costs), MinMaxDP(ctx)
+  problem = PlanningProblem.build(g, cluster, B)
+  ctx = microbatch_context(problem, b, data_parallel_degrees(b, problem.num_devices, False))
+  return ctx, sp_tree(sp_decompose(g), problem.costs), MinMaxDP(ctx)
 
 
 def brute_force_chain(ctx) -> list[float]:
@@ -109,14 +107,10 @@ def test_every_frontier_point_reconstructs_to_its_value(gi):
     assert sum(d for _, d in stages) <= ctx.K and all(d in ctx.dps for _, d in stages)
     assert max(stage_tps(ctx, ls, d) for ls, d in stages) == pytest.approx(t, rel=1e-9)
     plan = assemble_plan(
-      g,
-      ctx.cluster,
+      PlanningProblem.build(g, ctx.cluster, ctx.B),
       [([ctx.costs.layers[l] for l in ls], d) for ls, d in stages],
       microbatch=ctx.b,
-      batch_size=ctx.B,
       planner="graphpipe",
-      cost_model=ctx.cm,
-      costs=ctx.costs,
     )
     assert plan.predicted["memory_ok"] and plan.predicted["depth"] <= e
 
@@ -174,7 +168,7 @@ def test_the_whole_chain_read_off_pipedreams_table_is_the_one_the_dp_computes(me
   ctx, root, dp = setup(g, cluster, 48, 8, memory)
   assert root.layers == list(range(len(ctx.costs)))
   rc = RangeCosts(ctx.costs, ctx.cm, ctx.cluster, ctx.b, ctx.B, ctx.dps)
-  A, dps = chain_dp(rc, ctx.K, ctx.M, ctx.cluster.memory_per_device)
+  A, dps = chain_dp(rc)
   assert dps == ctx.dps
   read = MinMaxDP(ctx, whole_chain=lambda: A)
   if cap == "median":
@@ -226,10 +220,10 @@ def test_the_handed_out_plan_is_polished_where_it_beats_every_starting_plan(monk
   starts = [plan(1.0, "dp"), plan(1.2, "dp")]
   # Beats the starting plans (1.0) but not the polished one (0.5): polished, and it wins.
   cands = SimpleNamespace(evaluated=starts, handed=[plan(0.9, "handed")])
-  best = search.polished(problem, opts, cands, (8,))
+  best = search.polished(problem, opts, cands)
   assert calls == ["start", "handed"] and best.planner == "polished handed"
   # Beats no starting plan: only the first polish runs.
   calls.clear()
   cands = SimpleNamespace(evaluated=starts, handed=[plan(1.1, "handed")])
-  best = search.polished(problem, opts, cands, (8,))
+  best = search.polished(problem, opts, cands)
   assert calls == ["start"] and best.planner == "polished start"

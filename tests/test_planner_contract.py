@@ -27,7 +27,7 @@ from gpp_jax.passes.partition import (
   luo_plan,
   piper_plan,
 )
-from gpp_jax.passes.partition.plan_assembly import assemble_plan
+from gpp_jax.passes.partition.plan_assembly import StageLayout, assemble_plan
 from gpp_jax.passes.partition.problem import PROBLEM_KEYWORDS, device_unit
 from gpp_jax.runtime.compile import Options, make_plan
 
@@ -100,13 +100,11 @@ def test_a_users_planner_is_a_planner():
   def halves(layer_graph, cluster, batch_size, *, num_microbatches=None):
     order = list(layer_graph.nodes)
     return assemble_plan(
-      layer_graph,
-      cluster,
+      PlanningProblem.build(layer_graph, cluster, batch_size),
       [(order[: len(order) // 2], 1), (order[len(order) // 2 :], 1)],
       microbatch=batch_size // (num_microbatches or 2),
-      batch_size=batch_size,
       planner="halves",
-      sequential=True,
+      layout=StageLayout(sequential=True),
     )
 
   assert isinstance(halves, Planner)

@@ -32,6 +32,7 @@ from gpp_jax.ir.schedule import Action, Schedule, dependencies, validate_schedul
 from gpp_jax.passes.inflight import graph_1f1b, inflight_chunks
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.plan_assembly import predict
+from gpp_jax.passes.partition.problem import PlanningProblem
 from gpp_jax.passes.schedules import (
   gpipe,
   make_schedule,
@@ -418,7 +419,7 @@ def test_stage_microbatch_pass_is_valid_and_never_slower():
   assert plan.planner == "graphpipe+stage-mb"
   sizes = [s.microbatch_size for s in plan.stages]
   assert len(set(sizes)) > 1  # DLRM gains from bigger micro-batches on some stages
-  start = predict(uniform, g, cl).predicted["iteration_time"]
+  start = predict(PlanningProblem.build(g, cl, 256), uniform).predicted["iteration_time"]
   assert plan.predicted["iteration_time"] < start
   sim = simulate(plan, g, cl)
   assert sim.iteration_time == pytest.approx(plan.predicted["iteration_time"])

@@ -25,6 +25,7 @@ import numpy as np
 
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.plan_assembly import (
+  StageLayout,
   assemble_plan,
   better,
   no_plan_error,
@@ -43,11 +44,14 @@ ALL_MODES = ("1f1b", "gpipe", "zero-bubble")
 
 
 def balanced_ranges(
-  rc: RangeCosts, r: int, S: int, M: int, mode: str, mem_cap: float
+  rc: RangeCosts, r: int, S: int, mode: str
 ) -> tuple[float, list[tuple[int, int]]] | None:
-  """Min-max partition of all layers into S contiguous ranges, each on r devices, within memory
-  for ``mode``; returns (bottleneck TPS, ranges) or None."""
+  """Min-max partition of all layers into S contiguous ranges, each on r devices, within the
+  memory per device of ``rc``'s cluster for ``mode`` at ``rc``'s micro-batch size; returns
+  (bottleneck TPS, ranges) or None."""
   n = rc.n
+  M = rc.B // rc.b
+  mem_cap = rc.cluster.memory_per_device
   tps = rc.tps(r)
   # P[s][i]: best bottleneck for layers i..n-1 cut into s stages (the first is s-th from the end).
   P = np.full((S + 1, n + 1), math.inf)
@@ -101,7 +105,7 @@ def ranked_candidates(problem: PlanningProblem, modes: tuple[str, ...]) -> list[
     for r in reps:
       for S in range(max(1, problem.min_stages), min(K // r, n) + 1):
         for mode in modes:
-          got = balanced_ranges(rc, r, S, M, mode, cluster.memory_per_device)
+          got = balanced_ranges(rc, r, S, mode)
           if got is None:
             continue
           tps, ranges = got
@@ -113,25 +117,19 @@ def ranked_candidates(problem: PlanningProblem, modes: tuple[str, ...]) -> list[
 def bapipe_search(problem: PlanningProblem, opts: BaPipeOptions) -> Plan:
   """BaPipe: PlanningProblem -> sequential Plan (see the module docstring)."""
   t0 = time.perf_counter()
-  layer_graph = problem.layer_graph
-  cluster, cm, B, costs = problem.inputs()
+  costs = problem.costs
   found = ranked_candidates(problem, opts.modes)
   best = None
   for _est, b, r, _S, mode, ranges, tps in shortlist(found, opts.simulate_top, problem.host):
     stages = [(costs.layers[i:j], r) for i, j in ranges]
     plan = assemble_plan(
-      layer_graph,
-      cluster,
+      problem,
       stages,
       microbatch=b,
-      batch_size=B,
       planner="bapipe",
       schedule=mode,
-      sequential=True,
-      cost_model=cm,
-      costs=costs,
+      layout=StageLayout(sequential=True),
       info={"bottleneck_tps": tps, "replicas": r},
-      host=problem.host,
     )
     best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
@@ -139,7 +137,7 @@ def bapipe_search(problem: PlanningProblem, opts: BaPipeOptions) -> Plan:
       raise no_plan_with_stages_error(
         "bapipe", problem.min_stages, "none of that many stages fits device memory"
       )
-    raise no_plan_error("bapipe", layer_graph, cluster, B)
+    raise no_plan_error("bapipe", problem.layer_graph, problem.cluster, problem.batch_size)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "candidates": len(found)}
   return best.replace(predicted=pred)

@@ -88,8 +88,10 @@ def exhaustive_search(problem: PlanningProblem, opts: ExhaustiveOptions) -> Plan
   parts = acyclic_partitions(layer_graph)
   best: Plan | None = None
   simulated = 0
+  # Every plan is met once: its simulation is not kept (up to tens of thousands of them).
+  once = problem.without_memo()
   for b in problem.microbatch_sizes():
-    best, count = best_at_size(problem, parts, b, best)
+    best, count = best_at_size(once, parts, b, best)
     simulated += count
   if best is None or not best.predicted.get("memory_ok", True):
     if problem.min_stages > 1:
@@ -137,18 +139,7 @@ def best_at_size(
         and (problem.host is None or len(blocks) > 1)  # one stage: one jitted step
       ):
         continue
-      plan = assemble_plan(
-        problem.layer_graph,
-        cluster,
-        list(zip(blocks, counts)),
-        microbatch=b,
-        batch_size=B,
-        planner="exhaustive",
-        schedule=problem.schedule,
-        cost_model=cm,
-        costs=costs,
-        host=problem.host,
-      )
+      plan = assemble_plan(problem, list(zip(blocks, counts)), microbatch=b, planner="exhaustive")
       simulated += 1
       best = better(best, plan)
   return best, simulated

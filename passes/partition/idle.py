@@ -26,12 +26,16 @@ polish has often run them already.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan, Stage, has_mixed_microbatches, stage_microbatch_sizes
-from gpp_jax.passes.partition.plan_assembly import assemble_plan, data_parallel_degrees, predict
+from gpp_jax.passes.partition.plan_assembly import (
+  StageLayout,
+  assemble_plan,
+  data_parallel_degrees,
+)
 from gpp_jax.passes.partition.refine import stage_bound_times
 
 if TYPE_CHECKING:
@@ -53,6 +57,26 @@ UNIFORM_WIDTH = {
     "estimate simulated",
   ),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Widths:
+  """The widths a stage of the plan may take: divisors of its micro-batch (each device gets
+  whole samples) up to ``num_devices``, multiples of the DP's slot of ``unit`` devices (a DP's
+  plan taken as it is), and powers of two where ``powers`` (``powers_of_two`` of such a plan's
+  search)."""
+
+  num_devices: int
+  unit: int = 1
+  powers: bool = False
+
+  def of(self, b: int) -> list[int]:
+    """The widths a stage of micro-batch ``b`` may take, smallest first."""
+    return [
+      d
+      for d in data_parallel_degrees(b, self.num_devices)
+      if d % self.unit == 0 and (not self.powers or d & (d - 1) == 0)
+    ]
 
 
 def with_idle_reason(plan: Plan, problem: PlanningProblem, options: Any = None) -> Plan:
@@ -89,37 +113,28 @@ def idle_reason(plan: Plan, problem: PlanningProblem, options: Any = None) -> st
       f"(device_grid={getattr(options, 'device_grid', None)})"
     )
   spare = len(idle) - outside
-
-  def widths(b: int) -> list[int]:
-    return [
-      d for d in data_parallel_degrees(b, K) if d % unit == 0 and (not powers or d & (d - 1) == 0)
-    ]
-
+  widths = Widths(K, unit, powers)
   uniform = plan.planner in UNIFORM_WIDTH and not has_mixed_microbatches(plan)
   counts = [len(s.devices) for s in plan.stages]
   if uniform:
     n, d = len(counts), max(counts)
-    steps = [[(i, w) for i in range(n)] for w in widths(sizes[0]) if w > d]
+    steps = [[(i, w) for i in range(n)] for w in widths.of(sizes[0]) if w > d]
     fits = [move for move in steps if (move[0][1] - d) * n <= spare]
   else:
-    steps = [[(i, w)] for i, d in enumerate(counts) for w in widths(sizes[i]) if w > d]
+    steps = [[(i, w)] for i, d in enumerate(counts) for w in widths.of(sizes[i]) if w > d]
     fits = [move for move in steps if move[0][1] - counts[move[0][0]] <= spare]
     handed = _hand_out(plan, problem, sizes, widths, spare)
     if len(handed) > 1:  # several stages widened: not one of the single widenings
       fits.insert(0, handed)
   if spare and not fits:
-    notes.append(_no_step(plan, sizes, counts, steps, uniform, unit, powers))
+    notes.append(_no_step(plan, sizes, steps, uniform, widths))
   elif spare:
     notes.append(_widened(plan, problem, options, fits, uniform))
   return "; ".join(notes)
 
 
 def _hand_out(
-  plan: Plan,
-  problem: PlanningProblem,
-  sizes: Sequence[int],
-  widths: Callable[[int], list[int]],
-  spare: int,
+  plan: Plan, problem: PlanningProblem, sizes: Sequence[int], widths: Widths, spare: int
 ) -> list[tuple[int, int]]:
   """The idle devices handed out to the slowest stages in turn (as GraphPipe's ``hand_out``
   does with its DP's strategies): repeatedly, of the stages a wider allowed width within the
@@ -133,9 +148,7 @@ def _hand_out(
   def seconds(i: int, d: int) -> float:
     s = plan.stages[i]
     f, b, u = stage_bound_times(
-      cm,
-      cluster,
-      costs,
+      problem,
       cm.layer_times(costs, cluster.device, sizes[i] / d),
       [costs.index[l] for l in s.layers],
       d,
@@ -147,7 +160,7 @@ def _hand_out(
   while True:
     best = None
     for i, d in enumerate(width):
-      up = next((w for w in widths(sizes[i]) if w > d), None)
+      up = next((w for w in widths.of(sizes[i]) if w > d), None)
       if up is None or up - d > left:
         continue
       now = seconds(i, d)
@@ -171,18 +184,20 @@ def _unpolished(plan: Plan, options: Any) -> bool:
 def _no_step(
   plan: Plan,
   sizes: Sequence[int],
-  counts: Sequence[int],
   steps: list[list[tuple[int, int]]],
   uniform: bool,
-  unit: int,
-  powers: bool,
+  widths: Widths,
 ) -> str:
-  """The reason where no stage (no width, for a uniform planner) can take the idle devices."""
+  """The reason where no stage (no width, for a uniform planner) can take the idle devices:
+  none of ``steps`` (the widenings to the next allowed width, ``widths``) fits in them."""
+  counts = [len(s.devices) for s in plan.stages]
   rule = "divide its micro-batch"
-  if powers:
+  if widths.powers:
     rule += " and be a power of two (powers_of_two=True)"
-  if unit > 1:
-    rule += f" and be a multiple of the DP's slot of {unit} devices (its plan is not polished)"
+  if widths.unit > 1:
+    rule += (
+      f" and be a multiple of the DP's slot of {widths.unit} devices (its plan is not polished)"
+    )
   if not steps:
     return (
       f"no stage can take them: a stage's width must {rule}, and no stage can be wider than "
@@ -303,19 +318,12 @@ def _widen(plan: Plan, problem: PlanningProblem, move: list[tuple[int, int]]) ->
   if not has_mixed_microbatches(plan):
     assert plan.batch_size is not None  # planners' plans carry their batch size
     return assemble_plan(
-      problem.layer_graph,
-      problem.cluster,
+      problem,
       [(s.layers, widths.get(s.index, len(s.devices))) for s in plan.stages],
       microbatch=plan.stages[0].microbatch_size or plan.batch_size // plan.num_microbatches,
-      batch_size=plan.batch_size,
       planner=plan.planner,
       schedule=plan.schedule,
-      extra_edges=plan.edges,
-      keep_order=True,
-      cost_model=problem.cost_model,
-      costs=problem.costs,
-      memo=problem.simulations(),
-      host=problem.host,
+      layout=StageLayout(extra_edges=plan.edges, keep_order=True),
     )
   free = list(plan.predicted["idle_devices"])
   stages: list[Stage] = []
@@ -323,13 +331,4 @@ def _widen(plan: Plan, problem: PlanningProblem, move: list[tuple[int, int]]) ->
     more = widths.get(s.index, len(s.devices)) - len(s.devices)
     stages.append(dataclasses.replace(s, devices=tuple(s.devices) + tuple(free[:more])))
     free = free[more:]
-  return predict(
-    plan.replace(stages=tuple(stages)),
-    problem.layer_graph,
-    problem.cluster,
-    cost_model=problem.cost_model,
-    costs=problem.costs,
-    idle=free,
-    memo=problem.simulations(),
-    host=problem.host,
-  )
+  return problem.predict(plan.replace(stages=tuple(stages)), idle=free)

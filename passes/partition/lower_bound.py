@@ -101,6 +101,31 @@ def _layer_classes(rows: np.ndarray) -> list[list[int]]:
   return list(keyed.values())
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Classes:
+  """Classes of interchangeable layers: class c holds ``size[c]`` layers, each costing
+  ``cost[c, k]`` in a group on ``dps[k]`` devices (``Slots``)."""
+
+  cost: np.ndarray
+  size: list[int]
+
+  @classmethod
+  def of(cls, rows: np.ndarray, classes: list[list[int]]) -> Classes:
+    """The classes of layers ``classes`` (indices into ``rows``; ``_layer_classes``), each
+    layer costing its row of ``rows``."""
+    return cls(np.array([rows[c[0]] for c in classes]), [len(c) for c in classes])
+
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+  """The groups the program may form: each on one of ``dps`` devices, at most ``per_count``
+  groups of each device count, their devices at most ``num_devices`` in all."""
+
+  dps: list[int]
+  num_devices: int
+  per_count: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Fill:
   """The pipeline fill and drain of the stage (group 0) that holds the sink layer ``sink`` (its
@@ -149,24 +174,24 @@ class _Rows:
 
 
 def _min_max_groups(
-  a: np.ndarray,
-  size: list[int],
-  dps: list[int],
-  K: int,
-  J: int,
+  classes: Classes,
+  groups: Slots,
   time_limit: float,
   fill: Fill | None = None,
   floor: float = 0.0,
 ) -> tuple[float, bool]:
   """min over groupings of max group time: class c holds ``size[c]`` interchangeable layers,
-  each costing ``a[c, k]`` in a group on ``dps[k]`` devices; at most J groups of each device
-  count, sum of devices <= K; with ``fill``, group 0 holds the sink and also pays the fill (and
-  drain) of the path layers outside it. Returns (the optimum or the solver's dual bound, solved
-  to optimality).
+  each costing ``a[c, k]`` in a group on ``dps[k]`` devices (``classes``); at most J groups of
+  each device count, sum of devices <= K (``groups``); with ``fill``, group 0 holds the sink and
+  also pays the fill (and drain) of the path layers outside it. The solver stops at
+  ``time_limit`` seconds; ``floor`` bounds the objective from below. Returns (the optimum or
+  the solver's dual bound, solved to optimality).
 
   The groups are slots of a fixed device count (up to min(K // d, J) of each count d), so a
   group's time is linear in its counts (no big-M); slots of one count are interchangeable and
   ordered by non-increasing time. Group 0 is one slot per device count, exactly one used."""
+  a, size = classes.cost, classes.size
+  dps, K, J = groups.dps, groups.num_devices, groups.per_count
   C, D = a.shape
   slots = [(k, s) for k, d in enumerate(dps) for s in range(min(K // d, J))]
   S = len(slots)
@@ -370,6 +395,7 @@ def iteration_lower_bound(
   for b in sizes:
     M = B // b
     dps = data_parallel_degrees(b, K)
+    groups = Slots(dps, K, J)
     # Per layer and d: M * (F + B) at b/d samples per device + its share of the update.
     compute = np.zeros((n, len(dps)))
     work = np.zeros((n, len(dps)))
@@ -426,19 +452,10 @@ def iteration_lower_bound(
       # The program without the fill, over the coarser classes (fast where the path's layers
       # are many classes), bounds the one with it from below: a floor for its objective, so
       # that a program stopped at the time limit still gives at least that bound.
-      plain = _layer_classes(work)
-      floor, _ = _min_max_groups(
-        np.array([work[c[0]] for c in plain]), [len(c) for c in plain], dps, K, J, time_limit
-      )
+      plain = Classes.of(work, _layer_classes(work))
+      floor, _ = _min_max_groups(plain, groups, time_limit)
     value, solved = _min_max_groups(
-      np.array([work[c[0]] for c in classes]),
-      [len(c) for c in classes],
-      dps,
-      K,
-      J,
-      time_limit,
-      fill_terms,
-      floor,
+      Classes.of(work, classes), groups, time_limit, fill_terms, floor
     )
     per_size[b] = max(value, floor)
     optimal = optimal and solved

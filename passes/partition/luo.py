@@ -33,9 +33,9 @@ import time
 
 import numpy as np
 
-from gpp_jax.cost.cluster import Cluster
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.plan_assembly import (
+  StageLayout,
   assemble_plan,
   better,
   no_plan_error,
@@ -63,11 +63,11 @@ def _crossing(costs, n: int) -> np.ndarray:
   return np.cumsum(diff)[: n + 1]
 
 
-def _mapped_partition(
-  rc: RangeCosts, cross: np.ndarray, cluster: Cluster, r: int, S: int, M: int, grid: int = 24
-):
-  """Best (estimate, ranges) for S stages of r devices mapped in order, or None."""
-  n, b = rc.n, rc.b
+def _mapped_partition(rc: RangeCosts, cross: np.ndarray, r: int, S: int, grid: int = 24):
+  """Best (estimate, ranges) for S stages of r devices mapped in order onto ``rc``'s cluster
+  at ``rc``'s micro-batch size (``cross``: ``_crossing``), or None."""
+  n, b, cluster = rc.n, rc.b, rc.cluster
+  M = rc.B // b
   # Forward + backward per micro-batch, plus the stage's share of its end-of-iteration
   # gradient all-reduce and optimizer update (a replicated stage synchronises its gradients).
   comp = rc.compute[r] + rc.upd(rc.params, r) / M
@@ -147,13 +147,12 @@ def mapped_candidates(problem: PlanningProblem) -> list[tuple]:
   cross = _crossing(costs, n)
   found = []
   for b in problem.microbatch_sizes():
-    M = B // b
     reps = [r for r in range(1, K + 1) if b % r == 0]
     rc = RangeCosts(costs, cm, cluster, b, B, reps)
     for r in reps:
       most = min(K // r, n)
       for S in sorted({S for S in (most, max(1, most // 2)) if problem.min_stages <= S}):
-        got = _mapped_partition(rc, cross, cluster, r, S, M)
+        got = _mapped_partition(rc, cross, r, S)
         if got is not None:
           found.append((got[0], b, r, S, got[1]))
   found.sort(key=lambda c: c[:4])
@@ -163,27 +162,22 @@ def mapped_candidates(problem: PlanningProblem) -> list[tuple]:
 def luo_search(problem: PlanningProblem, opts: LuoOptions) -> Plan:
   """Luo et al.: PlanningProblem -> sequential Plan (see the module docstring)."""
   t0 = time.perf_counter()
-  layer_graph = problem.layer_graph
-  cluster, cm, B, costs = problem.inputs()
+  costs = problem.costs
   found = mapped_candidates(problem)
+  # Stage s on devices [s * r, (s + 1) * r): the mapping the estimates price.
+  layout = StageLayout(sequential=True, device_order=tuple(range(problem.num_devices)))
   best = None
   for est, b, r, _S, ranges in shortlist(found, opts.simulate_top, problem.host):
     stages = [(costs.layers[i:j], r) for i, j in ranges]
     for mode in opts.orders:
       plan = assemble_plan(
-        layer_graph,
-        cluster,
+        problem,
         stages,
         microbatch=b,
-        batch_size=B,
         planner="luo",
         schedule=mode,
-        sequential=True,
-        device_order=list(range(cluster.num_devices)),
-        cost_model=cm,
-        costs=costs,
+        layout=layout,
         info={"estimate": est, "replicas": r},
-        host=problem.host,
       )
       best = better(best, plan)
   if best is None or not best.predicted.get("memory_ok", True):
@@ -191,7 +185,7 @@ def luo_search(problem: PlanningProblem, opts: LuoOptions) -> Plan:
       raise no_plan_with_stages_error(
         "luo", problem.min_stages, "none of that many stages fits device memory"
       )
-    raise no_plan_error("luo", layer_graph, cluster, B)
+    raise no_plan_error("luo", problem.layer_graph, problem.cluster, problem.batch_size)
   pred = dict(best.predicted)
   pred["search"] = {"seconds": time.perf_counter() - t0, "candidates": len(found)}
   return best.replace(predicted=pred)

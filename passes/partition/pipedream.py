@@ -37,15 +37,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
 
-import networkx as nx
 import numpy as np
 
-from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel, LayerCosts
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.plan_assembly import (
+  StageLayout,
   assemble_plan,
   data_parallel_degrees,
   no_plan_error,
@@ -59,19 +56,23 @@ from gpp_jax.passes.partition.problem import (
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.refine import (
   REFINE_WITHIN,
+  BoundTimes,
   pipeline_lower_bound,
   polish,
   stage_bound_times,
 )
 
 
-def chain_dp(
-  rc: RangeCosts, K: int, M: int, mem_cap: float, replicate: bool = True, unit: int = 1
-) -> tuple[np.ndarray, list]:
-  """The PipeDream DP table A[i, m, s] over ranges of ``rc`` (see the module docstring), with
-  devices counted in slots of ``unit`` (m slots = m * unit devices; stages take multiples of
-  ``unit``); ``A[0, -1, s]`` is the optimum with s stages on the whole cluster."""
+def chain_dp(rc: RangeCosts, replicate: bool = True, unit: int = 1) -> tuple[np.ndarray, list]:
+  """The PipeDream DP table A[i, m, s] over ranges of ``rc`` (see the module docstring), on
+  ``rc``'s cluster and its memory per device at ``rc``'s micro-batch size, with devices
+  counted in slots of ``unit`` (m slots = m * unit devices; stages take multiples of
+  ``unit``); ``A[0, -1, s]`` is the optimum with s stages on the whole cluster. Returns the
+  table and the device counts a stage may take."""
   n = rc.n
+  K = rc.cluster.num_devices
+  M = rc.B // rc.b
+  mem_cap = rc.cluster.memory_per_device
   Ks = K // unit
   S = min(Ks, n)
   A = np.full((n + 1, Ks + 1, S + 1), math.inf)
@@ -96,42 +97,54 @@ def chain_dp(
   return A, dps
 
 
-def chain_reconstruct(
-  rc: RangeCosts,
-  A: np.ndarray,
-  dps: list,
-  K: int,
-  M: int,
-  mem_cap: float,
-  s: int,
-  unit: int = 1,
-) -> list[tuple[int, int, int]]:
-  """Stages (i, j, d) of the DP optimum that uses ``s`` stages on at most K devices."""
-  out = []
-  i, m = 0, K // unit
-  target = A[0, m, s]
-  while i < rc.n:
-    while m > 0 and A[i, m - 1, s] <= target:
-      m -= 1
-    found = None
-    static = rc.cm.static_memory(rc.params[i, i + 1 :])
-    for d in dps:
-      if d > m * unit:
-        break
-      # The first end j whose stage with the rest attains the target, over every j at once.
-      v = np.maximum(rc.tps(d)[i, i + 1 :], A[i + 1 :, m - d // unit, s - 1])
-      mem = static + rc.saved[i, i + 1 :] * rc.b / d * min(s, M)
-      hits = np.flatnonzero((v <= target * (1 + 1e-9)) & (mem <= mem_cap))
-      if hits.size:
-        found = (i + 1 + int(hits[0]), d)
-        break
-    if found is None:
-      raise AssertionError("PipeDream reconstruction lost the optimum")
-    j, d = found
-    out.append((i, j, d))
-    i, m, s = j, m - d // unit, s - 1
-    target = A[i, m, s] if i < rc.n else 0.0
-  return out
+@dataclasses.dataclass(frozen=True, eq=False)
+class ChainTable:
+  """PipeDream's DP at one micro-batch size: the range costs it prices (``rc``, whose cluster,
+  micro-batch and batch it is for), its table ``A`` and device counts ``dps`` (``chain_dp``),
+  devices counted in slots of ``unit``."""
+
+  rc: RangeCosts
+  A: np.ndarray
+  dps: list[int]
+  unit: int = 1
+
+  @classmethod
+  def compute(cls, rc: RangeCosts, replicate: bool = True, unit: int = 1) -> ChainTable:
+    """The DP over ``rc`` (``chain_dp``; ``replicate``: data-parallel stages allowed)."""
+    A, dps = chain_dp(rc, replicate, unit)
+    return cls(rc, A, dps, unit)
+
+  def reconstruct(self, s: int) -> list[tuple[int, int, int]]:
+    """Stages (i, j, d) of the DP optimum that uses ``s`` stages on at most the cluster's
+    devices."""
+    rc, A, unit = self.rc, self.A, self.unit
+    M = rc.B // rc.b
+    mem_cap = rc.cluster.memory_per_device
+    out = []
+    i, m = 0, rc.cluster.num_devices // unit
+    target = A[0, m, s]
+    while i < rc.n:
+      while m > 0 and A[i, m - 1, s] <= target:
+        m -= 1
+      found = None
+      static = rc.cm.static_memory(rc.params[i, i + 1 :])
+      for d in self.dps:
+        if d > m * unit:
+          break
+        # The first end j whose stage with the rest attains the target, over every j at once.
+        v = np.maximum(rc.tps(d)[i, i + 1 :], A[i + 1 :, m - d // unit, s - 1])
+        mem = static + rc.saved[i, i + 1 :] * rc.b / d * min(s, M)
+        hits = np.flatnonzero((v <= target * (1 + 1e-9)) & (mem <= mem_cap))
+        if hits.size:
+          found = (i + 1 + int(hits[0]), d)
+          break
+      if found is None:
+        raise AssertionError("PipeDream reconstruction lost the optimum")
+      j, d = found
+      out.append((i, j, d))
+      i, m, s = j, m - d // unit, s - 1
+      target = A[i, m, s] if i < rc.n else 0.0
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,26 +189,16 @@ def pipedream_search(problem: PlanningProblem, opts: PipeDreamOptions) -> Plan:
   if opts.selection == "published":
     plan = published_chain(problem, sizes, replicate=opts.replicate, unit=unit)
   else:
-    evaluated = chain_candidates(
-      problem.layer_graph,
-      problem.cluster,
-      problem.batch_size,
-      sizes,
-      cost_model=problem.cost_model,
-      costs=problem.costs,
-      schedule=problem.schedule,
+    search = ChainSearch(
       replicate=opts.replicate,
       simulate_top=opts.simulate_top,
       unit=unit,
-      tables=chain_tables(problem),
-      memo=problem.simulations(),
       keep_within=REFINE_WITHIN,
-      host=problem.host,
-      min_stages=k,
     )
+    evaluated = chain_candidates(problem, sizes, search)
     if not evaluated:
       raise no_chain_error(problem)
-    plan = polish(problem, evaluated, microbatch_sizes=sizes, refine_within=REFINE_WITHIN)
+    plan = polish(problem, evaluated, refine_within=REFINE_WITHIN)
   pred = dict(plan.predicted)
   pred["search"] = {
     "seconds": time.perf_counter() - t0,
@@ -218,25 +221,17 @@ def chain_tables(problem: PlanningProblem) -> dict:
   return problem.memo.setdefault("chain_tables", {})
 
 
-def chain_table(
-  tables: dict,
-  costs: LayerCosts,
-  cm: CostModel,
-  cluster: Cluster,
-  B: int,
-  b: int,
-  replicate: bool,
-  unit: int,
-) -> tuple[RangeCosts, np.ndarray, list]:
-  """(range costs, ``chain_dp`` table, its device counts) at micro-batch b over every layer in
-  the order of ``costs``, computed once per (b, replicate, unit) and kept in ``tables`` (a
-  problem's ``chain_tables``): everything else it depends on (the costs, cost model,
-  cluster, memory and batch) is the problem's."""
+def chain_table(problem: PlanningProblem, b: int, replicate: bool, unit: int) -> ChainTable:
+  """PipeDream's DP at micro-batch b over every layer in the order of the problem's costs,
+  computed once per (b, replicate, unit) and kept in the problem's ``chain_tables``:
+  everything else it depends on (the costs, cost model, cluster, memory and batch) is the
+  problem's."""
+  tables = chain_tables(problem)
   key = (b, replicate, unit)
   if key not in tables:
-    K = cluster.num_devices
-    rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
-    tables[key] = (rc,) + chain_dp(rc, K, B // b, cluster.memory_per_device, replicate, unit)
+    cluster, cm, B, costs = problem.inputs()
+    rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, cluster.num_devices))
+    tables[key] = ChainTable.compute(rc, replicate, unit)
   return tables[key]
 
 
@@ -259,17 +254,11 @@ def published_chain(
   """PipeDream as published: per micro-batch size the DP's smallest bottleneck (ties: fewer
   stages), across sizes the smallest (M + s - 1) * TPS * b; no simulation ranking, no polish.
   Stage counts below the problem's ``min_stages`` are not among the optima."""
-  layer_graph, cluster, B, costs = (
-    problem.layer_graph,
-    problem.cluster,
-    problem.batch_size,
-    problem.costs,
-  )
-  K = cluster.num_devices
+  B = problem.batch_size
   best = None
   for b in sizes:
-    rc = RangeCosts(costs, problem.cost_model, cluster, b, B, data_parallel_degrees(b, K))
-    A, dps = chain_dp(rc, K, B // b, cluster.memory_per_device, replicate, unit)
+    table = chain_table(problem, b, replicate, unit)
+    A = table.A
     first = max(1, problem.min_stages)
     vals = [(float(A[0, -1, s]), s) for s in range(first, A.shape[2]) if math.isfinite(A[0, -1, s])]
     if not vals:
@@ -277,79 +266,78 @@ def published_chain(
     v, s = min(vals)
     est = (B // b + s - 1) * v * b
     if best is None or est < best[0]:
-      best = (est, b, s, v, rc, A, dps)
+      best = (est, b, s, v, table)
   if best is None:
     raise no_chain_error(problem)
-  _, b, s, v, rc, A, dps = best
-  ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s, unit)
+  _, b, s, v, table = best
+  ranges = table.reconstruct(s)
   plan = assemble_plan(
-    layer_graph,
-    cluster,
-    [(costs.layers[i:j], d) for i, j, d in ranges],
+    problem,
+    [(problem.costs.layers[i:j], d) for i, j, d in ranges],
     microbatch=b,
-    batch_size=B,
     planner="pipedream",
-    schedule=problem.schedule,
-    sequential=True,
-    cost_model=problem.cost_model,
-    costs=costs,
+    layout=StageLayout(sequential=True),
     info={"bottleneck_tps": v, "selection": "published"},
-    host=problem.host,
   )
   if not plan.predicted["memory_ok"]:
-    raise no_plan_error("pipedream", layer_graph, cluster, B)
+    raise no_plan_error("pipedream", problem.layer_graph, problem.cluster, B)
   return plan
 
 
-def chain_candidates(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  B: int,
-  sizes: list[int],
-  *,
-  cost_model: CostModel,
-  costs: LayerCosts,
-  schedule: str = "1f1b",
-  replicate: bool = True,
-  simulate_top: int = 6,
-  sweep: bool = True,
-  planner: str = "pipedream",
-  sequential: bool = True,
-  unit: int = 1,
-  tables: dict | None = None,
-  memo: dict | None = None,
-  keep_within: float | None = None,
-  host: Any = None,
-  min_stages: int = 1,
-) -> list[Plan]:
-  """The simulated PipeDream DP optima within memory (see ``pipedream_plan``), unpolished;
-  ``sweep=False`` skips simulating every stage count at the two best micro-batch sizes.
+@dataclasses.dataclass(frozen=True)
+class ChainSearch:
+  """Which of the chain DP's optima ``chain_candidates`` simulates, and the plans it makes of
+  them.
 
-  With ``sequential=False`` the plans keep only the edges tensors flow along (a chain of
-  stages is also a stage DAG, whose stages without a data edge between them may overlap).
-  The DP counts devices in slots of ``unit``; ``tables`` (default: a new dict) keeps its
-  tables, so planners of the same problem can share them; ``memo`` their simulations
-  (``plan_assembly.predict``). With ``keep_within``, the plans of the sweep whose pipeline
-  lower bound is above ``keep_within`` times the best simulated time are left out
-  unsimulated: a polish that refines plans within that factor would not look at them
-  (a one-stage plan, with ``host``, is always simulated: it runs as one jitted step, which
-  the bound does not see). ``host``: the machine's measured host costs, the prediction the
-  plans are simulated with (``plan_assembly.predict``). ``min_stages``: only the optima of at
-  least that many stages (``PlanningProblem.min_stages``).
+  Attributes:
+    planner: the name the plans record.
+    sequential: the plans are chains (an ordering edge between consecutive stages); False
+      keeps only the edges tensors flow along (a chain of stages is also a stage DAG, whose
+      stages without a data edge between them may overlap).
+    replicate: allow data-parallel stages (PipeDream's replication).
+    simulate_top: how many (micro-batch, stage count) optima, ranked by the estimate
+      (M + S - 1) * TPS * b, are simulated.
+    sweep: at the two best micro-batch sizes, also simulate the best max(simulate_top, 8)
+      stage counts, with and without replication.
+    unit: the DP counts devices in slots of this many.
+    keep_within: the sweep's plans whose pipeline lower bound is above this factor times the
+      best simulated time are left out unsimulated (None: every one is simulated).
   """
-  cm = cost_model
-  K = cluster.num_devices
-  tables = {} if tables is None else tables
 
-  def table(b: int, rep: bool):
-    return chain_table(tables, costs, cm, cluster, B, b, rep, unit)
+  planner: str = "pipedream"
+  sequential: bool = True
+  replicate: bool = True
+  simulate_top: int = 6
+  sweep: bool = True
+  unit: int = 1
+  keep_within: float | None = None
+
+
+def chain_candidates(
+  problem: PlanningProblem, sizes: list[int], search: ChainSearch = ChainSearch()
+) -> list[Plan]:
+  """The simulated PipeDream DP optima within memory (see ``pipedream_plan``) at the
+  micro-batch sizes ``sizes``, unpolished, searched as ``search`` says (``ChainSearch``).
+
+  The DP's tables are the problem's (``chain_table``), so planners of the same problem share
+  them, and so are the plans' simulations (``plan_assembly.predict``: with the problem's
+  ``host``, the prediction for that machine). With ``search.keep_within``, the plans of the
+  sweep whose pipeline lower bound is above that factor times the best simulated time are left
+  out unsimulated: a polish that refines plans within that factor would not look at them (a
+  one-stage plan, with ``host``, is always simulated: it runs as one jitted step, which the
+  bound does not see). Only the optima of at least the problem's ``min_stages`` stages are
+  plans.
+  """
+  cluster, cm, B, costs = problem.inputs()
+  host = problem.host
+  layout = StageLayout(sequential=search.sequential)
 
   def candidates(b: int, rep: bool):
-    _rc, A, _dps = table(b, rep)
+    A = chain_table(problem, b, rep, search.unit).A
     M = B // b
     return [
       ((M + s - 1) * float(A[0, -1, s]) * b, b, s, rep)
-      for s in range(max(1, min_stages), A.shape[2])
+      for s in range(max(1, problem.min_stages), A.shape[2])
       if math.isfinite(A[0, -1, s])
     ]
 
@@ -364,44 +352,36 @@ def chain_candidates(
     for i, j, d in ranges:
       if (b, d) not in layer_times:
         layer_times[b, d] = cm.planner_layer_times(costs, cluster, b / d)
-      stages.append(stage_bound_times(cm, cluster, costs, layer_times[b, d], slice(i, j), d))
-    fwd, bwd, upd = zip(*stages)
+      stages.append(stage_bound_times(problem, layer_times[b, d], slice(i, j), d))
     n = len(ranges)
-    preds = [[s - 1] if s and sequential else [] for s in range(n)]
-    lb = pipeline_lower_bound(fwd, bwd, range(n), preds, B // b, drains=False, update=upd)
+    preds = [[s - 1] if s and search.sequential else [] for s in range(n)]
+    lb = pipeline_lower_bound(BoundTimes.of(stages), range(n), preds, B // b, drains=False)
     return lb * (1 - 1e-9)
 
   def evaluate(b: int, s: int, rep: bool, within: float | None = None):
     if (b, s, rep) in done:
       return
     done.add((b, s, rep))
-    rc, A, dps = table(b, rep)
-    ranges = chain_reconstruct(rc, A, dps, K, B // b, cluster.memory_per_device, s, unit)
+    table = chain_table(problem, b, rep, search.unit)
+    ranges = table.reconstruct(s)
     if within is not None and evaluated and (host is None or len(ranges) > 1):
       best = min(p.predicted["iteration_time"] for p in evaluated)
       if bound(b, ranges) > within * best:
         return
     stages = [(costs.layers[i:j], d) for i, j, d in ranges]
     plan = assemble_plan(
-      layer_graph,
-      cluster,
+      problem,
       stages,
       microbatch=b,
-      batch_size=B,
-      planner=planner,
-      schedule=schedule,
-      sequential=sequential,
-      cost_model=cm,
-      costs=costs,
-      info={"bottleneck_tps": float(A[0, -1, s])},
-      memo=memo,
-      host=host,
+      planner=search.planner,
+      layout=layout,
+      info={"bottleneck_tps": float(table.A[0, -1, s])},
     )
     if plan.predicted["memory_ok"]:
       evaluated.append(plan)
 
-  found = sorted(c for b in sizes for c in candidates(b, replicate))
-  for _, b, s, rep in found[:simulate_top]:
+  found = sorted(c for b in sizes for c in candidates(b, search.replicate))
+  for _, b, s, rep in found[: search.simulate_top]:
     evaluate(b, s, rep)
   # At the two best micro-batch sizes, simulate every stage count, with and without
   # replication: the bottleneck estimate cannot see when the all-reduce or the fill matters.
@@ -411,8 +391,8 @@ def chain_candidates(
     assert mb is not None  # assemble_plan sets every stage's micro-batch size
     if mb not in top_sizes:
       top_sizes.append(mb)
-  for b in top_sizes[: 2 if sweep else 0]:
-    for rep in {replicate, False}:
-      for _, _, s, r in sorted(candidates(b, rep))[: max(simulate_top, 8)]:
-        evaluate(b, s, r, keep_within)
+  for b in top_sizes[: 2 if search.sweep else 0]:
+    for rep in {search.replicate, False}:
+      for _, _, s, r in sorted(candidates(b, rep))[: max(search.simulate_top, 8)]:
+        evaluate(b, s, r, search.keep_within)
   return evaluated

@@ -59,8 +59,9 @@ from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import LayerCosts
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan
-from gpp_jax.passes.partition.pipedream import chain_dp
+from gpp_jax.passes.partition.pipedream import chain_table
 from gpp_jax.passes.partition.plan_assembly import (
+  StageLayout,
   assemble_plan,
   better,
   data_parallel_degrees,
@@ -71,7 +72,6 @@ from gpp_jax.passes.partition.problem import (
   ProblemPlanner,
   no_plan_with_stages_error,
 )
-from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.refine import polish
 
 # The Piper authors' limit on the number of downsets (``IDEALS_LIMIT`` in ``algo.cpp``).
@@ -201,15 +201,19 @@ def _allreduce(cluster: Cluster, nbytes, d: int):
 
 
 class _Pricing:
-  """Stage TPS and memory of downset pairs for one micro-batch size (vectorised; the DP and
-  the reconstruction share it, so they agree to the last bit)."""
+  """Stage TPS and memory of downset pairs for one micro-batch size b of the problem, a stage
+  on any of ``dps`` devices (the divisors of b, ``data_parallel_degrees``); vectorised, and
+  shared by the DP and the reconstruction, so they agree to the last bit."""
 
-  def __init__(self, pairs: DownsetPairs, costs, cm, cluster, b: int, B: int, dps: list[int]):
-    self.pairs, self.cm, self.cluster, self.b, self.B = pairs, cm, cluster, b, B
+  def __init__(self, problem: PlanningProblem, pairs: DownsetPairs, b: int):
+    cluster, cm, B, costs = problem.inputs()
+    self.pairs, self.costs, self.cm, self.cluster, self.b, self.B = pairs, costs, cm, cluster, b, B
+    self.K, self.M = cluster.num_devices, B // b
+    self.dps = data_parallel_degrees(b, self.K)
     link = cluster.slowest_link()
     self.alpha, self.beta = link.alpha, link.beta
     self.T = {}
-    for d in dps:
+    for d in self.dps:
       tf, tb = cm.planner_layer_times(costs, cluster, b / d)
       self.T[d] = pairs.member.astype(float) @ (tf + tb)
 
@@ -232,8 +236,10 @@ class _Pricing:
     return self.cm.static_memory(p_s)[:, None] + sv_s[:, None] * self.b / d * in_flight[None, :]
 
 
-def _piper_dp(pairs: DownsetPairs, pr: _Pricing, dps: list[int], K: int, S: int, M: int, U: float):
-  """The DP table dp[a, k, s] over pairs whose stage TPS is <= U (inf where no value <= U)."""
+def _piper_dp(pr: _Pricing, S: int, U: float) -> np.ndarray:
+  """The DP table dp[a, k, s] of the pairs ``pr`` prices, on up to all devices and with at
+  most ``S`` stages, over pairs whose stage TPS is <= U (inf where no value <= U)."""
+  pairs, dps, K, M = pr.pairs, pr.dps, pr.K, pr.M
   D = len(pairs.sets)
   cap = pr.cluster.memory_per_device
   s_in = np.minimum(np.arange(1, S + 1), M)
@@ -274,9 +280,12 @@ def _piper_dp(pairs: DownsetPairs, pr: _Pricing, dps: list[int], K: int, S: int,
   return dp
 
 
-def _reconstruct(pairs, pr: _Pricing, dp, dps, costs: LayerCosts, K, M, s, target):
-  """Stages (front to back) of the optimum dp[full, K, s] = target."""
-  order = list(costs.layers)
+def _reconstruct(
+  pr: _Pricing, dp: np.ndarray, s: int, target: float
+) -> list[tuple[list[str], int]]:
+  """Stages (front to back) of the optimum dp[full, K, s] = target of ``_piper_dp(pr, ...)``."""
+  pairs, dps, K, M = pr.pairs, pr.dps, pr.K, pr.M
+  order = list(pr.costs.layers)
   cap = pr.cluster.memory_per_device
   a = len(pairs.sets) - 1
   k = K
@@ -331,15 +340,9 @@ def chain_bounds(problem: PlanningProblem, sizes: list[int]) -> dict[int, np.nda
   """Per micro-batch size, PipeDream's DP optimum for each stage count of at least the
   problem's ``min_stages`` over a topological order: its stages are downset differences
   priced the same way, so Piper's optimum of that many stages at that size is at most the
-  smallest."""
-  cluster, cm, B, costs = problem.inputs()
-  K = cluster.num_devices
-  out = {}
-  for b in sizes:
-    rc = RangeCosts(costs, cm, cluster, b, B, data_parallel_degrees(b, K))
-    A, _ = chain_dp(rc, K, B // b, cluster.memory_per_device)
-    out[b] = A[0, K, max(1, problem.min_stages) :]
-  return out
+  smallest (PipeDream's tables, ``pipedream.chain_table``, shared through the problem)."""
+  K = problem.num_devices
+  return {b: chain_table(problem, b, True, 1).A[0, K, max(1, problem.min_stages) :] for b in sizes}
 
 
 def dp_optima(
@@ -349,11 +352,11 @@ def dp_optima(
   sizes: list[int],
   bounds: dict[int, np.ndarray] | None,
 ) -> list:
-  """The DP optima (estimate, b, s, bottleneck, dp, dps, pricing) worth simulating, best
+  """The DP optima (estimate, b, s, bottleneck, dp, pricing) worth simulating, best
   estimate first: at each micro-batch size one per stage count (published: the smallest
   bottleneck only), over the pairs whose stage TPS is within the size's bound (``bounds``
   None: no bound)."""
-  cluster, cm, B, costs = problem.inputs()
+  cluster, _cm, B, costs = problem.inputs()
   K = cluster.num_devices
   S = min(K, len(costs.layers))
   full = len(pairs.sets) - 1
@@ -362,17 +365,16 @@ def dp_optima(
   out: list = []
   for b in sizes:
     M = B // b
-    dps = data_parallel_degrees(b, K)
     U = float(np.min(bounds[b], initial=math.inf)) if bounds is not None else math.inf
     if not published:
       U *= SIMULATED_BOUND
-    pr = _Pricing(pairs, costs, cm, cluster, b, B, dps)
-    dp = _piper_dp(pairs, pr, dps, K, S, M, U * (1 + 1e-9))
+    pr = _Pricing(problem, pairs, b)
+    dp = _piper_dp(pr, S, U * (1 + 1e-9))
     vals = [(float(dp[full, K, s]), s) for s in range(max(1, problem.min_stages), S + 1)]
     vals = [(v, s) for v, s in vals if math.isfinite(v)]
     if published and vals:
       vals = [min(vals)]  # the objective: smallest bottleneck (ties: fewer stages)
-    out += [((M + s - 1) * v * b, b, s, v, dp, dps, pr) for v, s in vals]
+    out += [((M + s - 1) * v * b, b, s, v, dp, pr) for v, s in vals]
     # Keep only the candidates that can still be chosen (each holds its size's DP table).
     out.sort(key=lambda c: c[:3])
     del out[keep:]
@@ -385,8 +387,7 @@ def piper_search(problem: PlanningProblem, opts: PiperOptions) -> Plan:
   if opts.selection not in SELECTIONS:
     raise ValueError(f"piper: selection must be one of {SELECTIONS}, got {opts.selection!r}")
   t0 = time.perf_counter()
-  layer_graph = problem.layer_graph
-  cluster, cm, B, costs = problem.inputs()
+  layer_graph, costs = problem.layer_graph, problem.costs
   pairs = DownsetPairs(layer_graph, costs, opts.max_downsets, opts.max_pairs)
   sizes = problem.microbatch_sizes()
   bounds = chain_bounds(problem, sizes)
@@ -396,21 +397,14 @@ def piper_search(problem: PlanningProblem, opts: PiperOptions) -> Plan:
     found = dp_optima(problem, opts, pairs, sizes, None)
   plans = []
   best = None
-  for _est, b, s, v, dp, dps, pr in found:
-    stages = _reconstruct(pairs, pr, dp, dps, costs, cluster.num_devices, B // b, s, v)
+  for _est, b, s, v, dp, pr in found:
     plan = assemble_plan(
-      layer_graph,
-      cluster,
-      stages,
+      problem,
+      _reconstruct(pr, dp, s, v),
       microbatch=b,
-      batch_size=B,
       planner="piper",
-      schedule=problem.schedule,
-      sequential=True,
-      cost_model=cm,
-      costs=costs,
+      layout=StageLayout(sequential=True),
       info={"bottleneck_tps": v, "downsets": len(pairs.sets), "selection": opts.selection},
-      host=problem.host,
     )
     best = better(best, plan)
     plans.append(plan)
@@ -419,9 +413,9 @@ def piper_search(problem: PlanningProblem, opts: PiperOptions) -> Plan:
       raise no_plan_with_stages_error(
         "piper", problem.min_stages, "none of that many stages fits device memory"
       )
-    raise no_plan_error("piper", layer_graph, cluster, B)
+    raise no_plan_error("piper", layer_graph, problem.cluster, problem.batch_size)
   if opts.selection != "published":
-    best = polish(problem, plans, microbatch_sizes=sizes)
+    best = polish(problem, plans)
   pred = dict(best.predicted)
   pred["search"] = {
     "seconds": time.perf_counter() - t0,

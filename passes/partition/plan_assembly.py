@@ -4,9 +4,10 @@ A planner decides which layers form each stage, how many devices each stage gets
 micro-batch size. ``assemble_plan`` turns that into a Plan: stages in topological order, each
 with a contiguous range of device indices, stage edges induced by the layer graph (plus any
 ordering edges the planner asks for), in-flight counts from the stage DAG, and the cost
-model's prediction (simulated iteration time, throughput, per-stage memory) in
-``plan.predicted``: the devices-only simulation (every device computes on its own, the host
-costs nothing), or, given the machine's measured host (``cost.host.HostCosts``, ``host=``),
+model's prediction (``predict``: simulated iteration time, throughput, per-stage memory) in
+``plan.predicted``. Both take the ``PlanningProblem`` the plan is made for: the prediction is
+the devices-only simulation (every device computes on its own, the host costs nothing), or,
+where the problem has the machine's measured host (``cost.host.HostCosts``, its ``host``),
 the prediction for that machine (``passes.simulation.simulate_on_host``), which every planner's
 comparisons then go by.
 """
@@ -17,7 +18,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import networkx as nx
 
@@ -38,6 +39,9 @@ from gpp_jax.ir.schedule import Schedule, trusted_generators
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.schedules import make_schedule, plan_schedule
 from gpp_jax.passes.simulation import simulate, simulate_on_host
+
+if TYPE_CHECKING:
+  from gpp_jax.passes.partition.problem import PlanningProblem
 
 # Sweeps skip micro-batch sizes that need more micro-batches than this (none of the
 # benchmark optima comes near it; it bounds simulation cost).
@@ -98,50 +102,56 @@ def planner_inputs(
   )
 
 
-def assemble_plan(
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  stages: Sequence[tuple[Iterable[str], int]],
-  *,
-  microbatch: int,
-  batch_size: int,
-  planner: str,
-  schedule: str = "1f1b",
-  extra_edges: Iterable[tuple[int, int]] = (),
-  keep_order: bool = False,
-  sequential: bool = False,
-  device_order: Sequence[int] | None = None,
-  cost_model: CostModel | None = None,
-  costs: LayerCosts | None = None,
-  info: dict[str, Any] | None = None,
-  memo: dict | None = None,
-  host: Any = None,
-) -> Plan:
-  """Stage choice -> Plan with devices, edges, in-flight counts and predictions.
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+  """How ``assemble_plan`` orders a planner's stages, links them and hands out devices.
 
-  Args:
-    layer_graph: the LayerGraph.
-    cluster: the Cluster.
-    stages: (layers, device count) per stage.
-    microbatch: samples per micro-batch (uniform across stages).
-    batch_size: mini-batch size.
-    planner, schedule: names recorded in the plan.
-    extra_edges: ordering edges between stages (indices into ``stages`` as given).
+  Attributes:
+    extra_edges: ordering edges between stages (indices into the stages as given).
     keep_order: keep the given stage order (else sort stages topologically by first layer).
     sequential: the stages form a chain in the given order (a sequential pipeline): implies
       ``keep_order``, adds an ordering edge between consecutive stages, and sets
       ``Plan.sequential``.
-    device_order: the order in which device indices are handed out (default 0..n-1).
-    info: extra entries for ``plan.predicted``.
-    memo: simulations already run for this problem (``predict``).
-    host: the machine's measured host costs: the prediction is for that machine (``predict``).
+    device_order: the order in which device indices are handed out, stage by stage (default:
+      ``place_stages``).
   """
-  costs = costs or layer_costs(layer_graph)
-  cm = cost_model or DEFAULT_COST_MODEL
+
+  extra_edges: Sequence[tuple[int, int]] = ()
+  keep_order: bool = False
+  sequential: bool = False
+  device_order: Sequence[int] | None = None
+
+
+def assemble_plan(
+  problem: PlanningProblem,
+  stages: Sequence[tuple[Iterable[str], int]],
+  *,
+  microbatch: int,
+  planner: str,
+  schedule: str | None = None,
+  layout: StageLayout = StageLayout(),
+  info: dict[str, Any] | None = None,
+) -> Plan:
+  """Stage choice -> Plan with devices, edges, in-flight counts and predictions.
+
+  Args:
+    problem: the ``PlanningProblem`` (its layer graph, cluster, mini-batch size, cost model,
+      layer costs and host costs); the plan is predicted for it (``predict``, which shares
+      the problem's simulations).
+    stages: (layers, device count) per stage.
+    microbatch: samples per micro-batch (uniform across stages).
+    planner: the planner's name, recorded in the plan.
+    schedule: the schedule generator the plan names (default: the problem's).
+    layout: the stages' order, ordering edges and device order (``StageLayout``).
+    info: extra entries for ``plan.predicted``.
+  """
+  layer_graph, cluster, costs = problem.layer_graph, problem.cluster, problem.costs
+  batch_size = problem.batch_size
+  extra_edges, keep_order = layout.extra_edges, layout.keep_order
   raw = [(sorted(ls, key=costs.index.__getitem__), int(k)) for ls, k in stages]
   if any(not ls for ls, _ in raw):
     raise PlanError("a planner produced an empty stage; every stage needs at least one layer")
-  if sequential:
+  if layout.sequential:
     keep_order = True
     extra_edges = list(extra_edges) + [(k, k + 1) for k in range(len(stages) - 1)]
   order = (
@@ -153,8 +163,8 @@ def assemble_plan(
   used = sum(k for _, k in raw)
   if used > cluster.num_devices:
     raise PlanError(f"the stages need {used} devices but the cluster has {cluster.num_devices}")
-  if device_order is not None:
-    devs = list(device_order)
+  if layout.device_order is not None:
+    devs = list(layout.device_order)
     ranges, nxt = [], 0
     for old in order:
       ranges.append(tuple(devs[nxt : nxt + raw[old][1]]))
@@ -185,22 +195,12 @@ def assemble_plan(
     ),
     edges=edges,
     num_microbatches=M,
-    schedule=schedule,
+    schedule=problem.schedule if schedule is None else schedule,
     planner=planner,
     batch_size=batch_size,
-    sequential=sequential,
+    sequential=layout.sequential,
   )
-  return predict(
-    plan,
-    layer_graph,
-    cluster,
-    cost_model=cm,
-    costs=costs,
-    info=info,
-    idle=idle,
-    memo=memo,
-    host=host,
-  )
+  return predict(problem, plan, idle=idle, info=info)
 
 
 def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...]]:
@@ -279,30 +279,32 @@ def memory_bound(
 
 
 def predict(
+  problem: PlanningProblem,
   plan: Plan,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
   *,
-  cost_model: CostModel | None = None,
-  costs: LayerCosts | None = None,
-  info: dict[str, Any] | None = None,
   idle: Sequence[int] = (),
-  memo: dict | None = None,
-  host: Any = None,
+  info: dict[str, Any] | None = None,
 ) -> Plan:
-  """Plan -> the same Plan with ``predicted`` filled in from a simulation: the devices-only
-  one, or with ``host`` (the machine's ``cost.host.HostCosts``) the prediction for that
+  """Plan -> the same Plan with ``predicted`` filled in from a simulation on ``problem``'s
+  layer graph, cluster, cost model and layer costs: the devices-only one, or, where the
+  problem has ``host`` (the machine's ``cost.host.HostCosts``), the prediction for that
   machine (``passes.simulation.simulate_on_host``: the host issuing the program, the cores the
   devices share, a one-stage plan as one jitted step), recorded as ``predicted["host_aware"]``.
+  ``idle``: the devices the plan leaves idle (``predicted["idle_devices"]``); ``info``: extra
+  entries for ``predicted``. A caller with a layer graph and a cluster builds the problem once
+  (``PlanningProblem.build``) and predicts any number of plans with it
+  (``PlanningProblem.predict``).
 
   A zero-bubble plan gets its memory bound (``memory_bound``) as the stages' ``in_flight``,
   which is what its schedule is generated under (``passes.schedules.plan_schedule``).
-  ``memo`` (a planning problem's, ``PlanningProblem.simulations``) keeps the simulation of
-  every plan it has seen: the planners' searches meet the same plan more than once (a
-  polish revisits its neighbours, a seed is simulated by its planner and again as a
-  candidate), and the simulation is a function of the plan alone once the graph, cluster and
-  costs are fixed.
+  The problem's simulations (``PlanningProblem.simulations``; None: none kept) keep the
+  simulation of every plan they have seen: the planners' searches meet the same plan more
+  than once (a polish revisits its neighbours, a seed is simulated by its planner and again
+  as a candidate), and the simulation is a function of the plan alone once the graph, cluster
+  and costs are fixed.
   """
+  layer_graph, cluster = problem.layer_graph, problem.cluster
+  cost_model, costs, host = problem.cost_model, problem.costs, problem.host
   bound = None
   if plan.schedule == "zero-bubble":
     bound = memory_bound(plan, layer_graph, cluster, cost_model=cost_model, costs=costs)
@@ -317,9 +319,10 @@ def predict(
     id(host),
     plan.replace(planner=""),
   )
+  memo = problem.simulations()
   res = None if memo is None else memo.get(key)
   if res is None:
-    res = _simulate(plan, layer_graph, cluster, bound, cost_model, costs, host)
+    res = _simulate(problem, plan, bound)
     if memo is not None:
       memo[key] = res
   if host is not None:
@@ -327,34 +330,34 @@ def predict(
   return plan.replace(predicted=prediction(res, plan, cluster, info=info, idle=idle))
 
 
-def _simulate(
-  plan: Plan,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  bound: tuple[int, ...] | None,
-  cost_model: CostModel | None,
-  costs: LayerCosts | None,
-  host: Any = None,
-) -> SimResult:
-  """The plan's simulation under its schedule (generated under ``bound`` if given); with
-  ``host``, the prediction for that machine (``simulate_on_host``)."""
+def _simulate(problem: PlanningProblem, plan: Plan, bound: tuple[int, ...] | None) -> SimResult:
+  """The plan's simulation on ``problem`` under its schedule (generated under ``bound`` if
+  given); where the problem has ``host``, the prediction for that machine
+  (``simulate_on_host``)."""
   if has_mixed_microbatches(plan):
     sched = plan_schedule(plan)  # per-stage counts from the stages' own sizes
   else:
     sched = _schedule(
       plan.schedule, plan.num_stages, tuple(plan.edges), plan.num_microbatches, bound
     )
-  if host is not None:
+  layer_graph, cluster = problem.layer_graph, problem.cluster
+  if problem.host is not None:
     return simulate_on_host(
-      plan, layer_graph, cluster, host, schedule=sched, cost_model=cost_model, costs=costs
+      plan,
+      layer_graph,
+      cluster,
+      problem.host,
+      schedule=sched,
+      cost_model=problem.cost_model,
+      costs=problem.costs,
     )
   return simulate(
     plan,
     layer_graph,
     cluster,
     schedule=sched,
-    cost_model=cost_model,
-    costs=costs,
+    cost_model=problem.cost_model,
+    costs=problem.costs,
     timeline=False,
   )
 

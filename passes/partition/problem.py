@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import networkx as nx
@@ -32,6 +32,7 @@ from gpp_jax.ir.layer_graph import validate_layer_graph
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.idle import with_idle_reason
 from gpp_jax.passes.partition.plan_assembly import MAX_MICROBATCHES, microbatch_sizes
+from gpp_jax.passes.partition.plan_assembly import predict as predict_plan
 from gpp_jax.passes.partition.stage_shapes import choose_stage_shapes
 
 
@@ -126,9 +127,22 @@ class PlanningProblem:
     """The micro-batch sizes a planner may choose from (``plan_assembly.microbatch_sizes``)."""
     return microbatch_sizes(self.batch_size, self.num_microbatches, self.max_microbatches)
 
-  def simulations(self) -> dict:
-    """The simulations run for this problem, shared by its planners (``predict``'s memo)."""
+  def simulations(self) -> dict | None:
+    """The simulations run for this problem, shared by its planners (``predict`` keeps
+    them); None where it keeps none (``without_memo``)."""
     return self.memo.setdefault("simulations", {})
+
+  def without_memo(self) -> PlanningProblem:
+    """The same problem keeping none of the simulations run for it (``simulations`` is None):
+    for a search that meets every plan once, where keeping them would only hold memory."""
+    return dataclasses.replace(self, memo={**self.memo, "simulations": None})
+
+  def predict(
+    self, plan: Plan, *, idle: Sequence[int] = (), info: dict[str, Any] | None = None
+  ) -> Plan:
+    """``plan`` with ``predicted`` filled in for this problem (``plan_assembly.predict``),
+    ``idle`` the devices it leaves idle."""
+    return predict_plan(self, plan, idle=idle, info=info)
 
   def inputs(self) -> tuple[Cluster, CostModel, int, LayerCosts]:
     """(cluster, cost model, batch size, layer costs): the four values planners price with."""

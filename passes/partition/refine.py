@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel, LayerCosts
+from gpp_jax.cost.cost_model import CostModel
 from gpp_jax.ir.plan import Plan
 from gpp_jax.ir.schedule import trusted_generators
 from gpp_jax.passes.inflight import topological_order
 from gpp_jax.passes.partition.plan_assembly import (
+  StageLayout,
   assemble_plan,
   better,
   data_parallel_degrees,
@@ -229,14 +230,18 @@ class _Search:
     B = plan.batch_size
     if B is None:
       raise ValueError("refine_plan needs a plan with its batch_size")
-    self.batch_size = B
     self.mb = plan.stages[0].microbatch_size or B // plan.num_microbatches
     self.M = B // self.mb
     self.space = MoveSpace(
       tuple(data_parallel_degrees(self.mb, problem.cluster.num_devices)),
       tuple(problem.layer_graph.edges),  # walked for every candidate: a tuple walks faster
     )
-    self.fixed_edges = tuple(plan.edges) if not partition else ()
+    # Without partition moves: same stages, same order and edges, only device counts change.
+    self.layout = StageLayout(
+      extra_edges=tuple(plan.edges) if not partition else (),
+      keep_order=self.sequential or not partition,
+      sequential=self.sequential and partition,
+    )
     self.per_layer: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # devices -> layer times
     # F, B seconds and the fastest update (all-reduce on the fastest link, placement unknown).
     self.stage_times: dict[tuple[tuple[str, ...], int], tuple[float, float, float]] = {}
@@ -246,24 +251,14 @@ class _Search:
       self.drains = not schedule_for(plan).splits_backward
 
   def build(self, stages: Stages) -> Plan:
-    p = self.problem
-    # Without partition moves: same stages, same order and edges, only device counts change.
     return assemble_plan(
-      p.layer_graph,
-      p.cluster,
+      self.problem,
       stages,
       microbatch=self.mb,
-      batch_size=self.batch_size,
       planner=self.plan.planner,
       schedule=self.plan.schedule,
-      extra_edges=self.fixed_edges,
-      keep_order=self.sequential or not self.partition,
-      sequential=self.sequential and self.partition,
-      cost_model=p.cost_model,
-      costs=self.costs,
+      layout=self.layout,
       info=self.info,
-      memo=p.simulations(),
-      host=p.host,
     )
 
   def stage_order(self, stages: Stages) -> tuple[list[int], list[list[int]]] | None:
@@ -291,7 +286,7 @@ class _Search:
       if t is None:
         t = self.per_layer[d] = p.cost_model.planner_layer_times(self.costs, p.cluster, self.mb / d)
       idx = [self.costs.index[l] for l in ls]
-      fbu = stage_bound_times(p.cost_model, p.cluster, self.costs, t, idx, d)
+      fbu = stage_bound_times(p, t, idx, d)
       self.stage_times[stage] = fbu
     return fbu
 
@@ -299,10 +294,8 @@ class _Search:
     """``pipeline_lower_bound`` of the stages at their device counts with their updates, less
     1e-9 of it, so that summing in another order than the simulator cannot lift a bound that
     the updates make tight above the time."""
-    fwd, bwd, upd = zip(*(self.times(stage) for stage in stages))
-    return pipeline_lower_bound(fwd, bwd, order, preds, self.M, self.drains, update=upd) * (
-      1 - 1e-9
-    )
+    times = BoundTimes.of(self.times(stage) for stage in stages)
+    return pipeline_lower_bound(times, order, preds, self.M, self.drains) * (1 - 1e-9)
 
   def key(self, stages: Stages) -> Any:
     return tuple(stages) if self.sequential or not self.partition else frozenset(stages)
@@ -404,25 +397,39 @@ def _stopped(plan: Plan, why: str | None) -> Plan:
   return plan.replace(predicted=pred)
 
 
+@dataclasses.dataclass(frozen=True)
+class BoundTimes:
+  """What ``pipeline_lower_bound`` knows of each stage: ``forward[s]`` and ``backward[s]``
+  seconds per micro-batch, and at least ``update[s]`` seconds (None: 0) for the update that
+  ends the stage's lane."""
+
+  forward: Sequence[float]
+  backward: Sequence[float]
+  update: Sequence[float] | None = None
+
+  @classmethod
+  def of(cls, stages: Iterable[tuple[float, float, float]]) -> BoundTimes:
+    """From (forward, backward, update) per stage (``stage_bound_times``)."""
+    forward, backward, update = zip(*stages)
+    return cls(forward, backward, update)
+
+
 def pipeline_lower_bound(
-  forward: Sequence[float],
-  backward: Sequence[float],
+  times: BoundTimes,
   order: Sequence[int],
   preds: Sequence[Sequence[int]],
   num_microbatches: int,
   drains: bool = True,
-  update: Sequence[float] | None = None,
 ) -> float:
   """A lower bound on the iteration time of any schedule of the stage graph (stages in a
-  topological ``order``, ``preds`` per stage) whose stages take ``forward[s]`` and
-  ``backward[s]`` seconds per micro-batch and at least ``update[s]`` (default 0) for the
-  update that ends each stage's lane: some stage runs its M forwards and backwards one after
-  another, its first forward after micro-batch 0's forwards along the longest path to it;
-  after its last backward come its own update and (``drains``) the last micro-batch's
-  backwards along a path back from it, each followed by its stage's update. Transfers only
-  add to it. ``drains=False`` for schedules that split W off the backward (the way back is
-  then shorter)."""
-  up = [0.0] * len(forward) if update is None else update
+  topological ``order``, ``preds`` per stage) whose stages take ``times``: some stage runs its
+  M forwards and backwards one after another, its first forward after micro-batch 0's
+  forwards along the longest path to it; after its last backward come its own update and
+  (``drains``) the last micro-batch's backwards along a path back from it, each followed by
+  its stage's update. Transfers only add to it. ``drains=False`` for schedules that split W
+  off the backward (the way back is then shorter)."""
+  forward, backward = times.forward, times.backward
+  up = [0.0] * len(forward) if times.update is None else times.update
   fill = [0.0] * len(forward)
   tail = list(up)  # after stage s's last backward: the rest of the iteration at least
   worst = 0.0
@@ -445,19 +452,19 @@ def pipeline_lower_bound(
 
 
 def stage_bound_times(
-  cm: CostModel,
-  cluster: Cluster,
-  costs: LayerCosts,
+  problem: PlanningProblem,
   layer_times: tuple[np.ndarray, np.ndarray],
   idx: Any,
   n: int,
 ) -> tuple[float, float, float]:
   """What ``pipeline_lower_bound`` takes of a stage of the layers ``idx`` (indices or a slice
-  of ``costs``' order) on ``n`` devices: its forward and backward seconds per micro-batch
-  (``layer_times`` at its share of the micro-batch) and its update's lower bound."""
+  of the order of the problem's costs) on ``n`` devices: its forward and backward seconds per
+  micro-batch (``layer_times`` at its share of the micro-batch) and its update's lower bound
+  on the problem's cluster under its cost model."""
   tf, tb = layer_times
-  params = float(costs.held_param_bytes[idx].sum())
-  return float(tf[idx].sum()), float(tb[idx].sum()), update_lower_bound(cm, cluster, params, n)
+  params = float(problem.costs.held_param_bytes[idx].sum())
+  update = update_lower_bound(problem.cost_model, problem.cluster, params, n)
+  return float(tf[idx].sum()), float(tb[idx].sum()), update
 
 
 def update_lower_bound(cm: CostModel, cluster: Cluster, param_bytes: float, n: int) -> float:
@@ -494,7 +501,6 @@ def polish(
   refine_sizes: int = 4,
   refine_within: float = REFINE_WITHIN,
   max_evals: int = 200,
-  microbatch_sizes: Sequence[int] = (),
 ) -> Plan:
   """The planners' last step: the fastest plan after local search on the simulated time.
 
@@ -503,12 +509,12 @@ def polish(
   moves), best size first, sharing ``max_evals`` simulations. A planner's search objective
   favours some micro-batch sizes the simulator does not, so polishing one plan per size finds
   what polishing only the best one misses. Last, the polished stages are tried (and
-  refined) at the neighbouring micro-batch sizes (half and double) among ``microbatch_sizes``,
-  the sizes the planner may choose from. Every step goes by the ``problem``'s prediction
-  (with its host costs where it has them) and shares its simulations; only plans of at least
-  its ``min_stages`` stages are started from or moved to. The plan returned records in
-  ``predicted["polish_stopped"]`` why the refinement it comes from ended short of a local
-  optimum (the budget, or ``max_rounds``), where it did.
+  refined) at the neighbouring micro-batch sizes (half and double) among the sizes the
+  planner may choose from (``PlanningProblem.microbatch_sizes``). Every step goes by the
+  ``problem``'s prediction (with its host costs where it has them) and shares its
+  simulations; only plans of at least its ``min_stages`` stages are started from or moved
+  to. The plan returned records in ``predicted["polish_stopped"]`` why the refinement it
+  comes from ended short of a local optimum (the budget, or ``max_rounds``), where it did.
   """
   min_stages = problem.min_stages
   plans = sorted(
@@ -541,6 +547,7 @@ def polish(
   # The polished stages may suit a neighbouring micro-batch size better than their own.
   b = best.stages[0].microbatch_size
   assert b is not None
+  microbatch_sizes = problem.microbatch_sizes()
   for b2 in (b // 2, 2 * b):
     if b2 not in microbatch_sizes:
       continue
@@ -556,20 +563,12 @@ def _at_microbatch(problem: PlanningProblem, plan: Plan, b: int) -> Plan:
   sequential = plan.sequential
   info = {k: v for k, v in plan.predicted.items() if k not in _PREDICTION_KEYS}
   stages = [(s.layers, max(d for d in ok if d <= len(s.devices))) for s in plan.stages]
-  assert plan.batch_size is not None  # planners' plans carry their batch size
   return assemble_plan(
-    problem.layer_graph,
-    problem.cluster,
+    problem,
     stages,
     microbatch=b,
-    batch_size=plan.batch_size,
     planner=plan.planner,
     schedule=plan.schedule,
-    sequential=sequential,
-    keep_order=sequential,
-    cost_model=problem.cost_model,
-    costs=problem.costs,
+    layout=StageLayout(keep_order=sequential, sequential=sequential),
     info=info,
-    memo=problem.simulations(),
-    host=problem.host,
   )

@@ -16,17 +16,12 @@ steps whose loss carries no state between micro-batches and reads no random key 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-import networkx as nx
-
-from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel, LayerCosts, layer_costs
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan, stage_microbatch_counts, validate_plan
 from gpp_jax.passes.inflight import inflight_chunks
 from gpp_jax.passes.partition.graphpipe.search import GraphPipeOptions, graphpipe_search
-from gpp_jax.passes.partition.plan_assembly import better, predict
+from gpp_jax.passes.partition.plan_assembly import better
 from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
 from gpp_jax.passes.schedules import PER_STAGE_COUNTS
 
@@ -40,19 +35,11 @@ def with_sizes(plan: Plan, sizes: tuple[int, ...]) -> Plan:
   return out.replace(stages=tuple(dataclasses.replace(s, in_flight=f) for s, f in zip(stages, fl)))
 
 
-def assign_stage_microbatches(
-  plan: Plan,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  *,
-  cost_model: CostModel | None = None,
-  costs: LayerCosts | None = None,
-  max_evals: int = 64,
-  host: Any = None,
-) -> Plan:
-  """Plan (one micro-batch size) -> the plan with per-stage sizes found by coordinate descent
-  (see the module docstring); the plan re-simulated when no move helps. At most ``max_evals``
-  simulations (with ``host``, the prediction for that machine: ``plan_assembly.predict``).
+def assign_stage_microbatches(problem: PlanningProblem, plan: Plan, *, max_evals: int = 64) -> Plan:
+  """Plan (one micro-batch size) for ``problem`` -> the plan with per-stage sizes found by
+  coordinate descent (see the module docstring); the plan re-simulated when no move helps.
+  At most ``max_evals`` simulations (the problem's prediction, ``PlanningProblem.predict``:
+  with its ``host``, the prediction for that machine).
   Moves that make every size equal again are skipped: a uniform plan is the planner's own
   choice (its sweep over sizes), and its count is ``num_microbatches``."""
   if plan.batch_size is None:
@@ -63,11 +50,10 @@ def assign_stage_microbatches(
       f"sizes work with {list(PER_STAGE_COUNTS)}"
     )
   B = plan.batch_size
-  costs = costs or layer_costs(layer_graph)
   base = B // plan.num_microbatches
   sizes = tuple(s.microbatch_size or base for s in plan.stages)
   # The starting point simulated like every candidate, so that all compare alike.
-  best = predict(plan, layer_graph, cluster, cost_model=cost_model, costs=costs, host=host)
+  best = problem.predict(plan)
   evals = 0
   improved = True
   while improved and evals < max_evals:
@@ -85,7 +71,7 @@ def assign_stage_microbatches(
         except PlanError:
           continue
         evals += 1
-        cand = predict(cand, layer_graph, cluster, cost_model=cost_model, costs=costs, host=host)
+        cand = problem.predict(cand)
         if better(best, cand) is cand:
           best, sizes, improved = cand, trial, True
   return best.replace(
@@ -111,15 +97,7 @@ def graphpipe_stage_microbatch_search(
 ) -> Plan:
   """GraphPipe's plan, then per-stage micro-batch sizes (``assign_stage_microbatches``)."""
   plan = graphpipe_search(problem, opts)
-  return assign_stage_microbatches(
-    plan,
-    problem.layer_graph,
-    problem.cluster,
-    cost_model=problem.cost_model,
-    costs=problem.costs,
-    max_evals=opts.max_evals,
-    host=problem.host,
-  )
+  return assign_stage_microbatches(problem, plan, max_evals=opts.max_evals)
 
 
 GRAPHPIPE_STAGE_MB = ProblemPlanner(

@@ -15,7 +15,7 @@ unless the problem says ``stage_shapes=False``): stage by stage, each shape the 
 (every axis after the first at a divisor of its size) that the stage's micro-batch and the
 model's specs divide, kept where the plan's prediction improves within the memory budget, over
 the stages until none changes (two rounds at most). The prediction is the planner's own
-(``plan_assembly.predict``: the devices-only simulation, or the machine's with its host
+(``PlanningProblem.predict``: the devices-only simulation, or the machine's with its host
 costs), which prices a narrowed stage through ``cost.cost_model.plan_costs``.
 """
 
@@ -25,10 +25,13 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpp_jax.ir.plan import Plan, stage_microbatch_sizes
-from gpp_jax.passes.partition.plan_assembly import better, predict
+from gpp_jax.passes.partition.plan_assembly import better
+
+if TYPE_CHECKING:
+  from gpp_jax.passes.partition.problem import PlanningProblem
 
 ROUNDS = 2  # passes over the stages; a second one rarely changes anything
 
@@ -53,7 +56,7 @@ def shape_fits(mesh: Mapping[str, Any], rows: int, inner: tuple[int, ...], micro
   return all(n % math.prod(size.get(a, 1) for a in names) == 0 for n, names in mesh["divides"])
 
 
-def choose_stage_shapes(plan: Plan, problem: Any) -> Plan:
+def choose_stage_shapes(plan: Plan, problem: PlanningProblem) -> Plan:
   """``plan`` with each stage's ``inner`` chosen by prediction (module docstring); the plan
   itself where the layer graph has no mesh, the mesh has nothing to narrow, or parameters are
   held otherwise than by the model's specs (``param_sharding``)."""
@@ -65,16 +68,7 @@ def choose_stage_shapes(plan: Plan, problem: Any) -> Plan:
   idle = plan.predicted.get("idle_devices") or ()
 
   def priced(p: Plan) -> Plan:
-    return predict(
-      p,
-      problem.layer_graph,
-      problem.cluster,
-      cost_model=problem.cost_model,
-      costs=problem.costs,
-      idle=idle,
-      memo=problem.simulations(),
-      host=problem.host,
-    )
+    return problem.predict(p, idle=idle)
 
   best = priced(plan)
   tried = 0

@@ -13,29 +13,27 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import networkx as nx
 import numpy as np
 
-from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.cost_model import CostModel, LayerCosts
+from gpp_jax.cost.cost_model import LayerCosts
 from gpp_jax.errors import PlanError
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.graphpipe.context import MicrobatchContext
 from gpp_jax.passes.partition.graphpipe.dp import MinMaxDP, Stages
-from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode
+from gpp_jax.passes.partition.graphpipe.tree import SPTreeNode, TreeCosts
 from gpp_jax.passes.partition.pipedream import (
   PIPEDREAM,
+  ChainSearch,
   PipeDreamOptions,
   chain_candidates,
   chain_table,
-  chain_tables,
 )
 from gpp_jax.passes.partition.plan_assembly import (
+  StageLayout,
   assemble_plan,
   better,
   data_parallel_degrees,
   no_plan_error,
-  predict,
 )
 from gpp_jax.passes.partition.problem import (
   PlanningProblem,
@@ -75,21 +73,17 @@ def sp_tree(sp: SPDecomposition, costs: LayerCosts) -> SPTreeNode:
     incident[v] += nbytes
     edge_map.setdefault(u, []).append((v, nbytes))
     edge_map.setdefault(("in", v), []).append((u, nbytes))
-  return SPTreeNode(sp.root, costs, incident, {}, edge_map)
+  return SPTreeNode(sp.root, TreeCosts(costs, incident, edge_map))
 
 
 def microbatch_context(
-  b: int,
-  B: int,
-  dps: list[int],
-  cluster: Cluster,
-  cm: CostModel,
-  costs: LayerCosts,
-  unit: int = 1,
+  problem: PlanningProblem, b: int, dps: list[int], unit: int = 1
 ) -> MicrobatchContext:
-  """What one DP run holds fixed: micro-batch b of a batch B, the device counts a stage may
-  take (those of ``dps`` that are multiples of ``unit``), per-layer times at b / d samples per
-  device; transfers on the slowest link; devices counted in slots of ``unit``."""
+  """What one DP run holds fixed: micro-batch b of the problem's batch B, the device counts a
+  stage may take (those of ``dps`` that are multiples of ``unit``), per-layer times at b / d
+  samples per device; transfers on the cluster's slowest link; devices counted in slots of
+  ``unit``."""
+  cluster, cm, B, costs = problem.inputs()
   dps = [d for d in dps if d % unit == 0]
   tsum = {}
   for d in dps:
@@ -238,18 +232,11 @@ class Candidates:
   def assemble(self, b: int, stages: Stages, info: dict[str, Any]) -> Plan:
     p = self.problem
     return assemble_plan(
-      p.layer_graph,
-      p.cluster,
+      p,
       [([p.costs.layers[l] for l in ls], d) for ls, d in stages],
       microbatch=b,
-      batch_size=p.batch_size,
       planner="graphpipe",
-      schedule=p.schedule,
-      cost_model=p.cost_model,
-      costs=p.costs,
       info=info,
-      memo=p.simulations(),
-      host=p.host,
     )
 
   def add(self, plan: Plan) -> None:
@@ -283,10 +270,7 @@ class DPRuns:
     self.runs = 0
 
   def context(self, b: int, dps: list[int]) -> MicrobatchContext:
-    p = self.problem
-    return microbatch_context(
-      b, p.batch_size, dps, p.cluster, p.cost_model, p.costs, unit=self.unit
-    )
+    return microbatch_context(self.problem, b, dps, unit=self.unit)
 
   def run(self, ctx: MicrobatchContext, cap: float) -> MinMaxDP | None:
     """The DP's tables for ``ctx``; strategies whose bottleneck alone (B * TPS) is above
@@ -324,8 +308,7 @@ class DPRuns:
       return None
 
     def table() -> np.ndarray:
-      args = (p.costs, p.cost_model, p.cluster, p.batch_size, ctx.b, True, unit)
-      return chain_table(chain_tables(p), *args)[1]
+      return chain_table(p, ctx.b, True, unit).A
 
     return table
 
@@ -450,10 +433,6 @@ def no_replication(runs: DPRuns, cands: Candidates) -> None:
         cands.consider(b, t, depth, runs.stages(dp, depth), dp.ctx)
 
 
-def _priced(problem: PlanningProblem) -> tuple[Cluster, CostModel, LayerCosts]:
-  return problem.cluster, problem.cost_model, problem.costs
-
-
 def chain_seed_plans(
   problem: PlanningProblem, sizes: list[int], grid: int | None = PipeDreamOptions().device_grid
 ) -> list[Plan]:
@@ -461,32 +440,17 @@ def chain_seed_plans(
   (without ordering edges), so GraphPipe's plan space visibly contains the sequential one.
   The chain DP's tables are PipeDream's (shared through the problem), counting devices in
   slots for ``grid`` (``GraphPipeOptions.chain_device_grid``)."""
-  return chain_candidates(
-    problem.layer_graph,
-    problem.cluster,
-    problem.batch_size,
-    sizes,
-    cost_model=problem.cost_model,
-    costs=problem.costs,
-    schedule=problem.schedule,
-    simulate_top=3,
-    sweep=False,
+  search = ChainSearch(
     planner="graphpipe",
     sequential=False,
+    simulate_top=3,
+    sweep=False,
     unit=device_unit(problem.num_devices, grid),
-    tables=chain_tables(problem),
-    memo=problem.simulations(),
-    host=problem.host,
-    min_stages=problem.min_stages,
   )
+  return chain_candidates(problem, sizes, search)
 
 
-def polished(
-  problem: PlanningProblem,
-  opts: GraphPipeOptions,
-  cands: Candidates,
-  sizes,
-) -> Plan:
+def polished(problem: PlanningProblem, opts: GraphPipeOptions, cands: Candidates) -> Plan:
   """Phase 4: the DP's objective is a proxy; the best plans are polished by local search on
   the simulated time (device counts, layer moves, splits and merges, per micro-batch size).
   Then the best strategy with its idle devices handed out, polished on its own (a quarter of
@@ -503,7 +467,6 @@ def polished(
       refine_sizes=refine_sizes,
       refine_within=opts.refine_within,
       max_evals=max_evals,
-      microbatch_sizes=sizes,
     )
 
   start = min(p.predicted["iteration_time"] for p in cands.evaluated)
@@ -525,9 +488,7 @@ def seeded(problem: PlanningProblem, opts: GraphPipeOptions, best: Plan) -> tupl
       seeds.append(PIPEDREAM.plan(problem, PipeDreamOptions(device_grid=opts.chain_device_grid)))
   n = 0
   for seed in seeds:
-    for plan in as_graphpipe(
-      seed, problem.layer_graph, *_priced(problem), problem.simulations(), problem.host
-    ):
+    for plan in as_graphpipe(problem, seed):
       n += 1
       best = better(best, plan)
   return best, n
@@ -537,15 +498,8 @@ def other_schedules(problem: PlanningProblem, names: Sequence[str], best: Plan) 
   """The best plan simulated with the other schedule generators; the fastest within memory."""
   for name in names:
     if name != best.schedule:
-      alt = predict(
-        best.replace(schedule=name),
-        problem.layer_graph,
-        problem.cluster,
-        cost_model=problem.cost_model,
-        costs=problem.costs,
-        idle=best.predicted.get("idle_devices", ()),
-        memo=problem.simulations(),
-        host=problem.host,
+      alt = problem.predict(
+        best.replace(schedule=name), idle=best.predicted.get("idle_devices", ())
       )
       best = better(best, alt.replace(predicted={**best.predicted, **alt.predicted}))
   return best
@@ -594,7 +548,7 @@ def graphpipe_search(problem: PlanningProblem, opts: GraphPipeOptions) -> Plan:
     )
   t_seeds = time.perf_counter() - t1
   t1 = time.perf_counter()
-  best = polished(problem, opts, cands, sizes)
+  best = polished(problem, opts, cands)
   t_polish = time.perf_counter() - t1
   t1 = time.perf_counter()
   best, n_seeded = seeded(problem, opts, best)
@@ -625,47 +579,37 @@ GRAPHPIPE = ProblemPlanner("graphpipe", GraphPipeOptions, graphpipe_search)
 graphpipe_plan = GRAPHPIPE
 
 
-def as_graphpipe(
-  plan: Plan,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  cm: CostModel,
-  costs,
-  memo: dict | None = None,
-  host: Any = None,
-) -> list[Plan]:
-  """Another planner's plan as GraphPipe candidates: its stages and devices as they are, and,
-  for a chain, the same stages without the ordering edges no tensor flows along (``memo``:
-  the problem's simulations, where the plan as it is was simulated already). They record the
-  planner as ``predicted["seed"]``, and how its polish ended (``polish_stopped``)."""
+def as_graphpipe(problem: PlanningProblem, plan: Plan) -> list[Plan]:
+  """Another planner's plan for ``problem`` as GraphPipe candidates: its stages and devices as
+  they are, and, for a chain, the same stages without the ordering edges no tensor flows
+  along (simulated with the problem's simulations, where the plan as it is was simulated
+  already). They record the planner as ``predicted["seed"]``, and how its polish ended
+  (``polish_stopped``)."""
   b = plan.stages[0].microbatch_size
   assert b is not None and plan.batch_size is not None
   stages = [(s.layers, len(s.devices)) for s in plan.stages]
   order = [d for s in plan.stages for d in s.devices]
-  order += [d for d in range(cluster.num_devices) if d not in set(order)]
+  order += [d for d in range(problem.num_devices) if d not in set(order)]
   out = []
   chain = plan.sequential
   info = {"seed": plan.planner}
   if "polish_stopped" in plan.predicted:  # how the seed's own polish ended
     info["polish_stopped"] = plan.predicted["polish_stopped"]
   for sequential in (True, False) if chain else (False,):
+    layout = StageLayout(
+      extra_edges=() if chain else plan.edges,
+      keep_order=True,
+      sequential=sequential,
+      device_order=order,
+    )
     p = assemble_plan(
-      layer_graph,
-      cluster,
+      problem,
       stages,
       microbatch=b,
-      batch_size=plan.batch_size,
       planner="graphpipe",
       schedule=plan.schedule,
-      sequential=sequential,
-      keep_order=True,
-      device_order=order,
-      extra_edges=() if chain else plan.edges,
-      cost_model=cm,
-      costs=costs,
+      layout=layout,
       info=info,
-      memo=memo,
-      host=host,
     )
     if p.predicted["memory_ok"]:
       out.append(p)

@@ -1,11 +1,13 @@
 """The series-parallel tree the GraphPipe DP walks.
 
 ``SPTreeNode`` wraps a ``passes.series_parallel.SPNode`` with the prefix sums the DP needs
-(layer positions, parameter and saved bytes, incident and internal transfer bytes).
+(layer positions, parameter and saved bytes, incident and internal transfer bytes), from what
+every node of one tree shares (``TreeCosts``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -17,6 +19,24 @@ from gpp_jax.passes.series_parallel import SPNode
 
 def nan_to_zero(x: float) -> float:
   return 0.0 if math.isnan(x) else float(x)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TreeCosts:
+  """What every node of one tree is built from.
+
+  Attributes:
+    costs: the layer costs (the nodes hold layer positions in their order).
+    incident: bytes per sample each layer sends and receives.
+    edge_map: u -> [(v, bytes)] per layer's out-edges; ("in", v) -> [(u, bytes)] per in-edges.
+    interner: node signature -> id, filled as nodes are built (nodes with the same id are
+      interchangeable to the DP).
+  """
+
+  costs: LayerCosts
+  incident: np.ndarray
+  edge_map: dict
+  interner: dict = dataclasses.field(default_factory=dict)
 
 
 class SPTreeNode:
@@ -38,21 +58,14 @@ class SPTreeNode:
     "twin",
   )
 
-  def __init__(
-    self,
-    sp: SPNode,
-    costs: LayerCosts,
-    incident: np.ndarray,
-    interner: dict,
-    edge_map: dict,
-    children: list | None = None,
-  ):
+  def __init__(self, sp: SPNode, tc: TreeCosts, children: list | None = None):
+    costs, incident, edge_map = tc.costs, tc.incident, tc.edge_map
     self.kind = sp.kind
     self.twin = None
     if children is not None:
       self.children = children
     else:
-      self.children = [SPTreeNode(c, costs, incident, interner, edge_map) for c in sp.children]
+      self.children = [SPTreeNode(c, tc) for c in sp.children]
       if self.kind == "parallel":
         # Branch order matters: runs of adjacent branches can share a stage and merges take a
         # prefix. The DP tries two orders: lightest first (equal branches stay adjacent,
@@ -61,7 +74,7 @@ class SPTreeNode:
         work = lambda c: float(costs.flops_ps[c.layers].sum() + costs.act_bytes_ps[c.layers].sum())
         self.children.sort(key=lambda c: (work(c), c.layers[0]))
         if [id(c) for c in topo] != [id(c) for c in self.children]:
-          self.twin = SPTreeNode(sp, costs, incident, interner, edge_map, children=topo)
+          self.twin = SPTreeNode(sp, tc, children=topo)
     self.layers = (
       [l for c in self.children for l in c.layers]
       if self.children
@@ -130,7 +143,7 @@ class SPTreeNode:
         self.to_siblings = {}
       self.cross = cross
       sig = (self.kind[0].upper(), tuple(k.sig for k in kids), cross_sig)
-    self.sig = interner.setdefault(sig, len(interner))
+    self.sig = tc.interner.setdefault(sig, len(tc.interner))
 
   def total(self, what: str) -> float:
     arr = getattr(self, what)
