@@ -150,7 +150,7 @@ def main():
     return worker_single()
   if len(sys.argv) > 1 and sys.argv[1] == "--pair":
     return worker_pair()
-  from gpp_jax.cli.launch import launch
+  from gpp_jax.cli.launch import LaunchOptions, launch
 
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
@@ -168,9 +168,10 @@ def main():
     old = sys.stdout
     sys.stdout = f
     try:
-      rc = launch(
-        [sys.executable, HERE, "--pair"], 2, 1, env=env, cpus_per_process=1, platform="cpu"
+      options = LaunchOptions(
+        num_processes=2, devices_per_process=1, cpus_per_process=1, platform="cpu"
       )
+      rc = launch([sys.executable, HERE, "--pair"], options, env=env)
     finally:
       sys.stdout = old
   with open(log) as f:
@@ -194,15 +195,13 @@ def main():
   # measured on one core (half the one-process model; B taken as twice F), and one activation
   # and one cotangent transfer per micro-batch at the measured cross-process cost.
   from gpp_jax.passes.schedules import one_f_one_b
-  from gpp_jax.passes.simulation import simulate_times
+  from gpp_jax.passes.simulation import StageTimes, simulate_times
 
   pair = s["stage_pair_time"]
   xfer = MB * WIDTH * 4 / 2**20 * pr["xfer"]["1"]
   pred = simulate_times(
     one_f_one_b(2, [(0, 1)], M),
-    [pair / 3] * 2,
-    [2 * pair / 3] * 2,
-    activation_transfer={(0, 1): xfer},
+    StageTimes([pair / 3] * 2, [2 * pair / 3] * 2, activation_transfer={(0, 1): xfer}),
   ).iteration_time
   print(
     f"simulator's prediction of the 2-process step: {pred * 1e3:.1f} ms vs measured "

@@ -46,7 +46,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 from absl import app, flags
 
@@ -58,7 +58,7 @@ from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition import PLANNERS
 from gpp_jax.passes.partition.plan_assembly import better
 from gpp_jax.passes.schedules import plan_schedule
-from gpp_jax.passes.simulation import simulate_times
+from gpp_jax.passes.simulation import HostSide, StageTimes, simulate_times
 
 FLAGS = flags.FLAGS
 MODELS = ("mmt", "dlrm", "candle_uno", "branches")
@@ -188,24 +188,26 @@ def breakdown(plan: Plan, graph, cluster) -> dict[str, float]:
 
     return simulate_times(
       sched,
-      pc.forward,
-      pt.backward,
-      weight=pt.weight,
-      update=pc.update if update else [0.0] * plan.num_stages,
-      activation_transfer=tx(pc.activation_transfer),
-      cotangent_transfer=tx(pc.cotangent_transfer),
-      stage_devices=pt.stage_devices,
-      channels=pt.channels,
+      StageTimes(
+        pc.forward,
+        pt.stages.backward,
+        weight=pt.stages.weight,
+        update=pc.update if update else [0.0] * plan.num_stages,
+        activation_transfer=tx(pc.activation_transfer),
+        cotangent_transfer=tx(pc.cotangent_transfer),
+        stage_devices=pt.stages.stage_devices,
+      ),
+      HostSide(channels=pt.host.channels),
       timeline=False,
     ).iteration_time
 
   M = plan.num_microbatches
   per_device: dict[tuple[int, ...], float] = {}
+  backward = cast("list[float]", pt.stages.backward)  # per stage, seconds of a B
+  weight = cast("list[float] | None", pt.stages.weight)
   for s, st in enumerate(plan.stages):
-    w = pt.weight[s] if pt.weight is not None else 0.0
-    per_device[st.devices] = per_device.get(st.devices, 0.0) + M * (
-      pc.forward[s] + pt.backward[s] + w
-    )
+    w = weight[s] if weight is not None else 0.0
+    per_device[st.devices] = per_device.get(st.devices, 0.0) + M * (pc.forward[s] + backward[s] + w)
   total = run(True, True)
   compute = run(False, False)
   return {

@@ -53,6 +53,7 @@ from gpp_jax.ir.program import (
 from gpp_jax.ir.schedule import Schedule, lanes_with_updates
 from gpp_jax.passes.costs import aval_bytes
 from gpp_jax.passes.program_builder import (
+  Anchor,
   Binding,
   Lowered,
   _Builder,
@@ -135,8 +136,8 @@ def lower_fused(spec: StepSpec, num_microbatches: int = 1) -> Lowered:
       bld.emit(Instr(Op.CHUNK, bld.host, 0, 0, (b,), (c,), arg=Count(M, stacked=True)), "step")
       nbytes = int(aval_bytes(chunked)) // spec.widths[0]
       dst = bld.new(0, f"b{i}.t0", chunked, nbytes=nbytes, kind=BufferKind.BATCH)
-      bld.send(c, dst, 0, _STACKED, "step")
-      bld.recv(dst, bld.host, _STACKED, "step")
+      bld.send(c, dst, 0, _STACKED, Anchor("step"))
+      bld.recv(dst, bld.host, _STACKED, Anchor("step"))
       reads.append(dst)
       continue
     reads.append(bld.on(b, 0, BufferKind.INPUT, queue="step"))
@@ -173,14 +174,33 @@ def lower_step(
   know (``res`` residuals, ``pp`` packed parameters, ``acc`` gradient sums, ``kept`` what B
   leaves W), for memory accounting.
   """
-  return _StepLowering(spec, sched, carry or {}, delays, history, sizes).run()
+  versions = _Versions(tuple(delays) if delays is not None else None, history)
+  return _StepLowering(spec, sched, carry or {}, versions, sizes).run()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Versions:
+  """The older weights a stale-weight schedule computes with (``lower_step``).
+
+  Attributes:
+    delays: per stage, how many updates its weights lag; None: none lag.
+    history: how many earlier versions of the parameters the caller gives.
+  """
+
+  delays: tuple[int, ...] | None = None
+  history: int = 0
 
 
 class _StepLowering:
   """``lower_step``'s state: the builder and where each step's values are."""
 
   def __init__(
-    self, spec: StepSpec, sched: Schedule, carry: dict[int, int], delays, history, sizes
+    self,
+    spec: StepSpec,
+    sched: Schedule,
+    carry: dict[int, int],
+    versions: _Versions,
+    sizes: Sequence[dict[str, int]] | None,
   ):
     self.spec, self.sched, self.carry = spec, sched, carry
     self.K = sched.steps
@@ -188,8 +208,8 @@ class _StepLowering:
     self.S = len(st.stages)
     self.counts = sched.stage_counts
     self.mb = [spec.batch_size // c for c in self.counts]
-    self.delays = tuple(delays) if delays is not None else None
-    self.history = history
+    self.delays = versions.delays
+    self.history = versions.history
     self.sizes = list(sizes) if sizes is not None else [{} for _ in range(self.S)]
     self.bld = _Builder(self.S, sched.name, self.K)
     for s, w in enumerate(spec.widths):
@@ -346,7 +366,7 @@ class _StepLowering:
         continue
       src = self.loss_in[t][r.index]
       if self.spec.roles[r.index] == BATCH:
-        self.batch_setup(s, t, j, r.index, src, grp)
+        self.batch_setup(s, t, j, src, grp)
       else:
         fixed[j] = bld.on(src, s, BufferKind.DATA, queue=grp, mb=t)
     self.acc[(s, t)] = acc = bld.new(
@@ -354,11 +374,12 @@ class _StepLowering:
     )
     bld.emit(Instr(Op.ZERO, s, s, t, (), (acc,)), grp)
 
-  def batch_setup(self, s: int, t: int, j: int, k: int, src: int, grp) -> None:
-    """Batch input k cut into stage s's micro-batches: on the stage's device (one put, then
-    cut there), or on the host for a stage over several devices (each chunk then put
-    batch-sharded before its forward)."""
+  def batch_setup(self, s: int, t: int, j: int, src: int, grp) -> None:
+    """Stage s's input j, a batch input (``src``), cut into its micro-batches: on the stage's
+    device (one put, then cut there), or on the host for a stage over several devices (each
+    chunk then put batch-sharded before its forward)."""
     bld = self.bld
+    k = self.st.stages[s].inputs[j].index
     M = self.counts[s]
     aval = bld.avals[src]
     shape = tuple(getattr(aval, "shape", ()))
@@ -378,7 +399,8 @@ class _StepLowering:
     self.chunks[(s, t, j)] = chunks
 
   # ------------------------------------------------------------------ actions
-  def forward(self, s: int, m: int, grp) -> None:
+  def forward(self, at: Anchor) -> None:
+    s, m, grp = at.stage, at.mb, at.group
     bld, st, spec = self.bld, self.st.stages[s], self.spec
     t, lm = divmod(m, self.counts[s])
     fixed = self.fixed[(s, t)]
@@ -389,13 +411,13 @@ class _StepLowering:
           reads.append(fixed[j])
       elif r.kind == "act":
         aval = st.jaxpr.jaxpr.invars[j].aval
-        reads.append(self.activation_in(s, r.src, r.index, m, aval, grp))
+        reads.append(self.activation_in(at, r.src, r.index, aval))
       elif spec.roles[r.index] == BATCH:
         c = self.chunks[(s, t, j)][lm]
         if spec.multi_device[s]:
           b = bld.new(s, f"{bld.buffers[c].name}@{s}", bld.avals[c], kind=BufferKind.BATCH)
-          bld.send(c, b, s, _BATCH, grp, s, m)
-          bld.recv(b, bld.host, _BATCH, grp, s, m)
+          bld.send(c, b, s, _BATCH, at)
+          bld.recv(b, bld.host, _BATCH, at)
           c = b
         reads.append(c)
       elif spec.roles[r.index] == STATE and lm > 0 and (s, r.index) in self.carries:
@@ -413,16 +435,18 @@ class _StepLowering:
     bld.emit(Instr(Op.F, s, s, m, tuple(reads), (res, *outs)), grp)
     for k, o in enumerate(st.outputs):
       for c in o.consumers:
-        self.activation_out(s, c, o.vid, m, outs[k], grp)
+        self.activation_out(at, c, o.vid, outs[k])
 
-  def activation_out(self, s: int, c: int, vid: int, m: int, x: int, grp) -> None:
-    """Chunk m of stage s's value ``vid`` on its way to consumer c, in c's chunks."""
+  def activation_out(self, at: Anchor, c: int, vid: int, x: int) -> None:
+    """Chunk m of stage s's value ``vid`` (buffer ``x``, computed by F(s, m) at ``at``) on its
+    way to consumer c, in c's chunks."""
+    s, m, grp = at.stage, at.mb, at.group
     bld = self.bld
     Ms, Mc = self.counts[s], self.counts[c]
     act = BufferKind.ACT
     if Ms == Mc:
       dst = bld.keyed_buffer(("x", c, vid, m), c, f"x{vid}.{m}@{c}", bld.avals[x], kind=act)
-      bld.send(x, dst, c, _ACT, grp, s, m)
+      bld.send(x, dst, c, _ACT, at)
     elif Mc > Ms:  # c's chunks are smaller: split here, send each piece
       r = Mc // Ms
       aval = _rows(bld.avals[x], r)
@@ -431,13 +455,15 @@ class _StepLowering:
       for i, p in enumerate(pieces):
         g = m * r + i
         dst = bld.keyed_buffer(("x", c, vid, g), c, f"x{vid}.{g}@{c}", aval, kind=act)
-        bld.send(p, dst, c, _ACT, grp, s, m)
+        bld.send(p, dst, c, _ACT, at)
     else:  # c's chunk covers r of ours: send ours, c joins them
       dst = bld.keyed_buffer(("xpart", c, vid, m), c, f"x{vid}.{m}@{c}", bld.avals[x], kind=act)
-      bld.send(x, dst, c, _ACT, grp, s, m)
+      bld.send(x, dst, c, _ACT, at)
 
-  def activation_in(self, c: int, s: int, vid: int, m: int, aval, grp) -> int:
-    """Value ``vid`` of producer s as consumer c's chunk m: received (and joined) on c."""
+  def activation_in(self, at: Anchor, s: int, vid: int, aval) -> int:
+    """Value ``vid`` of producer s as consumer c's chunk m (F(c, m) at ``at``): received (and
+    joined) on c."""
+    c, m, grp = at.stage, at.mb, at.group
     bld = self.bld
     Ms, Mc = self.counts[s], self.counts[c]
     src_aval = self.st.stages[s].jaxpr.jaxpr.outvars[self.out_pos[vid][1]].aval
@@ -445,19 +471,20 @@ class _StepLowering:
     if Mc >= Ms:
       piece = src_aval if Mc == Ms else _rows(src_aval, Mc // Ms)
       b = bld.keyed_buffer(("x", c, vid, m), c, f"x{vid}.{m}@{c}", piece, kind=act)
-      bld.recv(b, s, _ACT, grp, c, m)
+      bld.recv(b, s, _ACT, at)
       return b
     r = Ms // Mc
     parts = []
     for g in range(m * r, m * r + r):
       p = bld.keyed_buffer(("xpart", c, vid, g), c, f"x{vid}.{g}@{c}", src_aval, kind=act)
-      bld.recv(p, s, _ACT, grp, c, m)
+      bld.recv(p, s, _ACT, at)
       parts.append(p)
     whole = bld.new(c, f"x{vid}.{m}@{c}", aval, kind=act)
     bld.emit(Instr(Op.CONCAT, c, c, m, tuple(parts), (whole,), arg=act), grp)
     return whole
 
-  def backward(self, s: int, m: int, grp) -> None:
+  def backward(self, at: Anchor) -> None:
+    s, m, grp = at.stage, at.mb, at.group
     bld, st = self.bld, self.st.stages[s]
     t = m // self.counts[s]
     loss_at = self.st.loss_outputs[0]
@@ -465,9 +492,7 @@ class _StepLowering:
     for k, o in enumerate(st.outputs):
       got = []
       if o.diff:
-        got = [
-          self.cotangent_in(s, k, c, m, grp) for c in o.consumers if self.consumer_diff(c, o.vid)
-        ]
+        got = [self.cotangent_in(at, k, c) for c in o.consumers if self.consumer_diff(c, o.vid)]
         if (s, k) == loss_at:
           got.append(self.seed(s))
       groups.append(len(got))
@@ -493,9 +518,10 @@ class _StepLowering:
       bld.emit(Instr(Op.B, s, s, m, (*pre, acc, *contribs), (new, *ict), arg=arg), grp)
     for (_, r), b in zip(acts, ict):
       p, k = self.out_pos[r.index]
-      self.cotangent_out(s, p, k, m, b, grp)
+      self.cotangent_out(at, p, k, b)
 
-  def weight(self, s: int, m: int, grp) -> None:
+  def weight(self, at: Anchor) -> None:
+    s, m, grp = at.stage, at.mb, at.group
     bld = self.bld
     t = m // self.counts[s]
     contribs, arg = self.cts.pop((s, m))
@@ -518,15 +544,17 @@ class _StepLowering:
       self.seeds[s] = self.bld.bind(Binding("seed", s), s, f"seed{s}", aval, kind=BufferKind.DATA)
     return self.seeds[s]
 
-  def cotangent_out(self, s: int, p: int, k: int, m: int, ct: int, grp) -> None:
-    """Consumer s's cotangent (its chunk m) for output k of producer p -> p's chunks."""
+  def cotangent_out(self, at: Anchor, p: int, k: int, ct: int) -> None:
+    """Consumer s's cotangent (its chunk m, buffer ``ct``, computed by B(s, m) at ``at``) for
+    output k of producer p -> p's chunks."""
+    s, m, grp = at.stage, at.mb, at.group
     bld = self.bld
     Ms, Mp = self.counts[s], self.counts[p]
     kind = BufferKind.CT
     if Ms == Mp:
       name = f"ct{p}.{k}.{m}<{s}"
       dst = bld.keyed_buffer(("ct", p, k, m, s), p, name, bld.avals[ct], kind=kind)
-      bld.send(ct, dst, p, _CT, grp, s, m)
+      bld.send(ct, dst, p, _CT, at)
     elif Mp > Ms:
       r = Mp // Ms
       aval = _rows(bld.avals[ct], r)
@@ -535,14 +563,16 @@ class _StepLowering:
       for i, piece in enumerate(pieces):
         g = m * r + i
         dst = bld.keyed_buffer(("ct", p, k, g, s), p, f"ct{p}.{k}.{g}<{s}", aval, kind=kind)
-        bld.send(piece, dst, p, _CT, grp, s, m)
+        bld.send(piece, dst, p, _CT, at)
     else:
       name = f"ct{p}.{k}.{m}<{s}"
       dst = bld.keyed_buffer(("ctpart", p, k, m, s), p, name, bld.avals[ct], kind=kind)
-      bld.send(ct, dst, p, _CT, grp, s, m)
+      bld.send(ct, dst, p, _CT, at)
 
-  def cotangent_in(self, p: int, k: int, s: int, m: int, grp) -> int:
-    """Consumer s's cotangent for output k of p, as p's chunk m, received on p."""
+  def cotangent_in(self, at: Anchor, k: int, s: int) -> int:
+    """Consumer s's cotangent for output k of p, as p's chunk m (B(p, m) at ``at``), received
+    on p."""
+    p, m, grp = at.stage, at.mb, at.group
     bld = self.bld
     Ms, Mp = self.counts[s], self.counts[p]
     aval = self.st.stages[p].jaxpr.jaxpr.outvars[k].aval
@@ -550,14 +580,14 @@ class _StepLowering:
     if Mp >= Ms:
       piece = aval
       b = bld.keyed_buffer(("ct", p, k, m, s), p, f"ct{p}.{k}.{m}<{s}", piece, kind=kind)
-      bld.recv(b, s, _CT, grp, p, m)
+      bld.recv(b, s, _CT, at)
       return b
     r = Ms // Mp
     parts = []
     for g in range(m * r, m * r + r):
       name = f"ct{p}.{k}.{g}<{s}"
       b = bld.keyed_buffer(("ctpart", p, k, g, s), p, name, _rows(aval, r), kind=kind)
-      bld.recv(b, s, _CT, grp, p, m)
+      bld.recv(b, s, _CT, at)
       parts.append(b)
     whole = bld.new(p, f"ct{p}.{k}.{m}<{s}", aval, kind=kind)
     bld.emit(Instr(Op.CONCAT, p, p, m, tuple(parts), (whole,), arg=kind), grp)
@@ -647,12 +677,13 @@ class _StepLowering:
             self.setup(s, t)
             first = False
           grp = _group(sched, a)
+          at = Anchor(grp, s, a.microbatch)
           if a.kind == "F":
-            self.forward(s, a.microbatch, grp)
+            self.forward(at)
           elif a.kind == "B":
-            self.backward(s, a.microbatch, grp)
+            self.backward(at)
           elif a.kind == "W":
-            self.weight(s, a.microbatch, grp)
+            self.weight(at)
           else:
             self.update(s, t, grp)
       self.marker_outputs(t)

@@ -1,8 +1,8 @@
 """The lowering's program builder (``_Builder``: buffers, and instructions queued per lane or
-floating, put in dispatch order by ``finish``; ``passes.lowering`` describes the order) and
-what a lowering gives the executor (``Lowered``, with a ``Binding`` per program input), with
-each lane's queue of instruction groups (``_lane_groups``) and a program's places
-(``program_places``)."""
+floating, put in dispatch order by ``finish``; ``passes.lowering`` describes the order; a
+transfer's instructions queued where its ``Anchor`` says) and what a lowering gives the
+executor (``Lowered``, with a ``Binding`` per program input), with each lane's queue of
+instruction groups (``_lane_groups``) and a program's places (``program_places``)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,22 @@ class Lowered:
   versions: tuple[tuple[int, ...], ...] = ()
   delays: tuple[int, ...] | None = None
   counts: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Anchor:
+  """Where the instructions of a transfer go: the group they queue in (a stage's action or
+  its set-up for a step) and the action they belong to, its stage and micro-batch (-1: none).
+
+  Attributes:
+    group: the instruction group (``_Builder.emit``).
+    stage: the stage of the action (``Instr.stage``).
+    mb: its micro-batch (``Instr.mb``).
+  """
+
+  group: Hashable
+  stage: int = -1
+  mb: int = -1
 
 
 @dataclasses.dataclass
@@ -160,16 +176,18 @@ class _Builder:
       self.emit(Instr(Op.RECV, lane, mb=mb, reads=(c,), peer=src, arg=arg), queue)
     return c
 
-  def send(
-    self, b: int, dst: int, lane: int, arg: Transfer, queue: Hashable, stage=-1, mb=-1
-  ) -> None:
-    """A SEND of ``b`` into the (keyed) buffer ``dst`` on ``lane``; its RECV is queued apart."""
+  def send(self, b: int, dst: int, lane: int, arg: Transfer, at: Anchor) -> None:
+    """A SEND of ``b`` into the (keyed) buffer ``dst`` on ``lane``, queued at ``at``; its RECV
+    is queued apart."""
     src = self.buffers[b].lane
-    self.emit(Instr(Op.SEND, src, stage, mb, reads=(b,), writes=(dst,), peer=lane, arg=arg), queue)
+    instr = Instr(Op.SEND, src, at.stage, at.mb, reads=(b,), writes=(dst,), peer=lane, arg=arg)
+    self.emit(instr, at.group)
 
-  def recv(self, dst: int, src_lane: int, arg: Transfer, queue: Hashable, stage=-1, mb=-1) -> None:
+  def recv(self, dst: int, src_lane: int, arg: Transfer, at: Anchor) -> None:
+    """The RECV of the (keyed) buffer ``dst`` from ``src_lane``, queued at ``at``."""
     lane = self.buffers[dst].lane
-    self.emit(Instr(Op.RECV, lane, stage, mb, reads=(dst,), peer=src_lane, arg=arg), queue)
+    instr = Instr(Op.RECV, lane, at.stage, at.mb, reads=(dst,), peer=src_lane, arg=arg)
+    self.emit(instr, at.group)
 
   # ------------------------------------------------------------------ ordering
   def finish(

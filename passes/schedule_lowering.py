@@ -50,13 +50,14 @@ def lower_schedule(sched: Schedule) -> Program:
     buffers.append(anon[lane])
     return len(buffers) - 1
 
-  def arrive(key: tuple, s: int, src: int, kind: Transfer, m: int, uses: int) -> int:
-    """The buffer ``key`` sent to s: received (before its first reader), freed by its last."""
+  def arrive(key: tuple, s: int, src: int, kind: Transfer, m: int) -> int:
+    """The buffer ``key`` sent from ``src`` to s, for s's chunk m: received (before its first
+    reader), freed by its last (``uses``)."""
     b = keyed.get(key)
     if b is None:
       b = keyed[key] = new(s)
     if b not in readers:
-      readers[b] = uses
+      readers[b] = uses(s, src)
       instrs.append(Instr(Op.RECV, s, s, m, (b,), peer=src, arg=kind))
     return b
 
@@ -76,7 +77,7 @@ def lower_schedule(sched: Schedule) -> Program:
     s, m = a.stage, a.microbatch
     if a.kind == "F":
       reads = [
-        arrive(("a", p, s, k), s, p, _ACT, m, uses(s, p))
+        arrive(("a", p, s, k), s, p, _ACT, m)
         for p in preds[s]
         for k in chunk_range(counts, s, m, p)
       ]
@@ -95,9 +96,7 @@ def lower_schedule(sched: Schedule) -> Program:
     elif a.kind == "B":
       res = keyed[("res", s, m)]
       cts = [
-        arrive(("c", c, s, k), s, c, _CT, m, uses(s, c))
-        for c in succs[s]
-        for k in chunk_range(counts, s, m, c)
+        arrive(("c", c, s, k), s, c, _CT, m) for c in succs[s] for k in chunk_range(counts, s, m, c)
       ]
       ict = new(s)
       frees = last_read(cts)

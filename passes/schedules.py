@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.plan import has_mixed_microbatches, stage_microbatch_counts
@@ -248,29 +249,35 @@ def make_schedule(
       f"schedule {name!r} runs one stage per device, but stages share devices here; give each "
       f"stage devices of its own or use one of {list(SHARED_SCHEDULES)}, 1f1b, gpipe"
     )
-  sched = _make(gen, name, num_stages, edges, num_microbatches, memory_bound, counts)
+  kw: dict = {}
+  if memory_bound is not None:
+    if name != "zero-bubble":
+      raise ValueError(f"memory_bound applies to the zero-bubble schedule only, not {name!r}")
+    kw["memory_bound"] = memory_bound
+  cs = _per_stage_counts(name, num_stages, num_microbatches, counts)
+  if cs is not None:
+    kw["counts"] = cs
+  sched = gen(num_stages, edges, num_microbatches, **kw)
   if shared:
     sched = dataclasses.replace(sched, places=tuple(places or ()))
     validate_schedule(sched)
   return sched
 
 
-def _make(gen, name, num_stages, edges, num_microbatches, memory_bound, counts) -> Schedule:
-  kw: dict = {}
-  if memory_bound is not None:
-    if name != "zero-bubble":
-      raise ValueError(f"memory_bound applies to the zero-bubble schedule only, not {name!r}")
-    kw["memory_bound"] = memory_bound
+def _per_stage_counts(
+  name: str, num_stages: int, num_microbatches: int, counts: Sequence[int] | None
+) -> tuple[int, ...] | None:
+  """The stages' micro-batch counts where they differ (``stage_counts``; None where they do
+  not); raises ScheduleError where they differ and generator ``name`` builds lanes with one
+  count (not one of ``PER_STAGE_COUNTS``)."""
   cs = stage_counts(num_stages, num_microbatches, counts)
-  if cs is not None:
-    if name not in PER_STAGE_COUNTS:
-      raise ScheduleError(
-        f"schedule {name!r} needs one micro-batch size for every stage, but the stages run "
-        f"{list(cs)} micro-batches; use one of {list(PER_STAGE_COUNTS)} or give every stage "
-        "the same micro-batch size"
-      )
-    kw["counts"] = cs
-  return gen(num_stages, edges, num_microbatches, **kw)
+  if cs is not None and name not in PER_STAGE_COUNTS:
+    raise ScheduleError(
+      f"schedule {name!r} needs one micro-batch size for every stage, but the stages run "
+      f"{list(cs)} micro-batches; use one of {list(PER_STAGE_COUNTS)} or give every stage "
+      "the same micro-batch size"
+    )
+  return cs
 
 
 def plan_schedule(plan, batch_size: int | None = None) -> Schedule:
@@ -302,3 +309,22 @@ def plan_schedule(plan, batch_size: int | None = None) -> Schedule:
     counts=counts,
     places=plan.places(),
   )
+
+
+def plan_variants(plan) -> dict[str, tuple[Any, Schedule]]:
+  """``plan`` under every schedule generator that builds a schedule for it (the stale-weight
+  ones need a place per stage, those for shared devices one micro-batch size; the others are
+  left out), by name in name order: the plan naming that schedule and its schedule
+  (``plan_schedule``). Where ``plan`` is not a zero-bubble plan, its zero-bubble variant leaves
+  out the stages' in-flight counts (set for another schedule), so the generator's default
+  bound holds."""
+  out: dict[str, tuple[Any, Schedule]] = {}
+  for name in sorted(GENERATORS):
+    p = plan.replace(schedule=name)
+    if name != plan.schedule and name == "zero-bubble":
+      p = p.replace(stages=tuple(dataclasses.replace(s, in_flight=None) for s in p.stages))
+    try:
+      out[name] = (p, plan_schedule(p))
+    except ScheduleError:
+      continue
+  return out

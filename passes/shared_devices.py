@@ -42,6 +42,7 @@ and ``validate_schedule`` checks them as it checks every schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable, Sequence
 
@@ -74,20 +75,48 @@ def stage_depths(g: nx.DiGraph) -> dict[int, int]:
   return depth
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """A schedule's stages on their places, as its list scheduling reads them.
+
+  Attributes:
+    name: the schedule.
+    num_microbatches: M.
+    graph: the stage graph (a DAG on stages 0..S-1).
+    places: per stage, its place.
+    members: per place, its stages by depth (then index).
+    bound: per place, how many micro-batches may hold activations at once before its
+      forwards wait for a backward (``_bound``).
+    split: whether the backward is split into B and W.
+  """
+
+  name: str
+  num_microbatches: int
+  graph: nx.DiGraph
+  places: tuple[int, ...]
+  members: list[list[int]]
+  bound: list[float]
+  split: bool
+
+
+def _one_microbatch_size(name: str, counts: Sequence[int] | None) -> None:
+  """Raises ScheduleError where the stages' micro-batch ``counts`` differ: the schedules for
+  shared devices run one micro-batch size."""
+  if counts is not None and len(set(counts)) > 1:
+    raise ScheduleError(
+      f"schedule {name!r} needs one micro-batch size for every stage, but the stages run "
+      f"{list(counts)} micro-batches; give every stage the same micro-batch size"
+    )
+
+
 def _shared_schedule(
   name: str,
   num_stages: int,
   edges: Sequence[tuple[int, int]],
   num_microbatches: int,
   places: Sequence[int] | None,
-  counts: Sequence[int] | None = None,
 ) -> Schedule:
   S, M = num_stages, num_microbatches
-  if counts is not None and len(set(counts)) > 1:
-    raise ScheduleError(
-      f"schedule {name!r} needs one micro-batch size for every stage, but the stages run "
-      f"{list(counts)} micro-batches; give every stage the same micro-batch size"
-    )
   places = tuple(places) if places is not None else tuple(range(S))
   if len(places) != S:
     raise ScheduleError(f"places {list(places)} must give one place to each of {S} stages")
@@ -110,8 +139,8 @@ def _shared_schedule(
   path = nx.dag_longest_path(g)
   P = max(1, len({places[s] for s in path}))
   rank = {q: min(depth[m[0]], P - 1) for q, m in enumerate(members)}  # where q joins the pipe
-  split = name == "zb-v"
   bound = _bound(name, P, members, rank, M)
+  layout = _Layout(name, M, g, places, members, bound, split=name == "zb-v")
   # Interleaved 1F1B: Megatron's rule and two that run a ready backward first, each listed
   # with transfers free and with a transfer between places half a forward; the order whose
   # replay ends first is kept, the first (Megatron's, transfers free) where they tie.
@@ -121,8 +150,8 @@ def _shared_schedule(
     tries = [(_RULES[name], 0)]
   best: tuple[int, list[list[Action]]] | None = None
   for rule, hop in tries:
-    orders = _list_schedule(name, S, M, Q, g, members, bound, rule(P, chunk), split, hop)
-    end = _makespan(orders, g, places, split) if len(tries) > 1 else 0
+    orders = _list_schedule(layout, rule(P, chunk), hop)
+    end = _makespan(orders, layout) if len(tries) > 1 else 0
     if best is None or end < best[0]:
       best = (end, orders)
   assert best is not None
@@ -142,23 +171,14 @@ def _shared_schedule(
   return sched
 
 
-def _list_schedule(
-  name: str,
-  S: int,
-  M: int,
-  Q: int,
-  g: nx.DiGraph,
-  members: Sequence[Sequence[int]],
-  bound: Sequence[float],
-  prefer: Callable,
-  split: bool,
-  hop: int = 0,
-) -> list[list[Action]]:
-  """Each place's order by list scheduling in half units (F 2, B 4; B 2 and W 2 when
-  ``split``; an activation or cotangent between two places ``hop``, a hand-over on one place
-  0) under ``prefer`` and the places' in-flight ``bound``. Actions are (kind, stage,
-  micro-batch) tuples here; ``dependencies`` (``ir.schedule``) is what the readiness test
-  spells out."""
+def _list_schedule(layout: _Layout, prefer: Callable, hop: int = 0) -> list[list[Action]]:
+  """Each place's order by list scheduling in half units (F 2, B 4; B 2 and W 2 when the
+  layout splits the backward; an activation or cotangent between two places ``hop``, a
+  hand-over on one place 0) under ``prefer`` and the places' in-flight bound. Actions are
+  (kind, stage, micro-batch) tuples here; ``dependencies`` (``ir.schedule``) is what the
+  readiness test spells out."""
+  g, members, bound, split = layout.graph, layout.members, layout.bound, layout.split
+  S, M, Q = g.number_of_nodes(), layout.num_microbatches, len(members)
   dur = {Op.F: 2, Op.B: 2 if split else 4, Op.W: 2}
   kinds = (Op.F, Op.B, Op.W) if split else (Op.F, Op.B)
   never = 1 << 62
@@ -215,16 +235,15 @@ def _list_schedule(
       if picked or any(f > t for f in free) or events:
         break
     else:  # pragma: no cover - a DAG always has a ready action when nothing runs
-      raise ScheduleError(f"schedule {name!r}: no place can run anything at time {t}")
+      raise ScheduleError(f"schedule {layout.name!r}: no place can run anything at time {t}")
   return orders
 
 
-def _makespan(
-  orders: Sequence[Sequence[Action]], g: nx.DiGraph, places: Sequence[int], split: bool
-) -> int:
+def _makespan(orders: Sequence[Sequence[Action]], layout: _Layout) -> int:
   """When the places' ``orders`` end, each place running its order one action after another,
-  in half units: F 2, B 4 (B 2 and W 2 where ``split``), an activation or cotangent between
-  two places 1, a hand-over on one place 0."""
+  in half units: F 2, B 4 (B 2 and W 2 where the layout splits the backward), an activation
+  or cotangent between two places 1, a hand-over on one place 0."""
+  g, places, split = layout.graph, layout.places, layout.split
   dur = {Op.F: 2, Op.B: 2 if split else 4, Op.W: 2}
   end: dict[tuple[Op, int, int], int] = {}
   nxt = [0] * len(orders)
@@ -362,17 +381,20 @@ def _choose(
 
 def interleaved_1f1b(num_stages, edges, num_microbatches, places=None, counts=None) -> Schedule:
   """Megatron's interleaved 1F1B on a stage DAG whose stages share places (module docstring)."""
-  return _shared_schedule("interleaved-1f1b", num_stages, edges, num_microbatches, places, counts)
+  _one_microbatch_size("interleaved-1f1b", counts)
+  return _shared_schedule("interleaved-1f1b", num_stages, edges, num_microbatches, places)
 
 
 def looped_bfs(num_stages, edges, num_microbatches, places=None, counts=None) -> Schedule:
   """Breadth-first looping over a place's stages (module docstring)."""
-  return _shared_schedule("looped-bfs", num_stages, edges, num_microbatches, places, counts)
+  _one_microbatch_size("looped-bfs", counts)
+  return _shared_schedule("looped-bfs", num_stages, edges, num_microbatches, places)
 
 
 def zb_v(num_stages, edges, num_microbatches, places=None, counts=None) -> Schedule:
   """The V-shaped zero-bubble schedule on a stage DAG (module docstring); without places, the
   stages go in a V (``v_places``) where the stage graph is a chain."""
+  _one_microbatch_size("zb-v", counts)
   if places is None:
     places = v_places(num_stages)
-  return _shared_schedule("zb-v", num_stages, edges, num_microbatches, places, counts)
+  return _shared_schedule("zb-v", num_stages, edges, num_microbatches, places)

@@ -1,4 +1,4 @@
-"""The simulator's entry points: a plan, or a schedule with explicit times -> SimResult.
+"""The simulator's entry points: a plan, or a schedule with its stages' times -> SimResult.
 
 The simulator (``cost.simulator``) times what it is given and builds nothing. What it is given
 is built here, by the passes that build it: a plan's schedule (``passes.schedules
@@ -12,11 +12,12 @@ deadlock). Planners, the training program and the runtime predict plans through 
   simulate(plan, layer_graph, cluster, ...)  times, transfers and memory from the cost model;
   simulate_on_host(plan, layer_graph, cluster, host, ...)  the one prediction of a plan on the
       machine ``host`` measured;
-  simulate_times(schedule, forward, backward, ...)  explicit per-stage (or per-action) times,
-      so measured times can be replayed and compared with predictions action by action.
+  simulate_times(schedule, times, host)  a schedule timed with its stages' times
+      (``StageTimes``: explicit per-stage or per-action times, so measured times can be
+      replayed and compared with predictions action by action) on a host (``HostSide``).
 
-The results (``SimResult``), the timing of a lowered program (``simulate_program``) and the
-Chrome / Perfetto traces stay in ``cost.simulator``.
+The typed times (``cost.stage_times``), the results (``SimResult``), the timing of a lowered
+program (``simulate_program``) and the Chrome / Perfetto traces stay in ``cost``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import networkx as nx
@@ -33,7 +34,6 @@ from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import CostModel, LayerCosts
 from gpp_jax.cost.simulator import (
   SimResult,
-  Times,
   fused_times,
   plan_times,
   predict_fused,
@@ -41,6 +41,7 @@ from gpp_jax.cost.simulator import (
   simulate_lowered,
   simulate_step,
 )
+from gpp_jax.cost.stage_times import HostSide, StageMemory, StageTimes  # noqa: F401
 from gpp_jax.ir.program import Op, Program
 from gpp_jax.ir.schedule import Schedule
 from gpp_jax.passes.lowering import lower_schedule
@@ -55,96 +56,26 @@ def lowered_schedule(schedule: Schedule) -> Program:
 
 
 def simulate_times(
-  schedule: Schedule,
-  forward: Sequence[Times],
-  backward: Sequence[Times],
-  *,
-  weight: Sequence[Times] | None = None,
-  update: Sequence[float] | None = None,
-  activation_transfer: Mapping[tuple[int, int], float] | None = None,
-  cotangent_transfer: Mapping[tuple[int, int], float] | None = None,
-  static_memory: Sequence[float] | None = None,
-  activation_memory: Sequence[float] | None = None,
-  stage_devices: Sequence[Sequence[int]] | None = None,
-  host_dispatch: float | Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
-  send_factors: Mapping[tuple[int, int], float] | None = None,
-  cores: int | None = None,
-  channels: Mapping[tuple[str, int, int], Any] | None = None,
-  timeline: bool = True,
-  processes: Sequence[Sequence[int]] | None = None,
+  schedule: Schedule, times: StageTimes, host: HostSide | None = None, *, timeline: bool = True
 ) -> SimResult:
-  """Schedule + explicit times -> SimResult: the schedule's lowered program
+  """Schedule + its stages' times (``StageTimes``) + the host side (``HostSide``; None: the
+  devices-only model) -> SimResult: the schedule's lowered program
   (``passes.lowering.lower_schedule``: one activation and one cotangent per stage edge and
   micro-batch) timed by ``cost.simulator.simulate_program`` (``simulate_lowered``). Without a
-  host, cores or shared channels (the devices-only model the planners search with) the same
-  times come from the schedule itself, without lowering it (``cost.simulator.simulate_lanes``,
-  held equal to the program's by the tests).
+  host issuing it, cores or shared channels (``HostSide.devices_only``: the model the
+  planners search with) the same times come from the schedule itself, without lowering it
+  (``cost.simulator.simulate_lanes``, held equal to the program's by the tests).
 
-  Args:
-    schedule: the schedule to execute (validated by the caller or by its generator).
-    forward, backward, weight: per stage, seconds of one F / B / W action: a float, or a
-      sequence (or mapping) indexed by micro-batch for per-action (e.g. measured) times.
-    update: per stage, seconds of the UPDATE action (0 if None).
-    activation_transfer: seconds to move one micro-batch's activations along edge (i, j)
-      (missing edges: 0; a micro-batch of the producer i); cotangent_transfer likewise for the
-      way back (a micro-batch of the consumer j; default: the same as activation_transfer).
-    static_memory, activation_memory: bytes per device for weights/optimizer state, and for
-      one stashed micro-batch, per stage (0 if None).
-    stage_devices: devices of each stage, to report peak memory per device.
-    host_dispatch: seconds the driver's single host thread spends issuing one action (F, B,
-      W, UPDATE), or seconds per op of the lowered program (``cost.host.HostCosts``), or
-      such a mapping per lane (``HostCosts.lane_costs``); when set, no instruction starts
-      before the host has issued it, in program order.
-    send_factors: per stage edge (i, j), what a SEND along it (either way) costs to issue
-      in lone SENDs (``HostCosts.send_factors``: an edge carries several arrays, put
-      together; default one).
-    cores: the host has this many cores, shared by the computing actions (forced CPU
-      devices share them) and by the issuing thread while it issues an action; None for
-      independent devices.
-    channels: maps a transfer (kind, src, dst) to the channel it queues on; transfers
-      mapped to the same key share it one after another (a node's network interface).
-      Unmapped transfers (the default for all) each have their own channel.
-    timeline: False leaves the result's ``actions`` and ``transfers`` empty (the times,
-      bubbles and memory are the same): what a planner needs of each of its candidates,
-      without building thousands of records it does not read.
-    processes: per lane (the stages', then the host lane), the processes that issue its
-      instructions, each with its own issuing thread and cores (``simulate_program``).
+  ``schedule``: the schedule to execute (validated by the caller or by its generator).
+  ``timeline=False`` leaves the result's ``actions`` and ``transfers`` empty (the times,
+  bubbles and memory are the same): what a planner needs of each of its candidates, without
+  building thousands of records it does not read.
   """
-  if host_dispatch is None and cores is None and not channels and not schedule.shares_devices:
-    res = simulate_lanes(
-      schedule,
-      forward,
-      backward,
-      weight=weight,
-      update=update,
-      activation_transfer=activation_transfer,
-      cotangent_transfer=cotangent_transfer,
-      static_memory=static_memory,
-      activation_memory=activation_memory,
-      stage_devices=stage_devices,
-      timeline=timeline,
-    )
+  if (host is None or host.devices_only) and not schedule.shares_devices:
+    res = simulate_lanes(schedule, times, timeline=timeline)
     if res is not None:  # else a deadlock: the program's lowering names it
       return res
-  return simulate_lowered(
-    schedule,
-    lowered_schedule(schedule),
-    forward,
-    backward,
-    weight=weight,
-    update=update,
-    activation_transfer=activation_transfer,
-    cotangent_transfer=cotangent_transfer,
-    static_memory=static_memory,
-    activation_memory=activation_memory,
-    stage_devices=stage_devices,
-    host_dispatch=host_dispatch,
-    send_factors=send_factors,
-    cores=cores,
-    channels=channels,
-    timeline=timeline,
-    processes=processes,
-  )
+  return simulate_lowered(schedule, lowered_schedule(schedule), times, host, timeline=timeline)
 
 
 def simulate(
@@ -166,8 +97,9 @@ def simulate(
 
   ``program``: the lowered program of the compiled step (``GraphPipeline.program``, the one the
   executor runs) to time instead of the schedule's own lowering; each of its transfers between
-  stages costs its bytes over the link between their devices, ``host_cost`` and ``cores`` as
-  ``simulate_program`` takes them; memory is then the program's own (``cost.memory``: its
+  stages costs its bytes over the link between their devices, ``host_cost`` (the host's
+  seconds per op) and ``cores`` (its compute servers) as ``simulate_program`` takes them in
+  its ``HostSide``; memory is then the program's own (``cost.memory``: its
   buffers' sizes and lifetimes, without the executables' temporaries; ``cost.simulator
   .simulate_step``). ``host``: the machine's ``cost.host.HostCosts`` (per-op issue costs,
   compute servers, the time outside the program, added to the iteration time; a stage over k
@@ -207,30 +139,15 @@ def simulate(
   )
 
   def run(cores: int | None) -> SimResult:
-    """The plan simulated with ``cores`` compute servers (``simulate_times(cores=)``)."""
-    if program is not None:
-      return simulate_step(
-        program, plan, cluster, times, num_microbatches=schedule.num_microbatches, cores=cores
-      )
-    pc = times.costs
-    res = simulate_times(
-      schedule,
-      pc.forward,
-      times.backward,
-      weight=times.weight,
-      update=pc.update,
-      activation_transfer=pc.activation_transfer,
-      cotangent_transfer=pc.cotangent_transfer,
-      static_memory=times.static_memory,
-      activation_memory=pc.activation_memory,
-      stage_devices=times.stage_devices,
-      channels=times.channels,
-      host_dispatch=times.host_cost,
-      send_factors=times.send_factors,
-      cores=cores,
-      timeline=timeline,
-      processes=times.processes,
+    """The plan simulated with ``cores`` compute servers (``HostSide.cores``)."""
+    on = (
+      times
+      if cores is None
+      else dataclasses.replace(times, host=dataclasses.replace(times.host, cores=cores))
     )
+    if program is not None:
+      return simulate_step(program, plan, cluster, on, num_microbatches=schedule.num_microbatches)
+    res = simulate_times(schedule, on.stages, on.host, timeline=timeline)
     if times.outside:
       res = dataclasses.replace(res, iteration_time=res.iteration_time + times.outside)
     return res
@@ -280,5 +197,5 @@ def simulate_on_host(
   )
   if plan.num_stages != 1:
     return res
-  seconds = predict_fused(plan, fused_times(layer_graph), cluster, host, cost_model)
+  seconds = predict_fused(plan, fused_times(layer_graph, host), cluster, host, cost_model)
   return dataclasses.replace(res, iteration_time=seconds)

@@ -3,6 +3,7 @@ the simulator every plan goes through (``simulate_uniform_chain``)."""
 
 from __future__ import annotations
 
+from gpp_jax.cost.stage_times import StageTimes
 from gpp_jax.errors import ScheduleError
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.shared_devices import round_robin_places, v_places
@@ -56,10 +57,8 @@ def simulate_uniform_chain(
     weight = backward / 2 if split else 0.0
   if not split:
     weight = 0.0
-  res = simulate_times(
-    sched,
-    [forward / v] * S,
-    [(backward - weight) / v] * S,
-    weight=[weight / v] * S if split else None,
+  times = StageTimes(
+    [forward / v] * S, [(backward - weight) / v] * S, weight=[weight / v] * S if split else None
   )
+  res = simulate_times(sched, times)
   return res.iteration_time

@@ -28,8 +28,11 @@ the simulator and the runtime read the lanes, not these times.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
+
+import networkx as nx
 
 from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.program import Op
@@ -84,9 +87,10 @@ def zero_bubble(
   # its next F ("soft" bound <= the memory bound); the shortest list schedule wins.
   softs = {tuple(cap)} | {tuple(min(c, l) for c, l in zip(cap, L))}
   softs |= {tuple(max(1, c - d) for c in cap) for d in (1, 2)}
+  durations = _Durations(tf, tb, tw)
   best = None
   for soft in sorted(softs, reverse=True):
-    got = _list_schedule(g, Ms, cap, list(soft), tf, tb, tw)
+    got = _list_schedule(g, Ms, cap, list(soft), durations)
     if best is None or got[0] < best[0] - 1e-12:
       best = got
   assert best is not None
@@ -105,10 +109,23 @@ def zero_bubble(
   return sched
 
 
-def _list_schedule(g, Ms, cap, soft, tf, tb, tw) -> tuple[float, list[list[Action]]]:
-  """One list schedule: (makespan under the given durations, lanes); ``Ms[s]``: stage s's
-  micro-batches."""
+@dataclasses.dataclass(frozen=True)
+class _Durations:
+  """Per stage, the durations of an F, a B and a W that order the lanes."""
+
+  forward: list[float]
+  backward: list[float]
+  weight: list[float]
+
+
+def _list_schedule(
+  g: nx.DiGraph, Ms: list[int], cap: list[int], soft: list[int], durations: _Durations
+) -> tuple[float, list[list[Action]]]:
+  """One list schedule: (makespan under ``durations``, lanes); ``Ms[s]``: stage s's
+  micro-batches; ``cap[s]``: the most it may hold, ``soft[s]`` how many it holds before a
+  pending W goes ahead of its next F."""
   S = len(cap)
+  tf, tb, tw = durations.forward, durations.backward, durations.weight
   preds = [list(g.predecessors(s)) for s in range(S)]
   succs = [list(g.successors(s)) for s in range(S)]
   nxt = {k: [0] * S for k in "FBW"}

@@ -28,7 +28,7 @@ from gpp_jax.ir.program import (
 )
 from gpp_jax.passes.lowering import lower_schedule
 from gpp_jax.passes.schedules import make_schedule, stream_schedule
-from gpp_jax.passes.simulation import simulate_times
+from gpp_jax.passes.simulation import HostSide, StageTimes, simulate_times
 from gpp_jax.runtime.executor import Executor
 
 EDGES = [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3)]
@@ -173,7 +173,9 @@ def test_the_validator_catches_a_leaked_buffer_and_a_read_after_free():
 
 def test_simulate_times_is_the_lowered_schedule_timed():
   sched = make_schedule("1f1b", 4, EDGES, 4)
-  a = simulate_times(sched, [1.0] * 4, [2.0] * 4, activation_transfer=dict.fromkeys(EDGES, 0.25))
+  a = simulate_times(
+    sched, StageTimes([1.0] * 4, [2.0] * 4, activation_transfer=dict.fromkeys(EDGES, 0.25))
+  )
   prog = lower_schedule(sched)
 
   def dur(i: Instr) -> float:  # cotangents cost what activations do unless told otherwise
@@ -231,8 +233,8 @@ def test_executor_and_simulator_run_the_same_program(dag):
   assert original.index(("F", a.stage, a.mb)) < original.index(("F", b.stage, b.mb))
 
   host = dict.fromkeys(Op, 1.0)
-  before = simulate_program(lowered.program, lambda i: 0.0, host_cost=host)
-  after = simulate_program(swapped, lambda i: 0.0, host_cost=host)
+  before = simulate_program(lowered.program, lambda i: 0.0, HostSide(dispatch=host))
+  after = simulate_program(swapped, lambda i: 0.0, HostSide(dispatch=host))
   start = {(x.kind, x.stage, x.microbatch): x.start for x in before.actions}
   moved = {(x.kind, x.stage, x.microbatch): x.start for x in after.actions}
   assert moved[("F", a.stage, a.mb)] > start[("F", a.stage, a.mb)]

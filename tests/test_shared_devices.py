@@ -45,7 +45,7 @@ from gpp_jax.passes.partition.shared import (
 )
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.shared_devices import SHARED_SCHEDULES, round_robin_places
-from gpp_jax.passes.simulation import simulate_times
+from gpp_jax.passes.simulation import StageTimes, simulate_times
 
 TOL = 2e-5
 CHAIN4 = [(0, 1), (1, 2), (2, 3)]
@@ -138,7 +138,7 @@ def test_interleaved_on_a_dag_does_not_wait_on_megatrons_warm_up(monkeypatch):
   def time(M):
     sched = make_schedule("interleaved-1f1b", 7, edges, M, places=places)
     validate_schedule(sched)
-    return simulate_times(sched, [1.0] * 7, [2.0] * 7).iteration_time
+    return simulate_times(sched, StageTimes([1.0] * 7, [2.0] * 7)).iteration_time
 
   chosen = {M: time(M) for M in (2, 4)}
   monkeypatch.setattr(
@@ -208,9 +208,11 @@ def test_local_hand_over_in_the_program_text_and_timed_free():
   assert Program.from_text(text) == program
   # A hand-over costs nothing however slow the link: only 1 -> 2 is paid for.
   slow = dict.fromkeys(CHAIN4, 10.0)
-  t = simulate_times(sched, [1.0] * 4, [1.0] * 4, activation_transfer=slow).iteration_time
+  t = simulate_times(
+    sched, StageTimes([1.0] * 4, [1.0] * 4, activation_transfer=slow)
+  ).iteration_time
   t0 = simulate_times(
-    sched, [1.0] * 4, [1.0] * 4, activation_transfer={(1, 2): 10.0}
+    sched, StageTimes([1.0] * 4, [1.0] * 4, activation_transfer={(1, 2): 10.0})
   ).iteration_time
   assert t == t0
 
@@ -219,11 +221,13 @@ def test_memory_per_device_sums_its_stages():
   sched = make_schedule("interleaved-1f1b", 4, CHAIN4, 4, places=(0, 1, 0, 1))
   res = simulate_times(
     sched,
-    [1.0] * 4,
-    [2.0] * 4,
-    static_memory=[10.0, 20.0, 30.0, 40.0],
-    activation_memory=[1.0] * 4,
-    stage_devices=[(0,), (1,), (0,), (1,)],
+    StageTimes(
+      [1.0] * 4,
+      [2.0] * 4,
+      static_memory=[10.0, 20.0, 30.0, 40.0],
+      activation_memory=[1.0] * 4,
+      stage_devices=[(0,), (1,), (0,), (1,)],
+    ),
   )
   mem = res.stage_memory
   assert res.peak_memory[0] == pytest.approx(mem[0] + mem[2])

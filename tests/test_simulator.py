@@ -19,7 +19,7 @@ from gpp_jax.ir.schedule import Action, Schedule, validate_schedule
 from gpp_jax.passes.inflight import graph_1f1b, inflight_counts, longest_path_to_sink
 from gpp_jax.passes.schedules import gpipe, make_schedule, one_f_one_b
 from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose, with_ordering_edges
-from gpp_jax.passes.simulation import simulate, simulate_times
+from gpp_jax.passes.simulation import HostSide, StageTimes, simulate, simulate_times
 
 
 def chain(S):
@@ -32,7 +32,7 @@ def chain(S):
   [(1, 1, 1.0, 2.0), (4, 8, 1.0, 2.0), (3, 2, 0.5, 1.5), (6, 12, 2.0, 3.0), (5, 5, 1.0, 1.0)],
 )
 def test_closed_form_on_uniform_chains(gen, S, M, tf, tb):
-  res = simulate_times(gen(S, chain(S), M), [tf] * S, [tb] * S)
+  res = simulate_times(gen(S, chain(S), M), StageTimes([tf] * S, [tb] * S))
   assert res.iteration_time == pytest.approx((M + S - 1) * (tf + tb))
   for b in res.bubble:
     assert b == pytest.approx((S - 1) / (M + S - 1))
@@ -41,15 +41,19 @@ def test_closed_form_on_uniform_chains(gen, S, M, tf, tb):
 def test_transfers_add_their_latency_on_the_critical_path():
   S, M, tf, tb, c = 4, 6, 1.0, 2.0, 0.25
   xfer = dict.fromkeys(chain(S), c)
-  res = simulate_times(gpipe(S, chain(S), M), [tf] * S, [tb] * S, activation_transfer=xfer)
+  res = simulate_times(
+    gpipe(S, chain(S), M), StageTimes([tf] * S, [tb] * S, activation_transfer=xfer)
+  )
   assert res.iteration_time == pytest.approx((M + S - 1) * (tf + tb) + 2 * (S - 1) * c)
   assert len(res.transfers) == 2 * (S - 1) * M
   # 1F1B also waits for round trips in its steady state, so it pays at least as much.
-  one = simulate_times(one_f_one_b(S, chain(S), M), [tf] * S, [tb] * S, activation_transfer=xfer)
+  one = simulate_times(
+    one_f_one_b(S, chain(S), M), StageTimes([tf] * S, [tb] * S, activation_transfer=xfer)
+  )
   assert one.iteration_time >= res.iteration_time - 1e-9
   assert (
     one.iteration_time
-    > simulate_times(one_f_one_b(S, chain(S), M), [tf] * S, [tb] * S).iteration_time
+    > simulate_times(one_f_one_b(S, chain(S), M), StageTimes([tf] * S, [tb] * S)).iteration_time
   )
 
 
@@ -57,22 +61,28 @@ def test_in_flight_and_memory():
   S, M = 4, 8
   one = simulate_times(
     one_f_one_b(S, chain(S), M),
-    [1.0] * S,
-    [2.0] * S,
-    static_memory=[100.0] * S,
-    activation_memory=[10.0] * S,
-    stage_devices=[(0,), (1,), (2, 3), (4,)],
+    StageTimes(
+      [1.0] * S,
+      [2.0] * S,
+      static_memory=[100.0] * S,
+      activation_memory=[10.0] * S,
+      stage_devices=[(0,), (1,), (2, 3), (4,)],
+    ),
   )
   assert one.peak_in_flight == (4, 3, 2, 1)
   assert one.stage_memory == (140.0, 130.0, 120.0, 110.0)
   assert one.peak_memory == {0: 140.0, 1: 130.0, 2: 120.0, 3: 120.0, 4: 110.0}
-  gp = simulate_times(gpipe(S, chain(S), M), [1.0] * S, [2.0] * S, activation_memory=[10.0] * S)
+  gp = simulate_times(
+    gpipe(S, chain(S), M), StageTimes([1.0] * S, [2.0] * S, activation_memory=[10.0] * S)
+  )
   assert gp.peak_in_flight == (M,) * S
 
 
 def test_update_runs_after_the_last_backward():
   S, M = 2, 3
-  res = simulate_times(one_f_one_b(S, chain(S), M), [1.0] * S, [1.0] * S, update=[5.0, 0.5])
+  res = simulate_times(
+    one_f_one_b(S, chain(S), M), StageTimes([1.0] * S, [1.0] * S, update=[5.0, 0.5])
+  )
   upd = {a.stage: a for a in res.actions if a.kind == "UPDATE"}
   last_b = max(a.end for a in res.actions if a.kind == "B" and a.stage == 0)
   assert upd[0].start == pytest.approx(last_b)
@@ -83,7 +93,7 @@ def test_per_action_times_replay_measurements():
   S, M = 2, 3
   sched = one_f_one_b(S, chain(S), M)
   fw = [[1.0, 2.0, 1.0], 1.0]
-  res = simulate_times(sched, fw, [2.0, 2.0])
+  res = simulate_times(sched, StageTimes(fw, [2.0, 2.0]))
   start, end = res.time_of(Action("F", 0, 1))
   assert end - start == 2.0
   assert res.time_of(Action("F", 1, 1))[0] >= end
@@ -94,7 +104,9 @@ def test_per_action_times_replay_measurements():
 def test_dag_join_waits_for_every_branch():
   # 0 -> {1, 2} -> 3 with a slow branch 2.
   edges = [(0, 1), (0, 2), (1, 3), (2, 3)]
-  res = simulate_times(one_f_one_b(4, edges, 1), [1.0, 1.0, 5.0, 1.0], [1.0, 1.0, 1.0, 1.0])
+  res = simulate_times(
+    one_f_one_b(4, edges, 1), StageTimes([1.0, 1.0, 5.0, 1.0], [1.0, 1.0, 1.0, 1.0])
+  )
   assert res.time_of(Action("F", 3, 0))[0] == pytest.approx(6.0)
   assert res.time_of(Action("B", 0, 0))[0] == pytest.approx(9.0)  # after B of branch 2
 
@@ -103,18 +115,20 @@ def test_a_deadlocked_schedule_is_reported():
   lanes = ((Action("B", 0, 0), Action("F", 0, 0)), (Action("F", 1, 0), Action("B", 1, 0)))
   bad = Schedule("bad", 1, ((0, 1),), lanes)
   with pytest.raises(ScheduleError, match="deadlock"):
-    simulate_times(bad, [1.0, 1.0], [1.0, 1.0])
+    simulate_times(bad, StageTimes([1.0, 1.0], [1.0, 1.0]))
   with pytest.raises(ValueError, match="per-stage"):
-    simulate_times(one_f_one_b(2, [(0, 1)], 2), [1.0], [1.0, 1.0])
+    simulate_times(one_f_one_b(2, [(0, 1)], 2), StageTimes([1.0], [1.0, 1.0]))
 
 
 def test_result_json_and_chrome_trace(tmp_path):
   res = simulate_times(
     one_f_one_b(3, chain(3), 4),
-    [1e-3] * 3,
-    [2e-3] * 3,
-    activation_transfer={(0, 1): 1e-4, (1, 2): 1e-4},
-    stage_devices=[(0,), (1,), (2,)],
+    StageTimes(
+      [1e-3] * 3,
+      [2e-3] * 3,
+      activation_transfer={(0, 1): 1e-4, (1, 2): 1e-4},
+      stage_devices=[(0,), (1,), (2,)],
+    ),
   )
   back = SimResult.from_json(res.to_json())
   assert back == res
@@ -142,12 +156,14 @@ def test_simulate_plan_uses_the_cost_model():
   pc = plan_costs(plan, g, cl)
   ref = simulate_times(
     one_f_one_b(2, [(0, 1)], 2),
-    pc.forward,
-    pc.backward,
-    update=pc.update,
-    activation_transfer=pc.activation_transfer,
-    static_memory=pc.static_memory,
-    activation_memory=pc.activation_memory,
+    StageTimes(
+      pc.forward,
+      pc.backward,
+      update=pc.update,
+      activation_transfer=pc.activation_transfer,
+      static_memory=pc.static_memory,
+      activation_memory=pc.activation_memory,
+    ),
   )
   assert res.iteration_time == pytest.approx(ref.iteration_time)
   assert res.peak_memory[0] == pytest.approx(pc.static_memory[0] + 2 * pc.activation_memory[0])
@@ -188,7 +204,7 @@ def test_graph_1f1b_on_random_stage_dags(dag, M, times):
   n, edges = dag
   sched = graph_1f1b(n, edges, M, forward=times[:n], backward=[2 * t for t in times[:n]])
   validate_schedule(sched)
-  res = simulate_times(sched, times[:n], [2 * t for t in times[:n]])
+  res = simulate_times(sched, StageTimes(times[:n], [2 * t for t in times[:n]]))
   L = longest_path_to_sink(n, edges)
   assert all(res.peak_in_flight[s] <= min(L[s], M) for s in range(n))
   # Backward as early as possible: whenever a stage starts a forward, its next backward was
@@ -272,16 +288,16 @@ def test_host_dispatch_mode_limits():
 
   S, M, tf, tb = 3, 4, 1.0, 2.0
   sched = one_f_one_b(S, [(0, 1), (1, 2)], M)
-  free = simulate_times(sched, [tf] * S, [tb] * S)
+  free = simulate_times(sched, StageTimes([tf] * S, [tb] * S))
   assert simulate_times(
-    sched, [tf] * S, [tb] * S, host_dispatch=0.0
+    sched, StageTimes([tf] * S, [tb] * S), HostSide(dispatch=0.0)
   ).iteration_time == pytest.approx(free.iteration_time)
   # One core: everything runs one after another.
-  one = simulate_times(sched, [tf] * S, [tb] * S, host_dispatch=0.0, cores=1)
+  one = simulate_times(sched, StageTimes([tf] * S, [tb] * S), HostSide(dispatch=0.0, cores=1))
   assert one.iteration_time == pytest.approx(S * M * (tf + tb))
   # A slow host: the last action cannot start before all of them were issued.
   n = sum(len(l) for l in sched.lanes)
-  slow = simulate_times(sched, [tf] * S, [tb] * S, host_dispatch=10.0)
+  slow = simulate_times(sched, StageTimes([tf] * S, [tb] * S), HostSide(dispatch=10.0))
   assert slow.iteration_time >= n * 10.0
 
 
@@ -321,7 +337,7 @@ def test_the_planners_fast_path_times_the_lowered_program(dag, M, name, xs, mixe
     activation_memory=[1.0 + s for s in range(n)],
     stage_devices=[(s,) for s in range(n)],
   )
-  fast = simulate_times(sched, fwd, bwd, **kw)
+  fast = simulate_times(sched, StageTimes(fwd, bwd, **kw))
   tf, tb, tw = (sim._per_action(t, "x", n) for t in (fwd, bwd, wgt))
   program = lowered_schedule(sched)
   durations = []
@@ -339,14 +355,12 @@ def test_the_planners_fast_path_times_the_lowered_program(dag, M, name, xs, mixe
   slow = sim.simulate_program(
     program,
     durations,
-    static_memory=kw["static_memory"],
-    activation_memory=kw["activation_memory"],
-    stage_devices=kw["stage_devices"],
+    memory=sim.StageMemory(kw["static_memory"], kw["activation_memory"], kw["stage_devices"]),
     num_microbatches=sched.num_microbatches,
   )
   assert fast == slow
   # What planners ask for: the same times, bubbles and memory without the records.
-  lean = simulate_times(sched, fwd, bwd, timeline=False, **kw)
+  lean = simulate_times(sched, StageTimes(fwd, bwd, **kw), timeline=False)
   assert lean == dataclasses.replace(fast, actions=(), transfers=())
 
 
@@ -361,7 +375,7 @@ def test_the_polish_bound_is_below_every_schedule(dag, M, name, xs):
   """The polish skips a candidate whose ``pipeline_lower_bound`` is not below the time to
   beat; it must not exceed the simulated iteration time of any generator's schedule (W split
   off by zero-bubble: no drain term), whatever the transfers and updates."""
-  from gpp_jax.passes.partition.refine import pipeline_lower_bound, topological_order
+  from gpp_jax.passes.partition.refine import BoundTimes, pipeline_lower_bound, topological_order
 
   n, edges = dag
   sched = make_schedule(name, n, edges, M)
@@ -370,16 +384,20 @@ def test_the_polish_bound_is_below_every_schedule(dag, M, name, xs):
   weight = [b / 3 for b in bwd] if split else None
   res = simulate_times(
     sched,
-    fwd,
-    [b - w for b, w in zip(bwd, weight)] if weight else bwd,
-    weight=weight,
-    update=xs[12 : 12 + n],
-    activation_transfer={e: xs[12 + (e[0] + e[1]) % 6] for e in edges},
+    StageTimes(
+      fwd,
+      [b - w for b, w in zip(bwd, weight)] if weight else bwd,
+      weight=weight,
+      update=xs[12 : 12 + n],
+      activation_transfer={e: xs[12 + (e[0] + e[1]) % 6] for e in edges},
+    ),
   )
   preds = [[u for u, v in edges if v == s] for s in range(n)]
   order = topological_order(preds)
   assert order is not None and sorted(order) == list(range(n))
-  bound = pipeline_lower_bound(fwd, bwd, order, preds, M, drains=not split, update=xs[12 : 12 + n])
+  bound = pipeline_lower_bound(
+    BoundTimes(fwd, bwd, xs[12 : 12 + n]), order, preds, M, drains=not split
+  )
   assert bound <= res.iteration_time * (1 + 1e-12) + 1e-12
   # A cycle has no order.
   assert topological_order([[2], [0], [1]]) is None

@@ -202,16 +202,16 @@ def test_stream_schedule_validator_names_the_misplaced_action():
 def test_simulated_stream_removes_the_flush():
   """Per step over 8 steps, PipeDream's 1F1B without flushes is faster than 1F1B with them,
   and approaches the busiest stage's work (M * (F + B) + update)."""
-  from gpp_jax.passes.simulation import simulate_times
+  from gpp_jax.passes.simulation import StageTimes, simulate_times
 
   S, M, K = 4, 8, 8
   chain = [(s, s + 1) for s in range(S - 1)]
-  times = dict(forward=[1.0] * S, backward=[2.0] * S, update=[0.5] * S)
+  times = StageTimes(forward=[1.0] * S, backward=[2.0] * S, update=[0.5] * S)
   per_step = {}
   for name in ("1f1b", "pipedream-async"):
     multi = stream_schedule(make_schedule(name, S, chain, M), K)
-    per_step[name] = simulate_times(multi, **times).iteration_time / K
-  one = simulate_times(make_schedule("1f1b", S, chain, M), **times).iteration_time
+    per_step[name] = simulate_times(multi, times).iteration_time / K
+  one = simulate_times(make_schedule("1f1b", S, chain, M), times).iteration_time
   assert per_step["1f1b"] == pytest.approx(one)  # flushed steps: K times one step
   busiest = M * 3.0 + 0.5
   assert busiest <= per_step["pipedream-async"] < per_step["1f1b"]

@@ -12,7 +12,7 @@ from gpp_jax.errors import ScheduleError
 from gpp_jax.ir.schedule import validate_schedule
 from gpp_jax.passes.inflight import inflight_counts
 from gpp_jax.passes.schedules import make_schedule
-from gpp_jax.passes.simulation import simulate_times
+from gpp_jax.passes.simulation import StageTimes, simulate_times
 from gpp_jax.passes.zero_bubble import zero_bubble
 
 TOL = 1e-5
@@ -81,7 +81,7 @@ def test_zero_bubble_valid_and_within_memory_bound(edges, n, M):
     s = zero_bubble(n, edges, M, memory_bound=bound)
     validate_schedule(s)
     cap = bound or inflight_counts(n, edges, num_microbatches=M).microbatches
-    res = simulate_times(s, [1.0] * n, [1.0] * n, weight=[1.0] * n)
+    res = simulate_times(s, StageTimes([1.0] * n, [1.0] * n, weight=[1.0] * n))
     assert all(p <= min(c, M) for p, c in zip(res.peak_in_flight, cap))
 
 
@@ -89,10 +89,13 @@ def test_zero_bubble_halves_1f1b_bubble_with_memory_to_spare():
   # F = B = W = 1: 1F1B runs B+W = 2 at once. With the 1F1B memory bound ZB fills some of the
   # bubble; with room for one more micro-batch per stage it reaches the warm-up-only bubble.
   for n, edges in ((4, CHAIN), (5, DAG)):
-    ofob = simulate_times(make_schedule("1f1b", n, edges, 8), [1.0] * n, [2.0] * n)
-    same = simulate_times(zero_bubble(n, edges, 8), [1.0] * n, [1.0] * n, weight=[1.0] * n)
+    ofob = simulate_times(make_schedule("1f1b", n, edges, 8), StageTimes([1.0] * n, [2.0] * n))
+    same = simulate_times(
+      zero_bubble(n, edges, 8), StageTimes([1.0] * n, [1.0] * n, weight=[1.0] * n)
+    )
     more = simulate_times(
-      zero_bubble(n, edges, 8, memory_bound=[5] * n), [1.0] * n, [1.0] * n, weight=[1.0] * n
+      zero_bubble(n, edges, 8, memory_bound=[5] * n),
+      StageTimes([1.0] * n, [1.0] * n, weight=[1.0] * n),
     )
     assert max(same.bubble) < max(ofob.bubble)
     assert max(more.bubble) <= 0.5 * max(ofob.bubble)

@@ -50,13 +50,33 @@ def write_predicted_timeline(pipeline, cluster, path: str):
 
 
 def write_schedule_pngs(pipeline, cluster, run_dir: str) -> list[str]:
-  """``schedule_<name>.png`` for the plan under every schedule (simulated) and
-  ``schedule_measured.png`` for the last step's timeline, into ``run_dir``; nothing without
-  matplotlib."""
+  """``schedule_<name>.png`` for the plan under every schedule that applies to it (simulated)
+  and ``schedule_measured.png`` for the last step's timeline, into ``run_dir``; nothing without
+  matplotlib. One pass over the modules: the layer graph scaled to the plan's batch, the
+  plan's schedules (``passes.schedules.plan_variants``), their times under the cost model
+  (``cost.step_model.plan_times``), their simulation (``passes.simulation.simulate_times``),
+  and the drawing (``experiments.schedule_plot``)."""
+  from gpp_jax.cost.step_model import plan_times
+  from gpp_jax.errors import ScheduleError
   from gpp_jax.experiments.schedule_plot import draw_schedule, schedule_pngs
+  from gpp_jax.passes.schedules import plan_variants
+  from gpp_jax.passes.simulation import simulate_times
+  from gpp_jax.passes.weight_versions import weight_delays
 
   graph = lg.scaled(pipeline.layer_graph, pipeline.batch_size)
-  written = schedule_pngs(pipeline.plan, graph, cluster, run_dir)
+  variants = plan_variants(pipeline.plan)
+  delays = {name: weight_delays(sched) for name, (_, sched) in variants.items()}
+  times = {
+    name: plan_times(plan, graph, cluster, sched, delays[name])
+    for name, (plan, sched) in variants.items()
+  }
+  results = {}
+  for name, t in times.items():
+    try:
+      results[name] = simulate_times(variants[name][1], t.stages, t.host)
+    except ScheduleError:
+      continue
+  written = schedule_pngs(results, run_dir)
   tl = pipeline.timeline
   if written and tl is not None and any(e.action in ("F", "B", "W") for e in tl.events):
     what = "measured" if tl.measured else "host dispatch"

@@ -52,7 +52,13 @@ import numpy as np
 
 from gpp_jax.cost.cluster import Cluster, DeviceSpec, Link
 from gpp_jax.cost.fsdp import fsdp_gathered_bytes, fsdp_stage_times, overlapped_time  # noqa: F401
-from gpp_jax.cost.step_memory import _held_memory, _one_call, _row_width, step_memory_terms
+from gpp_jax.cost.step_memory import (
+  HeldStage,
+  _held_memory,
+  _one_call,
+  _row_width,
+  step_memory_terms,
+)
 from gpp_jax.ir.layer_graph import topo_layers
 
 # Bytes of one stage (float) or of many candidate stages at once (array), for the planners.
@@ -643,7 +649,8 @@ def plan_costs(
       total = float(plan.batch_size) if plan.batch_size else mb * plan.num_microbatches
       call = _one_call(costs, plan)
       flight = float(s.in_flight or 1)
-      fixed, per_mb = _held_memory(cm, costs, s.layers, params, mb, dp, one, total, call, flight)
+      holding = HeldStage(s.layers, params, mb, dp, one, total, call, flight)
+      fixed, per_mb = _held_memory(cm, costs, holding)
       stat[-1] = fixed
       act.append(per_mb)
     else:
@@ -707,7 +714,8 @@ def memory_terms(
       total = float(plan.batch_size) if plan.batch_size else mb * plan.num_microbatches
       call = _one_call(costs, plan)
       flight = float(stage.in_flight or 1)
-      out.append(step_memory_terms(cm, costs, stage.layers, p, mb, dp, one, total, call, flight))
+      holding = HeldStage(stage.layers, p, mb, dp, one, total, call, flight)
+      out.append(step_memory_terms(cm, costs, holding))
       continue
     fixed = {
       "parameters": p,

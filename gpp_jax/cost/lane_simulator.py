@@ -1,116 +1,46 @@
 """The devices-only model the planners search with: a schedule timed on its lanes, without
 lowering it (``simulate_lanes``; no host issuing the program, no cores shared, every transfer
-on a channel of its own), and the explicit times it and ``cost.simulator.simulate_lowered``
-take (``Times``, ``_given_times``)."""
+on a channel of its own)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import Any, NamedTuple
 
-from gpp_jax.cost.sim_result import ActionTime, SimResult, TransferTime, _peaks, _summary
+from gpp_jax.cost.sim_result import ActionTime, SimResult, Timed, TransferTime, _peaks, _summary
+from gpp_jax.cost.stage_times import StageTimes
 from gpp_jax.ir.schedule import Action, Schedule, chunk_range, lanes_with_updates
-
-Times = float | Sequence[float] | Mapping[int, float]
-
-
-def _per_action(times: Any, what: str, num_stages: int) -> Callable[[int, int], float]:
-  """Normalises per-stage times: a float per stage, or per micro-batch sequences/mappings."""
-  if times is None:
-    return lambda s, m: 0.0
-  if len(times) != num_stages:
-    raise ValueError(f"{what}: expected {num_stages} per-stage entries, got {len(times)}")
-
-  def get(s: int, m: int) -> float:
-    t = times[s]
-    if isinstance(t, (int, float)):
-      return float(t)
-    return float(t[m])
-
-  return get
-
-
-def _given_times(
-  schedule: Schedule,
-  forward: Sequence[Times],
-  backward: Sequence[Times],
-  weight: Sequence[Times] | None,
-  update: Sequence[float] | None,
-  activation_transfer: Mapping[tuple[int, int], float] | None,
-  cotangent_transfer: Mapping[tuple[int, int], float] | None,
-) -> tuple[
-  Callable[[int, int], float],
-  Callable[[int, int], float],
-  Callable[[int, int], float],
-  list[float],
-  dict[tuple[int, int], float],
-  dict[tuple[int, int], float],
-]:
-  """The times ``simulate_lanes`` and ``simulate_lowered`` take, normalised: per stage and
-  micro-batch the seconds of an F, B and W (``_per_action``, which checks there is an entry
-  per stage), per stage the UPDATE's seconds (0 if None), and per stage edge the seconds of an
-  activation's transfer and of a cotangent's (by default the activation's)."""
-  S = schedule.num_stages
-  tf = _per_action(forward, "forward", S)
-  tb = _per_action(backward, "backward", S)
-  tw = _per_action(weight, "weight", S)
-  up = list(update) if update is not None else [0.0] * S
-  act_x = dict(activation_transfer or {})
-  cot_x = dict(cotangent_transfer if cotangent_transfer is not None else act_x)
-  return tf, tb, tw, up, act_x, cot_x
 
 
 def simulate_lanes(
-  schedule: Schedule,
-  forward: Sequence[Times],
-  backward: Sequence[Times],
-  *,
-  weight: Sequence[Times] | None = None,
-  update: Sequence[float] | None = None,
-  activation_transfer: Mapping[tuple[int, int], float] | None = None,
-  cotangent_transfer: Mapping[tuple[int, int], float] | None = None,
-  static_memory: Sequence[float] | None = None,
-  activation_memory: Sequence[float] | None = None,
-  stage_devices: Sequence[Sequence[int]] | None = None,
-  timeline: bool = True,
+  schedule: Schedule, times: StageTimes, *, timeline: bool = True
 ) -> SimResult | None:
-  """Schedule + explicit times -> SimResult under the devices-only model the planners search
-  with (no host issuing the program, no cores shared, every transfer on a channel of its own,
-  no stages sharing devices), computed on the schedule itself without lowering it
-  (``_simulate_lanes``): the times of its lowered program (``simulate_lowered``; the tests
-  hold the two equal). None when the lanes deadlock: the schedule's lowering names the
-  deadlock. The arguments as ``passes.simulation.simulate_times`` takes them, which calls
-  this where the model applies."""
+  """Schedule + its stages' times -> SimResult under the devices-only model the planners
+  search with (no host issuing the program, no cores shared, every transfer on a channel of
+  its own, no stages sharing devices), computed on the schedule itself without lowering it
+  (``_simulate_lanes``): the times of its lowered program (``cost.simulator
+  .simulate_lowered``; the tests hold the two equal). None when the lanes deadlock: the
+  schedule's lowering names the deadlock. ``timeline=False`` leaves the result's actions and
+  transfers empty. ``passes.simulation.simulate_times`` calls this where the model
+  applies."""
   if schedule.shares_devices:
     raise ValueError(
       f"stages of schedule {schedule.name!r} share devices: time its lowered program "
       "(simulate_lowered)"
     )
-  S = schedule.num_stages
-  _, _, _, up, act_x, cot_x = _given_times(
-    schedule, forward, backward, weight, update, activation_transfer, cotangent_transfer
-  )
-  timed = _simulate_lanes(schedule, forward, backward, weight, up, act_x, cot_x, timeline)
+  timed = _simulate_lanes(schedule, times, timeline)
   if timed is None:
     return None
-  return _summary(
-    schedule.name,
-    S,
-    schedule.num_microbatches,
-    *timed,
-    list(static_memory) if static_memory is not None else [0.0] * S,
-    list(activation_memory) if activation_memory is not None else [0.0] * S,
-    tuple(tuple(d) for d in stage_devices) if stage_devices is not None else ((),) * S,
-  )
+  return _summary(schedule.name, schedule.num_microbatches, timed, times.memory)
 
 
 def _stage_times(
   times: Any, S: int, lengths: Sequence[int]
 ) -> tuple[list[list[float]], list[float]]:
-  """Per stage, the seconds of each of its micro-batches' actions (``_per_action``'s forms),
-  and the shortest of them (NaN where one is NaN, inf where there are none)."""
+  """Per stage (each a ``cost.stage_times.Times``), the seconds of each of its micro-batches'
+  actions, and the shortest of them (NaN where one is NaN, inf where there are none)."""
   out, low = [], []
   for s in range(S):
     t = times[s] if times is not None else 0.0
@@ -240,16 +170,8 @@ def _wiring(
 
 
 def _simulate_lanes(
-  sched: Schedule,
-  forward: Any,
-  backward: Any,
-  weight: Any,
-  up: Sequence[float],
-  act_x: Mapping[tuple[int, int], float],
-  cot_x: Mapping[tuple[int, int], float],
-  timeline: bool = True,
-  record: bool = False,
-) -> tuple[float, list[ActionTime], list[TransferTime], list[float], list[int]] | None:
+  sched: Schedule, times: StageTimes, timeline: bool = True, record: bool = False
+) -> Timed | None:
   """What ``simulate_program`` finds for the schedule's lowered program when no host issues
   it and every transfer has its own channel, computed on the schedule itself: the planners
   simulate hundreds of candidate schedules, and lowering each into buffers and instructions
@@ -258,8 +180,8 @@ def _simulate_lanes(
   arrived (a RECV holds its lane until then, which is the same), a transfer when its sender
   has finished and its channel (kind, sender, receiver) is free. The actions and transfers
   come out in the program's order; ``tests/test_simulator.py`` holds the two paths equal.
-  Returns (iteration time, actions, transfers (both empty unless ``timeline``), busy seconds
-  per stage, peak stashes held per stage (``_peaks``)), or None when the lanes deadlock.
+  Returns the ``Timed`` (its actions and transfers empty unless ``timeline``; peak stashes
+  held per stage as ``_peaks`` counts them), or None when the lanes deadlock.
 
   Without a timeline, where no action lasts less than nothing (every duration >= 0, none
   NaN), each lane's actions end in lane order, so the iteration ends where the last lane
@@ -268,18 +190,19 @@ def _simulate_lanes(
   the stage's peak is its peak in lane order (``_LaneFacts.peak``). Otherwise the pass
   records the timeline (as ``record`` asks) and counts both from it, as ``simulate_program``
   does."""
+  S = sched.num_stages
+  given = times.given(S)  # checks an entry per stage
   facts = _lane_facts(sched)
   if facts is None:
     return None
-  S = sched.num_stages
   lengths, edges = facts.lengths, facts.edges
-  tf, f_low = _stage_times(forward, S, lengths)
-  tb, b_low = _stage_times(backward, S, lengths)
-  tw, w_low = _stage_times(weight, S, lengths)
-  ups = [float(u) for u in up]
+  tf, f_low = _stage_times(times.forward, S, lengths)
+  tb, b_low = _stage_times(times.backward, S, lengths)
+  tw, w_low = _stage_times(times.weight, S, lengths)
+  ups = [float(u) for u in given.update]
   lasting = all(t >= 0.0 for t in chain(f_low, b_low, w_low, ups))
   record = record or timeline or not lasting
-  f_in, b_in, f_out, b_out = _wiring(facts, S, act_x, cot_x)
+  f_in, b_in, f_out, b_out = _wiring(facts, S, given.activation_transfer, given.cotangent_transfer)
   chan = [0.0] * (2 * len(edges))  # when each channel is free
   lanes = facts.lanes
   lane_free = [0.0] * S
@@ -372,14 +295,14 @@ def _simulate_lanes(
   if not record:
     last = max([0.0, *lane_free])
     if all(t >= math.ulp(last) for t in f_low):
-      return last, [], [], busy, facts.peak
-    return _simulate_lanes(sched, forward, backward, weight, up, act_x, cot_x, False, True)
+      return Timed(last, [], [], busy, facts.peak)
+    return _simulate_lanes(sched, times, False, True)
   last = max([0.0, *(a[4] for a in actions)])  # a NaN end is passed over (NaN > x is false)
   peak = _peaks(actions, S, facts.split_w)
   if not timeline:
-    return last, [], [], busy, peak
+    return Timed(last, [], [], busy, peak)
   new = tuple.__new__
-  return (
+  return Timed(
     last,
     [new(ActionTime, a) for a in actions],
     [new(TransferTime, t) for t in transfers],

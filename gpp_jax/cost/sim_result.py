@@ -1,7 +1,7 @@
 """What a simulation returns: the timeline of a simulated schedule or program (``SimResult``,
 each action's and transfer's start and end, the stages' busy time, bubble and memory), how
-one is summed up from its actions (``_summary``, ``_peaks``), and its Chrome / Perfetto trace
-(``chrome_trace``, ``write_chrome_trace``)."""
+one is summed up from its actions (``Timed``, ``_summary``, ``_peaks``), and its Chrome /
+Perfetto trace (``chrome_trace``, ``write_chrome_trace``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from gpp_jax.cost.stage_times import StageMemory
 from gpp_jax.ir.program import Op
 from gpp_jax.ir.schedule import Action
 
@@ -147,10 +148,31 @@ def _peaks(actions: Sequence[tuple], S: int, split_w: bool) -> list[int]:
   return peak
 
 
-def _summary(name, S, M, T, actions, transfers, busy, peak, stat, actm, devs) -> SimResult:
-  """The SimResult of a timeline: ``T`` its end, ``busy`` seconds of F, B, W (or STEP) per
-  stage, ``peak`` per stage the most micro-batches whose stashes it holds at once
-  (``_peaks``)."""
+class Timed(NamedTuple):
+  """What a pass over a timeline found (``_summary`` sums it up into a SimResult).
+
+  Attributes:
+    iteration_time: the timeline's end.
+    actions, transfers: its records (``ActionTime``, ``TransferTime``; empty where the caller
+      asked for no timeline).
+    busy: per stage, seconds of F, B, W (or STEP).
+    peak: per stage, the most micro-batches whose stashes it holds at once (``_peaks``).
+  """
+
+  iteration_time: float
+  actions: Sequence[ActionTime]
+  transfers: Sequence[TransferTime]
+  busy: Sequence[float]
+  peak: Sequence[int]
+
+
+def _summary(name: str, num_microbatches: int, timed: Timed, memory: StageMemory) -> SimResult:
+  """The SimResult of a timeline of schedule or program ``name``: its stages' memory is their
+  static memory plus the micro-batches they hold at once times the stashed bytes of one
+  (``memory``, per device, summed over the stages a device holds)."""
+  T, busy, peak = timed.iteration_time, timed.busy, timed.peak
+  S = len(busy)
+  stat, actm, devs = memory.per_stage(S)
   mem = [stat[s] + peak[s] * actm[s] for s in range(S)]
   per_dev: dict[int, float] = {}  # a device holding several stages holds all of their memory
   for s in range(S):
@@ -159,10 +181,10 @@ def _summary(name, S, M, T, actions, transfers, busy, peak, stat, actm, devs) ->
   return SimResult(
     schedule=name,
     num_stages=S,
-    num_microbatches=M,
+    num_microbatches=num_microbatches,
     iteration_time=T,
-    actions=tuple(actions),
-    transfers=tuple(transfers),
+    actions=tuple(timed.actions),
+    transfers=tuple(timed.transfers),
     busy=tuple(busy),
     bubble=tuple((1.0 - b / T) if T > 0 else 0.0 for b in busy),
     peak_in_flight=tuple(peak),

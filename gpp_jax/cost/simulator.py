@@ -20,48 +20,56 @@ a time in the order the sender produced them and overlap with compute.
 Stashed activations of micro-batch m are held on stage s from the start of F(s, m) to the end
 of B(s, m) (of W(s, m) when the schedule splits it).
 
-The simulator times what it is given and builds nothing: a schedule on its lanes
-(``simulate_lanes``, the devices-only model the planners search with), a lowered program
-(``simulate_program``; a schedule's own with per-action times, ``simulate_lowered``; a compiled
-step's with a plan's costs, ``simulate_step``), and a plan's times under the cost model or the
-host-aware one (``plan_times``). Building a plan's schedule, the stale weights it keeps and a
-schedule's lowered program are passes; the entry points that build them and call the
-simulator are ``passes.simulation``:
-  simulate_times(schedule, forward, backward, ...)  explicit per-stage (or per-action) times,
-      so measured times can be replayed and compared with predictions action by action;
+The simulator times what it is given and builds nothing. What it is given is typed
+(``cost.stage_times``): each stage's times, transfers and memory (``StageTimes``) and the host
+side of the machine, the thread issuing the program, its cores and shared channels
+(``HostSide``). It times a schedule on its lanes (``simulate_lanes``, the devices-only model
+the planners search with) or a lowered program (``simulate_program``; a schedule's own with
+a ``StageTimes``, ``simulate_lowered``; a compiled step's with a plan's ``PlanTimes``,
+``simulate_step``). A plan's times under the cost model or the host-aware one come from
+``plan_times``. Building a plan's schedule, the stale weights it keeps and a schedule's
+lowered program are passes; the entry points that build them and call the simulator are
+``passes.simulation``:
+  simulate_times(schedule, times, host)  a schedule timed with a ``StageTimes`` (explicit
+      per-stage or per-action times, so measured times can be replayed and compared with
+      predictions action by action) on a ``HostSide``;
   simulate(plan, layer_graph, cluster, ...)  times, transfers and memory from the cost model.
 ``write_chrome_trace(result, path)`` writes a Chrome / Perfetto JSON trace of a SimResult.
 
 This module times programs (``simulate_program``, ``simulate_lowered``, ``simulate_step``);
-the other parts are in modules of their own, all importable from here: ``cost.sim_result``
-(what a simulation returns, ``SimResult``, and its Chrome trace), ``cost.lane_simulator`` (the
-devices-only model on a schedule's lanes, ``simulate_lanes``) and ``cost.step_model`` (a
-plan's times under the cost model or the host-aware one, ``plan_times``, ``predict_fused``).
+the other parts are in modules of their own, all importable from here: ``cost.stage_times``
+(``StageTimes``, ``StageMemory``, ``HostSide``), ``cost.sim_result`` (what a simulation
+returns, ``SimResult``, and its Chrome trace), ``cost.lane_simulator`` (the devices-only model
+on a schedule's lanes, ``simulate_lanes``) and ``cost.step_model`` (a plan's times under the
+cost model or the host-aware one, ``plan_times``, ``predict_fused``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.cost.lane_simulator import (  # noqa: F401
-  Times,
-  _given_times,
-  _per_action,
-  simulate_lanes,
-)
+from gpp_jax.cost.lane_simulator import simulate_lanes  # noqa: F401
 from gpp_jax.cost.memory import program_memory
 from gpp_jax.cost.sim_result import (  # noqa: F401
   ActionTime,
   SimResult,
+  Timed,
   TransferTime,
   _peaks,
   _summary,
   chrome_trace,
   write_chrome_trace,
+)
+from gpp_jax.cost.stage_times import (  # noqa: F401
+  HostSide,
+  StageMemory,
+  StageTimes,
+  Times,
+  _per_action,
 )
 from gpp_jax.cost.step_model import (  # noqa: F401
   PlanTimes,
@@ -82,31 +90,17 @@ from gpp_jax.ir.schedule import Schedule
 def simulate_lowered(
   schedule: Schedule,
   program: Program,
-  forward: Sequence[Times],
-  backward: Sequence[Times],
+  times: StageTimes,
+  host: HostSide | None = None,
   *,
-  weight: Sequence[Times] | None = None,
-  update: Sequence[float] | None = None,
-  activation_transfer: Mapping[tuple[int, int], float] | None = None,
-  cotangent_transfer: Mapping[tuple[int, int], float] | None = None,
-  static_memory: Sequence[float] | None = None,
-  activation_memory: Sequence[float] | None = None,
-  stage_devices: Sequence[Sequence[int]] | None = None,
-  host_dispatch: float | Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
-  send_factors: Mapping[tuple[int, int], float] | None = None,
-  cores: int | None = None,
-  channels: Mapping[tuple[str, int, int], Any] | None = None,
   timeline: bool = True,
-  processes: Sequence[Sequence[int]] | None = None,
 ) -> SimResult:
   """Schedule + its lowered program (``passes.lowering.lower_schedule``, which the caller
-  builds) + explicit times -> SimResult: each instruction's seconds from the times (an F, B
-  or W its action's, a SEND its edge's transfer, an UPDATE its stage's, the rest nothing),
-  the program timed by ``simulate_program``. The arguments as ``passes.simulation
-  .simulate_times`` takes them."""
-  tf, tb, tw, up, act_x, cot_x = _given_times(
-    schedule, forward, backward, weight, update, activation_transfer, cotangent_transfer
-  )
+  builds) + its stages' times -> SimResult: each instruction's seconds from the times (an F,
+  B or W its action's, a SEND its edge's transfer, an UPDATE its stage's, the rest nothing),
+  the program timed by ``simulate_program`` on ``host`` (None: the devices-only model).
+  ``timeline=False`` leaves the result's actions and transfers empty."""
+  tf, tb, tw, up, act_x, cot_x = times.given(schedule.num_stages)
   F, B, W, SEND, ACT = Op.F, Op.B, Op.W, Op.SEND, _ACT
   durations = []
   for i in program.instrs:
@@ -125,25 +119,8 @@ def simulate_lowered(
       durations.append(float(up[i.stage]))
     else:
       durations.append(0.0)
-  host: Any = None
-  if isinstance(host_dispatch, Mapping):
-    host = dict(host_dispatch)
-  elif isinstance(host_dispatch, Sequence):
-    host = list(host_dispatch)
-  elif host_dispatch is not None:
-    host = {op: float(host_dispatch) for op in (Op.F, Op.B, Op.W, Op.UPDATE)}
   res = simulate_program(
-    program,
-    durations,
-    host_cost=host,
-    send_factors=send_factors,
-    cores=cores,
-    channels=channels,
-    static_memory=static_memory,
-    activation_memory=activation_memory,
-    stage_devices=stage_devices,
-    num_microbatches=schedule.num_microbatches,
-    processes=processes,
+    program, durations, host, memory=times.memory, num_microbatches=schedule.num_microbatches
   )
   return res if timeline else dataclasses.replace(res, actions=(), transfers=())
 
@@ -156,47 +133,42 @@ _TRANSFER_KINDS: dict[Any, str] = {_ACT: "activation", Transfer(BufferKind.CT): 
 def simulate_program(
   program: Program,
   durations: Sequence[float] | Callable[[Instr], float],
+  host: HostSide | None = None,
   *,
-  host_cost: Mapping[Op, float] | Sequence[Mapping[Op, float]] | None = None,
-  send_factors: Mapping[tuple[int, int], float] | None = None,
-  send_extra: float | None = None,
-  cores: int | None = None,
-  channels: Mapping[tuple[str, int, int], Any] | None = None,
-  static_memory: Sequence[float] | None = None,
-  activation_memory: Sequence[float] | None = None,
-  stage_devices: Sequence[Sequence[int]] | None = None,
+  memory: StageMemory | None = None,
   num_microbatches: int | None = None,
-  processes: Sequence[Sequence[int]] | None = None,
 ) -> SimResult:
   """Times a lowered program (``ir.program``): the instructions in its dispatch order.
 
   ``durations``: seconds of each instruction (a sequence in program order, or a function of
   the instruction). A computing instruction starts when its lane is free and every buffer it
   reads is there, and occupies its lane for its duration. A SEND starts when its buffer exists
-  and its channel (kind, source lane, destination lane; ``channels`` may map several onto one)
-  is free, and occupies the channel, not a lane; the RECV that follows on the destination holds
-  that lane until the buffer has arrived, as a device that runs its queue in order waits for an
-  input. With ``host_cost`` (seconds per op, or a mapping per lane: ``HostCosts.lane_costs``;
-  ops not in it cost the host nothing; a SEND between stages costs what its source or
-  destination lane's SEND costs, the more, times its stage edge's ``send_factors``, either
-  way; one from the host lane what the host lane's costs) one host thread
-  issues the instructions one after another in program order, and none starts before it is
-  issued; with ``cores`` the computing instructions and the issuing thread share that many
-  cores (forced CPU devices): an instruction of a stage over k devices (``stage_devices``)
-  runs on k device threads and holds min(k, cores) of them. The result's actions are the F,
-  B, W and UPDATE instructions, its transfers the SENDs; memory as ``passes.simulation
-  .simulate_times`` describes. The executor puts consecutive transfers between stages together
-  (``ir.program.puts_together``, by destination); with ``send_extra`` (``HostCosts
-  .send_extra``) the host pays for such a group at its first SEND, a lone put plus
-  ``send_extra`` of one for each other array, and issues the others with it (without it,
-  each SEND is a lone put).
+  and its channel (kind, source lane, destination lane; ``host.channels`` may map several onto
+  one) is free, and occupies the channel, not a lane; the RECV that follows on the destination
+  holds that lane until the buffer has arrived, as a device that runs its queue in order waits
+  for an input.
 
-  ``processes``: per lane, the processes that issue its instructions (several processes,
-  ``HostCosts.lane_processes``): each process has an issuing thread of its own; an
-  instruction is issued by each of its lane's processes (a SEND by those of both its ends)
-  and starts once all have issued it. ``cores`` are then what all processes' computations
-  and threads share (processes on one machine share its cores: how many compute at full
-  speed at once is measured across them). None: one thread issues everything.
+  ``host`` (``HostSide``; None: the devices-only model). With ``host.dispatch`` (ops not in
+  it cost the host nothing; a SEND between stages costs what its source or destination lane's
+  SEND costs, the more, times its stage edge's ``send_factors``, either way; one from the host
+  lane what the host lane's costs) one host thread issues the instructions one after another
+  in program order, and none starts before it is issued; with ``cores`` the computing
+  instructions and the issuing thread share that many cores (forced CPU devices): an
+  instruction of a stage over k devices (``memory.devices``) runs on k device threads and
+  holds min(k, cores) of them. The executor puts consecutive transfers between stages
+  together (``ir.program.puts_together``, by destination); with ``send_extra`` the host pays
+  for such a group at its first SEND, a lone put plus ``send_extra`` of one for each other
+  array, and issues the others with it (without it, each SEND is a lone put). With
+  ``processes`` (per lane, the processes that issue its instructions) each process has an
+  issuing thread of its own; an instruction is issued by each of its lane's processes (a SEND
+  by those of both its ends) and starts once all have issued it; ``cores`` are then what all
+  processes' computations and threads share (processes on one machine share its cores: how
+  many compute at full speed at once is measured across them).
+
+  The result's actions are the F, B, W and UPDATE instructions, its transfers the SENDs; its
+  memory from ``memory`` (``StageMemory``: each stage's static memory plus the most
+  micro-batches it holds at once times one's stash). ``num_microbatches``: the result's
+  (default: the most forwards of a stage per step).
   """
   S = program.num_stages
   instrs = program.instrs
@@ -204,29 +176,30 @@ def simulate_program(
     durations = [durations(i) for i in instrs]
   if len(durations) != len(instrs):
     raise ValueError(f"{len(durations)} durations for {len(instrs)} instructions")
-  stat = list(static_memory) if static_memory is not None else [0.0] * S
-  actm = list(activation_memory) if activation_memory is not None else [0.0] * S
-  devs = tuple(tuple(d) for d in stage_devices) if stage_devices is not None else ((),) * S
+  host = host or HostSide()
+  memory = memory or StageMemory()
+  devs = memory.per_stage(S)[2]
+  cores, send_factors = host.cores, host.send_factors
   ready = [0.0] * len(program.buffers)
   # Lanes on the same devices (``Program.places``) run one instruction at a time between them.
   place = list(program.places) if program.places is not None else list(range(program.num_lanes))
   lane_free = [0.0] * (max(place) + 1)
   chan_free: dict[Any, float] = defaultdict(float)
-  chan_of = dict(channels or {})
+  chan_of = dict(host.channels or {})
   core_free = [0.0] * cores if cores else None
   # Cores an instruction of each lane holds: its stage's devices (the host lane: one).
   widths = [
     max(1, min(len(devs[lane]) if lane < S else 1, cores or 1)) for lane in range(program.num_lanes)
   ]
-  issuers = [tuple(p) for p in processes] if processes is not None else None
+  issuers = [tuple(p) for p in host.processes] if host.processes is not None else None
   if issuers is not None and len(issuers) != program.num_lanes:
     raise ValueError(f"processes for {len(issuers)} lanes, not {program.num_lanes}")
   # Each process's issuing thread's clock (one process: one thread issues everything).
   host_clock = [0.0] * (1 + max((max(p) for p in issuers or () if p), default=0))
   one = (0,)
-  lane_host = _lane_host_costs(host_cost, program.num_lanes)
+  lane_host = host.lane_costs(program.num_lanes)
   hosted = any(lane_host)
-  share = _put_shares(program, place, devs, send_extra) if hosted else {}
+  share = _put_shares(program, place, devs, host.send_extra) if hosted else {}
   actions: list[ActionTime] = []
   transfers: list[TransferTime] = []
   one_step = program.steps == 1
@@ -297,19 +270,7 @@ def simulate_program(
   if num_microbatches is None:
     forwards = [sum(a.kind == "F" and a.stage == s for a in actions) for s in range(S)]
     num_microbatches = max(forwards, default=0) // max(program.steps, 1)
-  return _result(program.name, S, num_microbatches, actions, transfers, stat, actm, devs)
-
-
-def _lane_host_costs(
-  host_cost: Mapping[Op, float] | Sequence[Mapping[Op, float]] | None, num_lanes: int
-) -> list[Mapping[Op, float]]:
-  """``simulate_program``'s ``host_cost`` as one mapping per lane."""
-  if host_cost is None or isinstance(host_cost, Mapping):
-    return [host_cost or {}] * num_lanes
-  lane_host = list(host_cost)
-  if len(lane_host) != num_lanes:
-    raise ValueError(f"host costs for {len(lane_host)} lanes, not {num_lanes}")
-  return lane_host
+  return _result(program, num_microbatches, actions, transfers, memory)
 
 
 def _put_shares(
@@ -338,34 +299,36 @@ def _put_shares(
   return share
 
 
-def _result(name, S, M, actions, transfers, stat, actm, devs) -> SimResult:
+def _result(
+  program: Program,
+  num_microbatches: int,
+  actions: list[ActionTime],
+  transfers: list[TransferTime],
+  memory: StageMemory,
+) -> SimResult:
+  """The SimResult of ``program``'s timed actions and transfers (``_summary``)."""
+  S = program.num_stages
   busy = [0.0] * S
   for at in actions:
     if at.kind in ("F", "B", "W", "STEP"):
       busy[at.stage] += at.end - at.start
   T = max((a.end for a in actions), default=0.0)
   peak = _peaks(actions, S, any(a.kind == "W" for a in actions))
-  return _summary(name, S, M, T, actions, transfers, busy, peak, stat, actm, devs)
+  return _summary(program.name, num_microbatches, Timed(T, actions, transfers, busy, peak), memory)
 
 
 def simulate_step(
-  program: Program,
-  plan,
-  cluster: Cluster,
-  times: PlanTimes,
-  *,
-  num_microbatches: int,
-  cores: int | None = None,
+  program: Program, plan, cluster: Cluster, times: PlanTimes, *, num_microbatches: int
 ) -> SimResult:
   """The lowered program of a plan's compiled step (``GraphPipeline.program``, the one the
   executor runs) timed with the plan's ``times`` (``plan_times(step=True)``): each of its
   transfers between stages costs its bytes over the link between their devices
-  (``step_durations``), the host issues it at ``times.host_cost`` with ``cores`` compute
-  servers as ``simulate_program`` takes them, and the host's time outside the program is added
-  to the iteration time. Memory is the program's own (``cost.memory``: its buffers' sizes and
-  lifetimes, without the executables' temporaries), not the cost model's."""
-  pc = times.costs
-  durations = step_durations(program, plan, cluster, pc, times.backward, times.weight)
+  (``step_durations``), the host issues it as ``times.host`` says (``simulate_program``), and
+  the host's time outside the program is added to the iteration time. Memory is the program's
+  own (``cost.memory``: its buffers' sizes and lifetimes, without the executables'
+  temporaries), not the cost model's."""
+  st = times.stages
+  durations = step_durations(program, plan, cluster, times)
   lanes = [tuple(s.devices) for s in plan.stages] + [()]
   mem = program_memory(program, lanes)
   stage_memory = tuple(
@@ -373,17 +336,7 @@ def simulate_step(
   )
   peak = {int(d): float(n) for d, n in mem.peak.items()}  # type: ignore[call-overload]
   res = simulate_program(
-    program,
-    durations,
-    host_cost=times.host_cost,
-    send_extra=times.send_extra,
-    cores=cores,
-    channels=times.channels,
-    static_memory=times.static_memory,
-    activation_memory=pc.activation_memory,
-    stage_devices=times.stage_devices,
-    num_microbatches=num_microbatches,
-    processes=times.processes,
+    program, durations, times.host, memory=st.memory, num_microbatches=num_microbatches
   )
   return dataclasses.replace(
     res,

@@ -5,6 +5,7 @@ stage's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -14,26 +15,41 @@ if TYPE_CHECKING:
   from gpp_jax.cost.cost_model import CostModel, LayerCosts
 
 
+@dataclasses.dataclass(frozen=True)
+class HeldStage:
+  """A stage of a captured step as its memory is priced (``step_memory_terms``).
+
+  Attributes:
+    layers: its layers.
+    params: its parameter bytes per device (its shard under the model's specs).
+    microbatch: samples per micro-batch.
+    dp: the devices a micro-batch is split over.
+    one_device: the stage runs on one device (its program then packs its parameters and
+      residuals, ``passes.staging.stage_functions``).
+    batch: samples per step.
+    one_call: the stage is a one-stage plan's, run as one call of the whole step
+      (``runtime.build.fuses``).
+    in_flight: the micro-batches the stage holds at once where the plan says
+      (``Stage.in_flight``), else 1.
+  """
+
+  layers: tuple[str, ...]
+  params: float
+  microbatch: float
+  dp: int
+  one_device: bool
+  batch: float
+  one_call: bool = False
+  in_flight: float = 1.0
+
+
 def step_memory_terms(
-  cm: CostModel,
-  costs: LayerCosts,
-  layers: tuple[str, ...],
-  params: float,
-  microbatch: float,
-  dp: int,
-  one_device: bool,
-  batch: float,
-  one_call: bool = False,
-  in_flight: float = 1.0,
+  cm: CostModel, costs: LayerCosts, stage: HeldStage
 ) -> tuple[dict[str, float], dict[str, float]]:
   """A stage's memory per device from what its captured step holds (``costs.memory``): (bytes
-  held for the whole step, bytes per micro-batch in flight), by term.
-
-  ``params``: its parameter bytes per device (its shard under the model's specs); ``dp``: the
-  devices a micro-batch is split over; ``one_device``: the stage runs on one device (its
-  program then packs its parameters and residuals, ``passes.staging.stage_functions``);
-  ``batch``: samples per step; ``in_flight``: the micro-batches the stage holds at once where
-  the plan says (``Stage.in_flight``), else 1. During the pipeline a device holds:
+  held for the whole step, bytes per micro-batch in flight), by term, for ``stage``
+  (``HeldStage``: its parameter bytes ``params`` per device, its micro-batch split over
+  ``dp`` devices, ``batch`` samples per step). During the pipeline a device holds:
 
   * its parameters, and on one device their packed copy (its forward and backward read);
   * the gradient sums (as many bytes as the parameters) and the optimizer's own state
@@ -56,10 +72,11 @@ def step_memory_terms(
   schedule holds that many; where it holds more, over by what each further one adds, where
   fewer, under by as much).
 
-  ``one_call``: the stage is a one-stage plan's, run as one call of the whole step
-  (``runtime.build.fuses``): the step's arguments (parameters, state, batch), its new
-  parameters and state, and in its temporaries the gradients and one micro-batch's
-  residuals at a time, whatever the schedule."""
+  ``one_call``: the step's arguments (parameters, state, batch), its new parameters and
+  state, and in its temporaries the gradients and one micro-batch's residuals at a time,
+  whatever the schedule."""
+  layers, params, microbatch, dp = stage.layers, stage.params, stage.microbatch, stage.dp
+  one_device, batch = stage.one_device, stage.batch
   mem = costs.memory
   assert mem is not None
   sums = costs._memory.get(("sums", layers))
@@ -87,7 +104,7 @@ def step_memory_terms(
   opt = state * share
   residuals = res_ps * microbatch / dp
   chunk = min(batch_ps * microbatch / dp, residuals)
-  if one_call:
+  if stage.one_call:
     fixed = {
       "parameters": params,
       "gradients": cm.gradient_factor * params,
@@ -111,29 +128,16 @@ def step_memory_terms(
     "batch": -chunk,
   }
   update = 2.0 * (params + opt) + cm.gradient_factor * params
-  fixed["update"] = max(0.0, update - in_flight * sum(per_mb.values()) - sum(fixed.values()))
+  fixed["update"] = max(0.0, update - stage.in_flight * sum(per_mb.values()) - sum(fixed.values()))
   return fixed, per_mb
 
 
-def _held_memory(
-  cm: CostModel,
-  costs: LayerCosts,
-  layers: tuple[str, ...],
-  params: float,
-  microbatch: float,
-  dp: int,
-  one_device: bool,
-  batch: float,
-  one_call: bool,
-  in_flight: float,
-) -> tuple[float, float]:
+def _held_memory(cm: CostModel, costs: LayerCosts, stage: HeldStage) -> tuple[float, float]:
   """``step_memory_terms`` summed: (static, per micro-batch) bytes, remembered per stage."""
-  key = (layers, params, microbatch, dp, one_device, batch, one_call, in_flight, cm)
+  key = (stage, cm)
   hit = costs._memory.get(key)
   if hit is None:
-    fixed, per_mb = step_memory_terms(
-      cm, costs, layers, params, microbatch, dp, one_device, batch, one_call, in_flight
-    )
+    fixed, per_mb = step_memory_terms(cm, costs, stage)
     hit = costs._memory[key] = (sum(fixed.values()), sum(per_mb.values()))
   return hit
 

@@ -3,20 +3,23 @@
 Like ``torch.distributed.pipelining``'s schedule visualiser: every action is a box on its
 stage's row, coloured by kind (F forward, B backward or input-gradient backward, W
 weight-gradient backward, UPDATE) and labelled with its micro-batch; the title gives the
-iteration time and the mean bubble. ``schedule_pngs`` simulates one plan under several
-schedules and writes ``schedule_<name>.png`` per schedule (the training entry point writes them
-into its run folder). matplotlib is optional (the ``plots`` extra): without it nothing is
-drawn and a notice says how to install it.
+iteration time and the mean bubble. ``schedule_pngs`` draws one plan's timelines simulated
+under several schedules, ``schedule_<name>.png`` per schedule (the training entry point
+simulates them and writes them into its run folder, ``cli.reporting.write_schedule_pngs``).
+This module only draws what it is given. matplotlib is optional (the ``plots`` extra):
+without it nothing is drawn and a notice says how to install it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from gpp_jax.experiments.plotting import pyplot, save
+
+if TYPE_CHECKING:
+  from gpp_jax.cost.sim_result import SimResult
 
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "UPDATE": "#8c8c8c", "STEP": "#4c72b0"}
 
@@ -80,31 +83,14 @@ def draw_schedule(timeline: Any, path: str, title: str = "") -> str | None:
   return save(plt, fig, out_dir or ".", name)
 
 
-def schedule_pngs(
-  plan, layer_graph, cluster, out_dir: str, schedules: Sequence[str] | None = None
-) -> list[str]:
-  """Simulates ``plan`` under each schedule (default: every generator that applies to it: the
-  stale-weight ones need a place per stage, those for shared devices one micro-batch size) and
-  writes ``out_dir/schedule_<name>.png``; returns the file names written (none without
-  matplotlib). ``layer_graph`` must be scaled to the plan's batch
-  (``ir.layer_graph.scaled``)."""
-  from gpp_jax.errors import ScheduleError
-  from gpp_jax.passes.schedules import GENERATORS
-  from gpp_jax.passes.simulation import simulate
-
+def schedule_pngs(results: Mapping[str, SimResult], out_dir: str) -> list[str]:
+  """Draws each simulated timeline of ``results`` (by schedule name: a plan simulated under
+  each of several schedules) to ``out_dir/schedule_<name>.png``; returns the file names
+  written (none without matplotlib)."""
   if pyplot() is None:
     return []
   written = []
-  for name in schedules or sorted(GENERATORS):
-    p = plan.replace(schedule=name)
-    if name != plan.schedule and name == "zero-bubble":
-      p = p.replace(stages=tuple(dataclasses.replace(s, in_flight=None) for s in p.stages))
-    try:
-      res = simulate(p, layer_graph, cluster)
-    except ScheduleError:
-      if schedules:  # asked for by name
-        raise
-      continue
+  for name, res in results.items():
     got = draw_schedule(res, os.path.join(out_dir, f"schedule_{name}.png"), f"{name} (simulated)")
     if got:
       written.append(got)
