@@ -73,6 +73,7 @@ from gpp_jax.runtime.compile import (
   make_plan,
   planner_cluster,
   predict_seconds,
+  width_groups,
 )
 
 FLAGS = flags.FLAGS
@@ -184,22 +185,25 @@ def columns(plan, planned, B, cluster, compiled) -> dict[str, float]:
     d.pop("time_b_at", None)
   guessed_update = scaled.copy()
   guessed_update.graph.pop("update_per_byte", None)
-  bare = scaled.copy()
-  bare.graph.pop("spmd", None)
-  unfactored = narrow = no_call = no_reduce = None
+  probe = unfactored = narrow = no_call = no_reduce = None
   if host is not None:
-    unfactored = dataclasses.replace(host, spmd=None)
-    no_call = dataclasses.replace(host, spmd_call=None)
-    no_reduce = dataclasses.replace(host, allreduce=None)
-    narrow = dataclasses.replace(host, wide_ops=None, wide_per_stage=None)
+
+    def less(machine, **measured):  # the machine without some of the host's measurements
+      return dataclasses.replace(machine, host=dataclasses.replace(machine.host, **measured))
+
+    probe = dataclasses.replace(host, model_spmd={})  # the host's probe's factor
+    unfactored = less(probe, spmd=None)
+    no_call = less(host, spmd_call=None)
+    no_reduce = less(host, allreduce=None)
+    narrow = less(host, wide_ops=None, wide_per_stage=None)
   predicted = predict_seconds(plan, scaled, cluster, host)[0]
   program = predicted  # a one-stage plan is one jitted step either way
   if plan.num_stages > 1:
     program = simulate(plan, scaled, cluster, program=compiled.program, host=host).iteration_time
   return dict(
     predicted=predicted,
-    probe=predict_seconds(plan, bare, cluster, host)[0],
-    without_spmd=predict_seconds(plan, bare, cluster, unfactored)[0],
+    probe=predict_seconds(plan, scaled, cluster, probe)[0],
+    without_spmd=predict_seconds(plan, scaled, cluster, unfactored)[0],
     without_call=predict_seconds(plan, scaled, cluster, no_call)[0],
     without_allreduce=predict_seconds(plan, scaled, cluster, no_reduce)[0],
     narrow_issue=predict_seconds(plan, scaled, cluster, narrow)[0],
@@ -265,7 +269,8 @@ def one(model, size, n):
   # graph that predicts it, as a run times its own candidates' (each with the capture at its
   # micro-batch: a run whose choice is a baseline keeps the whole-batch one).
   for (name, (plan, owner)), (_, c) in zip(list(candidates.items()), prepared):
-    timed = calibrate_widths(c.captured, owner.layer_graph, [plan], owner.host, devices)
+    groups = width_groups(devices, [plan])
+    timed = calibrate_widths(c.captured, owner.layer_graph, owner.host, groups)
     if timed is not owner.layer_graph:
       candidates[name] = (plan, dataclasses.replace(owner, layer_graph=timed))
   times, spreads = measure(run, data, [train for train, _ in prepared])
@@ -333,7 +338,7 @@ def one(model, size, n):
     best_ms=best_ms,
     regret=mine["regret"],
     choices=choices,
-    fusion=graph.graph.get("fusion"),
+    fusion=planned.host.fusion if planned.host is not None else None,
     spmd=dict(planned.host.spmd or {}) if planned.host is not None else None,
     spmd_call_ms={k: v * 1e3 for k, v in (planned.host.spmd_call or {}).items()}
     if planned.host is not None
@@ -341,7 +346,7 @@ def one(model, size, n):
     allreduce_ms_per_mib={k: v * 2**20 * 1e3 for k, v in (planned.host.allreduce or {}).items()}
     if planned.host is not None
     else {},
-    model_spmd={int(k): f for k, f in graph.graph.get("spmd", {}).items()},
+    model_spmd=dict(planned.host.model_spmd) if planned.host is not None else {},
     update_ms_per_mib=graph.graph.get("update_per_byte", float("nan")) * 2**20 * 1e3,
     setup_s=setup_s,
     searched=searched,

@@ -43,6 +43,7 @@ import numpy as np
 from jax.extend import core as xc
 
 from gpp_jax.ir.layer_graph import topo_layers
+from gpp_jax.ir.layering import Layering
 from gpp_jax.ir.plan import Plan, Stage
 from gpp_jax.passes.staging import stage_functions, stage_program
 
@@ -88,6 +89,37 @@ def snap(seconds: float, resolution: float) -> float:
     return seconds
   base = math.log1p(resolution)
   return math.exp(round(math.log(seconds) / base) * base)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTiming:
+  """How layers are timed (``measure_layers``; the step's update takes the robust timing,
+  ``measure_update``).
+
+  Attributes:
+    repeats, max_rounds, quantile, rel_tol: the robust timing (``robust_time``).
+    resolution: the relative step of the grid times are snapped to (``snap``; 0: none).
+    share_identical: whether layers with the same stage program share one measurement.
+    timer: times one call (``Timer``; the default measures wall-clock time).
+  """
+
+  repeats: int = 5
+  max_rounds: int = 6
+  quantile: float = 0.2
+  rel_tol: float = 0.02
+  resolution: float = 0.05
+  share_identical: bool = True
+  timer: Timer = time_once
+
+  def robust(self, sample: Callable[[], float]) -> tuple[float, int]:
+    """``robust_time(sample)`` with these settings: (seconds, samples taken)."""
+    return robust_time(
+      sample,
+      repeats=self.repeats,
+      max_rounds=self.max_rounds,
+      quantile=self.quantile,
+      rel_tol=self.rel_tol,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,28 +193,19 @@ def _example(aval, place, rng):
 
 def measure_layers(
   closed,
-  eqn_layer,
-  param_layer,
-  graph: nx.DiGraph,
+  layering: Layering,
   device,
-  *,
-  repeats: int = 5,
-  max_rounds: int = 6,
-  quantile: float = 0.2,
-  rel_tol: float = 0.02,
-  resolution: float = 0.05,
-  share_identical: bool = True,
-  timer: Timer = time_once,
+  timing: LayerTiming = LayerTiming(),
   placement: Any = None,
 ) -> Calibration:
-  """Times every layer of ``graph`` on ``device`` (see the module docstring).
+  """Times every layer of ``layering``'s graph, cut out of the loss ``closed`` by its equations'
+  and parameters' layers, on ``device`` (see the module docstring).
 
-  ``repeats``, ``max_rounds``, ``quantile`` and ``rel_tol`` set the robust timing
-  (``robust_time``), ``resolution`` the grid times are snapped to (0: none), and
-  ``share_identical`` whether layers with the same stage program share one measurement.
-  ``timer`` times one call (the default measures wall-clock time). ``placement`` (a
-  ``runtime.placement.StagePlacement``): each layer runs as a stage over its devices does,
-  micro-batch arrays split over them and the rest replicated (default: all on ``device``).
+  ``timing`` sets the robust timing, the grid times are snapped to, whether layers with the
+  same stage program share one measurement, and the timer of one call (``LayerTiming``).
+  ``placement`` (a ``runtime.placement.StagePlacement``): each layer runs as a stage over its
+  devices does, micro-batch arrays split over them and the rest replicated (default: all on
+  ``device``).
   """
   if placement is None:
     one = jax.sharding.SingleDeviceSharding(device)
@@ -190,20 +213,20 @@ def measure_layers(
     replicated = one
   else:
     place, replicated = placement.for_array, placement.replicated
+  graph, timer = layering.graph, timing.timer
   layers = topo_layers(graph)
   index = {l: i for i, l in enumerate(layers)}
   stages = tuple(Stage(i, (l,), (0,)) for i, l in enumerate(layers))
   edges = tuple(sorted({(index[u], index[v]) for u, v in graph.edges}))
-  staged = stage_program(closed, eqn_layer, param_layer, Plan(stages, edges, 1))
+  plan = Plan(stages, edges, 1)
+  staged = stage_program(closed, layering.eqn_layer, layering.param_layer, plan)
   rng = np.random.default_rng(0)
   time_f: dict[str, float] = {}
   time_b: dict[str, float] = {}
   groups: dict[str, str] = {}
   first_of: dict[str, str] = {}  # stage program text -> first layer with it
   total = 0
-  rt = functools.partial(
-    robust_time, repeats=repeats, max_rounds=max_rounds, quantile=quantile, rel_tol=rel_tol
-  )
+  rt = timing.robust
   overhead = allreduce = 0.0
   zeroed = [0.0, 0]  # seconds of zeroing the timed layers' gradient sums, their bytes
   if timer is time_once:  # a trivial jitted call, timed like the layers
@@ -225,7 +248,7 @@ def measure_layers(
   for st in staged.stages:
     layer = layers[st.index]
     key = str(st.jaxpr) + repr([(r.diff, r.kind) for r in st.inputs])
-    if share_identical and key in first_of:
+    if timing.share_identical and key in first_of:
       src = first_of[key]
       groups[layer] = src
       time_f[layer], time_b[layer] = time_f[src], time_b[src]
@@ -262,36 +285,28 @@ def measure_layers(
     t_b, total = max(t_b - less, 0.25 * t_b), total + n_z
     zeroed[0] += max(t_z - overhead, 0.0) if nbytes else 0.0
     zeroed[1] += nbytes
-    time_f[layer], time_b[layer] = snap(t_f, resolution), snap(t_b, resolution)
+    time_f[layer], time_b[layer] = snap(t_f, timing.resolution), snap(t_b, timing.resolution)
   settings = {
     "call_overhead": overhead,
     "allreduce_call": allreduce,
     "zero_per_byte": zeroed[0] / zeroed[1] if zeroed[1] else 0.0,
-    "repeats": float(repeats),
-    "max_rounds": float(max_rounds),
-    "quantile": quantile,
-    "rel_tol": rel_tol,
-    "resolution": resolution,
-    "share_identical": float(share_identical),
+    "repeats": float(timing.repeats),
+    "max_rounds": float(timing.max_rounds),
+    "quantile": timing.quantile,
+    "rel_tol": timing.rel_tol,
+    "resolution": timing.resolution,
+    "share_identical": float(timing.share_identical),
   }
   return Calibration(time_f, time_b, groups, total, str(device), settings)
 
 
-def measure_update(
-  step,
-  marker_index: int,
-  device,
-  *,
-  repeats: int = 5,
-  max_rounds: int = 6,
-  quantile: float = 0.2,
-  rel_tol: float = 0.02,
-) -> float:
+def measure_update(step, marker_index: int, device, timing: LayerTiming = LayerTiming()) -> float:
   """Seconds of the step's work after its loss and gradients (the optimizer update, and
   whatever else the step computes from them) on ``device``: the step's ClosedJaxpr ``step``
   split around its pipeline marker (``passes.step_split``) with every value on one stage,
   each piece after the marker jitted and timed on inputs of the right shapes (as
-  ``measure_layers`` times layers), the pieces' times summed. A cost model's update is a
+  ``measure_layers`` times layers: wall-clock time, ``timing``'s robust timing), the pieces'
+  times summed. A cost model's update is a
   guess of the optimizer's memory traffic at a preset bandwidth (on forced CPU devices 1.7x
   this measurement for Adam on medium CANDLE-Uno); this is the step's own."""
   from gpp_jax.passes.step_split import split_step
@@ -308,20 +323,14 @@ def measure_update(
     args = [_example(v.aval, lambda x: one, rng) for v in closed.jaxpr.invars]
     f = jax.jit(xc.jaxpr_as_fun(closed))
     jax.block_until_ready(f(*args))
-    t, _ = robust_time(
-      functools.partial(time_once, "update", "fwd", functools.partial(f, *args)),
-      repeats=repeats,
-      max_rounds=max_rounds,
-      quantile=quantile,
-      rel_tol=rel_tol,
-    )
+    t, _ = timing.robust(functools.partial(time_once, "update", "fwd", functools.partial(f, *args)))
     total += t
   return total
 
 
 def calibrate_layers(
-  closed, eqn_layer, param_layer, graph: nx.DiGraph, device, repeats: int = 5, **options
+  closed, layering: Layering, device, timing: LayerTiming = LayerTiming()
 ) -> nx.DiGraph:
-  """Returns a copy of ``graph`` with ``time_f`` and ``time_b`` (seconds) for every layer."""
-  cal = measure_layers(closed, eqn_layer, param_layer, graph, device, repeats=repeats, **options)
-  return cal.apply(graph)
+  """Returns a copy of ``layering``'s graph with ``time_f`` and ``time_b`` (seconds) for every
+  layer (``measure_layers``)."""
+  return measure_layers(closed, layering, device, timing).apply(layering.graph)

@@ -382,33 +382,48 @@ def stage_functions(
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchFlags:
+  """Per input and per output of a stage, whether it carries the micro-batch as its leading
+  axis (``runtime.stage.row_batch_flags``).
+
+  Attributes:
+    inputs: per input of the stage.
+    outputs: per output of the stage.
+  """
+
+  inputs: tuple[bool, ...]
+  outputs: tuple[bool, ...]
+
+
 def row_local_functions(
   stage: StageProgram,
-  rows: int,
   mesh: Any,
-  batch_in: Sequence[bool],
-  batch_out: Sequence[bool],
+  batch: BatchFlags,
   param_shardings: Sequence[Any],
   acc_shardings: Sequence[Any],
 ) -> StageFunctions:
   """A data-parallel stage's functions with its gradients reduced once per step.
 
   ``stage`` is the stage's program traced at a row's share of the micro-batch (micro-batch /
-  ``rows``). The forward and backward run it on every row of ``mesh``'s first axis at once,
-  as a ``shard_map`` manual over that axis only (the other axes stay GSPMD's: the model's
-  tensor parallelism inside a row is unchanged): each row computes its own examples, and its
-  parameter gradients are added to its own slice of the gradient sums, shaped ``(rows,
-  *parameter)`` and sharded over the rows, so no collective over the rows runs in the
-  backward. ``acc_leaves`` (the UPDATE) sums the slices: one all-reduce per step, or a
-  reduce-scatter where the parameter is sharded over the rows.
+  rows, the size of ``mesh``'s first axis). The forward and backward run it on every row of
+  that axis at once, as a ``shard_map`` manual over that axis only (the other axes stay
+  GSPMD's: the model's tensor parallelism inside a row is unchanged): each row computes its
+  own examples, and its parameter gradients are added to its own slice of the gradient sums,
+  shaped ``(rows, *parameter)`` and sharded over the rows, so no collective over the rows runs
+  in the backward. ``acc_leaves`` (the UPDATE) sums the slices: one all-reduce per step, or a
+  reduce-scatter where the parameter is sharded over the rows. ``param_shardings`` and
+  ``acc_shardings``: where the stage's parameters and its gradient sums sit.
 
-  ``batch_in`` / ``batch_out``: per input / output of the stage, whether it carries the
-  micro-batch as its leading axis (split over the rows); every other output must be the loss,
-  a mean over the examples (the mean of the rows' means). The signatures are those of
-  ``stage_functions``' unpacked stage; the residuals keep the parameters themselves (the
-  forward's inputs, passed through without a copy) and each row's vjp residuals stacked.
+  ``batch``: per input / output of the stage, whether it carries the micro-batch as its
+  leading axis (split over the rows); every other output must be the loss, a mean over the
+  examples (the mean of the rows' means). The signatures are those of ``stage_functions``'
+  unpacked stage; the residuals keep the parameters themselves (the forward's inputs, passed
+  through without a copy) and each row's vjp residuals stacked.
   """
   axis = mesh.axis_names[0]
+  rows = mesh.shape[axis]
+  batch_in, batch_out = batch.inputs, batch.outputs
   f = xc.jaxpr_as_fun(stage.jaxpr)
   out_avals = [v.aval for v in stage.jaxpr.jaxpr.outvars]
   in_avals = [v.aval for v in stage.jaxpr.jaxpr.invars]

@@ -41,7 +41,11 @@ def chain(seconds: float, batch: int = 8):
   g = lg.new_layer_graph("chain", batch)
   for name in ("a", "b"):
     lg.add_layer(
-      g, name, flops=1e6, param_bytes=1e5, act_bytes=1024, time_f=seconds, time_b=2 * seconds
+      g,
+      name,
+      lg.LayerCost(flops=1e6, param_bytes=1e5, act_bytes=1024),
+      time_f=seconds,
+      time_b=2 * seconds,
     )
   lg.add_edge(g, "a", "b", 1024)
   return g
@@ -75,9 +79,10 @@ def test_choose_labels_the_timed_one_call_steps_measured_and_the_pipeline_modell
   h = host(1e-4, 2.0, outside=2e-4)
   cands = candidates(g)
   B = g.graph["batch_size"]
-  fitted = cp.calibrate_fusion(g, B, cands["plain jit"], cluster, h, 0.01)
+  at = cp.Predictor(lg.scaled(g, B), cluster)
+  fitted = cp.calibrate_fusion(at, cp.MachineCalibration(h), cp.Timed(cands["plain jit"], 0.01))
   timed = {"plain jit": 0.01, cp.ACCUMULATED: 0.008, "pipeline": 0.5}
-  c = cp.choose(cands, lg.scaled(fitted, B), cluster, h, timed)
+  c = cp.choose(cands, lg.scaled(g, B), cluster, fitted, timed)
   assert c.how == {
     "pipeline": "modelled",
     "plain jit": "measured",
@@ -87,7 +92,7 @@ def test_choose_labels_the_timed_one_call_steps_measured_and_the_pipeline_modell
   assert c.predicted["plain jit"] == pytest.approx(0.01 + 2e-4, rel=1e-6)
   assert c.predicted[cp.ACCUMULATED] == pytest.approx(0.8 * c.predicted["plain jit"])
   assert c.predicted["pipeline"] != pytest.approx(0.5 + 2e-4)
-  assert cp.choose_plan(cands, lg.scaled(fitted, B), cluster, h, timed) == (c.name, c.predicted)
+  assert cp.choose_plan(cands, lg.scaled(g, B), cluster, fitted, timed) == (c.name, c.predicted)
   devices_only = cp.choose(cands, lg.scaled(g, B), cluster, None, timed)
   assert set(devices_only.how.values()) == {"modelled"}
 

@@ -141,3 +141,10 @@ def test_value_and_grad_outside_pipeline_is_plain_jax():
   l2, g2 = jax.value_and_grad(f)(p)
   assert float(l1) == float(l2)
   assert all(jnp.array_equal(a, c) for a, c in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)))
+
+
+def test_unknown_or_missing_decorator_keyword_is_named():
+  with pytest.raises(TypeError, match=r"unexpected keyword 'planer'; did you mean 'planner'"):
+    _pp(planer="graphpipe")
+  with pytest.raises(TypeError, match=r"needs num_microbatches="):
+    gpp_jax.graph_pipeline(mse_step(chain_model, TX))

@@ -44,9 +44,7 @@ def chain(seconds: float, param_bytes: float, batch: int = 8):
     lg.add_layer(
       g,
       name,
-      flops=1e6,
-      param_bytes=param_bytes,
-      act_bytes=1024,
+      lg.LayerCost(flops=1e6, param_bytes=param_bytes, act_bytes=1024),
       time_f=seconds,
       time_b=2 * seconds,
     )
@@ -182,16 +180,16 @@ def test_calibrated_host_cost_is_used(dag, monkeypatch):
   )
   out = pp(params, opt_state, batch)
   planned = pp.compiled.planned
-  assert planned.host is slow
+  assert planned.host.host is slow
   assert pp.plan.num_stages == 1 and pp.plan.planner == "plain jit"
   assert planned.predicted_s == pytest.approx(0.01, rel=1e-6)
   assert "plain jit is predicted fastest" in planned.note and planned.note in pp.explain()
   graph = lg.scaled(planned.layer_graph, pp.batch_size)
   cluster = cp.planner_cluster(pp.compiled.opts)
-  seconds, _ = cp.predict_seconds(pp.plan, graph, cluster, slow)
+  seconds, _ = cp.predict_seconds(pp.plan, graph, cluster, planned.host)
   assert planned.predicted_s == pytest.approx(seconds)
   # The measured plain step calibrated the layer times (XLA's fusion of the whole model).
-  assert planned.layer_graph.graph["fusion"] > 0
+  assert planned.host.fusion > 0
   # The planner searched with the same host: its own plan was predicted for this machine.
   own = planned.candidates["pipeline"]
   assert own.predicted["host_aware"] and "searched with the host's measured costs" in pp.explain()
@@ -207,7 +205,11 @@ def four_layer_chain(seconds: float) -> object:
   names = ("a", "b", "c", "d")
   for name in names:
     lg.add_layer(
-      g, name, flops=1e9, param_bytes=32 * MiB, act_bytes=1024, time_f=seconds, time_b=2 * seconds
+      g,
+      name,
+      lg.LayerCost(flops=1e9, param_bytes=32 * MiB, act_bytes=1024),
+      time_f=seconds,
+      time_b=2 * seconds,
     )
   for u, v in itertools.pairwise(names):
     lg.add_edge(g, u, v, 1024)
@@ -256,9 +258,9 @@ def test_a_search_with_the_host_simulates_every_replication_and_stage_count(plan
   simulated = []
   real = module.assemble_plan
 
-  def counted(layer_graph, cluster, stages, **kw):
+  def counted(problem, stages, **kw):
     simulated.append((stages[0][1], len(stages)))
-    return real(layer_graph, cluster, stages, **kw)
+    return real(problem, stages, **kw)
 
   monkeypatch.setattr(module, "assemble_plan", counted)
   g, cluster, h = four_layer_chain(10e-3), cpu_cluster(4, 8 * 2**30), host(2e-3, 1.0)
@@ -294,9 +296,9 @@ def test_a_user_planner_is_given_the_host_where_it_takes_one():
     return get_planner("graphpipe")(graph, cl, batch_size, num_microbatches=num_microbatches)
 
   opts = cp.Options(num_microbatches=4, devices=tuple(jax.devices()[:4]))
-  plan = cp.run_planner(with_host, g, cluster, 16, opts, h)
+  plan = cp.run_planner(g, cluster, 16, dataclasses.replace(opts, planner=with_host), h)
   assert seen == [h] and plan.predicted["host_aware"]
-  plan = cp.run_planner(without, g, cluster, 16, opts, h)
+  plan = cp.run_planner(g, cluster, 16, dataclasses.replace(opts, planner=without), h)
   assert seen[-1] == "called" and "host_aware" not in plan.predicted
 
 
@@ -430,18 +432,17 @@ def test_a_fused_step_over_fewer_devices_takes_the_model_own_factor_scaled():
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
   h = spmd_host({2: 1.5, 4: 2.0})
-  timed = g.copy()
-  timed.graph["spmd"] = {"4": 6.0}
-  assert spmd_factor(h, timed, 2, like_model=True) == pytest.approx(4.5)
-  assert spmd_factor(h, timed, 2) == pytest.approx(1.5)
-  assert spmd_factor(h, timed, 4, like_model=True) == 6.0
-  assert spmd_factor(h, g, 2, like_model=True) == pytest.approx(1.5)  # nothing timed
+  timed = cp.MachineCalibration(h, model_spmd={4: 6.0})
+  assert spmd_factor(timed, 2, like_model=True) == pytest.approx(4.5)
+  assert spmd_factor(timed, 2) == pytest.approx(1.5)
+  assert spmd_factor(timed, 4, like_model=True) == 6.0
+  assert spmd_factor(h, 2, like_model=True) == pytest.approx(1.5)  # nothing timed
   layers = candidates(g)["plain jit"].stages[0].layers
   two = Plan((Stage(0, layers, (0, 1)),), (), 4, planner="graphpipe", batch_size=8)
   plain = candidates(g)["plain jit"]
   one_device = predict_fused(plain, g, cluster, None) - plan_costs(plain, g, cluster).update[0]
   update = plan_costs(two, g, cluster).update[0]
-  assert predict_fused(two, timed, cluster, h) - update == pytest.approx(4.5 * one_device / 2)
+  assert predict_fused(two, g, cluster, timed) - update == pytest.approx(4.5 * one_device / 2)
 
 
 def test_spmd_factor_prices_a_stage_over_several_devices():
@@ -630,7 +631,7 @@ def test_layers_are_timed_over_the_widths_of_the_candidates_stages(dag, monkeypa
   calibration's graph untouched), its prediction takes those times, and the step's values
   are the plain step's."""
   from gpp_jax.cost.simulator import measured_width_times
-  from gpp_jax.passes.calibrate import measure_layers
+  from gpp_jax.passes.calibrate import LayerTiming, measure_layers
   from gpp_jax.runtime import host as host_mod
   from gpp_jax.runtime.placement import StagePlacement
 
@@ -673,21 +674,23 @@ def test_layers_are_timed_over_the_widths_of_the_candidates_stages(dag, monkeypa
   seen = []
   measure_layers(
     pp.compiled.captured.loss,
-    lay.eqn_layer,
-    lay.param_layer,
-    lay.graph,
+    lay,
     jax.devices()[0],
+    LayerTiming(
+      max_rounds=1,
+      repeats=1,
+      timer=lambda layer, role, fn: seen.append(jax.block_until_ready(fn())) or 1e-3,
+    ),
     placement=StagePlacement(tuple(jax.devices()[:2]), pp.compiled.captured.microbatch_size),
-    timer=lambda layer, role, fn: seen.append(jax.block_until_ready(fn())) or 1e-3,
-    max_rounds=1,
-    repeats=1,
   )
   assert seen and all(len(x.sharding.device_set) == 2 for out in seen for x in jax.tree.leaves(out))
   # Layers timed at another micro-batch than the graph's would be kept as if at the graph's.
   captured = pp.compiled.captured
   other = lg.scaled(captured.layering.graph, 2 * captured.microbatch_size)
   with pytest.raises(ValueError, match="captured at micro-batch"):
-    cp.calibrate_widths(captured, other, [pp.plan], planned.host, jax.devices()[:4])
+    cp.calibrate_widths(
+      captured, other, planned.host, cp.width_groups(jax.devices()[:4], [pp.plan])
+    )
 
 
 def test_the_planner_searches_with_every_stage_width_timed(dag, monkeypatch):
@@ -714,7 +717,7 @@ def test_the_planner_searches_with_every_stage_width_timed(dag, monkeypatch):
     step, num_microbatches=2, devices=jax.devices()[:4], planner=planner, calibrate=True
   )
   pp(params, opt_state, batch)
-  assert seen and all(host is h and widths == {2} for host, widths in seen)
+  assert seen and all(host.host is h and widths == {2} for host, widths in seen)
 
 
 def test_the_planner_searches_again_with_what_the_trials_measured(dag, monkeypatch):
@@ -729,7 +732,7 @@ def test_the_planner_searches_again_with_what_the_trials_measured(dag, monkeypat
   seen = []
 
   def planner(layer_graph, cluster, batch_size, *, num_microbatches=None, host=None):
-    calibrated = "fusion" in layer_graph.graph
+    calibrated = host.fusion is not None
     seen.append(calibrated)
     layers = list(lg.topo_layers(layer_graph))
     n = cluster.num_devices
@@ -775,7 +778,7 @@ def test_the_planner_one_device_step_in_micro_batches_is_timed_and_searched_with
   seen = []
 
   def planner(layer_graph, cluster, batch_size, *, num_microbatches=None, host=None):
-    timed = "1" in layer_graph.graph.get("spmd_call", {})
+    timed = 1 in host.model_call
     seen.append(timed)
     layers = list(lg.topo_layers(layer_graph))
     stages = [(layers[:2], 1), (layers[2:], 1)] if timed else [(layers, 1)]
@@ -790,12 +793,12 @@ def test_the_planner_one_device_step_in_micro_batches_is_timed_and_searched_with
   assert (1, 2) in asked  # the step in micro-batches on one device, timed
   if acc_seconds > 0.01:
     assert seen[0] is False and seen[-1] is True
-    assert planned.layer_graph.graph["spmd_call"]["1"] > 0
+    assert planned.host.model_call[1] > 0
     assert planned.candidates["pipeline"].num_stages == 2
     assert planned.measured.get("pipeline", 0.05) == 0.05  # not the first plan's timing
     assert planned.plan.planner == "plain jit"
   else:
-    assert not any(seen) and "1" not in planned.layer_graph.graph.get("spmd_call", {})
+    assert not any(seen) and 1 not in planned.host.model_call
     assert planned.plan.planner == "mine" and planned.plan.num_microbatches == 2
     assert planned.predicted_s == pytest.approx(0.8 * planned.alternatives["plain jit"])
     assert "micro-batches measured" in planned.note and "faster than plain jit" in planned.note
@@ -1007,7 +1010,9 @@ def test_a_stage_edge_of_several_arrays_costs_a_transfer_per_array():
   def graph(arrays):
     g = lg.new_layer_graph("chain", 8)
     for name in ("a", "b"):
-      lg.add_layer(g, name, flops=1e3, param_bytes=64, act_bytes=64, time_f=1e-9, time_b=2e-9)
+      lg.add_layer(
+        g, name, lg.LayerCost(flops=1e3, param_bytes=64, act_bytes=64), time_f=1e-9, time_b=2e-9
+      )
     lg.add_edge(g, "a", "b", 1024, arrays=arrays)
     return g
 
@@ -1137,41 +1142,36 @@ def test_the_model_own_spmd_factor_makes_the_prediction_its_measurement(calls):
   """``calibrate_spmd``: jit data parallel over k devices, timed, sets the model's factor and
   fixed seconds for k, the probe's times one ratio, so that its prediction is the measured
   time; plain jit keeps its prediction, a whole step over another width takes the probe's
-  scaled as the model's over the probe's at k, a step of more micro-batches pays the model's
-  fixed seconds for each, and the graph still goes to JSON and back with them."""
+  scaled as the model's over the probe's at k, and a step of more micro-batches pays the
+  model's fixed seconds for each."""
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
   h = spmd_host({2: 3.0, 4: 6.0}, calls=calls)
+  at, m = cp.Predictor(g, cluster), cp.MachineCalibration(h)
   for M in (1, 4):
     plans = candidates(g, M)
     dp, plain = plans["jit data parallel"], plans["plain jit"]
     before = cp.predict_seconds(dp, g, cluster, h)[0]
     for seconds in (0.5 * before, 2.0 * before):
-      tuned = cp.calibrate_spmd(g, 8, dp, cluster, h, seconds)
-      assert cp.predict_seconds(dp, tuned, cluster, h)[0] == pytest.approx(seconds)
-      r = tuned.graph["spmd"]["2"] / 3.0
+      tuned = cp.calibrate_spmd(at, m, cp.Timed(dp, seconds))
+      assert cp.predict_seconds(dp, g, cluster, tuned)[0] == pytest.approx(seconds)
+      r = tuned.model_spmd[2] / 3.0
       assert r != pytest.approx(1.0)
       if calls:
-        assert tuned.graph["spmd_call"]["2"] == pytest.approx(r * 1e-3)
-      assert cp.predict_seconds(plain, tuned, cluster, h)[0] == pytest.approx(
+        assert tuned.model_call[2] == pytest.approx(r * 1e-3)
+      assert cp.predict_seconds(plain, g, cluster, tuned)[0] == pytest.approx(
         cp.predict_seconds(plain, g, cluster, h)[0]
       )
       wide = dp.replace(stages=(Stage(0, dp.stages[0].layers, (0, 1, 2, 3)),))
-      scaled = g.copy()
-      scaled.graph["spmd"] = {"4": max(1.0, 6.0 * r)}
-      if calls:
-        scaled.graph["spmd_call"] = {"4": 3e-3 * r}
-      assert cp.predict_seconds(wide, tuned, cluster, h)[0] == pytest.approx(
-        cp.predict_seconds(wide, scaled, cluster, h)[0]
+      scaled = m.with_width(4, max(1.0, 6.0 * r), 3e-3 * r if calls else None)
+      assert cp.predict_seconds(wide, g, cluster, tuned)[0] == pytest.approx(
+        cp.predict_seconds(wide, g, cluster, scaled)[0]
       )
-      back = lg.from_json(lg.to_json(tuned))
-      assert cp.predict_seconds(dp, back, cluster, h)[0] == pytest.approx(seconds)
       if calls:  # the step in 4 micro-batches: the model's fixed seconds for each
         more = candidates(g, 4)["jit data parallel"]
-        free = tuned.copy()
-        free.graph["spmd_call"] = {"2": 0.0}
-        extra = cp.predict_seconds(more, tuned, cluster, h)[0]
-        assert extra - cp.predict_seconds(more, free, cluster, h)[0] == pytest.approx(4 * r * 1e-3)
+        free = dataclasses.replace(tuned, model_call={2: 0.0})
+        extra = cp.predict_seconds(more, g, cluster, tuned)[0]
+        assert extra - cp.predict_seconds(more, g, cluster, free)[0] == pytest.approx(4 * r * 1e-3)
 
 
 def test_two_timings_of_one_width_fit_its_factor_and_fixed_seconds_apart():
@@ -1184,35 +1184,35 @@ def test_two_timings_of_one_width_fit_its_factor_and_fixed_seconds_apart():
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
   h = spmd_host({2: 3.0, 4: 6.0}, calls={2: 1e-3, 4: 3e-3})
+  at, m = cp.Predictor(g, cluster), cp.MachineCalibration(h)
   dp, acc = candidates(g, 1)["jit data parallel"], candidates(g, 4)["jit data parallel"]
-  truth = g.copy()
-  truth.graph["spmd"], truth.graph["spmd_call"] = {"2": 3.5}, {"2": 15e-3}
-  t1, t4 = (cp.predict_seconds(p, truth, cluster, h)[0] for p in (dp, acc))
-  tuned = cp.calibrate_spmd(g, 8, dp, cluster, h, t1, (acc, t4))
-  assert tuned.graph["spmd"]["2"] == pytest.approx(3.5)
-  assert tuned.graph["spmd_call"]["2"] == pytest.approx(15e-3)
+  truth = m.with_width(2, 3.5, 15e-3)
+  t1, t4 = (cp.predict_seconds(p, g, cluster, truth)[0] for p in (dp, acc))
+  tuned = cp.calibrate_spmd(at, m, cp.Timed(dp, t1), cp.Timed(acc, t4))
+  assert tuned.model_spmd[2] == pytest.approx(3.5)
+  assert tuned.model_call[2] == pytest.approx(15e-3)
   for p, t in ((dp, t1), (acc, t4)):
-    assert cp.predict_seconds(p, tuned, cluster, h)[0] == pytest.approx(t)
-  ratio = cp.calibrate_spmd(g, 8, dp, cluster, h, t1)
-  assert cp.predict_seconds(dp, ratio, cluster, h)[0] == pytest.approx(t1)
-  assert abs(cp.predict_seconds(acc, ratio, cluster, h)[0] / t4 - 1) > 0.15
+    assert cp.predict_seconds(p, g, cluster, tuned)[0] == pytest.approx(t)
+  ratio = cp.calibrate_spmd(at, m, cp.Timed(dp, t1))
+  assert cp.predict_seconds(dp, g, cluster, ratio)[0] == pytest.approx(t1)
+  assert abs(cp.predict_seconds(acc, g, cluster, ratio)[0] / t4 - 1) > 0.15
   # Four micro-batches no slower than one: no fixed seconds per call can say that.
-  kept = cp.calibrate_spmd(g, 8, dp, cluster, h, t1, (acc, 0.9 * t1))
-  assert kept.graph == ratio.graph
+  kept = cp.calibrate_spmd(at, m, cp.Timed(dp, t1), cp.Timed(acc, 0.9 * t1))
+  assert kept == ratio
   # So slow in micro-batches that the fit's factor falls under the floor: the floor, and the
   # fixed seconds at which jit data parallel is still its measurement.
   slow = t4 + 3 * t1
-  floored = cp.calibrate_spmd(g, 8, dp, cluster, h, t1, (acc, slow))
-  assert floored.graph["spmd"]["2"] == pytest.approx(cp.SPMD_FLOOR)
-  assert cp.predict_seconds(dp, floored, cluster, h)[0] == pytest.approx(t1)
-  near = cp.predict_seconds(acc, floored, cluster, h)[0]
-  assert cp.predict_seconds(acc, ratio, cluster, h)[0] < near < slow
+  floored = cp.calibrate_spmd(at, m, cp.Timed(dp, t1), cp.Timed(acc, slow))
+  assert floored.model_spmd[2] == pytest.approx(cp.SPMD_FLOOR)
+  assert cp.predict_seconds(dp, g, cluster, floored)[0] == pytest.approx(t1)
+  near = cp.predict_seconds(acc, g, cluster, floored)[0]
+  assert cp.predict_seconds(acc, g, cluster, ratio)[0] < near < slow
 
 
 def test_plain_jit_and_its_step_in_micro_batches_fit_the_fusion_and_fixed_seconds_apart():
   """``calibrate_fusion(pieces=)``: plain jit and the same step in 4 micro-batches on its one
   device (gradient accumulation), both timed, fit the fusion and the fixed seconds each
-  micro-batch pays (``spmd_call["1"]``) each on its own: both predictions are their
+  micro-batch pays (``model_call[1]``) each on its own: both predictions are their
   measurements, where the fusion alone misses the step in micro-batches.
   A pipeline's stages and jit data parallel are priced as before; times that would take
   negative fixed seconds keep the fusion alone, and times that would take a fusion under its
@@ -1220,52 +1220,48 @@ def test_plain_jit_and_its_step_in_micro_batches_fit_the_fusion_and_fixed_second
   g = chain(10e-3, 4096)
   cluster = cpu_cluster(4)
   h = spmd_host({2: 3.0}, calls={2: 1e-3})
+  at, m = cp.Predictor(g, cluster), cp.MachineCalibration(h)
   one, four = candidates(g, 1), candidates(g, 4)
   plain, acc = one["plain jit"], four["plain jit"]
-  truth = g.copy()
-  truth.graph["fusion"], truth.graph["spmd_call"] = 0.6, {"1": 5e-3}
-  t1, t4 = (cp.predict_seconds(p, truth, cluster, h)[0] for p in (plain, acc))
-  bare = truth.copy()
-  bare.graph["spmd_call"] = {}
+  truth = m.with_fusion(0.6, 5e-3)
+  t1, t4 = (cp.predict_seconds(p, g, cluster, truth)[0] for p in (plain, acc))
+  bare = dataclasses.replace(truth, model_call={})
   for p, M in ((plain, 1), (acc, 4)):  # each micro-batch pays it
-    extra = cp.predict_seconds(p, truth, cluster, h)[0] - cp.predict_seconds(p, bare, cluster, h)[0]
+    extra = cp.predict_seconds(p, g, cluster, truth)[0] - cp.predict_seconds(p, g, cluster, bare)[0]
     assert extra == pytest.approx(M * 5e-3)
-  tuned = cp.calibrate_fusion(g, 8, plain, cluster, h, t1, (acc, t4))
-  assert tuned.graph["fusion"] == pytest.approx(0.6)
-  assert tuned.graph["spmd_call"]["1"] == pytest.approx(5e-3)
+  tuned = cp.calibrate_fusion(at, m, cp.Timed(plain, t1), cp.Timed(acc, t4))
+  assert tuned.fusion == pytest.approx(0.6)
+  assert tuned.model_call[1] == pytest.approx(5e-3)
   for p, t in ((plain, t1), (acc, t4)):
-    assert cp.predict_seconds(p, tuned, cluster, h)[0] == pytest.approx(t)
-  alone = cp.calibrate_fusion(g, 8, plain, cluster, h, t1)
-  assert "spmd_call" not in alone.graph
-  assert abs(cp.predict_seconds(acc, alone, cluster, h)[0] / t4 - 1) > 0.15
+    assert cp.predict_seconds(p, g, cluster, tuned)[0] == pytest.approx(t)
+  alone = cp.calibrate_fusion(at, m, cp.Timed(plain, t1))
+  assert alone.model_call == {}
+  assert abs(cp.predict_seconds(acc, g, cluster, alone)[0] / t4 - 1) > 0.15
   # One device's fixed seconds are the fused step's only: not a pipeline's one-device stages,
   # not a step over several devices.
-  free = tuned.copy()
-  free.graph["spmd_call"] = {}
+  free = dataclasses.replace(tuned, model_call={})
   for p in (four["pipeline"], one["jit data parallel"], four["jit data parallel"]):
-    assert cp.predict_seconds(p, tuned, cluster, h)[0] == cp.predict_seconds(p, free, cluster, h)[0]
-  assert cp.predict_seconds(acc, free, cluster, h)[0] < t4
+    assert cp.predict_seconds(p, g, cluster, tuned)[0] == cp.predict_seconds(p, g, cluster, free)[0]
+  assert cp.predict_seconds(acc, g, cluster, free)[0] < t4
   # Four micro-batches faster than one: no fixed seconds per micro-batch can say that.
-  kept = cp.calibrate_fusion(g, 8, plain, cluster, h, t1, (acc, 0.9 * t1))
-  assert kept.graph == alone.graph
+  kept = cp.calibrate_fusion(at, m, cp.Timed(plain, t1), cp.Timed(acc, 0.9 * t1))
+  assert kept == alone
   # Four micro-batches so slow that the fit's fusion falls under the floor (a noisy machine):
   # the floor, and the fixed seconds at which plain jit is still its measurement; the step
   # in micro-batches is then priced short of its time by the least that allows, where the
   # fusion alone priced it at about plain jit's.
   slow = t4 + 3 * t1
-  floored = cp.calibrate_fusion(g, 8, plain, cluster, h, t1, (acc, slow))
-  assert floored.graph["fusion"] == pytest.approx(cp.FUSION_FLOOR)
-  assert cp.predict_seconds(plain, floored, cluster, h)[0] == pytest.approx(t1)
-  near = cp.predict_seconds(acc, floored, cluster, h)[0]
-  assert cp.predict_seconds(acc, alone, cluster, h)[0] < near < slow
+  floored = cp.calibrate_fusion(at, m, cp.Timed(plain, t1), cp.Timed(acc, slow))
+  assert floored.fusion == pytest.approx(cp.FUSION_FLOOR)
+  assert cp.predict_seconds(plain, g, cluster, floored)[0] == pytest.approx(t1)
+  near = cp.predict_seconds(acc, g, cluster, floored)[0]
+  assert cp.predict_seconds(acc, g, cluster, alone)[0] < near < slow
   for f in (1.2 * cp.FUSION_FLOOR, 2 * cp.FUSION_FLOOR):  # on plain jit's line, farther off
-    other = floored.copy()
-    other.graph["fusion"] = f
-    other.graph["spmd_call"] = {"1": 0.0}
-    c = t1 - cp.predict_seconds(plain, other, cluster, h)[0]
-    other.graph["spmd_call"] = {"1": c}
-    assert c >= 0 and cp.predict_seconds(plain, other, cluster, h)[0] == pytest.approx(t1)
-    assert cp.predict_seconds(acc, other, cluster, h)[0] < near
+    other = floored.with_fusion(f, 0.0)
+    c = t1 - cp.predict_seconds(plain, g, cluster, other)[0]
+    other = other.with_fusion(f, c)
+    assert c >= 0 and cp.predict_seconds(plain, g, cluster, other)[0] == pytest.approx(t1)
+    assert cp.predict_seconds(acc, g, cluster, other)[0] < near
 
 
 def timed_by_width(monkeypatch, seconds_for):
@@ -1291,7 +1287,7 @@ def test_a_slow_spell_in_one_trial_does_not_decide_the_choice(dag, monkeypatch, 
   from gpp_jax.runtime import choice
   from gpp_jax.runtime import host as host_mod
 
-  monkeypatch.setattr(choice, "TRIAL_ROUNDS", rounds)  # read by ``choice._interleaved``
+  monkeypatch.setattr(choice, "TRIAL_ROUNDS", rounds)  # read by ``choice.Trials.interleave``
 
   probe = HostCosts(
     per_op=dict.fromkeys(OPS, 5e-3), parallel=1.0, cores=2, device="cpu:0", spmd={4: 2.0}
@@ -1403,7 +1399,7 @@ def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel
   )
   assert planned.alternatives["jit data parallel"] == pytest.approx(0.01 + 2e-4)
   assert planned.alternatives["pipeline"] == pytest.approx(0.016 + 2e-4)
-  assert set(planned.layer_graph.graph["spmd_call"]) == {"1", "4"}  # plain jit's pair too
+  assert set(planned.host.model_call) == {1, 4}  # plain jit's pair too
   assert pp.plan.planner == "jit data parallel"
   # The planner's own plan stays at hand beside the one chosen, as predicted.
   assert set(planned.candidates) == set(planned.alternatives)

@@ -13,7 +13,7 @@ from gpp_jax.cost.host import HostCosts
 from gpp_jax.cost.simulator import measured_width_times
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, Stage
-from gpp_jax.passes.calibrate import measure_layers, robust_time, snap
+from gpp_jax.passes.calibrate import LayerTiming, measure_layers, robust_time, snap
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.simulation import simulate
 from gpp_jax.runtime.placement import StagePlacement
@@ -54,12 +54,11 @@ def noisy_timer(graph, seed, calls=None):
   return timer
 
 
-def timed_layers(layered, timer, **options):
+def timed_layers(layered, timer, placement=None, **options):
   """``layered``'s layers timed on the first device by ``timer`` (``measure_layers``)."""
   closed, L = layered
-  return measure_layers(
-    closed, L.eqn_layer, L.param_layer, L.graph, jax.devices()[0], timer=timer, **options
-  )
+  timing = LayerTiming(timer=timer, **options)
+  return measure_layers(closed, L, jax.devices()[0], timing, placement)
 
 
 def graphpipe_fingerprint(layered, seed, **options):

@@ -97,7 +97,7 @@ class HostCosts:
   cross_link: tuple[float, float] | None = None
 
   def op_costs(self, width: int = 1) -> dict[Op, float]:
-    """Seconds per op of a compiled step's program (``simulate_program(host_cost=)``), for a
+    """Seconds per op of a compiled step's program (``cost.stage_times.HostSide.dispatch``), for a
     stage over ``width`` devices."""
     return {Op(k): self.issue_seconds(k, width) for k in self.per_op}
 
@@ -111,7 +111,7 @@ class HostCosts:
   def lane_costs(self, widths: Sequence[int], schedule: bool) -> list[dict[Op, float]]:
     """Per lane of a program (a stage over ``widths[s]`` devices; the host lane after them,
     one), seconds per op (``schedule_costs`` for a schedule-level program, else
-    ``op_costs``): what ``simulate_program(host_cost=)`` takes."""
+    ``op_costs``): what ``HostSide.dispatch`` takes."""
     per = self.schedule_costs if schedule else self.op_costs
     by_width = {w: per(w) for w in set(widths) | {1}}
     host = by_width[1]
@@ -146,7 +146,7 @@ class HostCosts:
   ) -> list[tuple[int, ...]] | None:
     """Per lane of a program over stages on ``stage_devices`` (of ``num_devices``; the host
     lane last: every process), the processes that issue its instructions; None for one
-    process (``simulate_program(processes=)``)."""
+    process (``HostSide.processes``)."""
     if self.processes <= 1:
       return None
     per = max(num_devices // self.processes, 1)
@@ -155,7 +155,7 @@ class HostCosts:
     return [*lanes, tuple(range(self.processes))]
 
   def compute_servers(self) -> int | None:
-    """Device computations at full speed at once (``cost.simulator.simulate_program(cores=)``),
+    """Device computations at full speed at once (``cost.stage_times.HostSide.cores``),
     or None."""
     if self.parallel is None:
       return None

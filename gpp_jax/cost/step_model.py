@@ -14,6 +14,7 @@ from typing import Any
 
 import networkx as nx
 
+from gpp_jax.cost.calibration import as_calibration
 from gpp_jax.cost.cluster import Cluster
 from gpp_jax.cost.cost_model import (
   DEFAULT_COST_MODEL,
@@ -23,6 +24,7 @@ from gpp_jax.cost.cost_model import (
   layer_costs,
   plan_costs,
 )
+from gpp_jax.cost.stage_times import HostSide, StageTimes
 from gpp_jax.ir.program import Op, Program
 from gpp_jax.ir.schedule import Schedule
 
@@ -41,40 +43,32 @@ def split_backward(
 @dataclasses.dataclass(frozen=True)
 class PlanTimes:
   """A plan's times, transfers and memory as the simulator takes them (``plan_times``): what
-  ``passes.simulation.simulate`` times the plan's schedule (``simulate_times``' keywords) or
-  its compiled step's program (``simulate_step``) with.
+  ``passes.simulation.simulate`` times the plan's schedule (``simulate_times``) or its
+  compiled step's program (``simulate_step``) with.
 
   Attributes:
     costs: the plan's costs (``plan_costs``); under the host-aware model with each stage's
       forward and backward seconds over its devices and its UPDATE seconds as the host prices
       them (``_spmd_times``, ``_host_updates``).
-    backward, weight: per stage, seconds of a B and of a W (``split_backward``: no W unless
-      the schedule splits the backward); under the host-aware model with the gradients'
-      all-reduce where each backward pays it.
-    static_memory: per stage, bytes per device of its weights and optimizer state, with the
-      older versions of its weights a stale-weight schedule keeps.
-    stage_devices: the devices of each stage.
-    channels: the channel each transfer between nodes queues on (``nic_channels``); None:
-      each transfer has its own.
-    host_cost: per lane, the host's seconds per op (``HostCosts.lane_costs``), or what the
-      caller gave; None: nothing issues the program.
-    send_factors: per stage edge, what a SEND along it costs to issue in lone SENDs
-      (``HostCosts.send_factors``); None without a host.
-    send_extra: ``HostCosts.send_extra`` (a compiled step's puts together); None without one.
-    processes: per lane, the processes that issue it (``HostCosts.lane_processes``).
+    stages: each stage's times, transfers and memory (``StageTimes``): the forward, update,
+      transfers and stashed bytes of ``costs``; the backward and weight seconds of a B and of
+      a W (``split_backward``: no W unless the schedule splits the backward), under the
+      host-aware model with the gradients' all-reduce where each backward pays it; the static
+      memory with the older versions of its weights a stale-weight schedule keeps; the
+      devices of each stage.
+    host: the host side (``HostSide``, without cores: the caller's): the channel each
+      transfer between nodes queues on (``nic_channels``; None: each its own); the host's
+      seconds per op (``HostCosts.lane_costs``, or what the caller gave; None: nothing issues
+      the program); for a schedule's lowering, what a SEND along each stage edge costs to
+      issue (``HostCosts.send_factors``), for a compiled step's program, its puts together
+      (``HostCosts.send_extra``); the processes that issue each lane
+      (``HostCosts.lane_processes``).
     outside: the host's seconds outside the program, added to the iteration time.
   """
 
   costs: PlanCosts
-  backward: list[float]
-  weight: list[float] | None
-  static_memory: list[float]
-  stage_devices: list[tuple[int, ...]]
-  channels: dict[tuple[str, int, int], Any] | None
-  host_cost: Any
-  send_factors: dict[tuple[int, int], float] | None
-  send_extra: float | None
-  processes: Any
+  stages: StageTimes
+  host: HostSide
   outside: float
 
 
@@ -121,16 +115,15 @@ def plan_times(
     host_cost = host.lane_costs([len(s.devices) for s in plan.stages], schedule=not step)
     outside = host.outside
     wide = measured_width_times(plan, layer_graph, cluster, cost_model, costs)
-    fw, bw = _spmd_times(plan, layer_graph, cluster, cost_model, costs, pc, host, wide=wide)
+    priced = PricedPlan(plan, layer_graph, cluster, cost_model, costs)
+    fw, bw = _spmd_times(priced, pc, host, wide=wide)
     pc = dataclasses.replace(pc, forward=fw, backward=bw)
   backward, weight = split_backward(schedule, pc.backward, pc.weight_fraction)
   if host is not None:  # the gradients' all-reduce in each backward; the step's own update
     # Stages whose rows sum their own gradients reduce them once, in the UPDATE
     # (``passes.staging.row_local_functions``; not where the backward is split).
     once = bool(layer_graph.graph.get("reduce_once")) and weight is None
-    per_call, update = _host_updates(
-      plan, pc, layer_graph, cluster, cost_model, host, wide, reduce_once=once
-    )
+    per_call, update = _host_updates(priced, pc, host, wide, reduce_once=once)
     grads = weight if weight is not None else backward
     for i, t in enumerate(per_call):
       grads[i] += t
@@ -138,74 +131,81 @@ def plan_times(
   static = list(pc.static_memory)
   if delays is not None:
     static = [m + d * p for m, d, p in zip(static, delays, pc.param_bytes)]
-  return PlanTimes(
-    costs=pc,
+  stages = StageTimes(
+    forward=pc.forward,
     backward=backward,
     weight=weight,
+    update=pc.update,
+    activation_transfer=pc.activation_transfer,
+    cotangent_transfer=pc.cotangent_transfer,
     static_memory=static,
+    activation_memory=pc.activation_memory,
     stage_devices=[s.devices for s in plan.stages],
-    channels=nic_channels(plan, cluster) if shared_nic else None,
-    host_cost=host_cost,
-    send_factors=host.send_factors(pc.edge_arrays) if host is not None else None,
-    send_extra=host.send_extra if host is not None else None,
-    processes=processes,
-    outside=outside,
   )
+  issue = HostSide(
+    dispatch=host_cost,
+    send_factors=host.send_factors(pc.edge_arrays) if host is not None and not step else None,
+    send_extra=host.send_extra if host is not None and step else None,
+    channels=nic_channels(plan, cluster) if shared_nic else None,
+    processes=processes,
+  )
+  return PlanTimes(costs=pc, stages=stages, host=issue, outside=outside)
 
 
 def _model_or_probe(
-  layer_graph: nx.DiGraph,
-  key: str,
+  timed: Mapping[int, float],
   k: int,
   probe_at: Callable[[int], float | None],
   like_model: bool,
   floor: float,
 ) -> float | None:
-  """What a computation over ``k`` devices costs by the measure ``key`` of the layer graph
-  (``"spmd"``, ``"spmd_call"``): the model's own where the trial timed its step over ``k``
-  devices, else the host's probe (``probe_at(k)``); with ``like_model``, at a width the trial
-  did not time, the probe's value times the model's own over the probe's at the widest width
-  the trial timed (at least ``floor``)."""
-  timed = layer_graph.graph.get(key, {})  # string keys: the graph goes to JSON
-  own = timed.get(str(k))
+  """What a computation over ``k`` devices costs by a measure the trials fitted per width
+  (``timed``: ``MachineCalibration.model_spmd`` or ``model_call``): the model's own where the
+  trial timed its step over ``k`` devices, else the host's probe (``probe_at(k)``); with
+  ``like_model``, at a width the trial did not time, the probe's value times the model's own
+  over the probe's at the widest width the trial timed (at least ``floor``)."""
+  own = timed.get(k)
   if own is not None:
     return float(own)
   probe = probe_at(k)
-  wide = [int(x) for x in timed if int(x) > 1]  # one device's is no SPMD measure
+  wide = [x for x in timed if x > 1]  # one device's is no SPMD measure
   if not like_model or probe is None or not wide:
     return probe
   w = max(wide)
   at_w = probe_at(w)
-  return max(floor, probe * float(timed[str(w)]) / at_w) if at_w else probe
+  return max(floor, probe * float(timed[w]) / at_w) if at_w else probe
 
 
-def spmd_factor(
-  host: Any, layer_graph: nx.DiGraph, k: int, like_model: bool = False
-) -> float | None:
-  """The SPMD factor of a computation over ``k`` devices: the model's own where its step over
-  ``k`` devices was timed (``layer_graph.graph["spmd"]``, set by the training program's trial
-  of jit data parallel), else the host's probe (``HostCosts.spmd_factor``); None where neither
-  says. ``like_model`` (a whole step over k devices, as the trial's): at a width the trial did
-  not time, the probe's factor times the model's own over the probe's at the widest width
-  the trial timed, at least 1 (tiny MMT on 4 forced CPU devices: 7.1 against the probe's 2.2,
-  so its step over 2 devices, which the probe puts at 1.4, measured twice plain jit's time)."""
-  probe_at = host.spmd_factor if host is not None else (lambda _: None)
-  return _model_or_probe(layer_graph, "spmd", k, probe_at, like_model, 1.0)
+def spmd_factor(host: Any, k: int, like_model: bool = False) -> float | None:
+  """The SPMD factor of a computation over ``k`` devices on the machine ``host`` (a
+  ``HostCosts``, or a ``MachineCalibration``: ``cost.calibration``): the model's own where its
+  step over ``k`` devices was timed (``MachineCalibration.model_spmd``, fitted to the training
+  program's trial of jit data parallel), else the host's probe (``HostCosts.spmd_factor``);
+  None where neither says. ``like_model`` (a whole step over k devices, as the trial's): at a
+  width the trial did not time, the probe's factor times the model's own over the probe's at
+  the widest width the trial timed, at least 1 (tiny MMT on 4 forced CPU devices: 7.1 against
+  the probe's 2.2, so its step over 2 devices, which the probe puts at 1.4, measured twice
+  plain jit's time)."""
+  if host is None:
+    return None
+  own = as_calibration(host).model_spmd
+  return _model_or_probe(own, k, host.spmd_factor, like_model, 1.0)
 
 
-def spmd_call(host: Any, layer_graph: nx.DiGraph, k: int, like_model: bool = False) -> float:
-  """The fixed seconds of one computation over ``k`` devices, whatever its size: the model's
-  own where its step over ``k`` devices was timed (``layer_graph.graph["spmd_call"]``, set
-  with its factor by the trial of jit data parallel, and for one device with the fusion by
-  the trials of plain jit and the step in micro-batches, ``runtime.compile
-  .calibrate_fusion``), else the host's probe (``HostCosts.spmd_call_seconds``; 0 for one
-  device, without a host or where not measured); ``like_model`` as ``spmd_factor`` takes
-  it."""
+def spmd_call(host: Any, k: int, like_model: bool = False) -> float:
+  """The fixed seconds of one computation over ``k`` devices, whatever its size, on the
+  machine ``host`` (as ``spmd_factor`` takes it): the model's own where its step over ``k``
+  devices was timed (``MachineCalibration.model_call``, fitted with its factor to the trial of
+  jit data parallel, and for one device with the fusion to the trials of plain jit and the
+  step in micro-batches, ``runtime.calibration.calibrate_fusion``), else the host's probe
+  (``HostCosts.spmd_call_seconds``; 0 for one device, without a host or where not measured);
+  ``like_model`` as ``spmd_factor`` takes it."""
   if host is None:
     return 0.0
+  own = as_calibration(host).model_call
   if k <= 1:
-    return float(layer_graph.graph.get("spmd_call", {}).get("1", 0.0))
-  v = _model_or_probe(layer_graph, "spmd_call", k, host.spmd_call_seconds, like_model, 0.0)
+    return float(own.get(1, 0.0))
+  v = _model_or_probe(own, k, host.spmd_call_seconds, like_model, 0.0)
   return 0.0 if v is None else v
 
 
@@ -251,17 +251,37 @@ def measured_width_times(
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class PricedPlan:
+  """A plan and what the cost model prices it with (``plan_costs``' arguments).
+
+  Attributes:
+    plan: the plan.
+    layer_graph: the LayerGraph it cuts, at its batch.
+    cluster: the machine's devices and links.
+    cost_model: the cost model (None: the default one).
+    costs: the graph's layer costs (``layer_costs``), kept between calls; None: the graph's.
+  """
+
+  plan: Any
+  layer_graph: nx.DiGraph
+  cluster: Cluster
+  cost_model: CostModel | None = None
+  costs: LayerCosts | None = None
+
+  def price(self, narrow: bool = False) -> PlanCosts:
+    """The plan's costs (``plan_costs``); ``narrow``: with every stage on its first device
+    only (``_narrow``)."""
+    plan = _narrow(self.plan) if narrow else self.plan
+    return plan_costs(plan, self.layer_graph, self.cluster, self.cost_model, self.costs)
+
+
 def _spmd_times(
-  plan,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  cost_model: Any,
-  costs: Any,
+  priced: PricedPlan,
   pc: Any,
   host: Any,
-  per_call: bool = True,
-  like_model: bool = False,
   wide: Mapping[int, tuple[float, float]] | None = None,
+  fused: bool = False,
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
   """Per stage (forward, backward) seconds under the host-aware model: a stage in ``wide``
   (``measured_width_times``) takes its measured times; another stage over k > 1 devices
@@ -270,11 +290,13 @@ def _spmd_times(
   and their sharing of the cores), and each of its forwards and backwards, one sharded call
   each, pays the host's fixed seconds per call over k devices (``HostCosts
   .spmd_call_seconds``); other stages, and widths not measured, as ``pc`` has them (the cost
-  model's time of each device's share). ``per_call=False`` leaves the fixed seconds out;
-  ``like_model`` as ``spmd_factor`` takes it."""
+  model's time of each device's share). ``fused``: the plan's one stage is a whole step like
+  the trial's (``predict_fused``): the SPMD factor ``like_model`` (``spmd_factor``), and the
+  fixed seconds left out (the caller pays them per micro-batch)."""
+  plan = priced.plan
   wide = wide or {}
   factors = {
-    s.index: spmd_factor(host, layer_graph, len(s.devices), like_model)
+    s.index: spmd_factor(host, len(s.devices), like_model=fused)
     for s in plan.stages
     if len(s.devices) > 1 and s.index not in wide
   }
@@ -286,21 +308,18 @@ def _spmd_times(
     fw[i], bw[i] = tf, tb
   if not factors:
     return tuple(fw), tuple(bw)
-  one = plan_costs(_narrow(plan), layer_graph, cluster, cost_model, costs)
+  one = priced.price(narrow=True)
   for i, f in factors.items():
     k = len(plan.stages[i].devices)
-    call = host.spmd_call_seconds(k) if per_call else 0.0
+    call = 0.0 if fused else host.spmd_call_seconds(k)
     fw[i] = one.forward[i] / k * f + call
     bw[i] = one.backward[i] / k * f + call
   return tuple(fw), tuple(bw)
 
 
 def _host_updates(
-  plan,
+  priced: PricedPlan,
   pc: Any,
-  layer_graph: nx.DiGraph,
-  cluster: Cluster,
-  cost_model: CostModel | None,
   host: Any,
   inside: Collection[int] = (),
   reduce_once: bool = False,
@@ -318,13 +337,16 @@ def _host_updates(
   .measure_update``), where measured, else the cost model's. Without either measurement these
   are ``pc``'s UPDATE seconds and no all-reduce in the backward. Zeroing the stage's gradient
   sums, once per step (the program's ZERO), is paid with the UPDATE where the layers' timing
-  measured it (``layer_graph.graph["zero_per_byte"]``, seconds per parameter byte)."""
-  cm = cost_model or DEFAULT_COST_MODEL
-  per_byte = layer_graph.graph.get("update_per_byte")
-  zero = float(layer_graph.graph.get("zero_per_byte", 0.0))
+  measured it (``layer_graph.graph["zero_per_byte"]``, seconds per parameter byte).
+  ``reduce_once``: stages whose rows sum their own gradients pay the all-reduce once, with
+  the UPDATE."""
+  cm = priced.cost_model or DEFAULT_COST_MODEL
+  cluster, graph = priced.cluster, priced.layer_graph.graph
+  per_byte = graph.get("update_per_byte")
+  zero = float(graph.get("zero_per_byte", 0.0))
   per_call: list[float] = []
   update: list[float] = []
-  for s in plan.stages:
+  for s in priced.plan.stages:
     i, k, nbytes = s.index, len(s.devices), pc.param_bytes[s.index]
     if i in inside:
       t: float | None = 0.0
@@ -364,19 +386,18 @@ def predict_fused(
   ``_host_updates``), and the host's issue and time outside the step."""
   if plan.num_stages != 1:
     raise ValueError(f"predict_fused takes a one-stage plan, not {plan.num_stages} stages")
-  pc = plan_costs(plan, layer_graph, cluster, cost_model)
+  priced = PricedPlan(plan, layer_graph, cluster, cost_model)
+  pc = priced.price()
   k = len(plan.stages[0].devices)
   fw, bw, slowdown, call = pc.forward, pc.backward, 1.0, 0.0
-  if host is not None and spmd_factor(host, layer_graph, k) is not None:
-    fw, bw = _spmd_times(
-      plan, layer_graph, cluster, cost_model, None, pc, host, per_call=False, like_model=True
-    )
-    call = spmd_call(host, layer_graph, k, like_model=True)
+  if host is not None and spmd_factor(host, k) is not None:
+    fw, bw = _spmd_times(priced, pc, host, fused=True)
+    call = spmd_call(host, k, like_model=True)
   elif host is not None and host.compute_servers():  # not measured: k over the servers
     slowdown = k / min(host.compute_servers(), k)
   update = pc.update[0]
   if host is not None:  # each micro-batch's backward all-reduces the gradients
-    per_call, updates = _host_updates(plan, pc, layer_graph, cluster, cost_model, host)
+    per_call, updates = _host_updates(priced, pc, host)
     call += per_call[0]
     update = updates[0]
   compute = plan.num_microbatches * ((fw[0] + bw[0]) * slowdown + call)
@@ -384,12 +405,13 @@ def predict_fused(
   return compute + update + issue
 
 
-def fused_times(layer_graph: nx.DiGraph) -> nx.DiGraph:
+def fused_times(layer_graph: nx.DiGraph, host: Any = None) -> nx.DiGraph:
   """``layer_graph`` with its layer times scaled by what XLA makes of the whole step where it
-  was measured (``graph.graph["fusion"]``, ``runtime.compile.calibrate_fusion``): the times
-  of a one-stage plan compiled as one program. Layers' times measured over several devices
-  (``time_f_at`` / ``time_b_at``) are left as measured. The graph itself where none."""
-  factor = layer_graph.graph.get("fusion")
+  was measured on the machine ``host`` (``MachineCalibration.fusion``, fitted by
+  ``runtime.calibration.calibrate_fusion``): the times of a one-stage plan compiled as one
+  program. Layers' times measured over several devices (``time_f_at`` / ``time_b_at``) are
+  left as measured. The graph itself where none (no host, or a ``HostCosts`` alone)."""
+  factor = as_calibration(host).fusion if host is not None else None
   if factor is None:
     return layer_graph
   out = layer_graph.copy()
@@ -397,22 +419,20 @@ def fused_times(layer_graph: nx.DiGraph) -> nx.DiGraph:
     for k in ("time_f", "time_b"):
       if out.nodes[n].get(k) is not None:
         out.nodes[n][k] = out.nodes[n][k] * factor
-  out.graph.pop("fusion", None)  # applied
   return out
 
 
-def step_durations(
-  program: Program,
-  plan,
-  cluster: Cluster,
-  pc: Any,
-  backward: Sequence[float],
-  weight: Sequence[float] | None,
-) -> list[float]:
-  """Seconds of each instruction of a compiled step's program under the cost model: F, B, W
-  and UPDATE as for the schedule (``plan_costs``); a SEND between stages its buffer's bytes
-  over their link (nothing from the host lane, whose puts the device-only model leaves out);
-  a fused step M forwards and backwards and the update; the rest nothing."""
+def step_durations(program: Program, plan, cluster: Cluster, times: PlanTimes) -> list[float]:
+  """Seconds of each instruction of a compiled step's program under the cost model, from the
+  plan's ``times`` (``plan_times``): F, B, W and UPDATE as for the schedule (the stages' B and
+  W seconds, ``PlanTimes.stages``; the rest, ``PlanTimes.costs``); a SEND between stages its
+  buffer's bytes over their link (nothing from the host lane, whose puts the device-only
+  model leaves out); a fused step M forwards and backwards and the update (the plan's costs);
+  the rest nothing."""
+  pc = times.costs
+  # Per stage, seconds of a B and of a W (``plan_times`` gives floats, one per stage).
+  backward: Sequence[Any] = times.stages.backward
+  weight: Sequence[Any] | None = times.stages.weight
   S = program.num_stages
   devs = [plan.stages[s].devices for s in range(min(S, plan.num_stages))]
   out = []
@@ -440,7 +460,7 @@ def step_durations(
 
 def nic_channels(plan, cluster: Cluster) -> dict[tuple[str, int, int], Any]:
   """Transfers between stages on different nodes -> the inbound interface of the receiving
-  stage's node (its first device's), for ``passes.simulation.simulate_times(channels=...)``."""
+  stage's node (its first device's), for ``cost.stage_times.HostSide.channels``."""
   out: dict[tuple[str, int, int], Any] = {}
   node = [cluster.node_of(s.devices[0]) if s.devices else 0 for s in plan.stages]
   for i, j in plan.edges:

@@ -63,15 +63,13 @@ def _without(spec: Any, axis: str, ndim: int) -> tuple:
 
 
 def build_kernels(
-  captured: Captured,
-  planned: Planned,
-  staged: Staged,
-  opts: Options,
-  fused: bool,
-  split_w: bool = False,
-):
+  captured: Captured, planned: Planned, staged: Staged, opts: Options, sched: Schedule
+) -> Kernels:
   """The jitted functions a program calls: per stage forward/backward, the pieces of the
-  step around the pipeline, and (one fused stage) the whole step."""
+  step around the pipeline, and (one fused stage, ``fuses``) the whole step; stages sum
+  their gradients per row (``row_local``) unless ``sched`` splits the backward."""
+  fused = fuses(opts, planned.plan, sched, captured)
+  split_w = sched.splits_backward
   spec = staged.spec
   layers = [tuple(s.layers) for s in planned.plan.stages]
   stages = []
@@ -83,15 +81,13 @@ def build_kernels(
     ]
     local = staged.row_local.get(st.index) if not split_w else None
     if local is not None:  # gradients summed per row, reduced once per step
-      batch_in, batch_out = row_batch_flags(st, captured.roles, place.microbatch_size)
+      batch = row_batch_flags(st, captured.roles, place.microbatch_size)
       axis = place.axis_names[0]
       acc_shardings: list[jax.sharding.Sharding] = [
         NamedSharding(place.mesh, PartitionSpec(axis, *_without(sp, axis, a.ndim)))
         for sp, a in zip(param_specs[st.index], [avals[p] for p in st.param_inputs])
       ]
-      fns = row_local_functions(
-        local, place.rows, place.mesh, batch_in, batch_out, shardings, acc_shardings
-      )
+      fns = row_local_functions(local, place.mesh, batch, shardings, acc_shardings)
       shardings = acc_shardings
     else:
       fns = stage_functions(
@@ -115,18 +111,8 @@ def build_kernels(
   fused_fn = None
   if fused:
     # The loss as captured (one stage needs no scan split): inputs are the marker's.
-    loss = captured.loss_as_traced
-    assert loss is not None
-    fused_fn = fused_step(
-      prog,
-      loss,
-      list(captured.roles),
-      opts.num_microbatches,
-      captured.microbatch_size,
-      captured.reduce,
-      stacked=len(staged.placements[0].devices) > 1,
-      donate=staged.spec.donated,
-    )
+    stacked = len(staged.placements[0].devices) > 1
+    fused_fn = fused_step(prog, captured, opts.num_microbatches, stacked)
   return Kernels(stages, pieces, fused_fn, staged.leaf_specs)
 
 
@@ -326,7 +312,7 @@ def build_step(
   staged = stage_step(captured, planned, opts, recapture)
   sched = plan_schedule(planned.plan, captured.batch_size)
   fused = fuses(opts, planned.plan, sched, captured)
-  kernels = build_kernels(captured, planned, staged, opts, fused, sched.splits_backward)
+  kernels = build_kernels(captured, planned, staged, opts, sched)
   counts = sched.stage_counts
   seeds = loss_seeds(staged, counts)
   logging.info(

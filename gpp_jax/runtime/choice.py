@@ -3,9 +3,10 @@
 ``plan_step`` calibrates (``runtime.calibration``), plans (``runtime.planning``) and chooses
 among the planner's plan and the candidates a user would run instead (``baseline_plans``,
 ``fewer_device_plans``, the step in micro-batches on one device, ``ACCUMULATED``), each
-predicted for this machine and, when calibrating, compiled and timed by trial (``_timed``,
-``_interleaved``, ``checked_by_trial``); ``choose`` takes the fastest and says where each time
-comes from (``Choice``)."""
+predicted for this machine and, when calibrating, compiled and timed by trial (``Trials``,
+run by a ``TimingTrials``: ``_timed_baselines``, ``checked_by_trial``), the trials fitting this
+machine's calibration (``cost.calibration.MachineCalibration``); ``choose`` takes the fastest
+and says where each time comes from (``Choice``)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 import jax
 import networkx as nx
 from absl import logging
 
-from gpp_jax.cost.host import HostCosts
+from gpp_jax.cost.calibration import MachineCalibration
 from gpp_jax.errors import PlanError
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
@@ -29,17 +30,26 @@ from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.partition.problem import check_min_stages
 from gpp_jax.passes.simulation import simulate_on_host
 from gpp_jax.runtime.calibration import (
+  Predictor,
+  Timed,
   calibrate,
   calibrate_fusion,
   calibrate_spmd,
   calibrate_widths,
   probe_host,
   stage_widths,
+  width_groups,
   with_measured_link,
 )
 from gpp_jax.runtime.captured import Captured
 from gpp_jax.runtime.options import Options
-from gpp_jax.runtime.planning import BASELINES, make_plan, planner_cluster, predict_seconds
+from gpp_jax.runtime.planning import (
+  BASELINES,
+  Machine,
+  make_plan,
+  planner_cluster,
+  predict_seconds,
+)
 from gpp_jax.runtime.processes import check_same_plan, exchange
 
 # Where a candidate's time in the plan choice comes from (``Choice.how``, ``Planned.how``).
@@ -56,8 +66,10 @@ class Planned:
     plan: the validated plan (stages, devices, micro-batches, schedule name).
     layer_graph: the LayerGraph planned over (calibrated times where measured).
     calibration: the measured layer times (``calibrate=True``), else None.
-    host: the host's measured costs (``calibrate=True``; with several processes, process
-      0's of its own devices, ``probe_host``), else None.
+    host: this machine's calibration (``calibrate=True``, ``cost.calibration
+      .MachineCalibration``): the host's measured costs (with several processes, process 0's
+      of its own devices, ``probe_host``) and what the trials fitted on them (the fusion, the
+      model's own SPMD factors), else None.
     predicted_s: seconds per step predicted for the plan on this machine (with ``host``).
     alternatives: what else was predicted: candidate name -> seconds ("pipeline": the
       planner's plan, "plain jit", "jit data parallel").
@@ -76,7 +88,7 @@ class Planned:
   plan: Plan
   layer_graph: nx.DiGraph
   calibration: Calibration | None = None
-  host: HostCosts | None = None
+  host: MachineCalibration | None = None
   predicted_s: float | None = None
   alternatives: Mapping[str, float] = dataclasses.field(default_factory=dict)
   note: str = ""
@@ -95,12 +107,77 @@ class Planned:
     return self.how.get(self.chosen, MODELLED)
 
 
-def plan_step(
-  captured: Captured,
-  opts: Options,
-  trial: Callable[[Plan], tuple[Any, float]] | None = None,
-  again: Callable[[Any], float] | None = None,
-) -> Planned:
+class TimingTrials(Protocol):
+  """What compiles and times the plan choice's candidates (``runtime.compile.StepTrials``):
+  the trials ``plan_step`` takes (``Trials``)."""
+
+  def time(self, plan: Plan) -> tuple[Any, float]:
+    """``plan``'s step, compiled and timed: (the compiled step, seconds per call). Raises
+    ``PlanError`` where its compiled program does not fit the memory budget."""
+    ...
+
+  def again(self, step: Any) -> float:
+    """Seconds per call of a trial's compiled ``step``, timed once more."""
+    ...
+
+
+class Trials:
+  """The timing trials taken while choosing (``taken``: candidate name -> (compiled step,
+  seconds per call)), run by a ``TimingTrials``. With several processes all take process
+  0's clock (plain jit runs there alone), and a candidate that does not fit on one process
+  fits on none, so that all choose alike."""
+
+  def __init__(self, timing: TimingTrials, timeout_s: float):
+    self.timing = timing
+    self.timeout_s = timeout_s
+    self.taken: dict[str, tuple[Any, float]] = {}
+
+  def take(self, name: str, plan: Plan) -> bool:
+    """Times ``plan`` into ``taken[name]``; False where it does not fit the memory budget (its
+    compiled program says so; the caller decides whether the candidate leaves)."""
+    try:
+      result: tuple[Any, float] | None = self.timing.time(plan)
+    except PlanError:
+      result = None
+    if jax.process_count() > 1:
+      times = exchange("trial", "-" if result is None else repr(result[1]), self.timeout_s)
+      if result is not None:
+        result = None if "-" in times else (result[0], float(times[0]))
+    if result is None:
+      return False
+    self.taken[name] = result
+    return True
+
+  def interleave(self, names: Sequence[str], rounds: int | None = None) -> None:
+    """The trials ``names`` timed ``rounds`` (default ``TRIAL_ROUNDS``) more times in turns
+    (``TimingTrials.again``), backwards and forwards in alternate rounds; each keeps the
+    median of its times, the trial's own included. Trials taken one after another fall in
+    different spells of a shared machine's speed, which last from milliseconds to seconds:
+    on 2 cores, one step measured 1.4x apart in one run (docs/results/fidelity.md), enough to
+    flip a choice between steps within 20% of each other. With several processes every
+    process times the same steps in the same order, and all take process 0's clock, as
+    ``take`` does."""
+    taken = self.taken
+    names = [k for k in names if k in taken]
+    rounds = TRIAL_ROUNDS if rounds is None else rounds
+    if len(names) < 2 or rounds < 1:
+      return
+    seen = {k: [taken[k][1]] for k in names}
+    for r in range(rounds):
+      order = names[::-1] if r % 2 == 0 else names
+      times = [self.timing.again(taken[k][0]) for k in order]
+      if jax.process_count() > 1:
+        times = json.loads(exchange("retime", json.dumps(times), self.timeout_s)[0])
+      for k, t in zip(order, times):
+        seen[k].append(t)
+    for k in names:
+      taken[k] = (taken[k][0], statistics.median(seen[k]))
+
+
+TRIAL_ROUNDS = 2  # rounds of timing in turns after the trials (``Trials.interleave``)
+
+
+def plan_step(captured: Captured, opts: Options, timing: TimingTrials | None = None) -> Planned:
   """Calibrates (if asked), plans, validates; with several processes, checks that every
   process has the same plan.
 
@@ -114,14 +191,15 @@ def plan_step(
   host not measured) the planner's plan is kept and a faster baseline only noted. A plan the
   user gives is run as it is, with the same prediction.
 
-  When calibrating, the planner searches with the host's measured costs (``make_plan(host=)``:
-  every plan it compares is predicted for this machine), after the layers are timed at each
-  width a pipeline's stage may take (``stage_widths``, ``calibrate_widths``; on CPU devices of
-  one process), and once more after the trials below have fitted the fusion and the model's
-  own SPMD factor (one-stage plans are priced with them only then).
+  When calibrating, the planner searches with the host's measured costs (``make_plan(host=)``
+  with a ``MachineCalibration``: every plan it compares is predicted for this machine), after
+  the layers are timed at each width a pipeline's stage may take (``stage_widths``,
+  ``calibrate_widths``; on CPU devices of one process), and once more after the trials below
+  have fitted the fusion and the model's own SPMD factor into the calibration (one-stage
+  plans are priced with them only then).
 
-  When calibrating, ``trial(plan)`` compiles and times plain jit (``(compiled step, seconds)``):
-  the measured step calibrates the layer times' sum against what XLA makes of the whole
+  When calibrating, ``timing`` (``TimingTrials.time``) compiles and times plain jit: the
+  measured step calibrates the layer times' sum against what XLA makes of the whole
   model (``fusion``: their ratio, applied to the one-stage candidates, which XLA compiles as
   one program; a pipeline's stages are compiled apart, as the layers were timed), and if
   plain jit is chosen its compiled step is kept (``Planned.trial``). Jit data parallel is
@@ -134,60 +212,63 @@ def plan_step(
   pipeline), chosen where it measured faster than plain jit. The candidate then predicted
   fastest, if none of these, is timed before it is taken (``checked_by_trial``).
 
-  ``again(compiled step)`` times a trial's step once more (seconds per call): the steps
-  compared are then timed in turns (``_interleaved``), so that a slow or fast spell of the
-  machine does not fall on one of them only."""
+  ``TimingTrials.again`` times a trial's step once more: the steps compared are then timed
+  in turns (``Trials.interleave``), so that a slow or fast spell of the machine does not
+  fall on one of them only."""
   graph = captured.layering.graph
   B = captured.batch_size
-  given = isinstance(opts.planner, (Plan, ManualPlan))
+  given = given_plan(opts)
   if not given:  # before anything is timed: the stages asked for must be possible
     check_min_stages(
       opts.min_stages, len(opts.devices), graph.number_of_nodes(), opts.layout is not None
     )
-  calibration = host = None
+  calibration = machine = None
   if opts.calibrate:
     calibration = calibrate(captured, opts)
     graph = calibration.apply(graph)
     if opts.host_probe is not None:
       host = probe_host(opts)
       opts = with_measured_link(opts, host)
-  if calibration is not None and host is not None and not given:
+      machine = MachineCalibration(host) if host is not None else None
+  if calibration is not None and machine is not None and not given:
     # The planner searches with the host's measured costs: every plan it compares is
     # predicted for this machine, as the candidates below are. A stage over several devices
     # is priced by its layers timed that wide, so each width a stage may take is timed first.
     widths = stage_widths(len(opts.devices), captured.microbatch_size)
-    graph = calibrate_widths(captured, graph, (), host, opts.devices, widths)
-  plan = make_plan(graph, B, opts, host)
+    graph = calibrate_widths(captured, graph, machine, width_groups(opts.devices, (), widths))
+  plan = make_plan(graph, B, opts, machine)
   cluster = planner_cluster(opts)
   candidates = {"pipeline": plan}
   if not given:
     candidates.update(baseline_plans(graph, B, opts, sharded=any(captured.leaf_specs)))
-    if host is not None:  # where the host is the bottleneck, fewer devices can be faster
-      candidates.update(fewer_device_plans(graph, B, opts, host))
+    if machine is not None:  # where the host is the bottleneck, fewer devices can be faster
+      candidates.update(fewer_device_plans(graph, B, opts, machine))
     candidates = {
       k: p for k, p in candidates.items() if k == "pipeline" or p.num_stages >= opts.min_stages
     }
   if calibration is not None:  # stages over several devices (of any width not timed yet)
-    graph = calibrate_widths(captured, graph, candidates.values(), host, opts.devices)
-  trials: dict[str, tuple[Any, float]] = {}
+    groups = width_groups(opts.devices, candidates.values())
+    graph = calibrate_widths(captured, graph, machine, groups)
+  trials = Trials(timing, opts.timeout_s) if timing is not None else None
   # The plain step, timed, calibrates one-stage predictions (a given pipeline needs none).
-  if host is not None and trial is not None and (not given or plan.num_stages == 1):
-    graph, plan = _timed_baselines(
-      captured, opts, graph, plan, candidates, trials, trial, again, host, cluster, given
-    )
-  measured = {k: t for k, (_, t) in trials.items()}
-  chose = choose(candidates, lg.scaled(graph, B), cluster, host, measured)
+  if machine is not None and trials is not None and (not given or plan.num_stages == 1):
+    baselines = _timed_baselines(graph, B, opts, candidates, trials)
+    machine = baselines.fitted(trials, Predictor(lg.scaled(graph, B), cluster), machine)
+    if not given and trials.taken:
+      graph, plan = _searched_again(captured, opts, graph, machine, candidates)
+    baselines.settle(trials, candidates, not given and opts.min_stages <= 1)
+  taken = trials.taken if trials is not None else {}
+  measured = {k: t for k, (_, t) in taken.items()}
+  chose = choose(candidates, lg.scaled(graph, B), cluster, machine, measured)
   choice, predicted = chose.name, chose.predicted
   note = ""
-  if trial is not None and not given and choice not in trials:
-    choice, note = checked_by_trial(
-      choice, trials, candidates, predicted, trial, opts.timeout_s, again
-    )
+  if trials is not None and not given and choice not in taken:
+    choice, note = checked_by_trial(choice, trials, candidates, predicted)
   if note:
     logging.info("graph_pipeline: %s", note)
     plan = candidates[choice]
   else:
-    choice, note = _choice_note(choice, plan, candidates, predicted, measured, host)
+    choice, note = _choice_note(chose, candidates, measured, machine)
     plan = candidates[choice] if choice != "pipeline" else plan
   if not given and opts.min_stages > 1:
     kept_to = (
@@ -197,16 +278,16 @@ def plan_step(
     note = f"{kept_to}; {note}" if note else kept_to
   if jax.process_count() > 1:
     check_same_plan(plan, opts.timeout_s)
-  kept = trials[choice][0] if choice in trials else None
-  measured = {k: t for k, (_, t) in trials.items()}
+  kept = taken[choice][0] if choice in taken else None
+  measured = {k: t for k, (_, t) in taken.items()}
   plans = {k: candidates[k] for k in predicted if k in candidates}
   scaled = lg.scaled(graph, B)
-  memory = {k: predicted_peak(p, scaled, cluster, host) for k, p in candidates.items()}
+  memory = {k: predicted_peak(p, scaled, cluster, machine) for k, p in candidates.items()}
   return Planned(
     plan,
     graph,
     calibration,
-    host,
+    machine,
     predicted[choice],
     predicted,
     note,
@@ -220,29 +301,85 @@ def plan_step(
   )
 
 
+def given_plan(opts: Options) -> bool:
+  """Whether the user gave the plan (a ``Plan`` or a manual plan): it runs as it is."""
+  return isinstance(opts.planner, (Plan, ManualPlan))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Baselines:
+  """The plans ``_timed_baselines`` timed, and what their trials calibrate.
+
+  Attributes:
+    plain: plain jit.
+    one_acc: plain jit's step in the planner's micro-batches on its device (gradient
+      accumulation); None where the batch does not split into them.
+    dp: jit data parallel; None where it is no candidate.
+    first: the planner's plan when they were timed.
+    wide_acc: whether ``first`` is jit data parallel's step in micro-batches.
+  """
+
+  plain: Plan
+  one_acc: Plan | None
+  dp: Plan | None
+  first: Plan
+  wide_acc: bool
+
+  def fitted(
+    self, trials: Trials, predictor: Predictor, machine: MachineCalibration
+  ) -> MachineCalibration:
+    """``machine`` with the fusion and the model's own SPMD factor fitted to the trials
+    (``calibrate_fusion``, ``calibrate_spmd``; each with the fixed seconds a micro-batch pays,
+    where the step in micro-batches of the same width was timed too)."""
+    taken, one_acc = trials.taken, self.one_acc
+    if "plain jit" in taken:
+      timed = taken.get(ACCUMULATED)
+      if one_acc is not None and is_same(self.first, one_acc):
+        timed = taken.get("pipeline")
+      pieces = Timed(one_acc, timed[1]) if one_acc is not None and timed is not None else None
+      plain = Timed(self.plain, taken["plain jit"][1])
+      machine = calibrate_fusion(predictor, machine, plain, pieces)
+    if self.dp is not None and "jit data parallel" in taken:
+      wide = self.wide_acc and "pipeline" in taken
+      pieces = Timed(self.first, taken["pipeline"][1]) if wide else None
+      dp = Timed(self.dp, taken["jit data parallel"][1])
+      machine = calibrate_spmd(predictor, machine, dp, pieces)
+    return machine
+
+  def settle(self, trials: Trials, candidates: dict[str, Plan], keep: bool) -> None:
+    """The trials as the candidates stand after the planner's last search: a new plan drops
+    the first one's timing (it takes the step in micro-batches' where it is that step).
+    Where ``keep`` (the plan is the planner's and ``min_stages`` asks for no pipeline), plain
+    jit's step in micro-batches, timed, is a candidate, chosen where it measured faster than
+    plain jit (``choose``), unless it is the planner's plan, timed as ``"pipeline"``; else
+    its timing is dropped."""
+    taken, one_acc, plan = trials.taken, self.one_acc, candidates["pipeline"]
+    if not is_same(plan, self.first):
+      taken.pop("pipeline", None)  # the first plan's timing
+      if one_acc is not None and ACCUMULATED in taken and is_same(plan, one_acc):
+        taken["pipeline"] = taken[ACCUMULATED]  # the step it timed
+    if one_acc is not None and ACCUMULATED in taken and keep:
+      if is_same(plan, one_acc):
+        taken.pop(ACCUMULATED)  # the planner's plan, timed as "pipeline"
+      else:  # timed: chosen where it measured faster than plain jit (``choose_plan``)
+        candidates[ACCUMULATED] = one_acc
+    else:
+      taken.pop(ACCUMULATED, None)
+
+
 def _timed_baselines(
-  captured: Captured,
-  opts: Options,
-  graph: nx.DiGraph,
-  plan: Plan,
-  candidates: dict[str, Plan],
-  trials: dict[str, tuple[Any, float]],
-  trial: Callable[[Plan], tuple[Any, float]],
-  again: Callable[[Any], float] | None,
-  host: HostCosts,
-  cluster: Any,
-  given: bool,
-) -> tuple[nx.DiGraph, Plan]:
-  """``plan_step``'s timing trials (into ``trials``) and what they calibrate: plain jit, its
-  step in the planner's micro-batches, jit data parallel (and the planner's plan where it is
-  that step in micro-batches), timed in turns with ``again``; the fusion and the model's own
-  SPMD factor fitted to them; the planner searched again with them. Returns the calibrated
-  graph and the planner's plan (``candidates`` follow it)."""
-  B = captured.batch_size
+  graph: nx.DiGraph, batch_size: int, opts: Options, candidates: dict[str, Plan], trials: Trials
+) -> _Baselines:
+  """``plan_step``'s timing trials of the baselines (into ``trials``): plain jit, its step in
+  the planner's micro-batches, jit data parallel (and the planner's plan where it is that
+  step in micro-batches), timed in turns (``Trials.interleave``). A baseline over the memory
+  budget as compiled leaves the candidates."""
+  B, given = batch_size, given_plan(opts)
   # Layers timed one call each add up to more than XLA makes of the whole model (it fuses
   # across layers): plain jit, compiled and timed, says by how much.
   plain = candidates.get("plain jit") or baseline_plans(graph, B, opts, (1,))["plain jit"]
-  _timed(trials, "plain jit", plain, trial, candidates, opts.timeout_s)
+  if not trials.take("plain jit", plain):
+    candidates.pop("plain jit", None)
   # Jit data parallel timed too: how much slower than 1/k of plain jit's time its step is
   # over k devices depends on the model (its share of work per device against the
   # collectives), which the host's probe of a small MLP only guesses (measured 0.5x to 3.5x
@@ -254,75 +391,65 @@ def _timed_baselines(
   # step in micro-batches, that too: the two times of one width tell the fixed seconds each
   # micro-batch pays from the share of work that divides (``calibrate_fusion``,
   # ``calibrate_spmd``). Timed whatever the planner's first plan, since the second search
-  # below may return it. A throwaway dict: a plan over the memory budget leaves no
-  # candidate here.
+  # may return it. A plan over the memory budget leaves no candidate here.
   acc = candidates["pipeline"]
   M = opts.num_microbatches or acc.num_microbatches
   one_acc = plain.replace(num_microbatches=M) if M > 1 and B % M == 0 else None
-  if "plain jit" in trials and one_acc is not None and (not given or is_same(plan, one_acc)):
-    name = "pipeline" if is_same(acc, one_acc) else ACCUMULATED
-    _timed(trials, name, one_acc, trial, dict(candidates), opts.timeout_s)
+  if "plain jit" in trials.taken and one_acc is not None and (not given or is_same(acc, one_acc)):
+    trials.take("pipeline" if is_same(acc, one_acc) else ACCUMULATED, one_acc)
   wide_acc = dp is not None and acc.num_stages == 1 and acc.num_microbatches > 1
   wide_acc = wide_acc and dp is not None and acc.stages[0].devices == dp.stages[0].devices
   if dp is not None:
-    _timed(trials, "jit data parallel", dp, trial, candidates, opts.timeout_s)
-    if "jit data parallel" in trials and wide_acc:
-      _timed(trials, "pipeline", acc, trial, dict(candidates), opts.timeout_s)
-  if again is not None:
-    _interleaved(trials, list(trials), again, opts.timeout_s)
-  if "plain jit" in trials:
-    timed = trials.get(ACCUMULATED)
-    if one_acc is not None and is_same(acc, one_acc):
-      timed = trials.get("pipeline")
-    pieces = (one_acc, timed[1]) if one_acc is not None and timed is not None else None
-    graph = calibrate_fusion(graph, B, plain, cluster, host, trials["plain jit"][1], pieces)
-  if dp is not None and "jit data parallel" in trials:
-    pieces = (acc, trials["pipeline"][1]) if wide_acc and "pipeline" in trials else None
-    graph = calibrate_spmd(graph, B, dp, cluster, host, trials["jit data parallel"][1], pieces)
-  if not given and trials:
-    # The search ran before the trials said what XLA makes of a step in one program (the
-    # fusion, the model's own SPMD factor, the fixed seconds per micro-batch), so it priced
-    # one-stage plans with the host's probe only: searched again with them, the planner's
-    # plan replaces its first one.
-    better_plan = make_plan(graph, B, opts, host)
-    if plan_shape(better_plan) != plan_shape(plan):
-      logging.info(
-        "graph_pipeline: searched again with the trials' calibration, %s's plan has %d "
-        "stage(s) (first: %d)",
-        better_plan.planner,
-        better_plan.num_stages,
-        plan.num_stages,
-      )
-      plan = candidates["pipeline"] = better_plan
-      trials.pop("pipeline", None)  # the first plan's timing
-      if one_acc is not None and ACCUMULATED in trials and is_same(plan, one_acc):
-        trials["pipeline"] = trials[ACCUMULATED]  # the step it timed
-      graph = calibrate_widths(captured, graph, [plan], host, opts.devices)
-  candidate = not given and opts.min_stages <= 1
-  if one_acc is not None and ACCUMULATED in trials and candidate:
-    if is_same(plan, one_acc):
-      trials.pop(ACCUMULATED)  # the planner's plan, timed as "pipeline"
-    else:  # timed: chosen where it measured faster than plain jit (``choose_plan``)
-      candidates[ACCUMULATED] = one_acc
-  else:
-    trials.pop(ACCUMULATED, None)
-  return graph, plan
+    if not trials.take("jit data parallel", dp):
+      candidates.pop("jit data parallel", None)
+    if "jit data parallel" in trials.taken and wide_acc:
+      trials.take("pipeline", acc)
+  trials.interleave(list(trials.taken))
+  return _Baselines(plain, one_acc, dp, acc, wide_acc)
+
+
+def _searched_again(
+  captured: Captured,
+  opts: Options,
+  graph: nx.DiGraph,
+  machine: MachineCalibration,
+  candidates: dict[str, Plan],
+) -> tuple[nx.DiGraph, Plan]:
+  """The planner's search again on ``machine`` as the trials calibrated it: the first search
+  ran before the trials said what XLA makes of a step in one program (the fusion, the
+  model's own SPMD factor, the fixed seconds per micro-batch), so it priced one-stage plans
+  with the host's probe only. A new plan replaces the first as ``candidates["pipeline"]``,
+  its stages' widths timed (``calibrate_widths``). Returns the graph and the planner's plan."""
+  plan = candidates["pipeline"]
+  better_plan = make_plan(graph, captured.batch_size, opts, machine)
+  if plan_shape(better_plan) == plan_shape(plan):
+    return graph, plan
+  logging.info(
+    "graph_pipeline: searched again with the trials' calibration, %s's plan has %d "
+    "stage(s) (first: %d)",
+    better_plan.planner,
+    better_plan.num_stages,
+    plan.num_stages,
+  )
+  candidates["pipeline"] = better_plan
+  groups = width_groups(opts.devices, [better_plan])
+  return calibrate_widths(captured, graph, machine, groups), better_plan
 
 
 def _choice_note(
-  choice: str,
-  plan: Plan,
+  chose: Choice,
   candidates: Mapping[str, Plan],
-  predicted: Mapping[str, float],
   measured: Mapping[str, float],
-  host: HostCosts | None,
+  machine: MachineCalibration | None,
 ) -> tuple[str, str]:
-  """What runs and why, where no trial overturned the prediction: (the choice, the note said
-  of it). Without the host's costs the planner's plan is kept, and a faster baseline only
-  noted; else the candidate predicted fastest runs, and the note says what it beat (or, for
-  the planner's one-stage plan in micro-batches, what its measurement beat)."""
+  """What runs and why, where no trial overturned the prediction ``chose``: (the choice, the
+  note said of it). Without the host's costs (``machine`` None) the planner's plan
+  (``candidates["pipeline"]``) is kept, and a faster baseline only noted; else the candidate
+  predicted fastest runs, and the note says what it beat (or, for the planner's one-stage
+  plan in micro-batches, what its measurement beat)."""
+  choice, predicted, plan = chose.name, chose.predicted, candidates["pipeline"]
   note = ""
-  if choice != "pipeline" and host is None:
+  if choice != "pipeline" and machine is None:
     # Devices-only layer estimates are not this machine's: say so, keep the planner's plan.
     if predicted[choice] < predicted["pipeline"]:
       note = (
@@ -365,7 +492,7 @@ def _choice_note(
   return choice, note
 
 
-def predicted_peak(plan: Plan, graph: nx.DiGraph, cluster: Any, host: HostCosts | None) -> float:
+def predicted_peak(plan: Plan, graph: nx.DiGraph, cluster: Any, host: Machine | None) -> float:
   """The cost model's peak bytes per device of ``plan`` (its largest stage's)."""
   if not plan.batch_size:
     plan = plan.replace(batch_size=graph.graph["batch_size"])
@@ -390,99 +517,38 @@ ACCUMULATED = "plain jit in micro-batches"
 
 def checked_by_trial(
   choice: str,
-  trials: dict[str, tuple[Any, float]],
+  trials: Trials,
   candidates: dict[str, Plan],
   predicted: Mapping[str, float],
-  trial: Callable[[Plan], tuple[Any, float]],
-  timeout_s: float,
-  again: Callable[[Any], float] | None = None,
 ) -> tuple[str, str]:
   """The candidate predicted fastest, compiled and timed like the baselines before it is
-  taken: (the choice, "" where it stands; else the fastest candidate timed, and the note that
-  says why). Where no baseline among ``candidates`` was timed, the prediction stands alone.
-  The predictions of one-call steps are their measurements; a pipeline's is the simulator's,
-  which misses what the host and the devices do to it on some machines
+  taken (``trials``): (the choice, "" where it stands; else the fastest candidate timed, and
+  the note that says why). Where no baseline among ``candidates`` was timed, the prediction
+  stands alone. The predictions of one-call steps are their measurements; a pipeline's is the
+  simulator's, which misses what the host and the devices do to it on some machines
   (docs/results/fidelity.md). Its compiled step is kept, so a pipeline that stands is compiled
-  once. With ``again``, it and the fastest baseline are then timed in turns
-  (``_interleaved``)."""
+  once. It and the fastest baseline are then timed in turns (``Trials.interleave``); one that
+  does not fit the memory budget as compiled leaves the candidates."""
   # Only candidates the cost model found to fit the memory budget (``predicted``) compete: a
   # baseline timed to calibrate (plain jit, always) may not.
-  timed = [k for k in trials if k in candidates and k in predicted]
+  taken = trials.taken
+  timed = [k for k in taken if k in candidates and k in predicted]
   if not timed:
     return choice, ""
-  _timed(trials, choice, candidates[choice], trial, candidates, timeout_s)
-  best = min(timed, key=lambda k: trials[k][1])
+  if not trials.take(choice, candidates[choice]):
+    candidates.pop(choice, None)
+  best = min(timed, key=lambda k: taken[k][1])
   what = f"{choice} ({predicted[choice] * 1e3:.2f} ms predicted)"
-  if choice not in trials:
+  if choice not in taken:
     return best, f"{what} does not fit the memory budget as compiled: {best} runs instead"
-  if again is not None:  # the two compared, timed in turns
-    _interleaved(trials, [best, choice], again, timeout_s)
-  mine, theirs = trials[choice][1], trials[best][1]
+  trials.interleave([best, choice])  # the two compared, timed in turns
+  mine, theirs = taken[choice][1], taken[best][1]
   if mine <= theirs:
     return choice, ""
   return best, (
     f"{what} measured {mine * 1e3:.2f} ms per step, slower than {best}'s {theirs * 1e3:.2f} ms: "
     f"{best} runs instead (min_stages=2 runs a pipeline regardless)"
   )
-
-
-def _timed(
-  trials: dict[str, tuple[Any, float]],
-  name: str,
-  plan: Plan,
-  trial: Callable[[Plan], tuple[Any, float]],
-  candidates: dict[str, Plan],
-  timeout_s: float,
-) -> None:
-  """Runs ``trial(plan)`` into ``trials[name]``; a candidate that does not fit the memory
-  budget (its compiled program says so) leaves the candidates. With several processes all
-  take process 0's clock (plain jit runs there alone), and a candidate that does not fit on
-  one process leaves them on all, so that all choose alike."""
-  try:
-    result: tuple[Any, float] | None = trial(plan)
-  except PlanError:
-    result = None
-  if jax.process_count() > 1:
-    times = exchange("trial", "-" if result is None else repr(result[1]), timeout_s)
-    if result is not None:
-      result = None if "-" in times else (result[0], float(times[0]))
-  if result is None:
-    candidates.pop(name, None)
-  else:
-    trials[name] = result
-
-
-TRIAL_ROUNDS = 2  # rounds of timing in turns after the trials (``_interleaved``)
-
-
-def _interleaved(
-  trials: dict[str, tuple[Any, float]],
-  names: Sequence[str],
-  again: Callable[[Any], float],
-  timeout_s: float,
-  rounds: int | None = None,
-) -> None:
-  """The trials ``names`` timed ``rounds`` (default ``TRIAL_ROUNDS``) more times in turns
-  (``again(compiled step)``), backwards and forwards in alternate rounds; each keeps the
-  median of its times, the trial's own included. Trials taken one after another fall in
-  different spells of a shared machine's speed, which last from milliseconds to seconds: on
-  2 cores, one step measured 1.4x apart in one run (docs/results/fidelity.md), enough to flip a
-  choice between steps within 20% of each other. With several processes every process times
-  the same steps in the same order, and all take process 0's clock, as ``_timed`` does."""
-  names = [k for k in names if k in trials]
-  rounds = TRIAL_ROUNDS if rounds is None else rounds
-  if len(names) < 2 or rounds < 1:
-    return
-  seen = {k: [trials[k][1]] for k in names}
-  for r in range(rounds):
-    order = names[::-1] if r % 2 == 0 else names
-    times = [again(trials[k][0]) for k in order]
-    if jax.process_count() > 1:
-      times = json.loads(exchange("retime", json.dumps(times), timeout_s)[0])
-    for k, t in zip(order, times):
-      seen[k].append(t)
-  for k in names:
-    trials[k] = (trials[k][0], statistics.median(seen[k]))
 
 
 # A candidate's prediction counts as its trial's where the two agree to this (relative): the
@@ -518,7 +584,7 @@ def choose_plan(
   candidates: Mapping[str, Plan],
   graph: nx.DiGraph,
   cluster: Any,
-  host: HostCosts | None,
+  host: Machine | None,
   measured: Mapping[str, float] | None = None,
 ) -> tuple[str, dict[str, float]]:
   """(the name of the candidate predicted fastest, seconds predicted per candidate):
@@ -531,7 +597,7 @@ def choose(
   candidates: Mapping[str, Plan],
   graph: nx.DiGraph,
   cluster: Any,
-  host: HostCosts | None,
+  host: Machine | None,
   measured: Mapping[str, float] | None = None,
 ) -> Choice:
   """The candidate predicted fastest, the seconds predicted per candidate and where each
@@ -632,7 +698,7 @@ def baseline_plans(
 
 
 def fewer_device_plans(
-  graph: nx.DiGraph, batch_size: int, opts: Options, host: HostCosts | None = None
+  graph: nx.DiGraph, batch_size: int, opts: Options, host: Machine | None = None
 ) -> dict[str, Plan]:
   """The planner's plans on the first 2, 4, 8, ... of the devices (fewer than all), for a
   machine where more devices do not compute more at once (forced CPU devices sharing the

@@ -20,7 +20,8 @@ Where each phase lives (modules of ``runtime``; indented, those the phase above 
   choice       plan: ``plan_step`` -> ``Planned``; the candidates, their timing trials and
                the choice among them (``choose``)
   calibration    the machine measured (``calibrate=True``), and the fusion and SPMD factors
-                 fitted to the trials (``calibrate_fusion``, ``calibrate_spmd``)
+                 fitted to the trials (``calibrate_fusion``, ``calibrate_spmd``: a
+                 ``cost.calibration.MachineCalibration``)
   planning       planner runs (``make_plan``, ``run_planner``), the memory budget and its
                  bisection (``budget_error``), ``predict_seconds``
   stage        stage: ``stage_step`` -> ``Staged``
@@ -30,7 +31,8 @@ Where each phase lives (modules of ``runtime``; indented, those the phase above 
   buffers        the buffer sizes the lowering and the memory model take from the kernels
 
 The trials of the plan phase build and time the candidates through ``compile_step``'s own
-``build`` and ``time_step`` (``plan_step(trial=, again=)``), so a chosen trial's step is kept.
+``build`` and ``time_step`` (``StepTrials``, the ``choice.TimingTrials`` ``plan_step`` takes),
+so a chosen trial's step is kept.
 
 ``GraphPipeline`` (``runtime.pipeline``) keeps one ``CompiledStep`` per argument signature.
 """
@@ -38,19 +40,23 @@ The trials of the plan phase build and time the candidates through ``compile_ste
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from gpp_jax.cost.calibration import MachineCalibration
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.runtime.build import CompiledStep, build_step, time_step
 from gpp_jax.runtime.calibration import (
   FUSION_FLOOR,
   SPMD_FLOOR,
+  Predictor,
+  Timed,
   calibrate_fusion,
   calibrate_spmd,
   calibrate_widths,
   stage_widths,
+  width_groups,
 )
 from gpp_jax.runtime.capture_step import PureStep
 from gpp_jax.runtime.captured import Captured, canonical_dtype, capture
@@ -84,9 +90,13 @@ __all__ = [
   "Captured",
   "Choice",
   "CompiledStep",
+  "MachineCalibration",
   "Options",
   "Planned",
+  "Predictor",
   "Staged",
+  "StepTrials",
+  "Timed",
   "baseline_plans",
   "build_step",
   "calibrate_fusion",
@@ -103,7 +113,28 @@ __all__ = [
   "run_planner",
   "stage_widths",
   "time_step",
+  "width_groups",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrials:
+  """The plan choice's timing trials of one step (``choice.TimingTrials``): a candidate's
+  plan built by the compile chain (``build``: as a plan the user gave) and timed on the step's
+  arguments ``leaves`` (``time_step``, looked up in this module), so that a chosen trial's
+  compiled step is kept."""
+
+  build: Callable[[Plan], CompiledStep]
+  leaves: Sequence[Any]
+
+  def time(self, plan: Plan) -> tuple[CompiledStep, float]:
+    """``plan``'s step, built and timed: (the compiled step, seconds per call)."""
+    c = self.build(plan)
+    return c, time_step(c, self.leaves)
+
+  def again(self, step: CompiledStep) -> float:
+    """Seconds per call of ``step``, timed once more."""
+    return time_step(step, self.leaves)
 
 
 def compile_step(
@@ -128,11 +159,12 @@ def compile_step(
 
     return build_step(recapture(captured.batch_size // M), planned, o, recapture, by_user)
 
-  def trial(plan: Plan) -> tuple[CompiledStep, float]:
-    c = build(Planned(plan, captured.layering.graph), dataclasses.replace(opts, planner=plan), True)
-    return c, time_step(c, leaves)
+  def build_trial(plan: Plan) -> CompiledStep:
+    return build(
+      Planned(plan, captured.layering.graph), dataclasses.replace(opts, planner=plan), True
+    )
 
-  planned = plan_step(captured, opts, trial, lambda c: time_step(c, leaves))
+  planned = plan_step(captured, opts, StepTrials(build_trial, leaves))
   if planned.trial is not None:  # its options: the user's, at the trial's micro-batches
     kept = planned.trial
     return dataclasses.replace(

@@ -21,20 +21,21 @@ from jax.extend import core as xc
 
 from gpp_jax.ir.step import StepProgram
 from gpp_jax.passes.lowering import BATCH, KEY, reduction
+from gpp_jax.runtime.captured import Captured
 
 
 def _accumulated_value_and_grad(
-  loss: xc.ClosedJaxpr,
-  roles: Sequence[str | None],
-  num_microbatches: int,
-  microbatch_size: int,
-  reduce: Sequence[str | None] = (),
-  stacked: bool = False,
+  captured: Captured, num_microbatches: int, stacked: bool = False
 ) -> Callable[..., list[Any]]:
-  """``(*marker inputs) -> [*loss outputs, *parameter gradients]`` over the micro-batches.
+  """``(*marker inputs) -> [*loss outputs, *parameter gradients]`` over the micro-batches of
+  ``captured``'s loss as traced (its roles, its outputs' reductions, at its micro-batch size).
   ``stacked``: batch arrays come as their micro-batches along a leading axis."""
+  loss = captured.loss_as_traced
+  assert loss is not None
+  roles: Sequence[str | None] = list(captured.roles)
+  reduce: Sequence[str | None] = captured.reduce
   f = xc.jaxpr_as_fun(loss)
-  M, mb = num_microbatches, microbatch_size
+  M, mb = num_microbatches, captured.microbatch_size
   nparam = sum(r is None for r in roles)
   out_avals = [v.aval for v in loss.jaxpr.outvars]
 
@@ -90,21 +91,16 @@ def _accumulated_value_and_grad(
 
 
 def fused_step(
-  prog: StepProgram,
-  loss: xc.ClosedJaxpr,
-  roles: Sequence[str | None],
-  num_microbatches: int,
-  microbatch_size: int,
-  reduce: Sequence[str | None] = (),
-  stacked: bool = False,
-  donate: Sequence[int] = (),
+  prog: StepProgram, captured: Captured, num_microbatches: int, stacked: bool = False
 ) -> Callable[..., list[Any]]:
-  """The jitted step ``(*step input leaves) -> [*step outputs]`` of a one-stage plan
-  (``stacked``: its batch arrays come as micro-batches along a leading axis, split over the
-  devices of a data-parallel stage; ``donate``: the leaves whose buffers it consumes)."""
+  """The jitted step ``(*step input leaves) -> [*step outputs]`` of a one-stage plan: the step
+  around the pipeline ``prog`` with ``captured``'s loss as traced accumulated over
+  ``num_microbatches`` micro-batches (``stacked``: its batch arrays come as micro-batches
+  along a leading axis, split over the devices of a data-parallel stage). It consumes the
+  buffers of the captured step's donated leaves (``Captured.donated``)."""
   J = prog.jaxpr.jaxpr
   marker = prog.marker
-  vag = _accumulated_value_and_grad(loss, roles, num_microbatches, microbatch_size, reduce, stacked)
+  vag = _accumulated_value_and_grad(captured, num_microbatches, stacked)
   pieces = [(p, xc.jaxpr_as_fun(p.jaxpr)) for p in prog.before]
   after = [(p, xc.jaxpr_as_fun(p.jaxpr)) for p in prog.after]
 
@@ -128,4 +124,4 @@ def fused_step(
     run(after)
     return [read(a) for a in J.outvars]
 
-  return jax.jit(step, donate_argnums=tuple(donate))
+  return jax.jit(step, donate_argnums=tuple(captured.donated))

@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -19,7 +20,6 @@ import jax
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.sharding import Mesh
 
 from gpp_jax.cost.memory import format_bytes
 from gpp_jax.errors import BatchError, GppError
@@ -27,7 +27,6 @@ from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan
 from gpp_jax.ir.program import Program
 from gpp_jax.passes.calibrate import Calibration
-from gpp_jax.passes.partition.manual import ManualPlan
 from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.build import CompiledStep
 from gpp_jax.runtime.cached import CachedStep, writable_directly, write_values
@@ -38,14 +37,10 @@ from gpp_jax.runtime.executor import Timeline
 from gpp_jax.runtime.input_checks import (
   argument_signature,
   changed_arguments_error,
-  check_devices,
-  check_num_microbatches,
-  check_positive,
   differences,
 )
-from gpp_jax.runtime.memory import MemoryReport, parse_bytes
-from gpp_jax.runtime.options import Options
-from gpp_jax.runtime.sharding import MeshLayout, parse_mesh
+from gpp_jax.runtime.memory import MemoryReport
+from gpp_jax.runtime.options import Options, PipelineKeywords
 from gpp_jax.runtime.steps import carry_map, stream_reason
 
 
@@ -56,65 +51,11 @@ class GraphPipeline:
   ``timeline`` (the last step's), ``compiled`` (everything built), and ``explain()``.
   """
 
-  def __init__(
-    self,
-    fn: Callable,
-    *,
-    num_microbatches: int,
-    devices: Sequence[Any] | None = None,
-    planner: str | Plan | ManualPlan | Callable = "balanced",
-    schedule: str | None = None,
-    batch_argnums: int | Sequence[int] | None = None,
-    remat: bool = False,
-    layer_depth: int | None = None,
-    cluster: Any = None,
-    measure: bool = False,
-    planner_options: dict | None = None,
-    timeout_s: float = 300.0,
-    calibrate: bool = False,
-    fuse: bool = True,
-    memory_limit: int | str | None = None,
-    min_stages: int = 1,
-    donate_argnums: int | Sequence[int] = (),
-    mesh: Mesh | str | None = None,
-  ):
+  def __init__(self, fn: Callable, opts: Options):
+    """``fn`` run with the settings ``opts`` (``graph_pipeline`` resolves its keywords into
+    them: ``PipelineKeywords.options``)."""
     self.fn = fn
-    layout = None
-    if mesh is not None:
-      if isinstance(mesh, str):
-        mesh = parse_mesh(mesh, devices)
-      elif devices is not None:
-        raise ValueError(
-          "graph_pipeline takes devices= or mesh=, not both: a mesh names its devices (pass "
-          "mesh=jax.make_mesh(shape, names, devices=your_devices))"
-        )
-      layout = MeshLayout.of(mesh)
-      devices = layout.representatives
-    self.opts = Options(
-      num_microbatches=check_num_microbatches(num_microbatches),
-      devices=check_devices(devices),
-      planner=planner,
-      schedule=schedule,
-      batch_argnums=(batch_argnums,)
-      if isinstance(batch_argnums, int)
-      else (None if batch_argnums is None else tuple(batch_argnums)),
-      remat=remat,
-      layer_depth=None if layer_depth is None else int(check_positive("layer_depth", layer_depth)),
-      cluster=cluster,
-      measure=measure,
-      planner_options=dict(planner_options or {}),
-      timeout_s=check_positive("timeout_s", timeout_s),
-      calibrate=calibrate,
-      fuse=fuse,
-      name=getattr(fn, "__name__", "step"),
-      memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
-      min_stages=int(min_stages),
-      donate_argnums=(donate_argnums,)
-      if isinstance(donate_argnums, int)
-      else tuple(int(a) for a in donate_argnums),
-      host_probe=_probe_host,
-      layout=layout,
-    )
+    self.opts = opts
     self._compiled: dict[Any, CompiledStep] = {}
     self._signatures: list[dict[str, Any]] = []  # of the calls compiled for, to name changes
     self._last: CompiledStep | None = None
@@ -603,5 +544,25 @@ def graph_pipeline(fn: Callable | None = None, **kwargs) -> Any:
       consume them.
   """
   if fn is None:
-    return lambda f: GraphPipeline(f, **kwargs)
-  return GraphPipeline(fn, **kwargs)
+    return lambda f: _decorated(f, kwargs)
+  return _decorated(fn, kwargs)
+
+
+def _decorated(fn: Callable, keywords: dict[str, Any]) -> GraphPipeline:
+  """``fn`` as a ``GraphPipeline`` with ``graph_pipeline``'s ``keywords``; a ``TypeError``
+  naming the keyword where one is unknown (with the nearest known one) or missing."""
+  known = [f.name for f in dataclasses.fields(PipelineKeywords)]
+  for k in keywords:
+    if k not in known:
+      near = difflib.get_close_matches(k, known, n=1)
+      raise TypeError(
+        f"graph_pipeline got an unexpected keyword {k!r}"
+        + (f"; did you mean {near[0]!r}?" if near else f"; it takes {', '.join(known)}")
+      )
+  if "num_microbatches" not in keywords:
+    raise TypeError(
+      "graph_pipeline needs num_microbatches= (how many micro-batches each batch is split "
+      "into; 1 runs the step whole)"
+    )
+  opts = PipelineKeywords(**keywords).options(getattr(fn, "__name__", "step"), _probe_host)
+  return GraphPipeline(fn, opts)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import networkx as nx
 
+from gpp_jax.cost.calibration import MachineCalibration
 from gpp_jax.cost.cluster import as_cluster, devices_cluster
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.cost.host import HostCosts
@@ -29,14 +30,19 @@ from gpp_jax.runtime.sharding import check_rows
 # FSDP-style, or by the model's own partition specs over the user's mesh.
 BASELINES = ("plain jit", "jit data parallel", "jit fsdp", "jit sharded")
 
+# The machine a prediction is for: its host's measured costs, or those with the trials' fits
+# on top (``cost.calibration``).
+Machine = HostCosts | MachineCalibration
+
 
 def predict_seconds(
-  plan: Plan, graph: nx.DiGraph, cluster: Any, host: HostCosts | None
+  plan: Plan, graph: nx.DiGraph, cluster: Any, host: Machine | None
 ) -> tuple[float, bool]:
   """(seconds per step on this machine, whether its predicted memory fits the cluster's
   memory per device): ``simulate_on_host`` (a one-stage plan runs as one jitted step,
-  ``predict_fused``, a pipeline as its schedule's program issued by the host; ``graph.graph
-  ["fusion"]``, where measured, scales a one-stage plan's compute)."""
+  ``predict_fused``, a pipeline as its schedule's program issued by the host; the fusion a
+  ``MachineCalibration`` carries, where the trials fitted it, scales a one-stage plan's
+  compute)."""
   if not plan.batch_size:  # a plan given without its batch: the graph's
     plan = plan.replace(batch_size=graph.graph["batch_size"])
   res = simulate_on_host(plan, graph, cluster, host)
@@ -73,24 +79,21 @@ def memory_limit(opts: Options, cluster: Any = None) -> int:
 
 
 def run_planner(
-  p: Any,
-  graph: nx.DiGraph,
-  cluster: Any,
-  batch_size: int,
-  opts: Options,
-  host: HostCosts | None = None,
+  graph: nx.DiGraph, cluster: Any, batch_size: int, opts: Options, host: Machine | None = None
 ) -> Plan:
-  """A named planner's or a callable's plan for ``graph`` on ``cluster``, which fits its memory
-  per device as the simulator predicts it (a planner that does not look at memory is held to
-  it here: ``PlanError`` when over). With ``host`` (the machine's measured costs) the planner
-  searches with the prediction for this machine (``PlanningProblem.host``); a callable gets
-  it where its signature takes ``host``. ``opts.min_stages`` above one is the planner's
+  """``opts.planner``'s plan (a named planner's or a callable's) for ``graph`` on ``cluster``,
+  which fits its memory per device as the simulator predicts it (a planner that does not look
+  at memory is held to it here: ``PlanError`` when over). With ``host`` (the machine's
+  measured costs, or a ``MachineCalibration``) the planner searches with the prediction for
+  this machine (``PlanningProblem.host``); a callable gets it where its signature takes
+  ``host``. ``opts.min_stages`` above one is the planner's
   too: a named planner searches plans of at least that many stages
   (``PlanningProblem.min_stages``), a callable gets it where its signature takes
   ``min_stages``, and a plan of fewer stages is a ``PlanError`` naming the planner (no other
   planner runs in its place)."""
   M = opts.num_microbatches
   k = opts.min_stages
+  p = opts.planner
   if isinstance(p, str):
     fn = get_planner(p)
     with_host = {} if host is None else {"host": host}
@@ -130,12 +133,15 @@ def run_planner(
   return plan
 
 
+BUDGET_ROUNDS = 8  # planner runs of the bisection for the smallest budget (``budget_error``)
+
+
 def budget_error(
-  error: PlanError, graph: nx.DiGraph, cluster: Any, batch_size: int, opts: Options, rounds: int = 8
+  error: PlanError, graph: nx.DiGraph, cluster: Any, batch_size: int, opts: Options
 ) -> PlanError:
   """The planner found no plan under the memory budget: when one exists with unlimited memory,
-  an error naming the smallest budget found to fit (bisected over ``rounds`` planner runs)
-  and what takes the most memory in that plan; else ``error`` itself."""
+  an error naming the smallest budget found to fit (bisected over ``BUDGET_ROUNDS`` planner
+  runs) and what takes the most memory in that plan; else ``error`` itself."""
   from gpp_jax.cost.memory import format_bytes as fmt
 
   limit = cluster.memory_per_device
@@ -143,7 +149,7 @@ def budget_error(
   def attempt(budget: float) -> Plan | None:
     try:
       sized = cluster.replace(memory_per_device=budget)
-      return run_planner(opts.planner, graph, sized, batch_size, opts)
+      return run_planner(graph, sized, batch_size, opts)
     except PlanError:
       return None
 
@@ -153,7 +159,7 @@ def budget_error(
     return error
   res = simulate(fitting, lg.scaled(graph, batch_size), cluster)
   lo, hi = float(limit), max(float(max(res.stage_memory, default=limit)), float(limit))
-  for _ in range(rounds):
+  for _ in range(BUDGET_ROUNDS):
     if hi <= lo * 1.05:
       break
     mid = (lo + hi) / 2
@@ -185,7 +191,7 @@ def budget_error(
 
 
 def make_plan(
-  graph: nx.DiGraph, batch_size: int, opts: Options, host: HostCosts | None = None
+  graph: nx.DiGraph, batch_size: int, opts: Options, host: Machine | None = None
 ) -> Plan:
   """The plan for ``graph``: the given Plan, a resolved manual plan, or a planner's (searched
   with ``host``, the machine's measured costs, where given: ``run_planner``)."""
@@ -209,7 +215,7 @@ def make_plan(
   elif isinstance(p, str) or callable(p):
     cluster = planner_cluster(opts)
     try:
-      plan = run_planner(p, graph, cluster, batch_size, opts, host)
+      plan = run_planner(graph, cluster, batch_size, opts, host)
     except PlanError as e:
       raise budget_error(e, graph, cluster, batch_size, opts) from e
   else:

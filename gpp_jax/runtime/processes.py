@@ -143,12 +143,20 @@ def exchange(topic: str, value: str, timeout_s: float) -> list[str]:
         f"logs ({type(e).__name__}: {reason})"
       )
 
-    out = []
-    for p in range(jax.process_count()):
-      if p == me:
-        out.append(value)
-        continue
-      out.append(_get(client, f"gpp_jax/{topic}/{n}/{p}", wait, timeout_s, failed, p, topic))
+    def get(p: int) -> str:
+      """Process ``p``'s value, polled in slices of at most a second so that a lost peer
+      noticed by ``liveness`` ends the wait; ``failed`` after ``timeout_s``."""
+      while True:
+        left = timeout_s - (time.monotonic() - wait.since)
+        try:
+          key = f"gpp_jax/{topic}/{n}/{p}"
+          return client.blocking_key_value_get(key, max(1, int(min(left, 1.0) * 1e3)))
+        except Exception as e:  # the client raises its runtime's error type
+          liveness.check(wait)
+          if left <= 1.0 or "DEADLINE_EXCEEDED" not in str(e):
+            raise failed(f"process {p} did not report its {topic}", e) from e
+
+    out = [value if p == me else get(p) for p in range(jax.process_count())]
     # Everyone has read everything before anyone acts on it (a process that raises and exits
     # takes the coordination service with it when it is process 0).
     try:
@@ -158,19 +166,6 @@ def exchange(topic: str, value: str, timeout_s: float) -> list[str]:
       liveness.check(wait)
       raise failed(f"the processes did not all read the {topic}", e) from e
   return out
-
-
-def _get(client, key: str, wait, timeout_s: float, failed, p: int, topic: str) -> str:
-  """The value at ``key``, polled in slices of at most a second so that a lost peer noticed by
-  ``liveness`` ends the wait; ``failed`` builds the error after ``timeout_s``."""
-  while True:
-    left = timeout_s - (time.monotonic() - wait.since)
-    try:
-      return client.blocking_key_value_get(key, max(1, int(min(left, 1.0) * 1e3)))
-    except Exception as e:  # the client raises its runtime's error type
-      liveness.check(wait)
-      if left <= 1.0 or "DEADLINE_EXCEEDED" not in str(e):
-        raise failed(f"process {p} did not report its {topic}", e) from e
 
 
 def check_same_plan(plan: Plan, timeout_s: float = 300.0) -> None:

@@ -17,7 +17,7 @@ from gpp_jax.ir.plan import Plan, stage_microbatch_sizes
 from gpp_jax.ir.staged import StagedProgram
 from gpp_jax.ir.step import StepProgram
 from gpp_jax.passes.lowering import BATCH, KEY, StepSpec
-from gpp_jax.passes.staging import stage_program
+from gpp_jax.passes.staging import BatchFlags, stage_program
 from gpp_jax.passes.step_split import split_step
 from gpp_jax.runtime.captured import Captured
 from gpp_jax.runtime.choice import Planned
@@ -110,7 +110,9 @@ def stage_step(
   )
   if len(set(counts)) > 1:
     _check_mixed(counts, state, loss_roles)
-  row_local = row_local_programs(captured, plan, staged, placements, state, opts, recapture)
+  row_local: dict[int, Any] = {}  # with remat, every stage all-reduces in each backward
+  if not opts.remat:
+    row_local = row_local_programs(captured, plan, staged, placements, recapture)
   return Staged(staged, prog, tuple(placements), spec, leaf_specs, row_local)
 
 
@@ -119,18 +121,18 @@ def row_local_programs(
   plan: Plan,
   staged: StagedProgram,
   placements: Sequence[StagePlacement],
-  state: Sequence[StatePair],
-  opts: Options,
   recapture: Callable[[int], Captured],
 ) -> dict[int, Any]:
   """Stage -> its program traced at micro-batch / rows, for each stage over several rows whose
   gradients can be summed per row and reduced once per step (``staging.row_local_functions``):
-  one that carries no state between micro-batches, reads no random key, recomputes nothing
-  (``remat``), and whose outputs are batch-carrying values or the loss itself; its program at
-  the rows' share must have the same inputs and outputs, each batch-carrying one split by the
-  rows. In one process (a stage across processes keeps its per-micro-batch all-reduce)."""
-  if opts.remat or jax.process_count() > 1:
+  one that carries no state between micro-batches, reads no random key, and whose outputs are
+  batch-carrying values or the loss itself; its program at the rows' share must have the same
+  inputs and outputs, each batch-carrying one split by the rows. In one process (a stage
+  across processes keeps its per-micro-batch all-reduce). A step that recomputes its forward
+  in the backward (``remat``) has none: ``stage_step`` does not ask."""
+  if jax.process_count() > 1:
     return {}
+  state = tuple(split_state(captured.state, captured.scan_split))
   carrying = set(state_carries(staged, state))
   out: dict[int, Any] = {}
   loss_stage, loss_pos = staged.loss_outputs[0]
@@ -140,10 +142,10 @@ def row_local_programs(
       continue
     if any(x.kind == "data" and captured.roles[x.index] == KEY for x in st.inputs):
       continue
-    batch_in, batch_out = row_batch_flags(st, captured.roles, mb)
+    batch = row_batch_flags(st, captured.roles, mb)
     outs_ok = all(
       b or ((st.index, k) == (loss_stage, loss_pos) and st.jaxpr.jaxpr.outvars[k].aval.ndim == 0)
-      for k, b in enumerate(batch_out)
+      for k, b in enumerate(batch.outputs)
     )
     floating = all(
       jax.numpy.issubdtype(v.aval.dtype, jax.numpy.floating) for v in st.jaxpr.jaxpr.outvars
@@ -163,7 +165,7 @@ def row_local_programs(
     little = [v.aval for v in (*program.jaxpr.jaxpr.invars, *program.jaxpr.jaxpr.outvars)]
     if all(
       _row_share(a, r, b) == (getattr(c, "shape", None), getattr(c, "dtype", None))
-      for a, c, b in zip(big, little, [*batch_in, *batch_out])
+      for a, c, b in zip(big, little, [*batch.inputs, *batch.outputs])
     ):
       out[st.index] = program
   return out
@@ -177,7 +179,7 @@ def _row_share(aval: Any, rows: int, batch: bool) -> tuple[Any, Any]:
   return shape, getattr(aval, "dtype", None)
 
 
-def row_batch_flags(st: Any, roles: Sequence[Any], mb: int) -> tuple[list[bool], list[bool]]:
+def row_batch_flags(st: Any, roles: Sequence[Any], mb: int) -> BatchFlags:
   """Per input and per output of a stage, whether it carries the micro-batch as its leading
   axis: activations and outputs of that leading size, and the batch the loss reads."""
   ins = []
@@ -190,7 +192,7 @@ def row_batch_flags(st: Any, roles: Sequence[Any], mb: int) -> tuple[list[bool],
   outs = [
     len(getattr(v.aval, "shape", ())) >= 1 and v.aval.shape[0] == mb for v in st.jaxpr.jaxpr.outvars
   ]
-  return ins, outs
+  return BatchFlags(tuple(ins), tuple(outs))
 
 
 def restage(
