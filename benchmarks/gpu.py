@@ -92,7 +92,7 @@ def new_run(seed=0):
     "tiny",
     seed=seed,
     dtype=FLAGS.dtype,
-    learning_rate=1e-4,
+    optimizer=zoo.OptimizerConfig(learning_rate=1e-4),
     vocab_size=FLAGS.vocab_size,
     seq_len=FLAGS.seq_len,
     hidden=FLAGS.hidden,

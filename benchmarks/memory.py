@@ -334,7 +334,7 @@ def fit() -> None:
 def largest_microbatch() -> None:
   """(c) The paper's models on a simulated V100 cluster: for each planner, the largest
   micro-batch (fewest micro-batches of the mini-batch) whose plan fits ``--mb_budget``."""
-  from gpp_jax.cli.plan import compare, default_batch_size
+  from gpp_jax.cli.plan import PlanOptions, compare, default_batch_size
   from gpp_jax.cost.memory import format_bytes
   from gpp_jax.runtime.memory import parse_bytes
 
@@ -354,10 +354,10 @@ def largest_microbatch() -> None:
       for M in sorted({B // b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if B % b == 0}):
         if M < 1 or B % M:
           continue
-        r = compare(
+        r = compare(PlanOptions(
           model, cluster="v100", num_devices=n, planners=[p], num_microbatches=M,
           memory_limit=budget,
-        )["results"][0]  # fmt: skip
+        ))["results"][0]  # fmt: skip
         if "error" not in r:
           best[p] = B // M
           break

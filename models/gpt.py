@@ -36,7 +36,7 @@ import optax
 from flax import nnx
 
 from gpp_jax.models.dropout import Key, dropout, subkey
-from gpp_jax.models.transformer import COLUMN, TransformerBlock, partitioned
+from gpp_jax.models.transformer import COLUMN, TransformerBlock, TransformerConfig, partitioned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +119,10 @@ class GPT(nnx.Module):
     self.blocks = nnx.List(
       [
         TransformerBlock(
-          config.hidden,
-          config.num_heads,
-          config.ffn,
+          TransformerConfig(
+            config.hidden, config.num_heads, config.ffn, causal=True, dropout_rate=config.dropout
+          ),
           rngs=rngs,
-          causal=True,
-          dropout_rate=config.dropout,
         )
         for _ in range(config.num_layers)
       ]

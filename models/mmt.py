@@ -39,7 +39,7 @@ from gpp_jax.models.branch_sizes import per_branch
 from gpp_jax.models.dropout import Key, dropout, subkey
 from gpp_jax.models.merge_scope import merge_scope
 from gpp_jax.models.mlp import MLP
-from gpp_jax.models.transformer import TransformerBlock
+from gpp_jax.models.transformer import TransformerBlock, TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,14 +147,10 @@ class EncoderBranch(nnx.Module):
   def __init__(self, feature_dim: int, seq_len: int, config: MMTConfig, *, rngs: nnx.Rngs):
     self.dropout_rate = config.dropout
     self.input = InputEmbedding(feature_dim, seq_len, config.hidden, rngs=rngs)
-    self.layers = nnx.List(
-      [
-        TransformerBlock(
-          config.hidden, config.num_heads, config.ffn, rngs=rngs, dropout_rate=config.dropout
-        )
-        for _ in range(config.num_layers)
-      ]
+    block = TransformerConfig(
+      config.hidden, config.num_heads, config.ffn, dropout_rate=config.dropout
     )
+    self.layers = nnx.List([TransformerBlock(block, rngs=rngs) for _ in range(config.num_layers)])
     self.norm = nnx.LayerNorm(config.hidden, rngs=rngs)
 
   def __call__(self, x: jax.Array, *, dropout_key: Key = None) -> jax.Array:

@@ -17,6 +17,7 @@ replicated), the LayerNorms replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -103,25 +104,29 @@ class FeedForward(nnx.Module):
     return dropout(self.down(jax.nn.gelu(self.up(x))), self.dropout_rate, dropout_key)
 
 
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """One block's shape: width ``hidden``, ``num_heads`` attention heads (causal or not), an
+  FFN of width ``ffn``, and its dropout rate."""
+
+  hidden: int
+  num_heads: int
+  ffn: int
+  causal: bool = False
+  dropout_rate: float = 0.0
+
+
 class TransformerBlock(nnx.Module):
   """Pre-LN block: ``x + attn(norm1(x))`` then ``x + ffn(norm2(x))``."""
 
-  def __init__(
-    self,
-    hidden: int,
-    num_heads: int,
-    ffn: int,
-    *,
-    rngs: nnx.Rngs,
-    causal: bool = False,
-    dropout_rate: float = 0.0,
-  ):
-    self.norm1 = nnx.LayerNorm(hidden, rngs=rngs)
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.norm1 = nnx.LayerNorm(c.hidden, rngs=rngs)
     self.attn = SelfAttention(
-      hidden, num_heads, rngs=rngs, causal=causal, dropout_rate=dropout_rate
+      c.hidden, c.num_heads, rngs=rngs, causal=c.causal, dropout_rate=c.dropout_rate
     )
-    self.norm2 = nnx.LayerNorm(hidden, rngs=rngs)
-    self.ffn = FeedForward(hidden, ffn, rngs=rngs, dropout_rate=dropout_rate)
+    self.norm2 = nnx.LayerNorm(c.hidden, rngs=rngs)
+    self.ffn = FeedForward(c.hidden, c.ffn, rngs=rngs, dropout_rate=c.dropout_rate)
 
   def __call__(self, x: jax.Array, *, dropout_key: Key = None) -> jax.Array:
     x = x + self.attn(self.norm1(x), dropout_key=subkey(dropout_key, 0))

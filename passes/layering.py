@@ -225,7 +225,7 @@ def _annotate(closed, eqn_layer, param_layer, batch_size, name) -> nx.DiGraph:
   for l in eqn_layer:
     order.setdefault(l, len(order))
   for l, o in order.items():
-    lg.add_layer(g, l, order=o, saved_bytes=0.0)
+    lg.add_layer(g, l, lg.LayerCost(saved_bytes=0.0), order=o)
   producer: dict[xc.Var, str] = {}
   exported: dict[str, set] = {l: set() for l in order}
   for e, l in zip(J.eqns, eqn_layer):

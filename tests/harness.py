@@ -119,16 +119,15 @@ def compare_steps(step, args, batch, steps=3, **pp_kwargs):
 def sequential_plan(layer_graph, cluster, batch_size, num_microbatches, stages, name):
   """What a user's planner (``planner=callable``) named ``name`` returns: ``stages`` ((layers,
   devices) each, in order) as a chain, the batch in ``num_microbatches`` micro-batches."""
-  from gpp_jax.passes.partition.plan_assembly import assemble_plan
+  from gpp_jax.passes.partition.plan_assembly import StageLayout, assemble_plan
+  from gpp_jax.passes.partition.problem import PlanningProblem
 
   return assemble_plan(
-    layer_graph,
-    cluster,
+    PlanningProblem.build(layer_graph, cluster, batch_size),
     stages,
     microbatch=batch_size // num_microbatches,
-    batch_size=batch_size,
     planner=name,
-    sequential=True,
+    layout=StageLayout(sequential=True),
   )
 
 

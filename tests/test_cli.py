@@ -134,17 +134,20 @@ def test_plan_cli_bad_flags_print_the_message_alone(args, message):
 
 
 def test_the_planning_program_plans_under_a_memory_limit():
-  from gpp_jax.cli.plan import compare, format_report
+  from gpp_jax.cli.plan import PlanOptions, compare, format_report
 
-  free = compare("mmt", preset="tiny", cluster="cpu", num_devices=4, planners=["pipedream"])
+  tiny = PlanOptions("mmt", preset="tiny", cluster="cpu", num_devices=4, planners=["pipedream"])
+  free = compare(tiny)
   need = free["results"][0]["max_memory"]
   report = compare(
-    "mmt",
-    preset="tiny",
-    cluster="cpu",
-    num_devices=4,
-    planners=["pipedream", "graphpipe"],
-    memory_limit=int(need * 0.9),
+    PlanOptions(
+      "mmt",
+      preset="tiny",
+      cluster="cpu",
+      num_devices=4,
+      planners=["pipedream", "graphpipe"],
+      memory_limit=int(need * 0.9),
+    )
   )
   assert report["memory_per_device"] == int(need * 0.9)
   for r in report["results"]:  # a plan under the budget, or the planner's no-fit error

@@ -19,7 +19,7 @@ from gpp_jax.cost.cluster import (
 )
 from gpp_jax.cost.cost_model import CostModel, layer_costs, plan_costs, stage_edge_bytes
 from gpp_jax.experiments import model_graphs as mg
-from gpp_jax.ir.layer_graph import add_edge, add_layer, new_layer_graph
+from gpp_jax.ir.layer_graph import LayerCost, add_edge, add_layer, new_layer_graph
 from gpp_jax.ir.plan import Plan, Stage
 
 
@@ -102,7 +102,9 @@ def test_efficiency_curve_interpolates_in_log_space_and_clamps():
 
 def _one_layer(flops, nbytes, params, **extra):
   g = new_layer_graph("one", 8)
-  add_layer(g, "a", flops=flops, bytes=nbytes, param_bytes=params, act_bytes=64.0, **extra)
+  add_layer(
+    g, "a", LayerCost(flops=flops, bytes=nbytes, param_bytes=params, act_bytes=64.0), **extra
+  )
   return g
 
 
@@ -166,9 +168,9 @@ def test_ring_allreduce_and_memory_terms():
 
 def test_plan_costs_prices_edges_on_the_link_between_stage_devices():
   g = new_layer_graph("two", 4)
-  add_layer(g, "a", flops=4e9, bytes=4e3, param_bytes=1e3, act_bytes=4e6)
-  add_layer(g, "b", flops=4e9, bytes=4e3, param_bytes=1e3, act_bytes=4e6)
-  add_layer(g, "c", flops=4e9, bytes=4e3, param_bytes=1e3, act_bytes=4e6)
+  add_layer(g, "a", LayerCost(flops=4e9, bytes=4e3, param_bytes=1e3, act_bytes=4e6))
+  add_layer(g, "b", LayerCost(flops=4e9, bytes=4e3, param_bytes=1e3, act_bytes=4e6))
+  add_layer(g, "c", LayerCost(flops=4e9, bytes=4e3, param_bytes=1e3, act_bytes=4e6))
   add_edge(g, "a", "b", 4e6)
   add_edge(g, "a", "c", 4e6)  # read by two layers of the same stage: sent once
   add_edge(g, "b", "c", 4e6)

@@ -119,7 +119,7 @@ def test_an_edge_counts_the_arrays_it_carries():
 def test_balanced_plan_balances_flops():
   g = lg.new_layer_graph("chain", 1)
   for i, f in enumerate([1, 1, 1, 1, 4, 4]):
-    lg.add_layer(g, f"l{i}", flops=f)
+    lg.add_layer(g, f"l{i}", lg.LayerCost(flops=f))
     if i:
       lg.add_edge(g, f"l{i - 1}", f"l{i}", 1)
   plan = balanced_plan(g, 3)
@@ -127,14 +127,14 @@ def test_balanced_plan_balances_flops():
 
 
 def test_calibration_times_every_layer():
-  from gpp_jax.passes.calibrate import calibrate_layers
+  from gpp_jax.passes.calibrate import LayerTiming, calibrate_layers
 
   def f(p, x):
     return jnp.mean(jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"]))
 
   p = {"a": jnp.ones((5, 64)), "b": jnp.ones((64, 3))}
   closed, L = _layered(f, p, jnp.ones((32, 5)))
-  g = calibrate_layers(closed, L.eqn_layer, L.param_layer, L.graph, jax.devices()[0], repeats=2)
+  g = calibrate_layers(closed, L, jax.devices()[0], LayerTiming(repeats=2))
   for n in g:
     assert g.nodes[n]["time_f"] > 0 and g.nodes[n]["time_b"] > 0
   assert "time_f" not in L.graph.nodes["a"]  # the input graph is left as it was

@@ -6,35 +6,38 @@ import sys
 
 import pytest
 
-from gpp_jax.cli.launch import assign
+from gpp_jax.cli.launch import LaunchOptions, assign
 from gpp_jax.errors import GppError
 
 
 def test_even_split_gives_each_process_its_own_block_of_cores():
-  a = assign(4, list(range(16)))
+  a = assign(LaunchOptions(num_processes=4), list(range(16)))
   assert [x.cores for x in a] == [tuple(range(4 * i, 4 * i + 4)) for i in range(4)]
   assert all(x.gpus is None for x in a)
   # An uneven split leaves the remainder idle rather than sharing a core.
-  b = assign(3, [2, 3, 5, 7, 11, 13, 17])
+  b = assign(LaunchOptions(num_processes=3), [2, 3, 5, 7, 11, 13, 17])
   assert [x.cores for x in b] == [(2, 3), (5, 7), (11, 13)]
 
 
 def test_cpus_per_process_and_oversubscription():
-  assert [x.cores for x in assign(2, list(range(8)), cpus_per_process=3)] == [(0, 1, 2), (3, 4, 5)]
+  three = LaunchOptions(num_processes=2, cpus_per_process=3)
+  assert [x.cores for x in assign(three, list(range(8)))] == [(0, 1, 2), (3, 4, 5)]
   with pytest.raises(GppError, match=r"3 processes x 2 cores need 6 cores.*may use 4 \(0-3\)"):
-    assign(3, [0, 1, 2, 3], cpus_per_process=2)
+    assign(LaunchOptions(num_processes=3, cpus_per_process=2), [0, 1, 2, 3])
   with pytest.raises(GppError, match="--nopin"):
-    assign(3, [0, 1])
+    assign(LaunchOptions(num_processes=3), [0, 1])
   # Unpinned processes share every core.
-  assert [x.cores for x in assign(3, [0, 1], pin=False)] == [None] * 3
+  unpinned = LaunchOptions(num_processes=3, pin=False)
+  assert [x.cores for x in assign(unpinned, [0, 1])] == [None] * 3
 
 
 def test_each_process_gets_its_own_gpus():
-  a = assign(2, list(range(16)), gpus=["0", "1", "2", "3"], gpus_per_process=2)
+  two = LaunchOptions(num_processes=2, gpus_per_process=2)
+  a = assign(two, list(range(16)), gpus=["0", "1", "2", "3"])
   assert [x.gpus for x in a] == [("0", "1"), ("2", "3")]
   assert [x.cores for x in a] == [tuple(range(8)), tuple(range(8, 16))]
   with pytest.raises(GppError, match="3 processes x 1 GPUs need 3 GPUs, but 2 are visible"):
-    assign(3, list(range(16)), gpus=["4", "5"])
+    assign(LaunchOptions(num_processes=3), list(range(16)), gpus=["4", "5"])
 
 
 def test_launched_processes_run_on_disjoint_cores():

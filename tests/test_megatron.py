@@ -11,6 +11,7 @@ from harness import child_env
 from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.experiments.megatron import (
   TABLE_1,
+  GPTShape,
   gpt_graph,
   layout_plan,
   paper_flops,
@@ -51,7 +52,7 @@ def test_flop_count_and_the_papers_worked_example():
   assert paper_flops(1, 2048, 1, 4096, 0) == pytest.approx(
     96 * 2048 * 4096**2 * (1 + 2048 / (6 * 4096))
   )
-  g = gpt_graph(1, 1, 4096, 32, 2048, 51200)
+  g = gpt_graph(GPTShape(1, 4096, 32, 2048, 51200), 1)
   layer = g.nodes["layer0"]["flops"]
   assert 4 * layer == pytest.approx(96 * 2048 * 4096**2 * (1 + 2048 / (6 * 4096)))
 
@@ -60,8 +61,8 @@ def test_layout_gives_the_stages_and_widths_it_names():
   row = TABLE_1[6]  # 145.6B: tp 8, pp 8 on 1,536 GPUs
   rows = row_cluster(make_cluster("a100", row.gpus), row.tp)
   assert rows.num_devices == 192 and rows.devices_per_node == 1
-  g = gpt_graph(row.batch, row.layers, row.hidden, row.heads, tp=row.tp)
-  plan = layout_plan(g, rows.num_devices, row.batch, row.pp, 1, 2)
+  g = gpt_graph(row.shape, row.batch, tp=row.tp)
+  plan = layout_plan(g, rows.num_devices, row.pp, 1, 2)
   assert plan.num_stages == 16 and plan.schedule == "interleaved-1f1b"
   assert [len(s.devices) for s in plan.stages] == [24] * 16  # dp = 192 / 8
   assert [s.devices[0] // 24 for s in plan.stages] == [k % 8 for k in range(16)]
@@ -70,7 +71,7 @@ def test_layout_gives_the_stages_and_widths_it_names():
   assert sum(len(s.layers) for s in plan.stages) == row.layers + 3
   assert plan.num_microbatches == row.batch // 24
   with pytest.raises(ValueError, match="pp=7"):
-    layout_plan(g, rows.num_devices, row.batch, 7)
+    layout_plan(g, rows.num_devices, 7)
 
 
 @pytest.mark.parametrize("row", [TABLE_1[0], TABLE_1[3]], ids=["1.7B", "18.4B"])
@@ -159,7 +160,7 @@ def test_graphpipe_counts_devices_finer_where_its_grid_leaves_no_plan():
   from gpp_jax.passes.partition.problem import device_unit
 
   cluster = make_cluster("a100", 80)
-  g = gpt_graph(90, 8, 1024, 16, seq=512, vocab=8192)
+  g = gpt_graph(GPTShape(8, 1024, 16, seq=512, vocab=8192), 90)
   assert device_unit(80, 32) == 4
   plan = PLANNERS["graphpipe"](g, cluster, 90, cost_model=MEGATRON_COST_MODEL)
   assert plan.predicted["search"]["device_unit"] == 2
@@ -193,7 +194,7 @@ def test_fsdp_gathers_half_precision_weights_layer_by_layer_behind_the_compute()
   from gpp_jax.experiments.megatron import MEGATRON_COST_MODEL as cm
   from gpp_jax.ir.plan import Plan, Stage
 
-  g = gpt_graph(1536, 4, 12288, 96)
+  g = gpt_graph(GPTShape(4, 12288, 96), 1536)
   costs = layer_costs(g)
   idx = list(range(len(costs)))
   got = fsdp_gathered_bytes(costs, idx)

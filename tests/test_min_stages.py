@@ -41,7 +41,11 @@ def four_layer_chain(seconds: float):
   names = ("a", "b", "c", "d")
   for name in names:
     lg.add_layer(
-      g, name, flops=1e9, param_bytes=32 * MiB, act_bytes=1024, time_f=seconds, time_b=2 * seconds
+      g,
+      name,
+      lg.LayerCost(flops=1e9, param_bytes=32 * MiB, act_bytes=1024),
+      time_f=seconds,
+      time_b=2 * seconds,
     )
   for u, v in itertools.pairwise(names):
     lg.add_edge(g, u, v, 1024)

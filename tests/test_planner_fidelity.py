@@ -23,10 +23,12 @@ from gpp_jax.passes.partition.piper import (
   piper_plan,
 )
 from gpp_jax.passes.partition.plan_assembly import (
+  StageLayout,
   assemble_plan,
   data_parallel_degrees,
   microbatch_sizes,
 )
+from gpp_jax.passes.partition.problem import PlanningProblem
 from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.simulation import simulate
 
@@ -39,7 +41,7 @@ def chain_optimum(g, cluster, B):
   out = {}
   for b in microbatch_sizes(B):
     rc = RangeCosts(costs, DEFAULT_COST_MODEL, cluster, b, B, data_parallel_degrees(b, 4))
-    A, _ = chain_dp(rc, cluster.num_devices, B // b, cluster.memory_per_device)
+    A, _ = chain_dp(rc)
     vals = [(float(A[0, 4, s]), s) for s in range(1, A.shape[2]) if math.isfinite(A[0, 4, s])]
     out[b] = min(vals)
   return out
@@ -69,7 +71,7 @@ def test_published_selection_is_the_planners_own_objective(name):
 
 
 def test_published_pipedream_and_piper_agree_on_chains():
-  g = mg.gpt(batch_size=8, layers=6, seq=128, hidden=256, vocab=1000)
+  g = mg.gpt(batch_size=8, layers=6, transformer=mg.TransformerShape(128, 256), vocab=1000)
   a = PLANNERS["piper"](g, cpu_cluster(4), 8, selection="published")
   b = PLANNERS["pipedream"](g, cpu_cluster(4), 8, selection="published")
   assert a.predicted["bottleneck_tps"] == pytest.approx(b.predicted["bottleneck_tps"], rel=1e-9)
@@ -82,12 +84,11 @@ def test_piper_pruned_dp_keeps_every_value_under_the_bound():
   pairs = DownsetPairs(g, costs, 40_000, 10**7)
   assert len(pairs.sets) == 4 + 3**3
   b, B, K = 4, 16, 4
-  dps = data_parallel_degrees(b, K)
-  pr = _Pricing(pairs, costs, DEFAULT_COST_MODEL, CLUSTER, b, B, dps)
+  pr = _Pricing(PlanningProblem.build(g, CLUSTER, B), pairs, b)
   S = min(K, len(costs))
-  full = _piper_dp(pairs, pr, dps, K, S, B // b, math.inf)
+  full = _piper_dp(pr, S, math.inf)
   U = float(np.nanmedian(full[np.isfinite(full) & (full > 0)]))
-  cut = _piper_dp(pairs, pr, dps, K, S, B // b, U)
+  cut = _piper_dp(pr, S, U)
   under = full <= U
   assert under.any() and (~under & np.isfinite(full)).any()
   np.testing.assert_array_equal(cut[under], full[under])
@@ -141,13 +142,11 @@ def test_shared_nic_queues_the_transfers_into_a_node():
   cluster = v100_cluster(12)  # three nodes of four
   rest = ["concat", "top.fc0", "top.out", "loss"]
   plan = assemble_plan(
-    g,
-    cluster,
+    PlanningProblem.build(g, cluster, 32),
     [(["tower0.fc0"], 4), (["tower1.fc0"], 4), (rest, 4)],
     microbatch=8,
-    batch_size=32,
     planner="manual",
-    keep_order=True,
+    layout=StageLayout(keep_order=True),
   )
   assert {len({cluster.node_of(d) for d in s.devices}) for s in plan.stages} == {1}
   chans = nic_channels(plan, cluster)

@@ -6,7 +6,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpp_jax.cost.cluster import Link, cpu_cluster, v100_cluster
-from gpp_jax.cost.cost_model import layer_costs
 from gpp_jax.errors import PlanError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
@@ -23,6 +22,7 @@ from gpp_jax.passes.partition.exhaustive import acyclic_partitions
 from gpp_jax.passes.partition.graphpipe.search import GRAPHPIPE, GraphPipeOptions
 from gpp_jax.passes.partition.piper import piper_plan
 from gpp_jax.passes.partition.plan_assembly import (
+  StageLayout,
   assemble_plan,
   microbatch_sizes,
   place_stages,
@@ -177,7 +177,11 @@ def test_refine_improves_a_poor_plan_and_keeps_it_valid(sequential):
   layers = list(nx.topological_sort(g))
   halves = [(layers[:2], 1), (layers[2:], 1)]  # two single-device stages, 2 idle
   poor = assemble_plan(
-    g, cluster, halves, microbatch=16, batch_size=64, planner="manual", sequential=sequential
+    PlanningProblem.build(g, cluster, 64),
+    halves,
+    microbatch=16,
+    planner="manual",
+    layout=StageLayout(sequential=sequential),
   )
   problem = PlanningProblem.build(g, cluster, 64)
   better_plan = refine_plan(problem, poor)
@@ -216,7 +220,7 @@ def test_piper_state_limit_raises_its_message():
 
 
 def test_piper_and_pipedream_agree_on_chains():
-  g = mg.gpt(batch_size=8, layers=6, seq=128, hidden=256, vocab=1000)
+  g = mg.gpt(batch_size=8, layers=6, transformer=mg.TransformerShape(128, 256), vocab=1000)
   cluster = cpu_cluster(4)
   a = PLANNERS["piper"](g, cluster, 8)
   b = PLANNERS["pipedream"](g, cluster, 8)
@@ -313,14 +317,11 @@ def test_idle_devices_are_handed_out_when_they_help():
   cluster = cpu_cluster(4)
   pd = PLANNERS["pipedream"](g, cluster, 32)
   lean = assemble_plan(
-    g,
-    cluster,
+    PlanningProblem.build(g, cluster, 32),
     [(s.layers, 1) for s in pd.stages],
     microbatch=pd.stages[0].microbatch_size,
-    batch_size=32,
     planner="pipedream",
-    keep_order=True,
-    extra_edges=pd.edges,
+    layout=StageLayout(keep_order=True, extra_edges=pd.edges),
   )
   polished = spend_idle_devices(PlanningProblem.build(g, cluster, 32), lean)
   assert polished.predicted["iteration_time"] <= lean.predicted["iteration_time"]
@@ -347,17 +348,19 @@ def test_a_remembered_simulation_predicts_what_simulating_again_would(schedule, 
   cluster = cpu_cluster(4).replace(intra_link=Link(20e-6, 2e9))
   layers = list(nx.topological_sort(g))
   stages = [(layers[:2], 1), (layers[2:], 2)]
-  kw = dict(microbatch=16, batch_size=64, schedule=schedule, costs=layer_costs(g))
-  fresh = assemble_plan(g, cluster, stages, planner="a", info={"note": 1}, **kw)
-  memo: dict = {}
-  first = assemble_plan(g, cluster, stages, planner="b", memo=memo, **kw)
-  assert len(memo) == 1
+  kw = dict(microbatch=16, schedule=schedule)
+  fresh = assemble_plan(
+    PlanningProblem.build(g, cluster, 64), stages, planner="a", info={"note": 1}, **kw
+  )
+  problem = PlanningProblem.build(g, cluster, 64)
+  first = assemble_plan(problem, stages, planner="b", **kw)
+  assert len(problem.simulations()) == 1
 
   def no_simulation(*args, **kwargs):
     raise AssertionError("simulated a plan the memo holds")
 
   monkeypatch.setattr(plan_assembly, "_simulate", no_simulation)
-  again = assemble_plan(g, cluster, stages, planner="a", info={"note": 1}, memo=memo, **kw)
+  again = assemble_plan(problem, stages, planner="a", info={"note": 1}, **kw)
   assert again == fresh and again.predicted == fresh.predicted
   assert first.predicted["iteration_time"] == fresh.predicted["iteration_time"]
 
@@ -387,13 +390,11 @@ def test_the_update_bound_only_saves_simulations(sequential, max_evals, monkeypa
   cluster = v100_cluster(8)
   layers = list(nx.topological_sort(g))
   poor = assemble_plan(
-    g,
-    cluster,
+    PlanningProblem.build(g, cluster, 64),
     [(layers[:3], 1), (layers[3:], 1)],
     microbatch=16,
-    batch_size=64,
     planner="manual",
-    sequential=sequential,
+    layout=StageLayout(sequential=sequential),
   )
   simulated = []
   simulate_plan = plan_assembly._simulate
@@ -412,7 +413,9 @@ def test_the_update_bound_only_saves_simulations(sequential, max_evals, monkeypa
   fast, n_fast = polish_once()
   lower_bound = refine.pipeline_lower_bound
   monkeypatch.setattr(
-    refine, "pipeline_lower_bound", lambda *a, update=None, **kw: lower_bound(*a, **kw)
+    refine,
+    "pipeline_lower_bound",
+    lambda times, *a, **kw: lower_bound(refine.BoundTimes(times.forward, times.backward), *a, **kw),
   )
   slow, n_slow = polish_once()
   if max_evals < 200:  # the budget runs out, later than the bound without updates lets it
@@ -432,15 +435,9 @@ def test_pipedream_leaves_out_only_plans_its_polish_would_not_refine():
 
   def polished(keep_within: float | None) -> tuple[Plan, int]:
     cands = pipedream.chain_candidates(
-      g,
-      problem.cluster,
-      256,
-      sizes,
-      cost_model=problem.cost_model,
-      costs=problem.costs,
-      keep_within=keep_within,
+      problem, sizes, pipedream.ChainSearch(keep_within=keep_within)
     )
-    best = refine.polish(problem, cands, microbatch_sizes=sizes, refine_within=1.1)
+    best = refine.polish(problem, cands, refine_within=1.1)
     return best, len(cands)
 
   kept, n_kept = polished(1.1)

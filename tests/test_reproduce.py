@@ -102,11 +102,13 @@ def test_plan_cli_prints_a_row_per_planner_with_a_failure_row(tmp_path):
 
 def test_plan_cli_compare_and_report():
   report = plan_cli.compare(
-    "candle_uno",
-    preset="tiny",
-    num_devices=4,
-    planners=("graphpipe", "pipedream"),
-    shape={"branches": 4},
+    plan_cli.PlanOptions(
+      "candle_uno",
+      preset="tiny",
+      num_devices=4,
+      planners=("graphpipe", "pipedream"),
+      shape={"branches": 4},
+    )
   )
   assert report["graph"] == "candle_uno4" and report["batch_size"] == 4 * 128
   gp, pd = report["results"]
@@ -118,14 +120,20 @@ def test_plan_cli_compare_and_report():
     pd["throughput"] / gp["throughput"], abs=1e-3
   )
   fixed = plan_cli.compare(
-    "candle_uno", preset="tiny", num_devices=4, planners=("graphpipe",), num_microbatches=8
+    plan_cli.PlanOptions(
+      "candle_uno", preset="tiny", num_devices=4, planners=("graphpipe",), num_microbatches=8
+    )
   )["results"][0]
   assert fixed["num_microbatches"] == 8 and fixed["microbatch"] == 4 * 128 // 8
 
 
 def test_plan_cli_rejects_bad_input_before_planning():
   with pytest.raises(ValueError, match="unknown planner"):
-    plan_cli.compare("candle_uno", preset="tiny", num_devices=2, planners=("graphpipe", "nope"))
+    plan_cli.compare(
+      plan_cli.PlanOptions(
+        "candle_uno", preset="tiny", num_devices=2, planners=("graphpipe", "nope")
+      )
+    )
   assert plan_cli.parse_shape(["branches=16", "layers=2"]) == {"branches": 16, "layers": 2}
   for items, match in [
     (["branches"], "key=value"),
@@ -148,8 +156,10 @@ def test_plan_cli_rejects_bad_input_before_planning():
     (dict(shape={"branches": 0}), "CANDLE-Uno needs at least one branch"),
   ]:
     with pytest.raises(ValueError, match=match):
-      plan_cli.prepare(**{"model": "candle_uno", **ok, **kw})
-  graph, cluster, batch = plan_cli.prepare("candle_uno", **ok, batch_size=64, num_microbatches=4)
+      plan_cli.prepare(plan_cli.PlanOptions(**{"model": "candle_uno", **ok, **kw}))
+  graph, cluster, batch = plan_cli.prepare(
+    plan_cli.PlanOptions("candle_uno", **ok, batch_size=64, num_microbatches=4)
+  )
   assert batch == 64 and cluster.num_devices == 2 and graph.graph["name"] == "candle_uno7"
 
 

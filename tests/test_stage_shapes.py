@@ -19,7 +19,7 @@ import gpp_jax
 from gpp_jax.cost.cluster import a100_cluster
 from gpp_jax.cost.cost_model import plan_costs
 from gpp_jax.errors import PlanError
-from gpp_jax.experiments.megatron import MEGATRON_COST_MODEL, gpt_graph, row_cluster
+from gpp_jax.experiments.megatron import MEGATRON_COST_MODEL, GPTShape, gpt_graph, row_cluster
 from gpp_jax.ir.plan import Plan, Stage
 from gpp_jax.passes.partition import get_planner
 from gpp_jax.passes.partition.stage_shapes import inner_shapes, shape_fits
@@ -99,7 +99,7 @@ def test_plan_json_round_trips_a_stage_inner_shape():
 
 
 def _gpt(hidden, heads, tp, batch_size=64, layers=4):
-  return gpt_graph(batch_size, layers, hidden, heads, seq=512, vocab=4096, tp=tp)
+  return gpt_graph(GPTShape(layers, hidden, heads, seq=512, vocab=4096), batch_size, tp=tp)
 
 
 def test_cost_model_prices_a_narrowed_stage_as_less_tensor_and_more_data_parallelism():

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 import gpp_jax
-from gpp_jax.experiments.loss_curves import loss_curves
+from gpp_jax.experiments.loss_curves import CurveConfig, loss_curves
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("model", ["mmt", "dlrm", "candle_uno"])
 def test_loss_curve_matches_one_device(model):
-  pipe, one, plan = loss_curves(model, steps=6, num_microbatches=4, batch_size=16)
+  pipe, one, plan = loss_curves(model, 6, CurveConfig(num_microbatches=4, batch_size=16))
   assert plan.planner == "graphpipe"
   assert plan.depth() < plan.num_stages  # branches run as concurrent stages, not a chain
   assert np.all(np.isfinite(pipe))

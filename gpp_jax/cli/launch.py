@@ -73,6 +73,45 @@ def local_gpus() -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+  """How to start the processes, one field per flag (``from_flags``).
+
+  Attributes:
+    num_processes: processes to start.
+    devices_per_process: forced CPU devices per process (CPU hosts).
+    cpus_per_process: cores each process is pinned to (0: an even split of the cores).
+    pin: pin each process to its own cores (False: they share all cores).
+    platform: "cpu", "gpu" or "auto" (gpu when GPUs are visible).
+    gpus_per_process: GPUs per process (GPU hosts).
+    port: coordinator port on 127.0.0.1 (0: pick a free one).
+    grace_s: after one process fails, seconds before the others are killed.
+  """
+
+  num_processes: int = 2
+  devices_per_process: int = 4
+  cpus_per_process: int = 0
+  pin: bool = True
+  platform: str = "auto"
+  gpus_per_process: int = 1
+  port: int = 0
+  grace_s: float = 10.0
+
+  @classmethod
+  def from_flags(cls, values: flags.FlagValues) -> LaunchOptions:
+    """The options the launcher's flags give."""
+    return cls(
+      num_processes=values.num_processes,
+      devices_per_process=values.devices_per_process,
+      cpus_per_process=values.cpus_per_process,
+      pin=values.pin,
+      platform=values.platform,
+      gpus_per_process=values.gpus_per_process,
+      port=values.port,
+      grace_s=values.grace_s,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class Assignment:
   """What one local process gets: its cores (None: not pinned) and GPUs (None: CPU devices)."""
 
@@ -81,18 +120,15 @@ class Assignment:
 
 
 def assign(
-  num_processes: int,
-  cores: list[int],
-  cpus_per_process: int = 0,
-  pin: bool = True,
-  gpus: list[str] | None = None,
-  gpus_per_process: int = 1,
+  options: LaunchOptions, cores: list[int], gpus: list[str] | None = None
 ) -> list[Assignment]:
-  """Splits ``cores`` (and ``gpus``, when given) into one disjoint block per process.
+  """Splits ``cores`` (and ``gpus``, when given) into one disjoint block per process, as
+  ``options`` asks (``num_processes``, ``cpus_per_process``, ``pin``, ``gpus_per_process``).
 
   ``cpus_per_process=0`` splits the cores evenly (at least one each). More processes than the
   cores allow is an error, not silent sharing: pass ``--nopin`` to share the cores.
   """
+  num_processes, gpus_per_process = options.num_processes, options.gpus_per_process
   if num_processes < 1:
     raise GppError(f"num_processes must be at least 1, got {num_processes}")
   gpu_blocks: list[tuple[str, ...] | None] = [None] * num_processes
@@ -107,9 +143,9 @@ def assign(
     gpu_blocks = [
       tuple(gpus[i * gpus_per_process : (i + 1) * gpus_per_process]) for i in range(num_processes)
     ]
-  if not pin:
+  if not options.pin:
     return [Assignment(None, g) for g in gpu_blocks]
-  per = cpus_per_process or max(1, len(cores) // num_processes)
+  per = options.cpus_per_process or max(1, len(cores) // num_processes)
   if per * num_processes > len(cores):
     raise GppError(
       f"{num_processes} processes x {per} cores need {per * num_processes} cores, but this "
@@ -132,39 +168,23 @@ def _ranges(cores) -> str:
   return ",".join(out)
 
 
-def launch(
-  command: list[str],
-  num_processes: int,
-  devices_per_process: int,
-  port: int = 0,
-  grace_s: float = 10.0,
-  env: dict | None = None,
-  *,
-  cpus_per_process: int = 0,
-  pin: bool = True,
-  platform: str = "auto",
-  gpus_per_process: int = 1,
-) -> int:
-  """Runs ``command`` in ``num_processes`` processes; returns the first non-zero exit code.
+def launch(command: list[str], options: LaunchOptions, env: dict | None = None) -> int:
+  """Runs ``command`` in ``options.num_processes`` processes; returns the first non-zero exit
+  code. ``env``: the environment they start from (None: this process's).
 
-  ``platform`` is ``cpu`` (forced CPU devices), ``gpu`` (one block of GPUs per process) or
-  ``auto`` (``gpu`` when GPUs are visible). Each process is pinned to its own block of cores
-  unless ``pin`` is False (see ``assign``).
+  ``options.platform`` is ``cpu`` (forced CPU devices), ``gpu`` (one block of GPUs per
+  process) or ``auto`` (``gpu`` when GPUs are visible). Each process is pinned to its own block
+  of cores unless ``options.pin`` is False (see ``assign``).
   """
+  num_processes, devices_per_process = options.num_processes, options.devices_per_process
   base = dict(os.environ if env is None else env)
-  gpus = local_gpus() if platform in ("gpu", "auto") else []
-  if platform == "gpu" and not gpus:
+  gpus = local_gpus() if options.platform in ("gpu", "auto") else []
+  if options.platform == "gpu" and not gpus:
     raise GppError("--platform=gpu, but no GPU is visible (nvidia-smi lists none)")
-  use_gpu = bool(gpus) and platform != "cpu"
-  plan = assign(
-    num_processes,
-    sorted(os.sched_getaffinity(0)),
-    cpus_per_process,
-    pin,
-    gpus if use_gpu else None,
-    gpus_per_process,
-  )
-  port = port or free_port()
+  use_gpu = bool(gpus) and options.platform != "cpu"
+  plan = assign(options, sorted(os.sched_getaffinity(0)), gpus if use_gpu else None)
+  grace_s = options.grace_s
+  port = options.port or free_port()
   procs = []
   for i, a in enumerate(plan):
     e = dict(base)
@@ -251,17 +271,7 @@ def main(argv):
   else:
     command = [sys.executable if rest[0] == "python" else rest[0], *rest[1:]]
   try:
-    code = launch(
-      command,
-      FLAGS.num_processes,
-      FLAGS.devices_per_process,
-      FLAGS.port,
-      FLAGS.grace_s,
-      cpus_per_process=FLAGS.cpus_per_process,
-      pin=FLAGS.pin,
-      platform=FLAGS.platform,
-      gpus_per_process=FLAGS.gpus_per_process,
-    )
+    code = launch(command, LaunchOptions.from_flags(FLAGS))
   except GppError as e:
     sys.exit(f"gpp_jax.launch: {e}")
   sys.exit(code)

@@ -27,15 +27,17 @@ message naming the flag and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 from absl import app, flags
+from absl.flags import FlagValues
 
 from gpp_jax.cost.cluster import Cluster, make_cluster
 from gpp_jax.cost.memory import format_bytes
@@ -52,6 +54,9 @@ from gpp_jax.experiments.planner_runs import (
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition import PLANNERS
 from gpp_jax.runtime.memory import parse_bytes
+
+if TYPE_CHECKING:
+  from gpp_jax.experiments.megatron import GPTShape
 
 FLAGS = flags.FLAGS
 DEFAULT_PLANNERS = (
@@ -126,6 +131,73 @@ def define_flags() -> None:
   flags.DEFINE_integer("microbatch_size", 1, "--layout: sequences per micro-batch")
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+  """The CLI's settings, one field per flag (``from_flags``), as ``prepare``, ``compare``,
+  ``plan_layout`` and ``plan_mesh`` read them.
+
+  Attributes:
+    model: model graph (``model_graphs.PRESETS``). preset: "paper" or "tiny".
+    shape: shape overrides of the model graph (``--shape``, ``parse_shape``).
+    cluster: cluster preset; num_devices: devices in it.
+    planners: planners to run, in this order (``--planner``).
+    batch_size: the mini-batch (None: ``default_batch_size``).
+    num_microbatches: fixed number of micro-batches (None: each planner sweeps).
+    memory_limit: bytes a plan may use per device, a number or "512MiB" (None: the preset's).
+    stages_per_device: 1, a larger number or "auto", as the flag gives it ("1", the flag's
+      default, lets ``plan_layout`` choose among 1, 2 and 4).
+    json: also write the results to this file.
+    layout, mesh: ``--model=gpt`` only: plan exactly this layout, or over this mesh.
+    gpt_layers, gpt_hidden, gpt_heads, seq_len, vocab_size: the GPT's shape (``gpt_shape``).
+    microbatch_size: ``--layout``'s sequences per micro-batch.
+  """
+
+  model: str
+  preset: str = "paper"
+  shape: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  cluster: str = "v100"
+  num_devices: int = 8
+  planners: Sequence[str] = DEFAULT_PLANNERS
+  batch_size: int | None = None
+  num_microbatches: int | None = None
+  memory_limit: int | str | None = None
+  stages_per_device: int | str = "1"
+  json: str | None = None
+  layout: str | None = None
+  mesh: str | None = None
+  gpt_layers: int | None = None
+  gpt_hidden: int | None = None
+  gpt_heads: int | None = None
+  seq_len: int | None = None
+  vocab_size: int | None = None
+  microbatch_size: int = 1
+
+  @classmethod
+  def from_flags(cls, values: FlagValues) -> PlanOptions:
+    """The options the flags give, all but ``--shape`` (``parse_shape`` reads it, rejecting a
+    malformed one, where the model graph is planned)."""
+    return cls(
+      model=values.model,
+      preset=values.preset,
+      cluster=values.cluster,
+      num_devices=values.num_devices,
+      planners=tuple(values.planner),
+      batch_size=values.batch_size,
+      num_microbatches=values.num_microbatches,
+      memory_limit=values.memory_limit,
+      stages_per_device=values.stages_per_device,
+      json=values.json,
+      layout=values.layout,
+      mesh=values.mesh,
+      gpt_layers=values.gpt_layers,
+      gpt_hidden=values.gpt_hidden,
+      gpt_heads=values.gpt_heads,
+      seq_len=values.seq_len,
+      vocab_size=values.vocab_size,
+      microbatch_size=values.microbatch_size,
+    )
+
+
 def parse_shape(items: Sequence[str]) -> dict[str, int]:
   """``["branches=16", "layers=2"]`` -> ``{"branches": 16, "layers": 2}``."""
   shape = {}
@@ -142,21 +214,11 @@ def parse_shape(items: Sequence[str]) -> dict[str, int]:
   return shape
 
 
-def prepare(
-  model: str,
-  *,
-  preset: str = "paper",
-  cluster: str = "v100",
-  num_devices: int = 8,
-  planners: Sequence[str] = DEFAULT_PLANNERS,
-  batch_size: int | None = None,
-  num_microbatches: int | None = None,
-  shape: Mapping[str, Any] | None = None,
-  memory_limit: int | str | None = None,
-  stages_per_device: int | str = 1,
-) -> tuple[nx.DiGraph, Cluster, int]:
-  """Checks the arguments before anything is planned and returns the model graph, the cluster
-  and the mini-batch; a bad argument raises ValueError naming it and what to pass instead."""
+def prepare(options: PlanOptions) -> tuple[nx.DiGraph, Cluster, int]:
+  """Checks the options before anything is planned and returns the model graph, the cluster
+  and the mini-batch; a bad option raises ValueError naming it and what to pass instead."""
+  model, planners, num_devices = options.model, options.planners, options.num_devices
+  batch_size, num_microbatches = options.batch_size, options.num_microbatches
   if model not in model_graphs.PRESETS:
     raise ValueError(f"unknown model {model!r}; choose one of {sorted(model_graphs.PRESETS)}")
   if not planners:
@@ -165,7 +227,7 @@ def prepare(
     resolve_planner(name)  # an unknown name fails before anything runs
   if num_devices < 1:
     raise ValueError(f"--num_devices must be at least 1, got {num_devices}")
-  parse_stages_per_device(stages_per_device)
+  parse_stages_per_device(options.stages_per_device)
   if batch_size is not None and batch_size < 1:
     raise ValueError(
       f"--batch_size must be at least 1, got {batch_size} (leave it out for the default "
@@ -178,10 +240,10 @@ def prepare(
       "samples; pick a divisor, change --batch_size, or leave it out to let the planners "
       "choose"
     )
-  graph = build_graph(model, preset, batch, **dict(shape or {}))
-  cl = make_cluster(cluster, num_devices)
-  if memory_limit is not None:
-    cl = cl.replace(memory_per_device=float(parse_bytes(memory_limit)))
+  graph = build_graph(model, options.preset, batch, **dict(options.shape))
+  cl = make_cluster(options.cluster, num_devices)
+  if options.memory_limit is not None:
+    cl = cl.replace(memory_per_device=float(parse_bytes(options.memory_limit)))
   return graph, cl, batch
 
 
@@ -198,39 +260,16 @@ def parse_stages_per_device(value: int | str) -> int | str:
   return v
 
 
-def compare(
-  model: str,
-  *,
-  preset: str = "paper",
-  cluster: str = "v100",
-  num_devices: int = 8,
-  planners: Sequence[str] = DEFAULT_PLANNERS,
-  batch_size: int | None = None,
-  num_microbatches: int | None = None,
-  shape: Mapping[str, Any] | None = None,
-  memory_limit: int | str | None = None,
-  stages_per_device: int | str = 1,
-  progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-  """Runs ``planners`` on one model and cluster; returns the configuration and one row per
-  planner (``planner_runs.run_planner`` rows, each with its ``plan`` when it planned). Bad
-  arguments raise ValueError before anything runs (``prepare``). ``progress`` gets a line
+def compare(options: PlanOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+  """Runs ``options.planners`` on one model and cluster; returns the configuration and one row
+  per planner (``planner_runs.run_planner`` rows, each with its ``plan`` when it planned). Bad
+  options raise ValueError before anything runs (``prepare``). ``progress`` gets a line
   before and after each planner: ``"[2/5] pipedream ..."`` and its result with the elapsed
   seconds."""
-  graph, cl, batch = prepare(
-    model,
-    preset=preset,
-    cluster=cluster,
-    num_devices=num_devices,
-    planners=planners,
-    batch_size=batch_size,
-    num_microbatches=num_microbatches,
-    shape=shape,
-    memory_limit=memory_limit,
-    stages_per_device=stages_per_device,
-  )
-  per_device = parse_stages_per_device(stages_per_device)
-  options = {} if per_device == 1 else {"stages_per_device": per_device}
+  graph, cl, batch = prepare(options)
+  planners, num_microbatches = options.planners, options.num_microbatches
+  per_device = parse_stages_per_device(options.stages_per_device)
+  planner_options = {} if per_device == 1 else {"stages_per_device": per_device}
   rows = []
   t0 = time.perf_counter()
   for i, name in enumerate(planners, 1):
@@ -238,7 +277,13 @@ def compare(
       progress(f"[{i}/{len(planners)}] {name} ... ({time.perf_counter() - t0:.1f} s elapsed)")
     rows.append(
       run_planner(
-        name, graph, cl, batch, num_microbatches=num_microbatches, keep_plan=True, **options
+        name,
+        graph,
+        cl,
+        batch,
+        num_microbatches=num_microbatches,
+        keep_plan=True,
+        **planner_options,
       )
     )
     if progress is not None:
@@ -249,16 +294,16 @@ def compare(
         f"{time.perf_counter() - t0:.1f} s elapsed)"
       )
   return {
-    "model": model,
-    "graph": graph.graph.get("name", model),
+    "model": options.model,
+    "graph": graph.graph.get("name", options.model),
     "layers": len(graph),
-    "preset": preset,
+    "preset": options.preset,
     "cluster": cl.name,
-    "num_devices": num_devices,
+    "num_devices": options.num_devices,
     "memory_per_device": cl.memory_per_device,
     "batch_size": batch,
     "num_microbatches": num_microbatches,
-    "shape": dict(shape or {}),
+    "shape": dict(options.shape),
     "stages_per_device": per_device,
     "results": rows,
   }
@@ -341,28 +386,34 @@ def parse_layout(text: str) -> dict[str, int]:
   return {"tp": out.get("tp", 1), "pp": out.get("pp", 1)}
 
 
-def plan_layout(
-  layout: dict[str, int],
-  *,
-  cluster: str,
-  num_devices: int,
-  batch_size: int,
-  layers: int,
-  hidden: int,
-  heads: int,
-  seq_len: int,
-  vocab_size: int,
-  microbatch_size: int = 1,
-  stages_per_device: int | str = "auto",
-) -> list[dict[str, Any]]:
-  """The records of a GPT's ``layout`` (``experiments.megatron.predict_layout``): one per
-  plan, with ``planner`` ("layout"), ``iteration_ms``, ``samples_per_s`` and
-  ``tflops_per_device`` (the paper's FLOPs per iteration / time / devices)."""
+def plan_layout(options: PlanOptions) -> list[dict[str, Any]]:
+  """The records of the GPT's ``options.layout`` (``experiments.megatron.predict_layout``):
+  one per plan, with ``planner`` ("layout"), ``iteration_ms``, ``samples_per_s`` and
+  ``tflops_per_device`` (the paper's FLOPs per iteration / time / devices), the best of 1, 2
+  and 4 stages per device where ``options.stages_per_device`` is "auto" or the flag's default
+  "1". ValueError naming a flag that is malformed or missing."""
   from gpp_jax.experiments.megatron import Row, predict_layout
 
-  row = Row(0.0, heads, hidden, layers, layout["tp"], layout["pp"], num_devices, batch_size, 0)
-  vs = (1, 2, 4) if stages_per_device == "auto" else (int(stages_per_device),)
-  rec = predict_layout(row, cluster, microbatch_size, vs, seq_len, vocab_size)
+  layout = parse_layout(options.layout or "")
+  spd = parse_stages_per_device(options.stages_per_device)
+  shape = gpt_shape(options, "--layout")
+  auto = spd == "auto" or options.stages_per_device == "1"
+  assert options.batch_size is not None  # gpt_shape checked it
+  row = Row(
+    0.0,
+    shape.heads,
+    shape.hidden,
+    shape.layers,
+    layout["tp"],
+    layout["pp"],
+    options.num_devices,
+    options.batch_size,
+    0,
+    seq=shape.seq,
+    vocab=shape.vocab,
+  )
+  vs = (1, 2, 4) if auto else (int(spd),)
+  rec = predict_layout(row, options.cluster, options.microbatch_size, vs)
   plan = rec.pop("plan")
   return [{**rec, "plan": plan}]
 
@@ -370,68 +421,49 @@ def plan_layout(
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; everything is given as --flags")
-  if FLAGS.layout:
-    layout_main()
+  options = PlanOptions.from_flags(FLAGS)
+  if options.layout:
+    layout_main(options)
     return
-  if FLAGS.mesh:
-    mesh_main()
+  if options.mesh:
+    mesh_main(options)
     return
-  args = dict(
-    preset=FLAGS.preset,
-    cluster=FLAGS.cluster,
-    num_devices=FLAGS.num_devices,
-    planners=FLAGS.planner,
-    batch_size=FLAGS.batch_size,
-    num_microbatches=FLAGS.num_microbatches,
-    memory_limit=FLAGS.memory_limit,
-    stages_per_device=FLAGS.stages_per_device,
-  )
   try:  # bad flag values: the message alone, no traceback
-    check_json_path(FLAGS.json)
-    args["shape"] = parse_shape(FLAGS.shape)
-    prepare(FLAGS.model, **args)
+    check_json_path(options.json)
+    options = dataclasses.replace(options, shape=parse_shape(FLAGS.shape))
+    prepare(options)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  report = compare(FLAGS.model, **args, progress=stderr_progress)
+  report = compare(options, progress=stderr_progress)
   print(format_report(report))
-  if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
+  if options.json:
+    with open(options.json, "w") as f:
       json.dump(report_to_json(report), f, indent=1)
-    print(f"\nwrote {FLAGS.json}")
+    print(f"\nwrote {options.json}")
 
 
-def _gpt_shape(flag: str) -> dict[str, int]:
-  """The GPT's shape flags and ``--batch_size``, all required by ``flag`` (ValueError naming
-  the missing ones)."""
-  if FLAGS.batch_size is None:
+def gpt_shape(options: PlanOptions, flag: str) -> GPTShape:
+  """The GPT's shape from ``options``, which also needs ``batch_size``: ValueError naming the
+  missing flags, all required by ``flag``."""
+  from gpp_jax.experiments.megatron import GPTShape
+
+  if options.batch_size is None:
     raise ValueError(f"{flag} needs --batch_size (sequences per iteration)")
   names = ("gpt_layers", "gpt_hidden", "gpt_heads", "seq_len", "vocab_size")
-  need = {k: getattr(FLAGS, k) for k in names}
+  need = {k: getattr(options, k) for k in names}
   missing = sorted(k for k, v in need.items() if v is None)
   if missing:
     pass_ = ", ".join("--" + m for m in missing)
     raise ValueError(f"{flag} needs the GPT's shape: pass {pass_}")
-  return need
+  return GPTShape(*need.values())
 
 
-def plan_mesh(
-  mesh: str,
-  *,
-  planners: Sequence[str],
-  cluster: str,
-  num_devices: int,
-  batch_size: int,
-  layers: int,
-  hidden: int,
-  heads: int,
-  seq_len: int,
-  vocab_size: int,
-) -> list[dict[str, Any]]:
-  """Each planner's plan for a GPT over ``mesh`` (``data:R,model:t``, R x t = the devices):
-  stages over the R rows, each tensor parallel over t GPUs of a node, priced as
+def plan_mesh(options: PlanOptions) -> list[dict[str, Any]]:
+  """Each planner's plan for the GPT over ``options.mesh`` (``data:R,model:t``, R x t = the
+  devices): stages over the R rows, each tensor parallel over t GPUs of a node, priced as
   ``experiments.megatron`` prices a layout. One record per planner: ``planner``,
   ``iteration_ms``, ``samples_per_s``, ``tflops_per_device`` (the Megatron-LM paper's FLOP
-  count) and the plan, or ``error``."""
+  count) and the plan, or ``error``. ValueError naming a flag that is malformed or missing."""
   from gpp_jax.experiments.megatron import (
     MEGATRON_COST_MODEL,
     gpt_graph,
@@ -439,6 +471,11 @@ def plan_mesh(
     row_cluster,
   )
 
+  shape = gpt_shape(options, "--mesh")
+  for name in options.planners:
+    resolve_planner(name)
+  mesh, num_devices, batch_size = options.mesh or "", options.num_devices, options.batch_size
+  assert batch_size is not None  # gpt_shape checked it
   axes = [part.strip().partition(":") for part in mesh.split(",")]
   if len(axes) != 2 or any(not n or not sep or not v.isdigit() or int(v) < 1 for n, sep, v in axes):
     raise ValueError(
@@ -448,11 +485,11 @@ def plan_mesh(
   rows, tp = (int(v) for _, _, v in axes)
   if rows * tp != num_devices:
     raise ValueError(f"--mesh={mesh} has {rows * tp} devices but --num_devices={num_devices}")
-  rc = row_cluster(make_cluster(cluster, num_devices), tp)
-  graph = gpt_graph(batch_size, layers, hidden, heads, seq_len, vocab_size, tp)
-  flops = paper_flops(batch_size, seq_len, layers, hidden, vocab_size)
+  rc = row_cluster(make_cluster(options.cluster, num_devices), tp)
+  graph = gpt_graph(shape, batch_size, tp)
+  flops = paper_flops(batch_size, shape.seq, shape.layers, shape.hidden, shape.vocab)
   out: list[dict[str, Any]] = []
-  for name in planners:
+  for name in options.planners:
     t0 = time.perf_counter()
     row = run_planner(
       name,
@@ -481,27 +518,13 @@ def plan_mesh(
   return out
 
 
-def mesh_main() -> None:
+def mesh_main(options: PlanOptions) -> None:
   """``--mesh``: the planners' plans for a GPT over a (rows x model) mesh."""
-  if FLAGS.model != "gpt":
+  if options.model != "gpt":
     raise app.UsageError("--mesh plans a GPT over a (rows x model) mesh: pass --model=gpt")
   try:
-    check_json_path(FLAGS.json)
-    shape = _gpt_shape("--mesh")
-    for name in FLAGS.planner:
-      resolve_planner(name)
-    records = plan_mesh(
-      FLAGS.mesh,
-      planners=FLAGS.planner,
-      cluster=FLAGS.cluster,
-      num_devices=FLAGS.num_devices,
-      batch_size=FLAGS.batch_size,
-      layers=shape["gpt_layers"],
-      hidden=shape["gpt_hidden"],
-      heads=shape["gpt_heads"],
-      seq_len=shape["seq_len"],
-      vocab_size=shape["vocab_size"],
-    )
+    check_json_path(options.json)
+    records = plan_mesh(options)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   for r in records:
@@ -514,52 +537,37 @@ def mesh_main() -> None:
       f"{r['tflops_per_device']:.1f} TFLOP/s per GPU (modelled; the Megatron-LM paper's FLOP "
       "count)\n"
     )
-  if FLAGS.json:
+  if options.json:
     out = [{k: (v.to_dict() if isinstance(v, Plan) else v) for k, v in r.items()} for r in records]
-    with open(FLAGS.json, "w") as f:
+    with open(options.json, "w") as f:
       json.dump(out, f, indent=1)
-    print(f"wrote {FLAGS.json}")
+    print(f"wrote {options.json}")
 
 
-def layout_main() -> None:
+def layout_main(options: PlanOptions) -> None:
   """``--layout``: the given layout of a GPT, simulated; prints it and writes ``--json``."""
-  if FLAGS.model != "gpt":
+  if options.model != "gpt":
     raise app.UsageError("--layout plans a GPT's tensor x pipeline x data layout: pass --model=gpt")
   try:
-    check_json_path(FLAGS.json)
-    layout = parse_layout(FLAGS.layout)
-    spd = parse_stages_per_device(FLAGS.stages_per_device)
-    shape = _gpt_shape("--layout")
-    records = plan_layout(
-      layout,
-      cluster=FLAGS.cluster,
-      num_devices=FLAGS.num_devices,
-      batch_size=FLAGS.batch_size,
-      layers=shape["gpt_layers"],
-      hidden=shape["gpt_hidden"],
-      heads=shape["gpt_heads"],
-      seq_len=shape["seq_len"],
-      vocab_size=shape["vocab_size"],
-      microbatch_size=FLAGS.microbatch_size,
-      stages_per_device="auto" if spd == 1 and FLAGS.stages_per_device == "1" else spd,
-    )
+    check_json_path(options.json)
+    records = plan_layout(options)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   for r in records:
     print(r["plan"])
     print(
-      f"\n{r['layout']} on {FLAGS.num_devices} {FLAGS.cluster} GPUs: iteration "
+      f"\n{r['layout']} on {options.num_devices} {options.cluster} GPUs: iteration "
       f"{r['iteration_ms'] / 1e3:.3f} s, {r['samples_per_s']:.1f} sequences/s, "
       f"{r['tflops_per_device']:.1f} TFLOP/s per GPU (modelled; the paper's FLOP count), "
       f"{r['stages_per_device']} stage(s) per device, {r['num_microbatches']} micro-batches"
     )
-  if FLAGS.json:
+  if options.json:
     out = [
       {k: v for k, v in r.items() if k != "plan"} | {"plan": r["plan"].to_dict()} for r in records
     ]
-    with open(FLAGS.json, "w") as f:
+    with open(options.json, "w") as f:
       json.dump(out, f, indent=1)
-    print(f"\nwrote {FLAGS.json}")
+    print(f"\nwrote {options.json}")
 
 
 def run(argv: Sequence[str] | None = None) -> None:

@@ -373,8 +373,7 @@ def _pipeline_from_flags() -> tuple[Any, Any, Any]:
     FLAGS.model,
     FLAGS.preset,
     seed=FLAGS.seed,
-    learning_rate=FLAGS.learning_rate,
-    clip_norm=FLAGS.clip_norm,
+    optimizer=zoo.OptimizerConfig(FLAGS.learning_rate, FLAGS.clip_norm),
     dtype=None if FLAGS.dtype == "float32" else FLAGS.dtype,
   )
   mesh = None

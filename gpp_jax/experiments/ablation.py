@@ -14,6 +14,7 @@ from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.experiments import plotting
 from gpp_jax.experiments.planner_runs import MODEL_LABELS, best_row, build_graph, default_batch_size
 from gpp_jax.experiments.sweeps import (
+  Configuration,
   Log,
   Row,
   Sweep,
@@ -62,15 +63,9 @@ def ablation(
     graph = build_graph(model, sweep.preset, batch)
     cluster = make_cluster(sweep.cluster, k)
     if not have:
-      have = run_config(
-        sweep.planners,
-        graph,
-        cluster,
-        batch,
-        {"model": model, "devices": k, "batch": batch},
-        label + " every planner",
-        log,
-      )
+      fields = {"model": model, "devices": k, "batch": batch}
+      config = Configuration(graph, cluster, batch, fields, label + " every planner")
+      have = run_config(sweep.planners, config, log)
     full = next(r for r in have if r["planner"] == "graphpipe")
     seq = best_row(have, [p for p in sweep.planners if p != "graphpipe"])
     row = {

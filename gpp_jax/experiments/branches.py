@@ -14,6 +14,7 @@ from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.experiments import plotting
 from gpp_jax.experiments.planner_runs import build_graph, default_batch_size
 from gpp_jax.experiments.sweeps import (
+  Configuration,
   Log,
   Row,
   Sweep,
@@ -52,15 +53,11 @@ def branch_sweep(sweep: Sweep, log: Log = progress_log) -> list[Row]:
   cluster = make_cluster(sweep.cluster, k)
   for i, b in enumerate(sweep.branches, 1):
     graph = build_graph("candle_uno", sweep.preset, batch, branches=b)
-    rows += run_config(
-      sweep.planners,
-      graph,
-      cluster,
-      batch,
-      {"model": f"candle_uno:branches={b}", "branches": b, "devices": k, "batch": batch},
-      progress_label("branches", f"CANDLE-Uno {b} branches, {k} devices", i, len(sweep.branches)),
-      log,
+    fields = {"model": f"candle_uno:branches={b}", "branches": b, "devices": k, "batch": batch}
+    label = progress_label(
+      "branches", f"CANDLE-Uno {b} branches, {k} devices", i, len(sweep.branches)
     )
+    rows += run_config(sweep.planners, Configuration(graph, cluster, batch, fields, label), log)
   return rows
 
 

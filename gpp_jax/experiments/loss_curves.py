@@ -20,7 +20,9 @@ if __name__ == "__main__":
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   )
 
+import dataclasses
 import json
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,30 +33,36 @@ import gpp_jax
 from gpp_jax.experiments import zoo
 
 
-def loss_curves(
-  model_name: str,
-  steps: int,
-  *,
-  planner="graphpipe",
-  num_devices: int = 8,
-  num_microbatches: int = 8,
-  batch_size: int = 32,
-  seed: int = 0,
-  dtype=None,
-):
-  """Returns (pipelined losses, one-device losses, plan) over ``steps`` steps; ``dtype``
-  as for ``zoo.setup`` (float64 needs ``jax_enable_x64``)."""
+@dataclasses.dataclass(frozen=True)
+class CurveConfig:
+  """The two runs ``loss_curves`` compares: ``batch_size`` samples a step from ``seed``, in
+  ``dtype`` (as for ``zoo.setup``; float64 needs ``jax_enable_x64``); the pipelined run uses
+  ``planner``'s plan over ``num_devices`` devices in ``num_microbatches`` micro-batches."""
+
+  planner: Any = "graphpipe"
+  num_devices: int = 8
+  num_microbatches: int = 8
+  batch_size: int = 32
+  seed: int = 0
+  dtype: Any = None
+
+
+def loss_curves(model_name: str, steps: int, config: CurveConfig = CurveConfig()):
+  """Returns (pipelined losses, one-device losses, plan) over ``steps`` steps of
+  ``model_name`` (tiny preset) as ``config`` sets the runs up."""
+  c = config
+  seed, dtype, num_devices = c.seed, c.dtype, c.num_devices
   pipe_run = zoo.setup(model_name, seed=seed, dtype=dtype)
   ref_run = zoo.setup(model_name, seed=seed, dtype=dtype)
-  data = pipe_run.batches(batch_size, 4)
+  data = pipe_run.batches(c.batch_size, 4)
   devices = jax.devices()[:num_devices]
   from gpp_jax.cost.cluster import cpu_cluster
 
   pp = gpp_jax.graph_pipeline(
     pipe_run.train_step,
-    num_microbatches=num_microbatches,
+    num_microbatches=c.num_microbatches,
     devices=devices,
-    planner=planner,
+    planner=c.planner,
     cluster=cpu_cluster(num_devices),
     layer_depth=pipe_run.spec.layer_depth,
   )
@@ -89,7 +97,7 @@ def main(_):
     jax.config.update("jax_enable_x64", True)
   results = {}
   for name in FLAGS.models:
-    pipe, one, plan = loss_curves(name, FLAGS.steps, dtype=FLAGS.dtype)
+    pipe, one, plan = loss_curves(name, FLAGS.steps, CurveConfig(dtype=FLAGS.dtype))
     diff = float(np.max(np.abs(pipe - one)))
     results[name] = {
       "pipelined": pipe.tolist(),

@@ -31,7 +31,7 @@ import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster, make_cluster
 from gpp_jax.cost.cost_model import CostModel
-from gpp_jax.ir.layer_graph import add_edge, add_layer, new_layer_graph
+from gpp_jax.ir.layer_graph import LayerCost, add_edge, add_layer, new_layer_graph
 from gpp_jax.ir.plan import Plan, Stage
 
 ACT_BYTES = 2  # float16 / bfloat16 activations
@@ -43,9 +43,25 @@ MEGATRON_COST_MODEL = CostModel(
 )
 
 
+SEQ_LEN, VOCAB = 2048, 51200
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTShape:
+  """A GPT's shape: ``layers`` Transformer layers of width ``hidden`` with ``heads`` heads
+  (and a 4h MLP), sequences of ``seq`` tokens, a vocabulary of ``vocab``."""
+
+  layers: int
+  hidden: int
+  heads: int
+  seq: int = SEQ_LEN
+  vocab: int = VOCAB
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
-  """One row of the paper's Table 1."""
+  """One row of the paper's Table 1 (sequence ``seq``, vocabulary ``vocab``): a GPT run in
+  the layout tp x pp (data parallel over the rest of the ``gpus``) at mini-batch ``batch``."""
 
   params_b: float  # billions of parameters, as published
   heads: int
@@ -56,6 +72,12 @@ class Row:
   gpus: int
   batch: int
   tflops: float  # achieved teraFLOP/s per GPU, as published
+  seq: int = SEQ_LEN
+  vocab: int = VOCAB
+
+  @property
+  def shape(self) -> GPTShape:
+    return GPTShape(self.layers, self.hidden, self.heads, self.seq, self.vocab)
 
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -75,7 +97,6 @@ TABLE_1 = (
 )
 # The four rows the GPU efficiency model's level was set on (docs/results/megatron.md), no other.
 FITTED_ON: tuple[float, ...] = (1.7, 18.4, 145.6, 1008.0)
-SEQ_LEN, VOCAB = 2048, 51200
 
 
 def paper_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -91,65 +112,57 @@ def paper_params(layers: int, hidden: int, seq: int = SEQ_LEN, vocab: int = VOCA
   return 12.0 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * l * h))
 
 
-def gpt_graph(
-  batch_size: int,
-  layers: int,
-  hidden: int,
-  heads: int,
-  seq: int = SEQ_LEN,
-  vocab: int = VOCAB,
-  tp: int = 1,
-) -> nx.DiGraph:
-  """The layer graph of a GPT (embedding, ``layers`` Transformer layers with a 4h MLP, the LM
-  head tied to the embedding, the loss) for ``batch_size`` sequences, priced as Megatron-LM
-  runs it with tensor parallelism ``tp`` (module docstring)."""
-  B, s, h, V = batch_size, seq, hidden, vocab
-  g = new_layer_graph(f"gpt{layers}x{hidden}", B)
+def gpt_graph(shape: GPTShape, batch_size: int, tp: int = 1) -> nx.DiGraph:
+  """The layer graph of a GPT of ``shape`` (embedding, ``layers`` Transformer layers with a 4h
+  MLP, the LM head tied to the embedding, the loss) for ``batch_size`` sequences, priced as
+  Megatron-LM runs it with tensor parallelism ``tp`` (module docstring)."""
+  B, s, h, V = batch_size, shape.seq, shape.hidden, shape.vocab
+  layers = shape.layers
+  g = new_layer_graph(f"gpt{layers}x{h}", B)
   act = ACT_BYTES * s * h  # one sequence's hidden states
   embed_params = PARAM_BYTES * (V + s) * h  # token and position embeddings
-  add_layer(
-    g,
-    "embed",
+  embed = LayerCost(
     flops=float(s * h * B),
     bytes=float(2 * act * B),
     param_bytes=float(embed_params),
-    param_read_bytes=0.0,
     act_bytes=float(act * B),
     saved_bytes=float(ACT_BYTES * s * B),
   )
+  add_layer(g, "embed", embed, param_read_bytes=0.0)
   tensor_parallel: dict[str, tuple[int, float, float]] = {}
   shards: dict[str, tuple[float, float, float]] = {}
   prev = "embed"
   layer_params = 12 * h * h + 13 * h
   for i in range(layers):
     name = f"layer{i}"
-    add_layer(
-      g,
-      name,
-      rows=s,
-      width=float(h),
+    cost = LayerCost(
       flops=float((24.0 * s * h * h + 4.0 * s * s * h) * B),
       bytes=float(WEIGHT_READ_BYTES * layer_params + 16 * act * B),
       param_bytes=float(PARAM_BYTES * layer_params),
-      param_read_bytes=float(WEIGHT_READ_BYTES * layer_params),
       act_bytes=float(act * B),
       saved_bytes=float(act * B),  # recomputed: only the layer's input is kept
+    )
+    add_layer(
+      g,
+      name,
+      cost,
+      rows=s,
+      width=float(h),
+      param_read_bytes=float(WEIGHT_READ_BYTES * layer_params),
     )
     add_edge(g, prev, name, act * B / tp)  # scatter/gather: 1/t of it over each adapter
     tensor_parallel[name] = (tp, 2.0 * act, 4.0 * act)
     shards[name] = (PARAM_BYTES * layer_params, PARAM_BYTES * layer_params / tp, 0.0)
     prev = name
-  add_layer(
-    g,
-    "lm_head",
-    rows=s,
-    width=float(h),
+  head = LayerCost(
     flops=float(2.0 * s * h * V * B),
     bytes=float(WEIGHT_READ_BYTES * V * h + ACT_BYTES * s * (h + V) * B),
     param_bytes=float(PARAM_BYTES * V * h),  # the tied embedding's copy on the last stage
-    param_read_bytes=float(WEIGHT_READ_BYTES * V * h),
     act_bytes=float(ACT_BYTES * s * B),
     saved_bytes=float(act * B),
+  )
+  add_layer(
+    g, "lm_head", head, rows=s, width=float(h), param_read_bytes=float(WEIGHT_READ_BYTES * V * h)
   )
   add_edge(g, prev, "lm_head", act * B / tp)
   tensor_parallel["lm_head"] = (tp, 0.0, float(act))
@@ -157,15 +170,13 @@ def gpt_graph(
   for name in ("embed", "lm_head"):
     p = g.nodes[name]["param_bytes"]
     shards[name] = (p, p / tp, 0.0)
-  add_layer(
-    g,
-    "loss",
+  loss = LayerCost(
     flops=float(4.0 * s * V * B / tp),
     bytes=float(ACT_BYTES * s * V * B / tp),
-    param_bytes=0.0,
     act_bytes=float(4 * B),
     saved_bytes=0.0,
   )
+  add_layer(g, "loss", loss)
   add_edge(g, "lm_head", "loss", ACT_BYTES * s * B)
   if tp > 1:
     g.graph["tensor_parallel"] = tensor_parallel
@@ -194,18 +205,14 @@ def row_cluster(cluster: Cluster, tp: int) -> Cluster:
 
 
 def layout_plan(
-  graph: nx.DiGraph,
-  num_rows: int,
-  batch_size: int,
-  pp: int,
-  microbatch: int = 1,
-  stages_per_device: int = 1,
+  graph: nx.DiGraph, num_rows: int, pp: int, microbatch: int = 1, stages_per_device: int = 1
 ) -> Plan:
-  """The paper's layout: the chain cut into ``pp * stages_per_device`` stages of equal
-  Transformer layers (the embedding with the first, the head and the loss with the last),
-  stage k on the ``dp = num_rows / pp`` rows of pipeline rank k mod pp (Megatron's
-  interleaving for more than one stage per device), ``batch / (dp * microbatch)``
-  micro-batches."""
+  """The paper's layout for ``graph``'s mini-batch (its ``batch_size``): the chain cut into
+  ``pp * stages_per_device`` stages of equal Transformer layers (the embedding with the first,
+  the head and the loss with the last), stage k on the ``dp = num_rows / pp`` rows of pipeline
+  rank k mod pp (Megatron's interleaving for more than one stage per device),
+  ``batch / (dp * microbatch)`` micro-batches."""
+  batch_size = graph.graph["batch_size"]
   if num_rows % pp:
     raise ValueError(f"{num_rows} rows do not split into pp={pp} pipeline ranks")
   dp = num_rows // pp
@@ -248,10 +255,9 @@ def predict_layout(
   cluster_name: str = "a100",
   microbatch: int = 1,
   stages_per_device: Sequence[int] = (1, 2, 4),
-  seq: int = SEQ_LEN,
-  vocab: int = VOCAB,
 ) -> dict[str, Any]:
-  """The simulated iteration of ``row``'s layout on ``cluster_name``: the best of
+  """The simulated iteration of ``row``'s layout (its GPT: ``Row.shape``) on ``cluster_name``,
+  micro-batches of ``microbatch`` sequences: the best of
   ``stages_per_device`` (those that divide the layers of a pipeline rank), as a record with
   ``iteration_ms``, ``samples_per_s``, ``tflops_per_device`` (the paper's FLOPs per iteration
   / time / GPUs), ``iteration_ms_by_v`` (every v simulated) and the plan."""
@@ -259,14 +265,14 @@ def predict_layout(
 
   cluster = make_cluster(cluster_name, row.gpus)
   rows = row_cluster(cluster, row.tp)
-  graph = gpt_graph(row.batch, row.layers, row.hidden, row.heads, seq, vocab, row.tp)
+  graph = gpt_graph(row.shape, row.batch, row.tp)
   best: dict[str, Any] | None = None
   by_v: dict[int, float] = {}
   per_rank = row.layers // row.pp
   for v in stages_per_device:
     if (row.pp == 1 and v > 1) or per_rank % v:
       continue
-    plan = layout_plan(graph, rows.num_devices, row.batch, row.pp, microbatch, v)
+    plan = layout_plan(graph, rows.num_devices, row.pp, microbatch, v)
     res = simulate(plan, graph, rows, cost_model=MEGATRON_COST_MODEL, timeline=False)
     T = res.iteration_time
     by_v[v] = T * 1e3
@@ -278,7 +284,7 @@ def predict_layout(
       "num_microbatches": plan.num_microbatches,
       "iteration_ms": T * 1e3,
       "samples_per_s": row.batch / T,
-      "tflops_per_device": paper_flops(row.batch, seq, row.layers, row.hidden, vocab)
+      "tflops_per_device": paper_flops(row.batch, row.seq, row.layers, row.hidden, row.vocab)
       / T
       / row.gpus
       / 1e12,

@@ -15,6 +15,7 @@ from gpp_jax.experiments import plotting
 from gpp_jax.experiments.planner_runs import MODEL_LABELS, build_graph
 from gpp_jax.experiments.sweeps import (
   ALL_PLANNERS,
+  Configuration,
   Log,
   Row,
   Sweep,
@@ -51,16 +52,10 @@ def microbatch_sweep(sweep: Sweep, log: Log = progress_log) -> list[Row]:
   sizes = list(sweep.microbatch_list) or microbatch_sizes(B)
   label = MODEL_LABELS.get(sweep.microbatch_model, sweep.microbatch_model)
   for i, b in enumerate(sizes, 1):
-    rows += run_config(
-      sweep.planners,
-      graph,
-      cluster,
-      B,
-      {"model": sweep.microbatch_model, "devices": k, "batch": B, "microbatch_size": b},
-      progress_label("micro-batch", f"{label} micro-batch {b}, {k} devices", i, len(sizes)),
-      log,
-      num_microbatches=B // b,
-    )
+    fields = {"model": sweep.microbatch_model, "devices": k, "batch": B, "microbatch_size": b}
+    what = progress_label("micro-batch", f"{label} micro-batch {b}, {k} devices", i, len(sizes))
+    config = Configuration(graph, cluster, B, fields, what)
+    rows += run_config(sweep.planners, config, log, num_microbatches=B // b)
   return rows
 
 

@@ -104,12 +104,13 @@ def run_planner(
   cluster: Cluster,
   batch_size: int,
   *,
-  num_microbatches: int | None = None,
   keep_plan: bool = False,
   **options,
 ) -> dict[str, Any]:
   """Runs planner ``name`` (a registered planner or a ``PLANNER_VARIANTS`` name, which is the
-  row's ``planner``) and returns one row.
+  row's ``planner``) with ``options``, the planner's keyword arguments (``num_microbatches``,
+  ``stages_per_device``, ``cost_model``, ...: ``passes.partition.Planner``), and returns one
+  row.
 
   A plan gives ``throughput`` (samples/s), ``iteration_time`` (s), ``stages``, ``depth``,
   ``microbatch``, ``num_microbatches``, ``max_memory`` (bytes per device), ``memory_ok``,
@@ -122,9 +123,7 @@ def run_planner(
   base, fixed = resolve_planner(name)
   t0 = time.perf_counter()
   try:
-    plan = PLANNERS[base](
-      graph, cluster, batch_size, num_microbatches=num_microbatches, **{**fixed, **options}
-    )
+    plan = PLANNERS[base](graph, cluster, batch_size, **{**fixed, **options})
   except (PlanError, ValueError) as e:
     return {"planner": name, "error": str(e), "seconds": time.perf_counter() - t0}
   seconds = time.perf_counter() - t0

@@ -34,6 +34,7 @@ from gpp_jax.experiments.megatron import (
   SEQ_LEN,
   TABLE_1,
   VOCAB,
+  GPTShape,
   Row,
   gpt_graph,
   paper_flops,
@@ -62,7 +63,7 @@ def graphpipe_own(
   from gpp_jax.passes.partition import PLANNERS
 
   rows = row_cluster(make_cluster(cluster, row.gpus), row.tp)
-  graph = gpt_graph(row.batch, row.layers, row.hidden, row.heads, SEQ_LEN, VOCAB, row.tp)
+  graph = gpt_graph(row.shape, row.batch, row.tp)
   t0 = time.perf_counter()
   try:
     plan = PLANNERS["graphpipe"](
@@ -150,7 +151,7 @@ def zero3(cluster: str = "a100") -> list[dict[str, Any]]:
   out = []
   for params_b, layers, hidden, heads, pp, runs in TABLE_2:
     for gpus, batch, mb, zero_pub, ptd_gpus, ptd_pub in runs:
-      graph = gpt_graph(batch, layers, hidden, heads, SEQ_LEN, VOCAB, 1)
+      graph = gpt_graph(GPTShape(layers, hidden, heads), batch)
       stage = Stage(0, tuple(graph.nodes), tuple(range(gpus)), mb * gpus)
       plan = Plan(
         (stage,), (), batch // (mb * gpus), planner="jit fsdp", batch_size=batch,

@@ -10,6 +10,7 @@ device, the real-training check, what limits the comparison).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -378,23 +379,21 @@ def _planner_cols(fmt=".1f"):
   return [(p, names[p], fmt) for p in ALL_PLANNERS]
 
 
-def _section(
-  title: str,
-  intro: str,
-  table: str,
-  *,
-  after: str = "",
-  image: tuple[str, str] | None = None,
-  plots: Sequence[str] = (),
-) -> list[str]:
+def _section(title: str, intro: str, table: str, *, after: str = "", image: str = "") -> list[str]:
   """The lines of one section of ``results.md``: heading, intro paragraph, table, an optional
-  closing paragraph, and ``image`` (alt text, file name) when that plot was written."""
+  closing paragraph and an optional image line (``_plot``)."""
   out = [title, "", intro, "", table, ""]
   if after:
     out += [after, ""]
-  if image is not None and image[1] in plots:
-    out += [f"![{image[0]}]({image[1]})", ""]
+  if image:
+    out += [image, ""]
   return out
+
+
+def _plot(alt: str, file: str, plots: Sequence[str]) -> str:
+  """The markdown image of plot ``file`` with ``alt`` text, "" when that plot was not written
+  (it is not among ``plots``)."""
+  return f"![{alt}]({file})" if file in plots else ""
 
 
 # The several-stages-per-device benchmark, beside the package in the repository.
@@ -481,19 +480,27 @@ _RESULTS_LIMITS = [
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+  """How a ``results.md`` was made: the command line (""; the reproduction's module) and the
+  minutes it took (``elapsed`` seconds; None: not stated)."""
+
+  command: str = ""
+  elapsed: float | None = None
+
+
 def results_markdown(
   tables: Tables,
   sweep: Sweep,
   plots: Sequence[str] = (),
-  command: str = "",
-  elapsed: float | None = None,
+  provenance: Provenance = Provenance(),
   extra: str = "",
 ) -> str:
-  """``results.md``: the paper comparison, then tables (a)-(e), ``extra`` (markdown written by
-  another benchmark, e.g. ``benchmarks/planners.py``'s section (f)), section (g) (several
-  stages per device, ``shared_devices_section``: planned here, for the paper's preset) and the
-  real-training check."""
-  out = _results_header(tables, sweep, command, elapsed)
+  """``results.md``: the paper comparison, then tables (a)-(e) (with the ``plots`` written),
+  ``extra`` (markdown written by another benchmark, e.g. ``benchmarks/planners.py``'s section
+  (f)), section (g) (several stages per device, ``shared_devices_section``: planned here, for
+  the paper's preset) and the real-training check; ``provenance`` heads it."""
+  out = _results_header(tables, sweep, provenance)
   out += _planner_sections(tables, sweep, plots)
   out += _loss_check_section(tables)
   if extra:
@@ -505,8 +512,9 @@ def results_markdown(
   return "\n".join(out)
 
 
-def _results_header(tables: Tables, sweep: Sweep, command: str, elapsed: float | None) -> list[str]:
+def _results_header(tables: Tables, sweep: Sweep, provenance: Provenance) -> list[str]:
   """``results.md``'s opening: what its numbers are, the paper, and the comparison with it."""
+  command, elapsed = provenance.command, provenance.elapsed
   out = [
     "# GraphPipe reproduction: simulated results beside the paper's",
     "",
@@ -587,8 +595,7 @@ def _planner_sections(tables: Tables, sweep: Sweep, plots: Sequence[str]) -> lis
         ],
         gp_shape=True,
       ),
-      image=("throughput vs devices", "throughput.png"),
-      plots=plots,
+      image=_plot("throughput vs devices", "throughput.png", plots),
     )
 
   br = tables.get("branches") or []
@@ -610,8 +617,7 @@ def _planner_sections(tables: Tables, sweep: Sweep, plots: Sequence[str]) -> lis
           _SPEEDUP_COLUMN,
         ],
       ),
-      image=("branch sweep", "branches.png"),
-      plots=plots,
+      image=_plot("branch sweep", "branches.png", plots),
     )
 
   mb = tables.get("microbatch") or []
@@ -632,8 +638,7 @@ def _planner_sections(tables: Tables, sweep: Sweep, plots: Sequence[str]) -> lis
           *_vs_best_sequential_columns("best_sequential_depth", "seq depth"),
         ],
       ),
-      image=("micro-batch sweep", "microbatch.png"),
-      plots=plots,
+      image=_plot("micro-batch sweep", "microbatch.png", plots),
     )
 
   ab = tables.get("ablation") or []
@@ -660,8 +665,7 @@ def _planner_sections(tables: Tables, sweep: Sweep, plots: Sequence[str]) -> lis
       ),
       after="Paper (Fig. 9, 32 GPUs): parallel 1.12-1.40x, full 1.25-1.61x over the "
       "sequential baseline; per-model bars lost.",
-      image=("ablation", "ablation.png"),
-      plots=plots,
+      image=_plot("ablation", "ablation.png", plots),
     )
 
   st = tables.get("search_time") or []

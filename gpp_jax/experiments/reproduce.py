@@ -55,7 +55,7 @@ from gpp_jax.experiments.ablation import ABLATION_COLUMNS, ablation
 from gpp_jax.experiments.branches import BRANCH_COLUMNS, branch_sweep, branch_table
 from gpp_jax.experiments.loss_check import LOSS_COLUMNS, loss_check
 from gpp_jax.experiments.microbatch import MICROBATCH_COLUMNS, microbatch_sweep, microbatch_table
-from gpp_jax.experiments.report import results_markdown, write_csv, write_plots
+from gpp_jax.experiments.report import Provenance, results_markdown, write_csv, write_plots
 from gpp_jax.experiments.sweeps import FULL, QUICK, Sweep
 from gpp_jax.experiments.sweeps import progress_log as _log
 from gpp_jax.experiments.throughput import (
@@ -118,7 +118,8 @@ def reproduce(
   if os.path.exists(fidelity):
     with open(fidelity) as f:
       extra = f.read()
-  md = results_markdown(tables, sweep, files, command, time.perf_counter() - t0, extra=extra)
+  provenance = Provenance(command, time.perf_counter() - t0)
+  md = results_markdown(tables, sweep, files, provenance, extra=extra)
   with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write(md)
   _log(

@@ -18,6 +18,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import networkx as nx
+
+from gpp_jax.cost.cluster import Cluster
 from gpp_jax.experiments.planner_runs import best_row, run_planner, short_error
 from gpp_jax.passes.partition import SEQUENTIAL_PLANNERS
 
@@ -101,26 +104,33 @@ def run_one(name: str, graph, cluster, batch: int, **kw) -> Row:
   return row
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Configuration:
+  """One configuration of a sweep: ``graph`` planned for ``cluster`` at mini-batch ``batch``;
+  ``fields`` are its columns, first in each of its rows; ``label`` names it in the progress
+  log."""
+
+  graph: nx.DiGraph
+  cluster: Cluster
+  batch: int
+  fields: Mapping[str, Any]
+  label: str = ""
+
+
 def run_config(
-  planners: Sequence[str],
-  graph,
-  cluster,
-  batch: int,
-  fields: Mapping[str, Any],
-  label: str = "",
-  log: Log | None = None,
-  **kw,
+  planners: Sequence[str], config: Configuration, log: Log | None = None, **kw
 ) -> list[Row]:
-  """Every planner on one configuration: one row per planner, ``fields`` (the configuration)
-  first, then ``run_one``'s row (``kw`` go to the planner). With ``log``, one line
-  ``"{label} ..."`` before the planners run and one line ``"{label}: "`` + each planner's
-  result and the configuration's seconds after."""
+  """Every planner on one configuration: one row per planner, ``config.fields`` first, then
+  ``run_one``'s row (``kw`` go to the planner). With ``log``, one line ``"{label} ..."``
+  before the planners run and one line ``"{label}: "`` + each planner's result and the
+  configuration's seconds after."""
+  c = config
   t0 = time.perf_counter()
   if log is not None:
-    log(f"{label} {', '.join(planners)} ...")
-  rows = [{**fields, **run_one(name, graph, cluster, batch, **kw)} for name in planners]
+    log(f"{c.label} {', '.join(planners)} ...")
+  rows = [{**c.fields, **run_one(name, c.graph, c.cluster, c.batch, **kw)} for name in planners]
   if log is not None:
-    log(f"{label}: " + ", ".join(brief(r) for r in rows) + f" [{time.perf_counter() - t0:.1f} s]")
+    log(f"{c.label}: " + ", ".join(brief(r) for r in rows) + f" [{time.perf_counter() - t0:.1f} s]")
   return rows
 
 

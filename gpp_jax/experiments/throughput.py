@@ -16,6 +16,7 @@ from gpp_jax.experiments.planner_runs import MODEL_LABELS, build_graph, default_
 from gpp_jax.experiments.sweeps import (
   ALL_PLANNERS,
   PAPER_BASELINES,
+  Configuration,
   Log,
   Row,
   Sweep,
@@ -63,15 +64,9 @@ def device_sweep(sweep: Sweep, log: Log = progress_log) -> list[Row]:
     batch = default_batch_size(model, k)
     graph = build_graph(model, sweep.preset, batch)
     cluster = make_cluster(sweep.cluster, k)
-    rows += run_config(
-      sweep.planners,
-      graph,
-      cluster,
-      batch,
-      {"model": model, "devices": k, "batch": batch},
-      progress_label("throughput", what, i, len(configs)),
-      log,
-    )
+    fields = {"model": model, "devices": k, "batch": batch}
+    label = progress_label("throughput", what, i, len(configs))
+    rows += run_config(sweep.planners, Configuration(graph, cluster, batch, fields, label), log)
   return rows
 
 

@@ -27,6 +27,15 @@ MEDIUM: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW at ``learning_rate``, after global-norm gradient clipping at ``clip_norm`` (0: no
+  clipping)."""
+
+  learning_rate: float = 1e-3
+  clip_norm: float = 1.0
+
+
 @dataclasses.dataclass
 class ZooRun:
   spec: Any
@@ -56,12 +65,12 @@ def setup(
   preset: str = "tiny",
   *,
   seed: int = 0,
-  learning_rate: float = 1e-3,
-  clip_norm: float = 1.0,
+  optimizer: OptimizerConfig = OptimizerConfig(),
   dtype: Any = None,
   **overrides,
 ) -> ZooRun:
-  """A zoo model with AdamW (and global-norm clipping) and an NNX-style train step.
+  """A zoo model (its ``preset`` config with ``overrides``) with AdamW (and global-norm
+  clipping: ``optimizer``) and an NNX-style train step.
 
   The step is written the way the NNX docs write one, with ``gpp_jax.value_and_grad``; undecorated
   it runs on one device, decorated with ``graph_pipeline`` it runs pipelined. ``dtype`` (e.g.
@@ -87,12 +96,13 @@ def setup(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
       ),
     )
-  chain = [optax.clip_by_global_norm(clip_norm)] if clip_norm > 0 else []
-  optimizer = nnx.Optimizer(model, optax.chain(*chain, optax.adamw(learning_rate)), wrt=nnx.Param)
+  clip = [optax.clip_by_global_norm(optimizer.clip_norm)] if optimizer.clip_norm > 0 else []
+  tx = optax.chain(*clip, optax.adamw(optimizer.learning_rate))
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   def train_step(model, optimizer, batch):
     loss, grads = gpp_jax.value_and_grad(lambda m: spec.loss_fn(m, batch))(model)
     optimizer.update(model, grads)
     return loss
 
-  return ZooRun(spec, config, model, optimizer, train_step, seed, dtype)
+  return ZooRun(spec, config, model, opt, train_step, seed, dtype)

@@ -32,6 +32,7 @@ Edge attributes:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -48,27 +49,30 @@ def new_layer_graph(name: str, batch_size: int) -> nx.DiGraph:
   return nx.DiGraph(name=name, batch_size=int(batch_size))
 
 
-def add_layer(
-  g: nx.DiGraph,
-  name: str,
-  *,
-  flops: float = 0.0,
-  bytes: float = 0.0,  # pylint: disable=redefined-builtin
-  param_bytes: float = 0.0,
-  act_bytes: float = 0.0,
-  saved_bytes: float | None = None,
-  **extra: Any,
-) -> None:
-  """Adds a layer with its costs; ``order`` defaults to insertion order."""
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+  """One layer's costs, the node attributes of the same names (module docstring), for the
+  graph's ``batch_size`` samples. ``saved_bytes`` None: as many as ``act_bytes``."""
+
+  flops: float = 0.0
+  bytes: float = 0.0
+  param_bytes: float = 0.0
+  act_bytes: float = 0.0
+  saved_bytes: float | None = None
+
+
+def add_layer(g: nx.DiGraph, name: str, cost: LayerCost = LayerCost(), **extra: Any) -> None:
+  """Adds a layer with its ``cost`` and any further node attributes in ``extra`` (``rows``,
+  ``param_read_bytes``, ``time_f``, ...); ``order`` defaults to insertion order."""
   if name in g:
     raise ValueError(f"layer {name!r} already exists")
   g.add_node(
     name,
-    flops=float(flops),
-    bytes=float(bytes),
-    param_bytes=float(param_bytes),
-    act_bytes=float(act_bytes),
-    saved_bytes=float(act_bytes if saved_bytes is None else saved_bytes),
+    flops=float(cost.flops),
+    bytes=float(cost.bytes),
+    param_bytes=float(cost.param_bytes),
+    act_bytes=float(cost.act_bytes),
+    saved_bytes=float(cost.act_bytes if cost.saved_bytes is None else cost.saved_bytes),
     order=extra.pop("order", g.number_of_nodes()),
     **extra,
   )
