@@ -229,13 +229,13 @@ def one(model, size, n):
   runs = {"graphpipe": planned}
   for name in FLAGS.planners:
     try:
-      if name == "graphpipe" and "pipeline" in planned.candidates:
-        candidates[name] = (planned.candidates["pipeline"], planned)
+      if name == "graphpipe" and "pipeline" in planned.plans:
+        candidates[name] = (planned.plans["pipeline"], planned)
       elif name == "graphpipe" or not FLAGS.own_runs:
         candidates[name] = (make_plan(graph, B, dataclasses.replace(opts, planner=name)), planned)
       else:  # as a user who runs this planner sees it: its own calibration and choice
         runs[name] = calibrated(run, data, devices, name)[0]
-        own = runs[name].candidates.get("pipeline")
+        own = runs[name].plans.get("pipeline")
         if own is None:
           print(f"  {name}: its plan does not fit the memory budget as compiled")
           continue

@@ -116,7 +116,7 @@ def test_planned_labels_plain_jit_measured_and_the_pipeline_modelled(dag, monkey
     host_mod, "measure_host", lambda devices, *_: host(0.0, 1.0, spmd={2: 3.0, 4: 6.0})
   )
 
-  def fake(c, leaves, repeats=5):
+  def fake(c, leaves, repeats=5, outside=0.0):
     plan = c.planned.plan
     if plan.num_stages == 1 and len(plan.stages[0].devices) == 1:
       return 0.013 if plan.num_microbatches > 1 else 0.01

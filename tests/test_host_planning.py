@@ -191,7 +191,7 @@ def test_calibrated_host_cost_is_used(dag, monkeypatch):
   # The measured plain step calibrated the layer times (XLA's fusion of the whole model).
   assert planned.host.fusion > 0
   # The planner searched with the same host: its own plan was predicted for this machine.
-  own = planned.candidates["pipeline"]
+  own = planned.plans["pipeline"]
   assert own.predicted["host_aware"] and "searched with the host's measured costs" in pp.explain()
   ref = jax.jit(step)(params, opt_state, batch)
   assert max_diff(ref, out) < 1e-5
@@ -746,7 +746,7 @@ def test_the_planner_searches_again_with_what_the_trials_measured(dag, monkeypat
   out = pp(params, opt_state, batch)
   planned = pp.compiled.planned
   assert seen[0] is False and seen[-1] is True
-  assert planned.candidates["pipeline"].num_stages == 2
+  assert planned.plans["pipeline"].num_stages == 2
   # The first plan's trial (one stage over 4 devices: 0.03 s) is not the new plan's timing.
   assert planned.measured.get("pipeline", 0.01) == 0.01
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
@@ -767,7 +767,7 @@ def test_the_planner_one_device_step_in_micro_batches_is_timed_and_searched_with
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: spmd_host({2: 3.0, 4: 6.0}))
   asked = []
 
-  def fake(c, leaves, repeats=5):
+  def fake(c, leaves, repeats=5, outside=0.0):
     plan = c.planned.plan
     asked.append((len(plan.stages[0].devices), plan.num_microbatches))
     if plan.num_stages == 1 and len(plan.stages[0].devices) == 1:
@@ -794,7 +794,7 @@ def test_the_planner_one_device_step_in_micro_batches_is_timed_and_searched_with
   if acc_seconds > 0.01:
     assert seen[0] is False and seen[-1] is True
     assert planned.host.model_call[1] > 0
-    assert planned.candidates["pipeline"].num_stages == 2
+    assert planned.plans["pipeline"].num_stages == 2
     assert planned.measured.get("pipeline", 0.05) == 0.05  # not the first plan's timing
     assert planned.plan.planner == "plain jit"
   else:
@@ -818,7 +818,7 @@ def test_plain_jit_in_micro_batches_measured_faster_is_chosen_over_another_plann
 
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: spmd_host({2: 3.0, 4: 6.0}))
 
-  def fake(c, leaves, repeats=5):
+  def fake(c, leaves, repeats=5, outside=0.0):
     plan = c.planned.plan
     if plan.num_stages == 1 and len(plan.stages[0].devices) == 1:
       return acc_seconds if plan.num_microbatches > 1 else 0.01
@@ -845,7 +845,7 @@ def test_plain_jit_in_micro_batches_measured_faster_is_chosen_over_another_plann
   planned = pp.compiled.planned
   name = cp.ACCUMULATED
   if min_stages > 1:
-    assert name not in planned.candidates and planned.plan.num_stages == 2
+    assert name not in planned.plans and planned.plan.num_stages == 2
   elif acc_seconds < 0.01:
     assert planned.measured[name] == acc_seconds
     assert planned.plan.num_stages == 1 and planned.plan.num_microbatches == 2
@@ -854,7 +854,7 @@ def test_plain_jit_in_micro_batches_measured_faster_is_chosen_over_another_plann
     assert name in planned.note  # predicted fastest, or measured faster than the pipeline
     assert pp.compiled.planned.trial is not None  # its timed step runs, not compiled again
   else:
-    assert name in planned.candidates and planned.plan.planner == "plain jit"
+    assert name in planned.plans and planned.plan.planner == "plain jit"
     assert planned.plan.num_microbatches == 1
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
 
@@ -1269,7 +1269,7 @@ def timed_by_width(monkeypatch, seconds_for):
   widths it was asked for, in order."""
   asked = []
 
-  def fake(c, leaves, repeats=5):
+  def fake(c, leaves, repeats=5, outside=0.0):
     k = len(c.planned.plan.stages[0].devices)
     asked.append(k)
     return seconds_for(k)
@@ -1296,7 +1296,7 @@ def test_a_slow_spell_in_one_trial_does_not_decide_the_choice(dag, monkeypatch, 
   calls = {1: 0}
   asked = []
 
-  def fake(c, leaves, repeats=5):
+  def fake(c, leaves, repeats=5, outside=0.0):
     plan = c.planned.plan
     k = len(plan.stages[0].devices)
     asked.append(k)
@@ -1378,7 +1378,7 @@ def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel
   # (width, micro-batches) -> seconds
   seconds = {(1, 1): 0.02, (1, 4): 0.026, (4, 1): 0.01, (4, 4): 0.016}
 
-  def fake(c, leaves, repeats=5):
+  def fake(c, leaves, repeats=5, outside=0.0):
     p = c.planned.plan
     return seconds[len(p.stages[0].devices), p.num_microbatches]
 
@@ -1402,9 +1402,9 @@ def test_the_planner_own_step_in_micro_batches_is_timed_beside_jit_data_parallel
   assert set(planned.host.model_call) == {1, 4}  # plain jit's pair too
   assert pp.plan.planner == "jit data parallel"
   # The planner's own plan stays at hand beside the one chosen, as predicted.
-  assert set(planned.candidates) == set(planned.alternatives)
-  assert planned.candidates["pipeline"].planner == "accumulate"
-  assert planned.candidates["jit data parallel"] == pp.plan
+  assert set(planned.plans) == set(planned.alternatives)
+  assert planned.plans["pipeline"].planner == "accumulate"
+  assert planned.plans["jit data parallel"] == pp.plan
   assert "16.20 ms for accumulate's one stage of 4 micro-batches" in planned.note
   assert max_diff(jax.jit(step)(params, opt_state, batch), out) < 1e-5
 
@@ -1421,7 +1421,7 @@ def test_a_pipeline_predicted_fastest_is_timed_before_it_is_taken(dag, monkeypat
   monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: host(0.0, 4.0))
   asked = []
 
-  def fake(c, leaves, repeats=5):
+  def fake(c, leaves, repeats=5, outside=0.0):
     p = c.planned.plan
     asked.append(p.num_stages)
     if p.num_stages > 1:

@@ -181,7 +181,7 @@ def test_min_stages_runs_graphpipe_own_pipeline_exactly(dag, monkeypatch):
   # The constraint binds: GraphPipe's search on the same graph and host, unconstrained.
   free = dataclasses.replace(pp.compiled.opts, min_stages=1)
   assert cp.make_plan(planned.layer_graph, pp.batch_size, free, planned.host).num_stages == 1
-  assert all(p.planner == "graphpipe" for p in planned.candidates.values())
+  assert all(p.planner == "graphpipe" for p in planned.plans.values())
   assert str(pp.plan).startswith("Plan by graphpipe")
   assert "min_stages=2: graphpipe's search kept to plans of at least 2 stages" in pp.explain()
   assert "balanced" not in pp.explain()

@@ -494,7 +494,7 @@ def test_cost_model_holds_the_models_shards_per_device(pipedream_on_mesh):
   cluster = gpp_jax.cost.cluster.devices_cluster(pp.devices)
 
   def held(name):  # parameter bytes per device
-    return memory_terms(planned.candidates[name], graph, cluster)[0][0]["parameters"]
+    return memory_terms(planned.candidates[name].plan, graph, cluster)[0][0]["parameters"]
 
   whole = sum(graph.nodes[l]["param_bytes"] for l in graph.nodes)
   replicated = held("jit data parallel")
@@ -558,7 +558,7 @@ def test_cost_model_prices_tensor_parallel_layers_by_their_specs(pipedream_on_me
   slow = dataclasses.replace(cluster, intra_link=Link(1.0, 1e30))  # a second per collective
 
   def times(name, c):
-    pc = plan_costs(planned.candidates[name], graph, c)
+    pc = plan_costs(planned.candidates[name].plan, graph, c)
     return pc.forward[0], pc.backward[0]
 
   (fd, bd), (fs, bs) = times("jit data parallel", free), times("jit sharded", free)

@@ -368,15 +368,23 @@ def check_memory(c: CompiledStep, opts: Options, planned_by_user: bool) -> None:
   raise PlanError(msg)
 
 
-def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float:
-  """Seconds per step of ``c`` in the steady state of a training loop: after two runs to warm
+def time_step(
+  c: CompiledStep, leaves: Sequence[Any], repeats: int = 5, outside: float = 0.0
+) -> float:
+  """Seconds per step of ``c`` in the steady state of a training loop whose host spends
+  ``outside`` seconds a step outside the program, less those seconds: after two runs to warm
   up, at least ``repeats`` rounds (quick steps: more, until ``TIME_STEP_SECONDS`` of rounds or
-  100 runs) of ``ROUND_CALLS`` runs issued back to back, as a loop issues its steps, the clock
-  read when the last one's outputs are ready; the median round's time per run. A step timed
+  100 runs) of runs issued back to back, as a loop issues its steps, the clock read when the
+  host has issued the last one (``issued``) and when its outputs are ready (``wall``). The
+  loop's host issues a step and does its work outside the program while the devices run the
+  steps before, so a round of n runs takes max(wall, issued + n * outside) in the loop; the
+  median round's time per run, less ``outside`` (which the prediction adds back). A step timed
   one run at a time, each waited for, pays the host's issue of a run and the devices' work
-  one after the other, where a loop overlaps the issue of one step with the work of the one
-  before: on tiny steps that was most of the step (a trial up to 1.9x the loop's time). The
-  step's own host time outside its program is not in it. Arrays among ``leaves`` are placed
+  one after the other: on tiny steps that was most of the step (a trial up to 1.9x the loop's
+  time). A round is ``ROUND_CALLS`` runs (at least ``MIN_ROUND_CALLS``, fewer where a run
+  takes long: ``ROUND_SECONDS`` a round), since a round pays once the first run's issue and
+  the last run's work, which a loop overlaps: in rounds of 4, tiny MMT's trial measured up
+  to 1.6x the loop's step (docs/results/trials.md). Arrays among ``leaves`` are placed
   where the step keeps them first: on the first call a model's arrays are not yet where a
   training loop's later steps find them (the step's own outputs), and moving them every run
   would be timed as the step: a stage over several devices keeps them replicated over its
@@ -425,16 +433,21 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
       fresh(i, x) if i in donated and isinstance(x, jax.Array) else x for i, x in enumerate(leaves)
     ]
 
+  warm = 0.0
   for _ in range(2):  # to warm up, each waited for
     run = arguments()
     jax.block_until_ready(run)
+    t = time.perf_counter()
     jax.block_until_ready(c.run([run]))
+    warm = time.perf_counter() - t
   # A round's consumed arguments are copied before its clock starts: at most ROUND_BYTES of
   # copies a round.
   consumed = sum(
     int(x.nbytes) for i, x in enumerate(leaves) if i in donated and isinstance(x, jax.Array)
   )
-  calls = max(1, min(ROUND_CALLS, ROUND_BYTES // consumed)) if consumed else ROUND_CALLS
+  calls = max(MIN_ROUND_CALLS, min(ROUND_CALLS, int(ROUND_SECONDS / max(warm, 1e-9))))
+  if consumed:
+    calls = max(1, min(calls, ROUND_BYTES // consumed))
   if multi:  # processes keep in step run by run, as before: one run a round
     calls = 1
   per_run: list[float] = []
@@ -449,13 +462,16 @@ def time_step(c: CompiledStep, leaves: Sequence[Any], repeats: int = 5) -> float
     t = time.perf_counter()
     for run in runs:  # only the last run's outputs are kept: each run's are freed as it ends
       out = c.run([run])
+    issued = time.perf_counter() - t
     jax.block_until_ready(out)
     dt = time.perf_counter() - t
     spent += dt
-    per_run.append(dt / calls)
+    per_run.append(max(dt, issued + calls * outside) / calls - outside)
   return statistics.median(per_run)
 
 
 TIME_STEP_SECONDS = 0.3  # the timed rounds of a trial add up to at least this (or 100 runs)
-ROUND_CALLS = 4  # runs a round issues back to back
+ROUND_CALLS = 16  # runs a round issues back to back, at most
+MIN_ROUND_CALLS = 4  # at least (long runs: a round's first issue and last work are small)
+ROUND_SECONDS = 0.05  # a round's runs add up to about this, between the two
 ROUND_BYTES = 256 << 20  # consumed arguments copied for a round at most

@@ -59,6 +59,32 @@ MODELLED: How = "modelled"  # the cost model / simulator (``predict_seconds``)
 
 
 @dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One candidate of the plan choice: what would run and what it was judged by.
+
+  Attributes:
+    name: "pipeline" (the planner's own plan), "plain jit", "jit data parallel", "jit fsdp",
+      "jit sharded", a planner's plan on fewer devices ("graphpipe on 2 devices"), or plain
+      jit's step in the planner's micro-batches.
+    plan: the plan it runs.
+    peak_bytes: its modelled peak bytes per device.
+    predicted_s: its predicted seconds per step, as compared; None where it does not fit the
+      memory budget (it was not compared).
+    how: where ``predicted_s`` comes from: ``"measured"`` (a timing trial of this candidate)
+      or ``"modelled"`` (the cost model; ``Choice.how``).
+    measured_s: its own timing trial's seconds per call of the compiled step (the host's
+      time outside it not included), where it was timed.
+  """
+
+  name: str
+  plan: Plan
+  peak_bytes: float
+  predicted_s: float | None = None
+  how: How = "modelled"
+  measured_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Planned:
   """The plan and the graph it was made for.
 
@@ -71,16 +97,13 @@ class Planned:
       of its own devices, ``probe_host``) and what the trials fitted on them (the fusion, the
       model's own SPMD factors), else None.
     predicted_s: seconds per step predicted for the plan on this machine (with ``host``).
-    alternatives: what else was predicted: candidate name -> seconds ("pipeline": the
-      planner's plan, "plain jit", "jit data parallel").
     note: one line saying what was chosen and why ("" for a plan the user gave).
+    trial: the chosen plan's compiled step, when a trial compiled it already.
     measured: the candidates compiled and timed while choosing: name -> seconds per call of
       the compiled step (the host's time outside it not included).
-    candidates: the plans ``alternatives`` predicted, by the same names (the planner's own
-      plan is ``"pipeline"``, whichever was chosen), less any a trial found over the memory
-      budget as compiled.
-    how: per name of ``alternatives``, where its time comes from: ``"measured"`` (a timing
-      trial of that candidate) or ``"modelled"`` (the cost model; ``Choice.how``).
+    candidates: every candidate considered, by name (``Candidate``), those over the memory
+      budget too; less any a trial found over the budget as compiled.
+    memory_limit: the memory budget per device the candidates were held to.
     chosen: the name of the candidate that runs (``"pipeline"`` for the planner's own plan
       and a plan the user gave).
   """
@@ -90,53 +113,75 @@ class Planned:
   calibration: Calibration | None = None
   host: MachineCalibration | None = None
   predicted_s: float | None = None
-  alternatives: Mapping[str, float] = dataclasses.field(default_factory=dict)
   note: str = ""
-  trial: Any = None  # the chosen plan's compiled step, when a trial compiled it already
+  trial: Any = None
   measured: Mapping[str, float] = dataclasses.field(default_factory=dict)
-  candidates: Mapping[str, Plan] = dataclasses.field(default_factory=dict)
-  # Every candidate considered, those over the budget too: its modelled peak bytes per device.
-  memory: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  candidates: Mapping[str, Candidate] = dataclasses.field(default_factory=dict)
   memory_limit: float | None = None
-  how: Mapping[str, How] = dataclasses.field(default_factory=dict)
   chosen: str = "pipeline"
+
+  @property
+  def alternatives(self) -> dict[str, float]:
+    """The candidates compared: name -> predicted seconds per step (those that fit)."""
+    return {k: c.predicted_s for k, c in self.candidates.items() if c.predicted_s is not None}
+
+  @property
+  def how(self) -> dict[str, How]:
+    """Per name of ``alternatives``, where its time comes from (``Candidate.how``)."""
+    return {k: c.how for k, c in self.candidates.items() if c.predicted_s is not None}
+
+  @property
+  def memory(self) -> dict[str, float]:
+    """Every candidate's modelled peak bytes per device, those over the budget too."""
+    return {k: c.peak_bytes for k, c in self.candidates.items()}
+
+  @property
+  def plans(self) -> dict[str, Plan]:
+    """The plans compared, by the names of ``alternatives``."""
+    return {k: c.plan for k, c in self.candidates.items() if c.predicted_s is not None}
 
   @property
   def predicted_how(self) -> How:
     """Where ``predicted_s`` comes from: the chosen candidate's ``how``."""
-    return self.how.get(self.chosen, MODELLED)
+    c = self.candidates.get(self.chosen)
+    return c.how if c is not None else MODELLED
 
 
 class TimingTrials(Protocol):
   """What compiles and times the plan choice's candidates (``runtime.compile.StepTrials``):
   the trials ``plan_step`` takes (``Trials``)."""
 
-  def time(self, plan: Plan) -> tuple[Any, float]:
-    """``plan``'s step, compiled and timed: (the compiled step, seconds per call). Raises
-    ``PlanError`` where its compiled program does not fit the memory budget."""
+  def time(self, plan: Plan, outside: float = 0.0) -> tuple[Any, float]:
+    """``plan``'s step, compiled and timed: (the compiled step, seconds per call in a
+    training loop whose host spends ``outside`` seconds a step outside the program, less
+    those: ``runtime.build.time_step``). Raises ``PlanError`` where its compiled program does
+    not fit the memory budget."""
     ...
 
-  def again(self, step: Any) -> float:
-    """Seconds per call of a trial's compiled ``step``, timed once more."""
+  def again(self, step: Any, outside: float = 0.0) -> float:
+    """Seconds per call of a trial's compiled ``step`` (as ``time``), timed once more."""
     ...
 
 
 class Trials:
   """The timing trials taken while choosing (``taken``: candidate name -> (compiled step,
-  seconds per call)), run by a ``TimingTrials``. With several processes all take process
+  seconds per call)), run by a ``TimingTrials``, each as a training loop whose host spends
+  ``outside`` seconds a step outside the program runs it (``HostCosts.outside``; the seconds
+  kept leave them out, as the predictions add them). With several processes all take process
   0's clock (plain jit runs there alone), and a candidate that does not fit on one process
   fits on none, so that all choose alike."""
 
-  def __init__(self, timing: TimingTrials, timeout_s: float):
+  def __init__(self, timing: TimingTrials, timeout_s: float, outside: float = 0.0):
     self.timing = timing
     self.timeout_s = timeout_s
+    self.outside = outside
     self.taken: dict[str, tuple[Any, float]] = {}
 
   def take(self, name: str, plan: Plan) -> bool:
     """Times ``plan`` into ``taken[name]``; False where it does not fit the memory budget (its
     compiled program says so; the caller decides whether the candidate leaves)."""
     try:
-      result: tuple[Any, float] | None = self.timing.time(plan)
+      result: tuple[Any, float] | None = self.timing.time(plan, self.outside)
     except PlanError:
       result = None
     if jax.process_count() > 1:
@@ -165,7 +210,7 @@ class Trials:
     seen = {k: [taken[k][1]] for k in names}
     for r in range(rounds):
       order = names[::-1] if r % 2 == 0 else names
-      times = [self.timing.again(taken[k][0]) for k in order]
+      times = [self.timing.again(taken[k][0], self.outside) for k in order]
       if jax.process_count() > 1:
         times = json.loads(exchange("retime", json.dumps(times), self.timeout_s)[0])
       for k, t in zip(order, times):
@@ -249,7 +294,8 @@ def plan_step(captured: Captured, opts: Options, timing: TimingTrials | None = N
   if calibration is not None:  # stages over several devices (of any width not timed yet)
     groups = width_groups(opts.devices, candidates.values())
     graph = calibrate_widths(captured, graph, machine, groups)
-  trials = Trials(timing, opts.timeout_s) if timing is not None else None
+  outside = machine.outside if machine is not None else 0.0
+  trials = Trials(timing, opts.timeout_s, outside) if timing is not None else None
   # The plain step, timed, calibrates one-stage predictions (a given pipeline needs none).
   if machine is not None and trials is not None and (not given or plan.num_stages == 1):
     baselines = _timed_baselines(graph, B, opts, candidates, trials)
@@ -280,23 +326,29 @@ def plan_step(captured: Captured, opts: Options, timing: TimingTrials | None = N
     check_same_plan(plan, opts.timeout_s)
   kept = taken[choice][0] if choice in taken else None
   measured = {k: t for k, (_, t) in taken.items()}
-  plans = {k: candidates[k] for k in predicted if k in candidates}
   scaled = lg.scaled(graph, B)
-  memory = {k: predicted_peak(p, scaled, cluster, machine) for k, p in candidates.items()}
+  judged = {
+    k: Candidate(
+      k,
+      p,
+      predicted_peak(p, scaled, cluster, machine),
+      predicted.get(k),
+      chose.how.get(k, MODELLED),
+      measured.get(k),
+    )
+    for k, p in candidates.items()
+  }
   return Planned(
     plan,
     graph,
     calibration,
     machine,
     predicted[choice],
-    predicted,
     note,
     kept,
     measured,
-    plans,
-    memory,
+    judged,
     cluster.memory_per_device,
-    chose.how,
     choice,
   )
 

@@ -127,14 +127,15 @@ class StepTrials:
   build: Callable[[Plan], CompiledStep]
   leaves: Sequence[Any]
 
-  def time(self, plan: Plan) -> tuple[CompiledStep, float]:
-    """``plan``'s step, built and timed: (the compiled step, seconds per call)."""
+  def time(self, plan: Plan, outside: float = 0.0) -> tuple[CompiledStep, float]:
+    """``plan``'s step, built and timed: (the compiled step, seconds per call in a loop that
+    spends ``outside`` seconds a step outside the program, less those, ``time_step``)."""
     c = self.build(plan)
-    return c, time_step(c, self.leaves)
+    return c, time_step(c, self.leaves, outside=outside)
 
-  def again(self, step: CompiledStep) -> float:
-    """Seconds per call of ``step``, timed once more."""
-    return time_step(step, self.leaves)
+  def again(self, step: CompiledStep, outside: float = 0.0) -> float:
+    """Seconds per call of ``step`` (as ``time``), timed once more."""
+    return time_step(step, self.leaves, outside=outside)
 
 
 def compile_step(

@@ -150,7 +150,7 @@ class GraphPipeline:
         lines.append(f"compiled and timed while choosing: {timed}")
       if len(c.planned.memory) > 1:
         lines += _candidate_lines(c.planned)
-      own = c.planned.candidates.get("pipeline")
+      own = c.planned.plans.get("pipeline")
       if own is not None and own.predicted.get("host_aware"):
         lines.append(
           f"{own.planner} searched with the host's measured costs: every plan it compared "
@@ -426,13 +426,12 @@ def _candidate_lines(planned: Any) -> list[str]:
   limit = planned.memory_limit
   budget = f", budget {format_bytes(limit)} per device" if limit else ""
   lines = [f"candidates (modelled peak per device{budget}; predicted step time):"]
-  for name, peak in planned.memory.items():
-    t = planned.alternatives.get(name)
-    how = planned.how.get(name, "modelled")
-    when = f"{t * 1e3:.2f} ms {how}" if t is not None else "left out: over the memory budget"
-    if name in planned.measured:
-      when += f" (timed {planned.measured[name] * 1e3:.2f} ms)"
-    lines.append(f"  {name:28s} {format_bytes(peak):>12s}  {when}")
+  for name, cand in planned.candidates.items():
+    t = cand.predicted_s
+    when = f"{t * 1e3:.2f} ms {cand.how}" if t is not None else "left out: over the memory budget"
+    if cand.measured_s is not None:
+      when += f" (timed {cand.measured_s * 1e3:.2f} ms)"
+    lines.append(f"  {name:28s} {format_bytes(cand.peak_bytes):>12s}  {when}")
   return lines
 
 
