@@ -12,11 +12,14 @@ trial) or modelled (the cost model, calibrated), the time it was chosen by, the 
 seconds (``Planned.measured``), the host's time outside the step that the prediction adds
 (``HostCosts.outside``), the loop's measured step time, and the prediction's error against
 it; once per ``--round_calls`` (the trials' runs issued back to back per round, 1 being
-each run waited for). Every row runs in a process of its own.
+each run waited for). Every row runs in a process of its own; ``--repeats`` runs each
+(model, round) that many times, and a last line per pair gives the median of its errors
+(sub-millisecond steps on shared cores move between processes: one run does not settle 10%).
 """
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -33,10 +36,11 @@ flags.DEFINE_integer("steps", 2000, "steps the loop runs after the first")
 flags.DEFINE_integer("log_every", 200, "steps between the loop's clock readings")
 flags.DEFINE_list(
   "round_calls",
-  ["1", "4"],
-  "trials timed with each of these many runs issued back to back per round "
+  ["16"],
+  "trials timed with up to each of these many runs issued back to back per round "
   "(runtime.build.ROUND_CALLS; 1: each run waited for), one row each",
 )
+flags.DEFINE_integer("repeats", 1, "processes per (model, round); the median error is printed")
 flags.DEFINE_string("child", None, "internal: run one model and print its record as JSON")
 
 
@@ -51,6 +55,7 @@ def child(cfg: dict) -> dict:
   from gpp_jax.runtime import build
 
   build.ROUND_CALLS = cfg["round_calls"]
+  build.MIN_ROUND_CALLS = min(build.MIN_ROUND_CALLS, cfg["round_calls"])
   run = zoo.setup(cfg["model"], "tiny")
   data = run.batches(cfg["batch_size"], 4)
   pp = gpp_jax.graph_pipeline(
@@ -91,8 +96,6 @@ def main(argv):
   if FLAGS.child:
     print("RESULT " + json.dumps(child(json.loads(FLAGS.child))))
     return
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={FLAGS.devices}"
   print(
     f"predicted step time against the training loop's, {FLAGS.devices} forced CPU devices, "
     f"batch {FLAGS.batch_size}, {len(os.sched_getaffinity(0))} cores (measured in one run)"
@@ -103,33 +106,48 @@ def main(argv):
   )
   for model in FLAGS.models:
     for calls in FLAGS.round_calls:
-      cfg = {
-        "model": model,
-        "round_calls": int(calls),
-        "devices": FLAGS.devices,
-        "batch_size": FLAGS.batch_size,
-        "num_microbatches": FLAGS.num_microbatches,
-        "steps": FLAGS.steps,
-        "log_every": FLAGS.log_every,
-      }
-      out = subprocess.run(
-        [sys.executable, __file__, f"--child={json.dumps(cfg)}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-      )
-      line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-      if line is None:
-        print(f"{model:11s} {calls:>5s} failed: {out.stderr.strip().splitlines()[-1:]}")
-        continue
-      r = json.loads(line[len("RESULT ") :])
-      err = r["predicted_ms"] / r["loop_ms"] - 1
-      print(
-        f"{model:11s} {calls:>5s} {r['chosen']:26s} {r['how']:9s} {r['predicted_ms']:8.2f}ms"
-        f" {r['trial_ms']:6.2f}ms {r['outside_ms']:7.2f}ms {r['loop_ms']:6.2f}ms {err:+7.0%}",
-        flush=True,
-      )
+      errors = [e for e in (_row(model, calls) for _ in range(FLAGS.repeats)) if e is not None]
+      if FLAGS.repeats > 1 and errors:
+        print(
+          f"{model:11s} {calls:>5s} median error over {len(errors)} runs: "
+          f"{statistics.median(errors):+.0%} (range {min(errors):+.0%} to {max(errors):+.0%})",
+          flush=True,
+        )
+
+
+def _row(model: str, calls: str) -> float | None:
+  """One process: ``model`` with ``calls`` runs per trial round; prints its row and returns
+  the prediction's error against the loop (None where the process failed)."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={FLAGS.devices}"
+  cfg = {
+    "model": model,
+    "round_calls": int(calls),
+    "devices": FLAGS.devices,
+    "batch_size": FLAGS.batch_size,
+    "num_microbatches": FLAGS.num_microbatches,
+    "steps": FLAGS.steps,
+    "log_every": FLAGS.log_every,
+  }
+  out = subprocess.run(
+    [sys.executable, __file__, f"--child={json.dumps(cfg)}"],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+  if line is None:
+    print(f"{model:11s} {calls:>5s} failed: {out.stderr.strip().splitlines()[-1:]}")
+    return None
+  r = json.loads(line[len("RESULT ") :])
+  err = r["predicted_ms"] / r["loop_ms"] - 1
+  print(
+    f"{model:11s} {calls:>5s} {r['chosen']:26s} {r['how']:9s} {r['predicted_ms']:8.2f}ms"
+    f" {r['trial_ms']:6.2f}ms {r['outside_ms']:7.2f}ms {r['loop_ms']:6.2f}ms {err:+7.0%}",
+    flush=True,
+  )
+  return err
 
 
 if __name__ == "__main__":
