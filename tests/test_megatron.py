@@ -151,10 +151,12 @@ def test_plan_cli_mesh_lets_the_planners_choose_the_stages(tmp_path):
 
 def test_graphpipe_counts_devices_finer_where_its_grid_leaves_no_plan():
   """80 GPUs: the DP counts devices in slots of 4 (at most 32 slots), but batch 90 has no
-  micro-batch size of four samples or more among the powers of two (1, 2), and a stage's
-  devices each take whole samples: the grid leaves no strategy, so the search counts devices
-  in slots of 2. With 30 micro-batches given (3 samples each) it goes down to single devices,
-  where PipeDream's seed (its own grid of 2) finds no plan and GraphPipe's stands."""
+  micro-batch size that 4 divides among its sweep (the powers of two 1, 2, times 5, the odd
+  divisor 90 shares with 80), and a stage's devices each take whole samples: the grid leaves
+  no strategy, so the search counts devices in slots of 2. Micro-batches of 10 samples (5 x 2)
+  let stages of 10 devices take one sample each: faster than the powers of two alone (45
+  micro-batches of 2). With 30 micro-batches given (3 samples each) it goes down to single
+  devices, where PipeDream's seed (its own grid of 2) finds no plan and GraphPipe's stands."""
   from gpp_jax.experiments.megatron import MEGATRON_COST_MODEL
   from gpp_jax.passes.partition import PLANNERS
   from gpp_jax.passes.partition.problem import device_unit
@@ -164,7 +166,9 @@ def test_graphpipe_counts_devices_finer_where_its_grid_leaves_no_plan():
   assert device_unit(80, 32) == 4
   plan = PLANNERS["graphpipe"](g, cluster, 90, cost_model=MEGATRON_COST_MODEL)
   assert plan.predicted["search"]["device_unit"] == 2
-  assert plan.predicted["memory_ok"] and plan.num_microbatches == 45
+  assert plan.predicted["memory_ok"] and plan.num_microbatches == 9
+  twos = PLANNERS["graphpipe"](g, cluster, 90, cost_model=MEGATRON_COST_MODEL, num_microbatches=45)
+  assert plan.predicted["iteration_time"] < twos.predicted["iteration_time"]
   plan = PLANNERS["graphpipe"](g, cluster, 90, cost_model=MEGATRON_COST_MODEL, num_microbatches=30)
   assert plan.predicted["search"]["device_unit"] == 1 and plan.num_microbatches == 30
   assert all(3 % len(s.devices) == 0 for s in plan.stages)

@@ -335,6 +335,19 @@ def test_registry_and_microbatch_sweep():
     get_planner("alpa")
   assert microbatch_sizes(24) == [1, 2, 4, 8]
   assert microbatch_sizes(32, num_microbatches=4) == [8]
+  # Over a device count with an odd factor, the powers of two times its divisors the batch
+  # shares: 24 rows of 192 take micro-batches of 24 (Megatron-LM's 145.6B layout).
+  assert microbatch_sizes(48, num_devices=8) == [1, 2, 4, 8, 16]
+  assert microbatch_sizes(48, num_devices=192) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+
+
+def test_stages_that_node_aligned_placement_cannot_fit_are_packed_in_order():
+  from gpp_jax.cost.cluster import make_cluster
+  from gpp_jax.passes.partition.plan_assembly import place_stages
+
+  ranges = place_stages(make_cluster("a100", 80), [10] * 8)  # nodes of 8
+  assert sorted(d for r in ranges for d in r) == list(range(80))
+  assert all(r == tuple(range(r[0], r[0] + 10)) for r in ranges)
   assert microbatch_sizes(32, max_microbatches=4) == [8, 16, 32]
   with pytest.raises(PlanError, match="does not divide"):
     microbatch_sizes(32, num_microbatches=5)

@@ -52,10 +52,15 @@ def microbatch_sizes(
   batch_size: int,
   num_microbatches: int | None = None,
   max_microbatches: int | None = MAX_MICROBATCHES,
+  num_devices: int | None = None,
 ) -> list[int]:
   """Micro-batch sizes to try: ``batch_size / num_microbatches`` when given, else every power
   of two dividing ``batch_size`` (GraphPipe's sweep) with at most ``max_microbatches``
-  micro-batches (None: no limit)."""
+  micro-batches (None: no limit). Over ``num_devices`` with an odd factor, those powers times
+  each odd divisor that factor shares with the batch too: a stage's devices each take a whole
+  number of its micro-batch's samples, so a stage over 24 of 192 devices (or all 315) needs
+  a micro-batch that 3 (or 315's divisors) divide, which no power of two is (Megatron-LM's
+  GPT layouts run 24, 15, 9 and 6 replicas: ``benchmarks/published_interleaved.py``)."""
   if batch_size < 1:
     raise PlanError(f"batch_size must be positive, got {batch_size}")
   if num_microbatches is not None:
@@ -65,12 +70,17 @@ def microbatch_sizes(
         f"{batch_size}; pick a divisor of the batch size"
       )
     return [batch_size // num_microbatches]
-  out, b = [], 1
-  while b <= batch_size:
-    if batch_size % b == 0 and (max_microbatches is None or batch_size // b <= max_microbatches):
-      out.append(b)
-    b *= 2
-  return out or [batch_size]
+  odd = math.gcd(batch_size, num_devices or 1)
+  while odd % 2 == 0:
+    odd //= 2
+  out = set()
+  for d in (k for k in range(1, odd + 1, 2) if odd % k == 0):
+    b = d
+    while b <= batch_size:
+      if batch_size % b == 0 and (max_microbatches is None or batch_size // b <= max_microbatches):
+        out.add(b)
+      b *= 2
+  return sorted(out) or [batch_size]
 
 
 def data_parallel_degrees(
@@ -239,14 +249,27 @@ def place_stages(cluster: Cluster, counts: Sequence[int]) -> list[tuple[int, ...
       pick = at if at >= 0 else None
     elif pick is None:
       pick = next((st for st in range(K) if fits(st, k)), None)
-    if pick is None:
-      raise PlanError(
-        f"cannot place stages needing {list(counts)} devices contiguously on "
-        f"{K} devices; use fewer devices per stage"
-      )
+    if pick is None:  # node-aligned picks left the free devices in pieces: pack in order
+      return _packed(K, counts)
     free[pick : pick + k] = bytes(k)  # pick + k <= K: every branch found k free devices there
     out[i] = tuple(range(pick, pick + k))
   return out  # type: ignore[return-value]
+
+
+def _packed(num_devices: int, counts: Sequence[int]) -> list[tuple[int, ...]]:
+  """Contiguous device ranges for ``counts`` one after another in stage order, where keeping
+  stages inside nodes does not place them all (8 stages of 10 of 80 devices in nodes of 8: each
+  at a node's start left 6 devices of every pair of nodes apart)."""
+  if sum(counts) > num_devices:
+    raise PlanError(
+      f"cannot place stages needing {list(counts)} devices contiguously on "
+      f"{num_devices} devices; use fewer devices per stage"
+    )
+  out, at = [], 0
+  for k in counts:
+    out.append(tuple(range(at, at + k)))
+    at += k
+  return out
 
 
 @functools.lru_cache(maxsize=512)

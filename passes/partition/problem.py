@@ -124,8 +124,11 @@ class PlanningProblem:
     return self.cluster.num_devices
 
   def microbatch_sizes(self) -> list[int]:
-    """The micro-batch sizes a planner may choose from (``plan_assembly.microbatch_sizes``)."""
-    return microbatch_sizes(self.batch_size, self.num_microbatches, self.max_microbatches)
+    """The micro-batch sizes a planner may choose from (``plan_assembly.microbatch_sizes``,
+    over the cluster's devices)."""
+    return microbatch_sizes(
+      self.batch_size, self.num_microbatches, self.max_microbatches, self.num_devices
+    )
 
   def simulations(self) -> dict | None:
     """The simulations run for this problem, shared by its planners (``predict`` keeps
