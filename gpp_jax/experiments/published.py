@@ -298,13 +298,14 @@ def shortfall_text(records: Sequence[dict[str, Any]]) -> list[str]:
     )
     lines += [
       "- **Micro-batch sizes.** GraphPipe sweeps the powers of two that divide the batch (the "
-      "GraphPipe paper's sweep), and each device of a stage takes a whole number of its "
-      "micro-batch's samples. The layout runs one sequence per replica: a micro-batch of dp "
-      "sequences over a stage's dp rows, dp = "
+      "GraphPipe paper's sweep) times each odd divisor the batch shares with the number of "
+      "rows, since each device of a stage takes a whole number of its micro-batch's samples. "
+      "The layout runs one sequence per replica: a micro-batch of dp sequences over a stage's "
+      "dp rows, dp = "
       + ", ".join(f"{_dp(r)} ({r['params_b']}B)" for r in odd)
-      + ", none a power of two, so no plan in GraphPipe's sweep splits the rows as the layout "
-      f"does: its stages leave rows idle or hold unequal numbers of layers ({uses}). Given "
-      "the layout's number of micro-batches instead of its sweep (last column), its own "
+      + ", each in the sweep; where its search takes another size, its stages leave rows idle "
+      f"or hold unequal numbers of layers ({uses}). Given the layout's number of micro-batches "
+      "instead of its sweep (last column), its own "
       f"search matches the layout's v = 1 or beats it ({at_m}).",
     ]
   inter = [r for r in short if r["stages_per_device"] > 1]
@@ -317,11 +318,10 @@ def shortfall_text(records: Sequence[dict[str, Any]]) -> list[str]:
       + ", ".join(f"{r['params_b']}B" for r in inter)
       + " (Megatron's interleaved schedule: each pipeline rank runs two stages of half the "
       f"layers, so the pipeline fills and drains in half the time): {gain} over its own v = 1. "
-      'GraphPipe\'s plans keep one stage per device; its `stages_per_device="auto"` option '
-      "(the search on a virtual cluster of twice the devices, or its own stages cut in two, "
-      "folded onto the rows) was tried on 145.6B, 310.1B and 529.6B and found no faster plan, "
-      "since its stages of unequal layers cut into unequal halves; it is not run here (three "
-      "searches a row).",
+      "GraphPipe's plans keep one stage per device unless asked: with the layout's number of "
+      "micro-batches and `stages_per_device=2` its search reaches the layout on each of these "
+      "rows, at up to 324 s of search a row (`benchmarks/published_interleaved.py`, "
+      "docs/results/megatron.md); it is not run here.",
     ]
   return lines
 
