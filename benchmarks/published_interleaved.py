@@ -17,23 +17,10 @@ layout's M and interleaving account for, and what searching them costs.
   python benchmarks/published_interleaved.py --rows=1008.0     # the v = 2 search is long
 """
 
-import time
-
 from absl import app, flags
 
-from gpp_jax.cost.cluster import make_cluster
-from gpp_jax.errors import PlanError
-from gpp_jax.experiments.megatron import (
-  MEGATRON_COST_MODEL,
-  SEQ_LEN,
-  TABLE_1,
-  VOCAB,
-  gpt_graph,
-  paper_flops,
-  predict_layout,
-  row_cluster,
-)
-from gpp_jax.passes.partition import PLANNERS
+from gpp_jax.experiments.megatron import TABLE_1, predict_layout
+from gpp_jax.experiments.published import graphpipe_own
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["145.6", "310.1"], "rows of Table 1, by billions of parameters")
@@ -57,29 +44,15 @@ def main(argv):
       f"{row.params_b}B on {row.gpus} GPUs: the layout (v={layout['stages_per_device']}, "
       f"M={M}) {layout['tflops_per_device']:.1f} TFLOP/s per GPU"
     )
-    rows = row_cluster(make_cluster("a100", row.gpus), row.tp)
-    graph = gpt_graph(row.shape, row.batch, row.tp)
-    flops = paper_flops(row.batch, SEQ_LEN, row.layers, row.hidden, VOCAB)
     for v in (int(x) for x in FLAGS.stages_per_device):
-      t0 = time.perf_counter()
-      try:
-        plan = PLANNERS["graphpipe"](
-          graph,
-          rows,
-          row.batch,
-          cost_model=MEGATRON_COST_MODEL,
-          max_microbatches=4096,
-          num_microbatches=M,
-          stages_per_device=v,
-        )
-      except PlanError as e:
-        print(f"  v={v}: no plan ({str(e).split(';')[0]})")
+      own = graphpipe_own(row, "a100", num_microbatches=M, stages_per_device=v)
+      if "error" in own:
+        print(f"  v={v}: no plan ({own['error']})")
         continue
-      tflops = flops / plan.predicted["iteration_time"] / row.gpus / 1e12
-      how = plan.predicted.get("shared_devices", "one stage per device")
+      tflops = own["tflops"]
       print(
         f"  v={v}: {tflops:.1f} TFLOP/s ({tflops / layout['tflops_per_device']:.2f}x), "
-        f"{plan.num_stages} stages, {how}; search {time.perf_counter() - t0:.1f} s",
+        f"{own['stages']} stages, {own['shared_devices']}; search {own['seconds']:.1f} s",
         flush=True,
       )
 

@@ -53,11 +53,15 @@ DIAGNOSE_BELOW = 0.97
 
 
 def graphpipe_own(
-  row: Row, cluster: str = "a100", num_microbatches: int | None = None
+  row: Row,
+  cluster: str = "a100",
+  num_microbatches: int | None = None,
+  stages_per_device: int = 1,
 ) -> dict[str, Any]:
   """GraphPipe's own plan for ``row`` on the paper's tensor-parallel size (it chooses the
   stages, their rows and the micro-batches; ``num_microbatches`` fixes their number instead
-  of its sweep): teraFLOP/s per GPU, stages, micro-batches, rows used and its search
+  of its sweep; ``stages_per_device`` above 1 lets that many stages share a row): teraFLOP/s
+  per GPU, stages, micro-batches, rows used, how its stages share rows and its search
   seconds, or the reason it found none."""
   from gpp_jax.cost.cluster import make_cluster
   from gpp_jax.passes.partition import PLANNERS
@@ -73,6 +77,7 @@ def graphpipe_own(
       cost_model=MEGATRON_COST_MODEL,
       max_microbatches=4096,
       num_microbatches=num_microbatches,
+      stages_per_device=stages_per_device,
     )
   except PlanError as e:
     return {"error": str(e).split(";")[0], "seconds": time.perf_counter() - t0}
@@ -86,6 +91,7 @@ def graphpipe_own(
     "rows_used": len({d for s in plan.stages for d in s.devices}),
     "rows": rows.num_devices,
     "most_layers": max(sum(l.startswith("layer") for l in s.layers) for s in plan.stages),
+    "shared_devices": plan.predicted.get("shared_devices", "one stage per device"),
     "seconds": time.perf_counter() - t0,
   }
 
