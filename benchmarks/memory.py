@@ -30,10 +30,9 @@ another configuration left alive is counted.
 
 import json
 import os
-import subprocess
-import sys
 
 from absl import app, flags
+from child_runs import run_child
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -254,17 +253,8 @@ def _run_child(cfg: dict) -> dict:
 
 
 def child(cfg: dict) -> dict:
-  out = subprocess.run(
-    [sys.executable, __file__, f"--child={json.dumps(cfg)}"],
-    capture_output=True,
-    text=True,
-    timeout=1800,
-  )
-  lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-  if out.returncode or not lines:
-    tail = (out.stdout + out.stderr)[-1500:]
-    return {"config": cfg["config"], "error": tail.strip().splitlines()[-1] if tail else "?"}
-  return json.loads(lines[-1][len("RESULT ") :])
+  r = run_child(__file__, cfg)
+  return {"config": cfg["config"], **r} if "error" in r else r
 
 
 def mib(x: float) -> str:

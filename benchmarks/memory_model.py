@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 from absl import app, flags
+from child_runs import run_child
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mmt", "dlrm", "candle_uno", "gpt"], "zoo models")
@@ -164,17 +163,7 @@ def _run_child(cfg: dict) -> dict:
 
 
 def child(cfg: dict) -> dict:
-  out = subprocess.run(
-    [sys.executable, __file__, f"--child={json.dumps(cfg)}"],
-    capture_output=True,
-    text=True,
-    timeout=1800,
-  )
-  lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-  if out.returncode or not lines:
-    tail = (out.stdout + out.stderr)[-1500:]
-    return {"error": tail.strip().splitlines()[-1] if tail else "?"}
-  return json.loads(lines[-1][len("RESULT ") :])
+  return run_child(__file__, cfg)
 
 
 def mib(x: float) -> str:
