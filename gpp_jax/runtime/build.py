@@ -316,12 +316,14 @@ def build_step(
   counts = sched.stage_counts
   seeds = loss_seeds(staged, counts)
   logging.info(
-    "graph_pipeline: %d stages (depth %d), micro-batches per stage %s of %s, %d step pieces",
+    "graph_pipeline: %d stage%s (depth %d), micro-batches per stage %s of %s, %d step piece%s",
     planned.plan.num_stages,
+    "" if planned.plan.num_stages == 1 else "s",
     planned.plan.depth(),
     list(counts),
     list(staged.microbatch_sizes),
     len(kernels.pieces),
+    "" if len(kernels.pieces) == 1 else "s",
   )
   compiled = CompiledStep(
     opts=opts,
