@@ -529,3 +529,55 @@ def test_nnx_dag_zb_v_is_exact():
   assert pp.plan.places() == (0, 1, 1, 0)
   assert abs(float(lr) - float(lp)) <= TOL
   assert max_diff(nnx.state(ref_model, nnx.Param), nnx.state(model, nnx.Param)) <= TOL
+
+
+def test_auto_searches_only_where_the_bubble_leaves_room_and_keeps_only_a_clear_gain():
+  """``stages_per_device="auto"``: a plan with no bubble to fill (one stage) is kept without
+  planning again; where the bubble is wide (8 micro-batches on 8 devices) v > 1 is searched
+  and kept only when predicted AUTO_MIN_GAIN faster."""
+  from gpp_jax.passes.partition import shared
+
+  g, B = mg.chain(batch_size=32, layers=16, hidden=4096), 32
+  cluster = v100_cluster(8)
+  calls = []
+
+  def counting(*a, **k):
+    calls.append(k.get("num_microbatches"))
+    return PLANNERS["graphpipe"](*a, **k)
+
+  alone = plan_with_shared_devices(
+    counting, g, v100_cluster(1), B, num_microbatches=4, stages_per_device="auto"
+  )
+  assert not shared.bubble_leaves_room(alone)
+  assert len(calls) == 1 and alone.stages_per_device == 1
+  calls.clear()
+  few = plan_with_shared_devices(
+    counting, g, cluster, B, num_microbatches=8, stages_per_device="auto"
+  )
+  one = PLANNERS["graphpipe"](g, cluster, B, num_microbatches=8)
+  assert shared.bubble_leaves_room(one) and len(calls) > 1
+  if few.stages_per_device > 1:
+    assert few.predicted["iteration_time"] * 1.1 <= one.predicted["iteration_time"]
+  else:
+    assert few.predicted["iteration_time"] == one.predicted["iteration_time"]
+    assert [st.layers for st in few.stages] == [st.layers for st in one.stages]
+  # The gain asked for decides: none asked, the fastest is kept; an impossible one, v = 1.
+  best = plan_with_shared_devices(
+    PLANNERS["graphpipe"], g, cluster, B, num_microbatches=8, stages_per_device=2
+  )
+  assert best.stages_per_device == 2
+  assert best.predicted["iteration_time"] < one.predicted["iteration_time"]
+  shared.AUTO_MIN_GAIN, saved = 0.0, shared.AUTO_MIN_GAIN
+  try:
+    eager = plan_with_shared_devices(
+      PLANNERS["graphpipe"], g, cluster, B, num_microbatches=8, stages_per_device="auto"
+    )
+    shared.AUTO_MIN_GAIN = 100.0
+    never = plan_with_shared_devices(
+      PLANNERS["graphpipe"], g, cluster, B, num_microbatches=8, stages_per_device="auto"
+    )
+  finally:
+    shared.AUTO_MIN_GAIN = saved
+  assert eager.stages_per_device > 1
+  assert eager.predicted["iteration_time"] <= best.predicted["iteration_time"] * 1.0001
+  assert never.stages_per_device == 1

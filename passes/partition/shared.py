@@ -25,8 +25,12 @@ The candidates are simulated on the real cluster under a schedule for shared dev
 (``interleaved-1f1b`` unless another is asked for; ZB-V too where the backward may be split,
 ``shared_schedules``), devices running their stages one at a time, memory per device the sum
 of its stages'; the fastest within memory is kept. With ``stages_per_device="auto"`` the
-planner chooses v among 1, 2 and 4 by that prediction (it is not the default: it plans up to
-five times and simulates every candidate, 4-40x the search time of v = 1 at 32 devices).
+planner chooses v among 1, 2 and 4 by that prediction, keeping v > 1 only where it is
+predicted ``AUTO_MIN_GAIN`` (10%) faster, and searching for it only where the plan of one
+stage per device leaves room for that gain in its bubble (``bubble_leaves_room``). It is not
+the default: where it searches it plans up to five times and simulates every candidate (4-40x
+the search time of v = 1 at 32 devices), and on CPU devices every v = 2 measured so far ran
+slower than v = 1 (docs/results/schedules.md).
 """
 
 from __future__ import annotations
@@ -45,6 +49,29 @@ from gpp_jax.ir.plan import Plan, Stage, stage_edges
 from gpp_jax.passes.shared_devices import SHARED_SCHEDULES, stage_depths
 
 AUTO_STAGES_PER_DEVICE = (1, 2, 4)
+# "auto" keeps several stages per device only where they are predicted this much faster than
+# one (what the host pays for v times the instructions is priced less well than the bubble:
+# docs/results/schedules.md), and searches for them only where the plan of one stage per
+# device leaves every stage idle enough for that: interleaving shrinks the bubble, not the
+# busiest stage's own work.
+AUTO_MIN_GAIN = 0.10
+
+
+def pays(shared: Plan, one: Plan) -> bool:
+  """Whether ``shared`` (stages sharing devices) is predicted ``AUTO_MIN_GAIN`` faster than
+  ``one`` (one stage per device), as ``"auto"`` asks before it keeps it."""
+  if shared is one:
+    return True
+  return shared.predicted["iteration_time"] * (1 + AUTO_MIN_GAIN) <= one.predicted["iteration_time"]
+
+
+def bubble_leaves_room(plan: Plan, gain: float | None = None) -> bool:
+  """Whether ``plan`` (one stage per device) could be ``gain`` (default ``AUTO_MIN_GAIN``)
+  faster with its bubble gone: at least two stages, and the busiest one idle at least
+  1 - 1/(1 + gain) of the step."""
+  gain = AUTO_MIN_GAIN if gain is None else gain
+  bubble = plan.predicted.get("bubble") or ()
+  return plan.num_stages >= 2 and bool(bubble) and min(bubble) >= 1 - 1 / (1 + gain)
 
 
 def virtual_cluster(cluster: Cluster, v: int) -> Cluster:
@@ -276,6 +303,9 @@ def plan_with_shared_devices(
   host = kw.get("host")
   cost_model = kw.get("cost_model")  # the candidates are priced as the planner prices its own
   one = planner(layer_graph, cluster, batch_size, num_microbatches=num_microbatches, **own, **kw)
+  auto = stages_per_device == "auto"
+  if auto and not bubble_leaves_room(one):
+    return one
   best: Plan | None = one if 1 in choices else None
   tried: list[str] = []
 
@@ -348,6 +378,8 @@ def plan_with_shared_devices(
       v,
       f"planned on {cluster.num_devices * v} virtual devices",
     )
+  if auto and best is not None and not pays(best, one):
+    return one
   if best is None:
     raise PlanError(
       f"no plan with stages_per_device={stages_per_device}: "
