@@ -11,6 +11,7 @@ from harness import child_env
 from gpp_jax.cost.cluster import make_cluster
 from gpp_jax.experiments.megatron import (
   TABLE_1,
+  GPTCosts,
   GPTShape,
   gpt_graph,
   layout_plan,
@@ -18,6 +19,7 @@ from gpp_jax.experiments.megatron import (
   paper_params,
   predict_layout,
   row_cluster,
+  traced_costs,
 )
 
 
@@ -52,9 +54,33 @@ def test_flop_count_and_the_papers_worked_example():
   assert paper_flops(1, 2048, 1, 4096, 0) == pytest.approx(
     96 * 2048 * 4096**2 * (1 + 2048 / (6 * 4096))
   )
-  g = gpt_graph(GPTShape(1, 4096, 32, 2048, 51200), 1)
+  shape = GPTShape(1, 4096, 32, 2048, 51200)
+  g = gpt_graph(shape, 1, costs=GPTCosts.analytic(shape))
   layer = g.nodes["layer0"]["flops"]
   assert 4 * layer == pytest.approx(96 * 2048 * 4096**2 * (1 + 2048 / (6 * 4096)))
+
+
+@pytest.mark.parametrize("row", [TABLE_1[0], TABLE_1[-1]], ids=["1.7B", "1T"])
+def test_the_planned_gpt_is_the_trainable_one_traced(row):
+  """The GPT the planners price is ``gpp_jax.models.gpt`` traced abstractly (no parameters
+  built): its parameters are the paper's equation (2) exactly, and its FLOPs the paper's
+  GEMM counts within 0.5% (what the trace adds: LayerNorms, softmax, GeLU, the embedding's
+  gather)."""
+  shape = row.shape
+  traced, paper = traced_costs(shape), GPTCosts.analytic(shape)
+  assert traced.source == "traced from gpp_jax.models.gpt"
+  assert traced.block_params == paper.block_params
+  assert traced.embed_params == paper.embed_params
+  assert traced.head_params == paper.head_params + 2 * shape.hidden  # the final LayerNorm's
+  total = traced.embed_params + row.layers * traced.block_params + traced.head_params
+  tied = shape.vocab * shape.hidden  # equation (2) counts the tied embedding once
+  assert total - tied - 2 * shape.hidden == pytest.approx(paper_params(row.layers, row.hidden))
+  assert traced.block_flops == pytest.approx(paper.block_flops, rel=5e-3)
+  assert traced.block_flops > paper.block_flops
+  assert traced.head_flops == pytest.approx(paper.head_flops, rel=5e-3)
+  g = gpt_graph(shape, row.batch, tp=row.tp)
+  assert g.graph["costs"] == traced.source
+  assert g.nodes["layer3"]["flops"] == traced.block_flops * row.batch
 
 
 def test_layout_gives_the_stages_and_widths_it_names():

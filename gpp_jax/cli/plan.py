@@ -512,6 +512,7 @@ def plan_mesh(options: PlanOptions) -> list[dict[str, Any]]:
         "samples_per_s": batch_size / T,
         "tflops_per_device": flops / T / num_devices / 1e12,
         "seconds": time.perf_counter() - t0,
+        "costs": graph.graph["costs"],
         "plan": row["plan"],
       }
     )
@@ -535,7 +536,7 @@ def mesh_main(options: PlanOptions) -> None:
     print(
       f"{r['iteration_ms'] / 1e3:.3f} s an iteration, {r['samples_per_s']:.1f} sequences/s, "
       f"{r['tflops_per_device']:.1f} TFLOP/s per GPU (modelled; the Megatron-LM paper's FLOP "
-      "count)\n"
+      f"count); the GPT's FLOPs and parameters {r['costs']}\n"
     )
   if options.json:
     out = [{k: (v.to_dict() if isinstance(v, Plan) else v) for k, v in r.items()} for r in records]
@@ -559,7 +560,9 @@ def layout_main(options: PlanOptions) -> None:
       f"\n{r['layout']} on {options.num_devices} {options.cluster} GPUs: iteration "
       f"{r['iteration_ms'] / 1e3:.3f} s, {r['samples_per_s']:.1f} sequences/s, "
       f"{r['tflops_per_device']:.1f} TFLOP/s per GPU (modelled; the paper's FLOP count), "
-      f"{r['stages_per_device']} stage(s) per device, {r['num_microbatches']} micro-batches"
+      f"{r['stages_per_device']} stage{'s' if r['stages_per_device'] != 1 else ''} per device, "
+      f"{r['num_microbatches']} micro-batches; "
+      f"the GPT's FLOPs and parameters {r['costs']}"
     )
   if options.json:
     out = [

@@ -24,6 +24,7 @@ How the layout is priced (``cost.cost_model``, the same code that prices every p
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,17 +113,119 @@ def paper_params(layers: int, hidden: int, seq: int = SEQ_LEN, vocab: int = VOCA
   return 12.0 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * l * h))
 
 
-def gpt_graph(shape: GPTShape, batch_size: int, tp: int = 1) -> nx.DiGraph:
+@dataclasses.dataclass(frozen=True)
+class GPTCosts:
+  """What a GPT's parts compute and hold, per sequence: forward FLOPs and parameters of the
+  embedding (tokens and positions), of one Transformer block, and of the head (the final
+  LayerNorm and the output projection tied to the token embedding, whose copy the last stage
+  holds), the loss's softmax cross-entropy apart. ``source`` says where they came from."""
+
+  embed_flops: float
+  block_flops: float
+  head_flops: float
+  embed_params: float
+  block_params: float
+  head_params: float
+  source: str
+
+  @classmethod
+  def analytic(cls, shape: GPTShape) -> GPTCosts:
+    """The paper's counts: a block's GEMMs 24 s h^2 + 4 s^2 h, 12 h^2 + 13 h parameters; the
+    head's GEMM 2 s h V."""
+    s, h, V = shape.seq, shape.hidden, shape.vocab
+    return cls(
+      embed_flops=float(s * h),
+      block_flops=24.0 * s * h * h + 4.0 * s * s * h,
+      head_flops=2.0 * s * h * V,
+      embed_params=float((V + s) * h),
+      block_params=float(12 * h * h + 13 * h),
+      head_params=float(V * h),
+      source="the paper's equations",
+    )
+
+
+def loss_flops(shape: GPTShape) -> float:
+  """The softmax cross-entropy over one sequence's logits, as priced: 4 s V."""
+  return 4.0 * shape.seq * shape.vocab
+
+
+@functools.lru_cache(maxsize=64)
+def traced_costs(shape: GPTShape) -> GPTCosts:
+  """``GPTCosts`` of the trainable GPT (``gpp_jax.models.gpt``: tied embeddings, a 4h MLP) of
+  ``shape``, from its traced step: the model built abstractly (``nnx.eval_shape``: no
+  parameters allocated) with two blocks, its training step traced for one sequence and layered
+  by the same capture pass ``graph_pipeline`` runs, each layer's FLOPs the layering's count of
+  its equations. The blocks are identical, so a model of ``shape.layers`` blocks is this one
+  with the block repeated (tracing all of them takes minutes at 128 blocks of width 25,600
+  and gives the same block)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  from gpp_jax.models import gpt
+  from gpp_jax.runtime.capture_step import functionalize, value_and_grad
+  from gpp_jax.runtime.captured import capture
+  from gpp_jax.runtime.options import Options
+
+  config = gpt.GPTConfig(
+    vocab_size=shape.vocab,
+    seq_len=shape.seq,
+    hidden=shape.hidden,
+    num_layers=2,
+    num_heads=shape.heads,
+    ffn=4 * shape.hidden,
+    tie_embeddings=True,
+  )
+
+  def build():
+    model = gpt.make_model(config, nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(1e-4), wrt=nnx.Param)
+
+  def step(model, optimizer, batch):
+    loss, grads = value_and_grad(gpt.loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  model, optimizer = nnx.eval_shape(build)
+  tokens = jax.ShapeDtypeStruct((1, shape.seq), jnp.int32)
+  args = (model, optimizer, {"tokens": tokens, "targets": tokens})
+  pure, leaves = functionalize(step, args)
+  opts = Options(num_microbatches=1, devices=(jax.devices()[0],), layer_depth=2, name="gpt")
+  g = capture(pure, args, leaves, opts).layering.graph
+  params: dict[str, float] = {}
+  for path, x in jax.tree.leaves_with_path(nnx.state(model, nnx.Param)):
+    top = path[0].key if path[0].key != "blocks" else f"blocks/{path[1].key}"
+    params[top] = params.get(top, 0.0) + float(x.size)
+  head = [n for n in g if n not in ("embed", "blocks/0", "blocks/1")]  # norm, embed#2 (tied)
+  return GPTCosts(
+    embed_flops=float(g.nodes["embed"]["flops"]),
+    block_flops=float(g.nodes["blocks/0"]["flops"]),
+    head_flops=sum(float(g.nodes[n]["flops"]) for n in head) - loss_flops(shape),
+    embed_params=params["embed"],
+    block_params=params["blocks/0"],
+    head_params=params["norm"] + shape.vocab * shape.hidden,
+    source="traced from gpp_jax.models.gpt",
+  )
+
+
+def gpt_graph(
+  shape: GPTShape, batch_size: int, tp: int = 1, costs: GPTCosts | None = None
+) -> nx.DiGraph:
   """The layer graph of a GPT of ``shape`` (embedding, ``layers`` Transformer layers with a 4h
   MLP, the LM head tied to the embedding, the loss) for ``batch_size`` sequences, priced as
-  Megatron-LM runs it with tensor parallelism ``tp`` (module docstring)."""
+  Megatron-LM runs it with tensor parallelism ``tp`` (module docstring). What each part
+  computes and holds is ``costs``, by default the trainable GPT's (``traced_costs``); how it
+  runs (half-precision activations, recomputation, tensor parallelism) is Megatron-LM's."""
+  costs = traced_costs(shape) if costs is None else costs
   B, s, h, V = batch_size, shape.seq, shape.hidden, shape.vocab
   layers = shape.layers
   g = new_layer_graph(f"gpt{layers}x{h}", B)
+  g.graph["costs"] = costs.source
   act = ACT_BYTES * s * h  # one sequence's hidden states
-  embed_params = PARAM_BYTES * (V + s) * h  # token and position embeddings
+  embed_params = PARAM_BYTES * costs.embed_params  # token and position embeddings
   embed = LayerCost(
-    flops=float(s * h * B),
+    flops=float(costs.embed_flops * B),
     bytes=float(2 * act * B),
     param_bytes=float(embed_params),
     act_bytes=float(act * B),
@@ -132,11 +235,11 @@ def gpt_graph(shape: GPTShape, batch_size: int, tp: int = 1) -> nx.DiGraph:
   tensor_parallel: dict[str, tuple[int, float, float]] = {}
   shards: dict[str, tuple[float, float, float]] = {}
   prev = "embed"
-  layer_params = 12 * h * h + 13 * h
+  layer_params = costs.block_params
   for i in range(layers):
     name = f"layer{i}"
     cost = LayerCost(
-      flops=float((24.0 * s * h * h + 4.0 * s * s * h) * B),
+      flops=float(costs.block_flops * B),
       bytes=float(WEIGHT_READ_BYTES * layer_params + 16 * act * B),
       param_bytes=float(PARAM_BYTES * layer_params),
       act_bytes=float(act * B),
@@ -155,14 +258,19 @@ def gpt_graph(shape: GPTShape, batch_size: int, tp: int = 1) -> nx.DiGraph:
     shards[name] = (PARAM_BYTES * layer_params, PARAM_BYTES * layer_params / tp, 0.0)
     prev = name
   head = LayerCost(
-    flops=float(2.0 * s * h * V * B),
-    bytes=float(WEIGHT_READ_BYTES * V * h + ACT_BYTES * s * (h + V) * B),
-    param_bytes=float(PARAM_BYTES * V * h),  # the tied embedding's copy on the last stage
+    flops=float(costs.head_flops * B),
+    bytes=float(WEIGHT_READ_BYTES * costs.head_params + ACT_BYTES * s * (h + V) * B),
+    param_bytes=float(PARAM_BYTES * costs.head_params),  # the tied embedding's copy
     act_bytes=float(ACT_BYTES * s * B),
     saved_bytes=float(act * B),
   )
   add_layer(
-    g, "lm_head", head, rows=s, width=float(h), param_read_bytes=float(WEIGHT_READ_BYTES * V * h)
+    g,
+    "lm_head",
+    head,
+    rows=s,
+    width=float(h),
+    param_read_bytes=float(WEIGHT_READ_BYTES * costs.head_params),
   )
   add_edge(g, prev, "lm_head", act * B / tp)
   tensor_parallel["lm_head"] = (tp, 0.0, float(act))
@@ -171,7 +279,7 @@ def gpt_graph(shape: GPTShape, batch_size: int, tp: int = 1) -> nx.DiGraph:
     p = g.nodes[name]["param_bytes"]
     shards[name] = (p, p / tp, 0.0)
   loss = LayerCost(
-    flops=float(4.0 * s * V * B / tp),
+    flops=float(loss_flops(shape) * B / tp),
     bytes=float(ACT_BYTES * s * V * B / tp),
     act_bytes=float(4 * B),
     saved_bytes=0.0,
@@ -289,6 +397,7 @@ def predict_layout(
       / row.gpus
       / 1e12,
       "peak_memory_gib": max(res.peak_memory.values(), default=0.0) / 2**30,
+      "costs": graph.graph["costs"],
       "plan": plan,
     }
     if best is None or rec["iteration_ms"] < best["iteration_ms"]:
