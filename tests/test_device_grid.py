@@ -115,3 +115,29 @@ def test_the_coarse_grid_plans_near_the_exact_dp(model, batch, planner, devices)
   assert fine.predicted["search"]["device_unit"] == 1
   ratio = coarse.predicted["iteration_time"] / fine.predicted["iteration_time"]
   assert ratio <= COARSE_FACTOR, (model, planner, devices, ratio)
+
+
+def test_sizes_the_grid_leaves_out_are_searched_in_slots_they_allow(monkeypatch):
+  """96 devices in slots of 4: micro-batches of 2, 3 and 6 samples have no data-parallel
+  degree a multiple of 4, so the coarse grid gives them no stage. Each is searched again in
+  slots of one of its own degrees (2, 3 and 2: at most two grids' worth of slots; 1 would
+  need 96 and is left out), and what that adds can only make the plan faster."""
+  from gpp_jax.passes.partition.graphpipe import search
+
+  g, B = mg.chain(batch_size=288, layers=12, hidden=2048), 288
+  cluster = v100_cluster(96)
+  seen: list[tuple[int, tuple[int, ...]]] = []
+  sweep = search.sweep_sizes
+
+  def recording(runs, sizes, cands):
+    seen.append((runs.unit, tuple(sorted(sizes))))
+    return sweep(runs, sizes, cands)
+
+  monkeypatch.setattr(search, "sweep_sizes", recording)
+  plan = PLANNERS["graphpipe"](g, cluster, B)
+  assert seen[0][0] == 4 and {2, 3, 6} <= set(seen[0][1])
+  assert (3, (3,)) in seen and (2, (2, 6)) in seen
+  assert not any(1 in sizes for unit, sizes in seen[1:])
+  monkeypatch.setattr(search, "finer_for_missed_sizes", lambda *a: [])
+  coarse = PLANNERS["graphpipe"](g, cluster, B)
+  assert plan.predicted["iteration_time"] <= coarse.predicted["iteration_time"]

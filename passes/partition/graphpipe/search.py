@@ -407,6 +407,47 @@ def finer_grid_may_plan(runs: DPRuns, sizes: Sequence[int]) -> bool:
   return p.num_devices // u < stages <= p.num_devices
 
 
+def grid_missed(runs: DPRuns, sizes: Sequence[int]) -> list[int]:
+  """The micro-batch sizes none of whose data-parallel degrees is a multiple of the DP's
+  device unit: at that grid no stage can take them."""
+  N, u, pow2 = runs.problem.num_devices, runs.unit, runs.opts.powers_of_two
+  return [b for b in sizes if not any(d % u == 0 for d in data_parallel_degrees(b, N, pow2))]
+
+
+def finer_for_missed_sizes(
+  runs: DPRuns, sizes: Sequence[int], cands: Candidates
+) -> list[SizeResult]:
+  """The sizes the device grid left out (``grid_missed``: a replica count such as 6 of 384
+  rows in slots of 16), each searched in slots of a size it allows: the smallest of its
+  data-parallel degrees that keeps the DP within ``MISSED_SIZE_SLOTS`` grids' worth of slots
+  (a stage then takes a multiple of that many devices), under the same pruning as the sweep (a
+  size whose perfect-balance bound is already slower than the best simulated plan is
+  skipped). The DP's unit is restored afterwards."""
+  p, opts = runs.problem, runs.opts
+  if opts.device_grid is None:
+    return []
+  by_unit: dict[int, list[int]] = {}
+  for b in grid_missed(runs, sizes):
+    fits = [
+      d
+      for d in data_parallel_degrees(b, p.num_devices, opts.powers_of_two)
+      if p.num_devices // d <= MISSED_SIZE_SLOTS * opts.device_grid
+    ]
+    if fits:
+      by_unit.setdefault(min(fits), []).append(b)
+  unit, out = runs.unit, []
+  try:
+    for u in sorted(by_unit, reverse=True):
+      runs.unit = u
+      out += sweep_sizes(runs, by_unit[u], cands)
+  finally:
+    runs.unit = unit
+  return out
+
+
+MISSED_SIZE_SLOTS = 2  # a size the grid left out is searched in at most this many grids' slots
+
+
 def no_replication(runs: DPRuns, cands: Candidates) -> None:
   """Phase 3: the TPS objective spreads a stage's gradient all-reduce over the iteration, but
   it runs after the stage's last backward; at the two best micro-batch sizes, search again
@@ -523,6 +564,7 @@ def graphpipe_search(problem: PlanningProblem, opts: GraphPipeOptions) -> Plan:
       per_size += sweep_sizes(runs, sizes, cands)
       if opts.replication_variant and problem.num_devices > 1:
         no_replication(runs, cands)
+    per_size += finer_for_missed_sizes(runs, sizes, cands)
   finally:
     sys.setrecursionlimit(old_limit)
   if not cands.evaluated and not cands.short:
