@@ -25,7 +25,7 @@ from harness import (
 )
 
 import gpp_jax
-from gpp_jax.cost.cluster import v100_cluster
+from gpp_jax.cost.cluster import cpu_cluster, v100_cluster
 from gpp_jax.errors import PlanError, ScheduleError
 from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.experiments.planner_runs import build_graph, default_batch_size
@@ -534,7 +534,8 @@ def test_nnx_dag_zb_v_is_exact():
 def test_auto_searches_only_where_the_bubble_leaves_room_and_keeps_only_a_clear_gain():
   """``stages_per_device="auto"``: a plan with no bubble to fill (one stage) is kept without
   planning again; where the bubble is wide (8 micro-batches on 8 devices) v > 1 is searched
-  and kept only when predicted AUTO_MIN_GAIN faster."""
+  and kept only when predicted ``auto_min_gain`` faster (more on CPU devices than on
+  accelerators)."""
   from gpp_jax.passes.partition import shared
 
   g, B = mg.chain(batch_size=32, layers=16, hidden=4096), 32
@@ -548,16 +549,19 @@ def test_auto_searches_only_where_the_bubble_leaves_room_and_keeps_only_a_clear_
   alone = plan_with_shared_devices(
     counting, g, v100_cluster(1), B, num_microbatches=4, stages_per_device="auto"
   )
-  assert not shared.bubble_leaves_room(alone)
+  assert not shared.bubble_leaves_room(alone, 0.0)
   assert len(calls) == 1 and alone.stages_per_device == 1
   calls.clear()
   few = plan_with_shared_devices(
     counting, g, cluster, B, num_microbatches=8, stages_per_device="auto"
   )
   one = PLANNERS["graphpipe"](g, cluster, B, num_microbatches=8)
-  assert shared.bubble_leaves_room(one) and len(calls) > 1
+  gain = shared.auto_min_gain(cluster)
+  assert gain == shared.AUTO_MIN_GAIN_DEVICES  # V100s, planned devices only
+  assert shared.auto_min_gain(cpu_cluster(8)) == shared.AUTO_MIN_GAIN  # CPU devices
+  assert shared.bubble_leaves_room(one, gain) and len(calls) > 1
   if few.stages_per_device > 1:
-    assert few.predicted["iteration_time"] * 1.1 <= one.predicted["iteration_time"]
+    assert few.predicted["iteration_time"] * (1 + gain) <= one.predicted["iteration_time"]
   else:
     assert few.predicted["iteration_time"] == one.predicted["iteration_time"]
     assert [st.layers for st in few.stages] == [st.layers for st in one.stages]
@@ -567,17 +571,41 @@ def test_auto_searches_only_where_the_bubble_leaves_room_and_keeps_only_a_clear_
   )
   assert best.stages_per_device == 2
   assert best.predicted["iteration_time"] < one.predicted["iteration_time"]
-  shared.AUTO_MIN_GAIN, saved = 0.0, shared.AUTO_MIN_GAIN
+  shared.AUTO_MIN_GAIN_DEVICES, saved = 0.0, shared.AUTO_MIN_GAIN_DEVICES
   try:
     eager = plan_with_shared_devices(
       PLANNERS["graphpipe"], g, cluster, B, num_microbatches=8, stages_per_device="auto"
     )
-    shared.AUTO_MIN_GAIN = 100.0
+    shared.AUTO_MIN_GAIN_DEVICES = 100.0
     never = plan_with_shared_devices(
       PLANNERS["graphpipe"], g, cluster, B, num_microbatches=8, stages_per_device="auto"
     )
   finally:
-    shared.AUTO_MIN_GAIN = saved
+    shared.AUTO_MIN_GAIN_DEVICES = saved
   assert eager.stages_per_device > 1
   assert eager.predicted["iteration_time"] <= best.predicted["iteration_time"] * 1.0001
   assert never.stages_per_device == 1
+
+
+def test_the_virtual_cluster_is_also_planned_at_the_micro_batches_its_candidate_runs():
+  """The candidates of several stages per device run at the one-stage plan's M. The planner's
+  plan on the virtual cluster of v x N devices chooses its own micro-batches; where that is
+  another number, the virtual cluster is planned again at M. MMT on 4 CPU devices: the plan
+  at M (64) is kept, faster than every candidate made without it."""
+  g = mg.mmt(batch_size=64)
+  plan = PLANNERS["graphpipe"](g, cpu_cluster(4), 64, stages_per_device=2)
+  assert plan.predicted["shared_devices"] == "planned on 8 virtual devices at M 64"
+
+  def only_the_sweep(planner):
+    def call(graph, cluster, batch, num_microbatches=None, **kw):
+      if cluster.num_devices == 8 and num_microbatches is not None:
+        raise PlanError("left out")
+      return planner(graph, cluster, batch, num_microbatches=num_microbatches, **kw)
+
+    return call
+
+  without = plan_with_shared_devices(
+    only_the_sweep(PLANNERS["graphpipe"]), g, cpu_cluster(4), 64, stages_per_device=2
+  )
+  assert "at M" not in without.predicted["shared_devices"]
+  assert plan.predicted["iteration_time"] < without.predicted["iteration_time"]

@@ -26,8 +26,9 @@ The candidates are simulated on the real cluster under a schedule for shared dev
 ``shared_schedules``), devices running their stages one at a time, memory per device the sum
 of its stages'; the fastest within memory is kept. With ``stages_per_device="auto"`` the
 planner chooses v among 1, 2 and 4 by that prediction, keeping v > 1 only where it is
-predicted ``AUTO_MIN_GAIN`` (10%) faster, and searching for it only where the plan of one
-stage per device leaves room for that gain in its bubble (``bubble_leaves_room``). It is not
+predicted ``auto_min_gain`` faster (10% on CPU devices, 3% on accelerators), and searching
+for it only where the plan of one stage per device leaves room for that gain in its bubble
+(``bubble_leaves_room``). It is not
 the default: where it searches it plans up to five times and simulates every candidate (4-40x
 the search time of v = 1 at 32 devices), and on CPU devices every v = 2 measured so far ran
 slower than v = 1 (docs/results/schedules.md).
@@ -41,7 +42,7 @@ from typing import Any
 
 import networkx as nx
 
-from gpp_jax.cost.cluster import Cluster
+from gpp_jax.cost.cluster import CPU, Cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.errors import PlanError, ScheduleError
 from gpp_jax.ir.layer_graph import topo_layers
@@ -50,26 +51,33 @@ from gpp_jax.passes.shared_devices import SHARED_SCHEDULES, stage_depths
 
 AUTO_STAGES_PER_DEVICE = (1, 2, 4)
 # "auto" keeps several stages per device only where they are predicted this much faster than
-# one (what the host pays for v times the instructions is priced less well than the bubble:
-# docs/results/schedules.md), and searches for them only where the plan of one stage per
-# device leaves every stage idle enough for that: interleaving shrinks the bubble, not the
-# busiest stage's own work.
+# one, and searches for them only where the plan of one stage per device leaves every stage
+# idle enough for that (interleaving shrinks the bubble, not the busiest stage's own work).
+# On CPU devices, or predicted with the host's measured costs, 10%: there every v = 2 measured
+# ran slower than v = 1 where the model gave it up to 14% (docs/results/schedules.md); one
+# host thread issues v times the instructions. On accelerators planned devices-only, 3%.
 AUTO_MIN_GAIN = 0.10
+AUTO_MIN_GAIN_DEVICES = 0.03
 
 
-def pays(shared: Plan, one: Plan) -> bool:
-  """Whether ``shared`` (stages sharing devices) is predicted ``AUTO_MIN_GAIN`` faster than
-  ``one`` (one stage per device), as ``"auto"`` asks before it keeps it."""
+def auto_min_gain(cluster: Cluster, host: Any = None) -> float:
+  """The gain ``"auto"`` asks of several stages per device on ``cluster`` (see above)."""
+  if host is not None or cluster.device.name == CPU.name:
+    return AUTO_MIN_GAIN
+  return AUTO_MIN_GAIN_DEVICES
+
+
+def pays(shared: Plan, one: Plan, gain: float) -> bool:
+  """Whether ``shared`` (stages sharing devices) is predicted ``gain`` faster than ``one``
+  (one stage per device), as ``"auto"`` asks before it keeps it."""
   if shared is one:
     return True
-  return shared.predicted["iteration_time"] * (1 + AUTO_MIN_GAIN) <= one.predicted["iteration_time"]
+  return shared.predicted["iteration_time"] * (1 + gain) <= one.predicted["iteration_time"]
 
 
-def bubble_leaves_room(plan: Plan, gain: float | None = None) -> bool:
-  """Whether ``plan`` (one stage per device) could be ``gain`` (default ``AUTO_MIN_GAIN``)
-  faster with its bubble gone: at least two stages, and the busiest one idle at least
-  1 - 1/(1 + gain) of the step."""
-  gain = AUTO_MIN_GAIN if gain is None else gain
+def bubble_leaves_room(plan: Plan, gain: float) -> bool:
+  """Whether ``plan`` (one stage per device) could be ``gain`` faster with its bubble gone:
+  at least two stages, and the busiest one idle at least 1 - 1/(1 + gain) of the step."""
   bubble = plan.predicted.get("bubble") or ()
   return plan.num_stages >= 2 and bool(bubble) and min(bubble) >= 1 - 1 / (1 + gain)
 
@@ -304,7 +312,8 @@ def plan_with_shared_devices(
   cost_model = kw.get("cost_model")  # the candidates are priced as the planner prices its own
   one = planner(layer_graph, cluster, batch_size, num_microbatches=num_microbatches, **own, **kw)
   auto = stages_per_device == "auto"
-  if auto and not bubble_leaves_room(one):
+  gain = auto_min_gain(cluster, host)
+  if auto and not bubble_leaves_room(one, gain):
     return one
   best: Plan | None = one if 1 in choices else None
   tried: list[str] = []
@@ -361,24 +370,22 @@ def plan_with_shared_devices(
           v,
           f"planned for {v * M} micro-batches, the stages cut and interleaved",
         )
-    try:
-      vplan = planner(
-        layer_graph,
-        virtual_cluster(cluster, v),
-        batch_size,
-        num_microbatches=num_microbatches,
-        **own,
-        **kw,
-      )
-    except PlanError as e:
-      tried.append(f"v={v} (planned on {cluster.num_devices * v} virtual devices): {e}")
-      continue
-    consider(
-      fold(vplan, cluster.num_devices, v),
-      v,
-      f"planned on {cluster.num_devices * v} virtual devices",
-    )
-  if auto and best is not None and not pays(best, one):
+    # The planner on a virtual cluster of v x N devices, folded: with its own choice of the
+    # micro-batches, and (where that is another number) with M, as the candidates run.
+    for count in dict.fromkeys((num_microbatches, M)):
+      where = f"planned on {cluster.num_devices * v} virtual devices"
+      try:
+        vplan = planner(
+          layer_graph, virtual_cluster(cluster, v), batch_size, num_microbatches=count, **own, **kw
+        )
+      except PlanError as e:
+        tried.append(f"v={v} ({where}): {e}")
+        continue
+      if count is None and vplan.num_microbatches == M:
+        consider(fold(vplan, cluster.num_devices, v), v, where)
+        break
+      consider(fold(vplan, cluster.num_devices, v), v, where + (f" at M {M}" if count else ""))
+  if auto and best is not None and not pays(best, one, gain):
     return one
   if best is None:
     raise PlanError(
