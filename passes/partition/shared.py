@@ -28,10 +28,9 @@ of its stages'; the fastest within memory is kept. With ``stages_per_device="aut
 planner chooses v among 1, 2 and 4 by that prediction, keeping v > 1 only where it is
 predicted ``auto_min_gain`` faster (10% on CPU devices, 3% on accelerators), and searching
 for it only where the plan of one stage per device leaves room for that gain in its bubble
-(``bubble_leaves_room``). It is not
-the default: where it searches it plans up to five times and simulates every candidate (4-40x
-the search time of v = 1 at 32 devices), and on CPU devices every v = 2 measured so far ran
-slower than v = 1 (docs/results/schedules.md).
+(``bubble_leaves_room``). It is not the default: where it searches it plans up to six times
+and simulates every candidate (5-55x the search time of v = 1 at 32 devices), and on CPU
+devices every v = 2 measured so far ran slower than v = 1 (docs/results/schedules.md).
 """
 
 from __future__ import annotations
@@ -384,7 +383,8 @@ def plan_with_shared_devices(
       if count is None and vplan.num_microbatches == M:
         consider(fold(vplan, cluster.num_devices, v), v, where)
         break
-      consider(fold(vplan, cluster.num_devices, v), v, where + (f" at M {M}" if count else ""))
+      at_m = f" at M {M}" if num_microbatches is None and count is not None else ""
+      consider(fold(vplan, cluster.num_devices, v), v, where + at_m)
   if auto and best is not None and not pays(best, one, gain):
     return one
   if best is None:
