@@ -40,14 +40,16 @@ def _batch(n=8):
   }
 
 
-def test_new_state_goes_into_the_same_variables_without_nnx_update(monkeypatch):
-  def fresh():
-    m = Net(nnx.Rngs(0))
-    return m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)
+def _fresh(seed: int):
+  """A model and its adam optimizer, the same for the same seed."""
+  m = Net(nnx.Rngs(seed))
+  return m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)
 
-  ref_model, ref_opt = fresh()
+
+def test_new_state_goes_into_the_same_variables_without_nnx_update(monkeypatch):
+  ref_model, ref_opt = _fresh(0)
   ref = nnx.jit(step)
-  model, opt = fresh()
+  model, opt = _fresh(0)
   kernel = model.a.kernel  # the Variable object
   pp = gpp_jax.graph_pipeline(step, num_microbatches=1, devices=jax.devices()[:1])
   batch = _batch()
@@ -88,14 +90,9 @@ def test_steady_state_call_puts_nothing_already_where_it_goes(monkeypatch):
   """The cached step's later calls pass its own last outputs and a batch already on the
   device (``jnp.asarray``: uncommitted) straight to the program, as jit takes them: no
   ``device_put`` a call (each was tens of microseconds of host time), the same result."""
-
-  def fresh():
-    m = Net(nnx.Rngs(2))
-    return m, nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)
-
-  ref_model, ref_opt = fresh()
+  ref_model, ref_opt = _fresh(2)
   ref = nnx.jit(step)
-  model, opt = fresh()
+  model, opt = _fresh(2)
   device = jax.devices()[0]
   fast = gpp_jax.graph_pipeline(step, num_microbatches=1, devices=[device]).cached_partial(
     model, opt
