@@ -58,11 +58,13 @@ def _send(ex: Executor, ins: Instr) -> Callable[[], None]:
     # for one device, or in one process.
     # The sharding object found equal last time stands for the test after it: a step's
     # outputs carry their executable's sharding objects, the same ones every call.
-    # An uncommitted array already on a single-device home (a batch made with jnp.asarray)
-    # goes in as it is, as jit takes it: committing it is a device_put of tens of
-    # microseconds a call.
-    quick = jax.process_count() == 1 or len(sharding.device_set) == 1
-    home = sharding.device_set if len(sharding.device_set) == 1 else None
+    # In one process, an uncommitted array already on a single-device home (a batch made with
+    # jnp.asarray) goes in as it is, as jit takes it: committing it is a device_put of tens of
+    # microseconds a call. Across processes it is committed as before: passed uncommitted, its
+    # stage's sends to another process never arrived (JAX 0.12; tests/test_multiprocess.py).
+    single = jax.process_count() == 1
+    quick = single or len(sharding.device_set) == 1
+    home = sharding.device_set if single and len(sharding.device_set) == 1 else None
     seen: list[Any] = [None]
 
     def send_input():
