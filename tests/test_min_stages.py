@@ -141,7 +141,7 @@ def test_a_user_planner_gets_min_stages_or_fails_naming_itself():
     )
 
   assert cp.make_plan(g, 16, opts(halves, 2)).planner == "halves" and seen == [2]
-  with pytest.raises(gpp_jax.PlanError, match=r"mine's plan has 1 stage\(s\), fewer than"):
+  with pytest.raises(gpp_jax.PlanError, match=r"mine's plan has 1 stage, fewer than"):
     cp.make_plan(g, 16, opts(one_stage, 2))
   with pytest.raises(gpp_jax.PlanError, match="takes no min_stages keyword"):
     cp.make_plan(g, 16, opts(one_stage, 2))

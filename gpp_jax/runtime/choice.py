@@ -478,9 +478,10 @@ def _searched_again(
     return graph, plan
   logging.info(
     "graph_pipeline: searched again with the trials' calibration, %s's plan has %d "
-    "stage(s) (first: %d)",
+    "stage%s (first: %d)",
     better_plan.planner,
     better_plan.num_stages,
+    "" if better_plan.num_stages == 1 else "s",
     plan.num_stages,
   )
   candidates["pipeline"] = better_plan

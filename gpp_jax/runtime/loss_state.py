@@ -158,7 +158,8 @@ def state_carries(staged, state: Sequence[StatePair]) -> dict[int, list[tuple[in
     other = sorted(readers.get(p.input, set()) - {s})
     if other:
       raise PlanError(
-        f"the state {p.name} is updated in stage {s} but also read by stage(s) {other}; "
+        f"the state {p.name} is updated in stage {s} but also read by "
+        f"stage{'s' if len(other) > 1 else ''} {', '.join(map(str, other))}; "
         "micro-batch m must see the value micro-batch m - 1 left, so one stage must both read "
         "and update it. Keep the layers that use it in one stage (for nnx.Rngs: give each "
         "layer its own stream, as nnx.Dropout(rate, rngs=rngs) does, instead of passing one "

@@ -66,7 +66,8 @@ def balanced_search(problem: PlanningProblem, opts: BalancedOptions) -> Plan:
   S = min(opts.num_stages or problem.num_devices, len(layers))
   if problem.min_stages > S:
     raise PlanError(
-      f"balanced: num_stages={opts.num_stages} cuts {S} stage(s), fewer than min_stages="
+      f"balanced: num_stages={opts.num_stages} cuts {S} stage{'s' if S != 1 else ''}, fewer "
+      "than min_stages="
       f"{problem.min_stages}; pass num_stages of at least {problem.min_stages}, or drop "
       "num_stages (as many stages as devices and layers allow)"
     )

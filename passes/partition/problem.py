@@ -180,7 +180,9 @@ def too_few_stages_error(planner: str, plan: Plan, min_stages: int, keyword: boo
   constrains the planner's own search, and is never a reason to run another planner.
   ``keyword``: whether the planner was passed ``min_stages`` (else its signature takes no
   such keyword, and the fix is to give it one)."""
-  head = f"{planner}'s plan has {plan.num_stages} stage(s), fewer than min_stages={min_stages}"
+  n = plan.num_stages
+  stages = f"{n} stage{'s' if n != 1 else ''}"
+  head = f"{planner}'s plan has {stages}, fewer than min_stages={min_stages}"
   if keyword:
     return PlanError(
       f"{head} although it was passed min_stages={min_stages}; its search must return plans "
