@@ -1,6 +1,11 @@
 """Exception types. Every error names what is wrong and how to fix it."""
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+  """``n`` and ``noun``, in the plural unless n is 1 ("1 stage", "3 stages"), for messages."""
+  return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 class GppError(Exception):
   """Base class of gpp-jax errors."""
 

@@ -41,6 +41,7 @@ from absl.flags import FlagValues
 
 from gpp_jax.cost.cluster import Cluster, make_cluster
 from gpp_jax.cost.memory import format_bytes
+from gpp_jax.errors import counted
 from gpp_jax.experiments import model_graphs
 from gpp_jax.experiments.planner_runs import (
   MODEL_LABELS,
@@ -560,7 +561,7 @@ def layout_main(options: PlanOptions) -> None:
       f"\n{r['layout']} on {options.num_devices} {options.cluster} GPUs: iteration "
       f"{r['iteration_ms'] / 1e3:.3f} s, {r['samples_per_s']:.1f} sequences/s, "
       f"{r['tflops_per_device']:.1f} TFLOP/s per GPU (modelled; the paper's FLOP count), "
-      f"{r['stages_per_device']} stage{'s' if r['stages_per_device'] != 1 else ''} per device, "
+      f"{counted(r['stages_per_device'], 'stage')} per device, "
       f"{r['num_microbatches']} micro-batches; "
       f"the GPT's FLOPs and parameters {r['costs']}"
     )

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from gpp_jax.cost.stage_times import StageMemory
+from gpp_jax.errors import counted
 from gpp_jax.ir.program import Op
 from gpp_jax.ir.schedule import Action
 
@@ -113,8 +114,8 @@ class SimResult:
 
   def __str__(self) -> str:
     rows = [
-      f"Simulated {self.schedule}: {self.num_stages} stage{'s' if self.num_stages != 1 else ''}"
-      f" x {self.num_microbatches} micro-batch{'es' if self.num_microbatches != 1 else ''}, "
+      f"Simulated {self.schedule}: {counted(self.num_stages, 'stage')} x "
+      f"{counted(self.num_microbatches, 'micro-batch', 'micro-batches')}, "
       f"iteration {self.iteration_time * 1e3:.3f} ms",
       f"{'stage':>5s} {'busy ms':>9s} {'bubble':>7s} {'in-flight':>9s} {'mem MiB':>9s}",
     ]

@@ -27,7 +27,7 @@ from typing import Any
 
 from absl import app, flags
 
-from gpp_jax.errors import PlanError
+from gpp_jax.errors import PlanError, counted
 from gpp_jax.experiments.megatron import (
   FITTED_ON,
   MEGATRON_COST_MODEL,
@@ -257,17 +257,13 @@ def _own(r: dict[str, Any], prefix: str = "graphpipe_") -> str:
   ratio = _ratio(r, prefix)
   if ratio is not None:
     return (
-      f"{r[f'{prefix}tflops']:.1f} ({ratio:.2f}x; {_stages(r[f'{prefix}stages'])} on "
+      f"{r[f'{prefix}tflops']:.1f} ({ratio:.2f}x; {counted(r[f'{prefix}stages'], 'stage')} on "
       f"{r[f'{prefix}rows_used']} rows, M {r[f'{prefix}microbatches']}; "
       f"{r[f'{prefix}seconds']:.1f} s)"
     )
   if f"{prefix}error" in r:
     return f"none: {r[f'{prefix}error']}"
   return "-"
-
-
-def _stages(n: int) -> str:
-  return f"{n} stage" + ("s" if n != 1 else "")
 
 
 def _dp(r: dict[str, Any]) -> int:
@@ -291,9 +287,10 @@ def shortfall_text(records: Sequence[dict[str, Any]]) -> list[str]:
   ]
   if odd:
     uses = "; ".join(
-      f"{r['params_b']}B: {_stages(r['graphpipe_stages'])} on {r['graphpipe_rows_used']} of "
-      f"{r['graphpipe_rows']} rows, up to {r['graphpipe_most_layers']} Transformer layers "
-      f"each, where the layout has {_stages(r['graphpipe_rows'] // _dp(r))} of {_dp(r)} rows "
+      f"{r['params_b']}B: {counted(r['graphpipe_stages'], 'stage')} on "
+      f"{r['graphpipe_rows_used']} of {r['graphpipe_rows']} rows, up to "
+      f"{r['graphpipe_most_layers']} Transformer layers each, where the layout has "
+      f"{counted(r['graphpipe_rows'] // _dp(r), 'stage')} of {_dp(r)} rows "
       f"and {r['layers'] * _dp(r) // r['graphpipe_rows']} layers each at v = 1"
       for r in odd
       if "graphpipe_stages" in r

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 
 import networkx as nx
 
-from gpp_jax.errors import ScheduleError
+from gpp_jax.errors import ScheduleError, counted
 from gpp_jax.ir.program import Op
 
 KINDS = (Op.F, Op.B, Op.W, Op.UPDATE)
@@ -207,7 +207,7 @@ class Schedule:
       else f"micro-batches per stage {list(self.counts)}"
     )
     steps = f" x {self.steps} steps" if self.steps > 1 else ""
-    stages = f"{self.num_stages} stage{'s' if self.num_stages != 1 else ''}"
+    stages = counted(self.num_stages, "stage")
     return f"Schedule {self.name}: {stages} x {shape}{steps}\n" + self.grid()
 
   def step_of(self, a: Action) -> int:

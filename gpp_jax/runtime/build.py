@@ -19,7 +19,7 @@ from absl import logging
 from jax.extend import core as xc
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gpp_jax.errors import PlanError
+from gpp_jax.errors import PlanError, counted
 from gpp_jax.ir.plan import Plan
 from gpp_jax.ir.program import Program
 from gpp_jax.ir.schedule import Schedule
@@ -316,14 +316,12 @@ def build_step(
   counts = sched.stage_counts
   seeds = loss_seeds(staged, counts)
   logging.info(
-    "graph_pipeline: %d stage%s (depth %d), micro-batches per stage %s of %s, %d step piece%s",
-    planned.plan.num_stages,
-    "" if planned.plan.num_stages == 1 else "s",
+    "graph_pipeline: %s (depth %d), micro-batches per stage %s of %s, %s",
+    counted(planned.plan.num_stages, "stage"),
     planned.plan.depth(),
     list(counts),
     list(staged.microbatch_sizes),
-    len(kernels.pieces),
-    "" if len(kernels.pieces) == 1 else "s",
+    counted(len(kernels.pieces), "step piece"),
   )
   compiled = CompiledStep(
     opts=opts,

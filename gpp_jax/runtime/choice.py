@@ -22,7 +22,7 @@ import networkx as nx
 from absl import logging
 
 from gpp_jax.cost.calibration import MachineCalibration
-from gpp_jax.errors import PlanError
+from gpp_jax.errors import PlanError, counted
 from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, Stage, validate_plan
 from gpp_jax.passes.calibrate import Calibration
@@ -477,11 +477,9 @@ def _searched_again(
   if plan_shape(better_plan) == plan_shape(plan):
     return graph, plan
   logging.info(
-    "graph_pipeline: searched again with the trials' calibration, %s's plan has %d "
-    "stage%s (first: %d)",
+    "graph_pipeline: searched again with the trials' calibration, %s's plan has %s (first: %d)",
     better_plan.planner,
-    better_plan.num_stages,
-    "" if better_plan.num_stages == 1 else "s",
+    counted(better_plan.num_stages, "stage"),
     plan.num_stages,
   )
   candidates["pipeline"] = better_plan
@@ -506,8 +504,8 @@ def _choice_note(
     # Devices-only layer estimates are not this machine's: say so, keep the planner's plan.
     if predicted[choice] < predicted["pipeline"]:
       note = (
-        f"{choice} is predicted faster than {plan.planner}'s pipeline of {plan.num_stages} "
-        f"stage{'s' if plan.num_stages != 1 else ''} by the devices-only model "
+        f"{choice} is predicted faster than {plan.planner}'s pipeline of "
+        f"{counted(plan.num_stages, 'stage')} by the devices-only model "
         f"({predicted[choice] * 1e3:.2f} against {predicted['pipeline'] * 1e3:.2f} ms); "
         "calibrate=True measures this machine and "
         "chooses by it"

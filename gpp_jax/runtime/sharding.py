@@ -32,7 +32,7 @@ from flax.core import meta
 from jax.extend import core as xc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gpp_jax.errors import PlanError
+from gpp_jax.errors import PlanError, counted
 from gpp_jax.ir.plan import Plan
 
 Spec = PartitionSpec | None
@@ -265,11 +265,7 @@ def check_specs(
       for rows, inner in sorted(set(stage_shapes), key=str):
         k = math.prod(layout.axis_size(a, rows, inner) for a in axes)
         if shape[dim] % k:
-          where = (
-            f"a stage of {rows} row{'s' if rows != 1 else ''}"
-            if layout.batch_axis in axes
-            else "the mesh"
-          )
+          where = f"a stage of {counted(rows, 'row')}" if layout.batch_axis in axes else "the mesh"
           if inner is not None:
             where += f" with inner shape {'x'.join(map(str, inner))}"
           raise PlanError(

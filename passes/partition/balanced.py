@@ -15,7 +15,7 @@ import dataclasses
 import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster
-from gpp_jax.errors import PlanError
+from gpp_jax.errors import PlanError, counted
 from gpp_jax.ir.layer_graph import topo_layers
 from gpp_jax.ir.plan import Plan, Stage, stage_edges
 from gpp_jax.passes.partition.problem import PlanningProblem, ProblemPlanner
@@ -66,8 +66,7 @@ def balanced_search(problem: PlanningProblem, opts: BalancedOptions) -> Plan:
   S = min(opts.num_stages or problem.num_devices, len(layers))
   if problem.min_stages > S:
     raise PlanError(
-      f"balanced: num_stages={opts.num_stages} cuts {S} stage{'s' if S != 1 else ''}, fewer "
-      "than min_stages="
+      f"balanced: num_stages={opts.num_stages} cuts {counted(S, 'stage')}, fewer than min_stages="
       f"{problem.min_stages}; pass num_stages of at least {problem.min_stages}, or drop "
       "num_stages (as many stages as devices and layers allow)"
     )

@@ -27,7 +27,7 @@ import networkx as nx
 
 from gpp_jax.cost.cluster import Cluster, as_cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, CostModel, LayerCosts, layer_costs
-from gpp_jax.errors import PlanError
+from gpp_jax.errors import PlanError, counted
 from gpp_jax.ir.layer_graph import validate_layer_graph
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition.idle import with_idle_reason
@@ -180,8 +180,7 @@ def too_few_stages_error(planner: str, plan: Plan, min_stages: int, keyword: boo
   constrains the planner's own search, and is never a reason to run another planner.
   ``keyword``: whether the planner was passed ``min_stages`` (else its signature takes no
   such keyword, and the fix is to give it one)."""
-  n = plan.num_stages
-  stages = f"{n} stage{'s' if n != 1 else ''}"
+  stages = counted(plan.num_stages, "stage")
   head = f"{planner}'s plan has {stages}, fewer than min_stages={min_stages}"
   if keyword:
     return PlanError(
