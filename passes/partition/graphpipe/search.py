@@ -393,11 +393,7 @@ def finer_grid_may_plan(runs: DPRuns, sizes: Sequence[int]) -> bool:
   p, u = runs.problem, runs.unit
   if u <= 1:
     return False
-  if not any(
-    d % u == 0
-    for b in sizes
-    for d in data_parallel_degrees(b, p.num_devices, runs.opts.powers_of_two)
-  ):
+  if len(missed_degrees(runs, sizes)) == len(sizes):  # the sizes are distinct
     return True
   stages, held = 1, 0.0
   for x in p.cost_model.static_memory(p.costs.held_param_bytes):
@@ -407,17 +403,22 @@ def finer_grid_may_plan(runs: DPRuns, sizes: Sequence[int]) -> bool:
   return p.num_devices // u < stages <= p.num_devices
 
 
-def grid_missed(runs: DPRuns, sizes: Sequence[int]) -> list[int]:
+def missed_degrees(runs: DPRuns, sizes: Sequence[int]) -> dict[int, list[int]]:
   """The micro-batch sizes none of whose data-parallel degrees is a multiple of the DP's
-  device unit: at that grid no stage can take them."""
+  device unit (at that grid no stage can take them), each with its degrees."""
   N, u, pow2 = runs.problem.num_devices, runs.unit, runs.opts.powers_of_two
-  return [b for b in sizes if not any(d % u == 0 for d in data_parallel_degrees(b, N, pow2))]
+  out = {}
+  for b in sizes:
+    degrees = data_parallel_degrees(b, N, pow2)
+    if not any(d % u == 0 for d in degrees):
+      out[b] = degrees
+  return out
 
 
 def finer_for_missed_sizes(
   runs: DPRuns, sizes: Sequence[int], cands: Candidates
 ) -> list[SizeResult]:
-  """The sizes the device grid left out (``grid_missed``: a replica count such as 6 of 384
+  """The sizes the device grid left out (``missed_degrees``: a replica count such as 6 of 384
   rows in slots of 16), each searched in slots of a size it allows: the smallest of its
   data-parallel degrees that keeps the DP within ``MISSED_SIZE_SLOTS`` grids' worth of slots
   (a stage then takes a multiple of that many devices), under the same pruning as the sweep (a
@@ -427,12 +428,8 @@ def finer_for_missed_sizes(
   if opts.device_grid is None:
     return []
   by_unit: dict[int, list[int]] = {}
-  for b in grid_missed(runs, sizes):
-    fits = [
-      d
-      for d in data_parallel_degrees(b, p.num_devices, opts.powers_of_two)
-      if p.num_devices // d <= MISSED_SIZE_SLOTS * opts.device_grid
-    ]
+  for b, degrees in missed_degrees(runs, sizes).items():
+    fits = [d for d in degrees if p.num_devices // d <= MISSED_SIZE_SLOTS * opts.device_grid]
     if fits:
       by_unit.setdefault(min(fits), []).append(b)
   unit, out = runs.unit, []
