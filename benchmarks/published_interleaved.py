@@ -10,7 +10,7 @@ interleaved schedule, the fastest v of 1, 2, 4). Printed per row and v: teraFLOP
 the ratio to the layout, the stages, how the v = 2 plan was made, and the search's seconds.
 
 It diagnoses ``python -m gpp_jax.experiments.published``: where GraphPipe's own plan (its
-power-of-two micro-batch sweep, one stage per device) is below the layout, how much of that the
+micro-batch sweep, one stage per device) is below the layout, how much of that the
 layout's M and interleaving account for, and what searching them costs.
 
   python benchmarks/published_interleaved.py --rows=145.6,310.1

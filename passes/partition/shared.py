@@ -289,7 +289,8 @@ def plan_with_shared_devices(
   **kw: Any,
 ) -> Plan:
   """``planner``'s best plan with up to ``stages_per_device`` stages on each device (an int,
-  or ``"auto"``: the best predicted of 1, 2 and 4); see the module docstring.
+  or ``"auto"``: the best predicted of 1, 2 and 4, v > 1 only ``auto_min_gain`` faster than
+  v = 1); see the module docstring.
 
   ``schedule``: the schedule of a plan whose stages share devices (default interleaved-1f1b);
   plans of one stage per device keep the planner's own (or ``schedule`` where it is one the
