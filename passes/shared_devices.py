@@ -188,52 +188,85 @@ def _list_schedule(layout: _Layout, prefer: Callable, hop: int = 0) -> list[list
   preds = [[(p, hop * (place[p] != place[s])) for p in g.predecessors(s)] for s in range(S)]
   succs = [[(c, hop * (place[c] != place[s])) for c in g.successors(s)] for s in range(S)]
   fdone, bdone = done[Op.F], done[Op.B]
+  # What each kind of action of a stage waits for: (ends of that kind of the stage, hop).
+  needs: dict[tuple[int, Op], list[tuple[list[int], int]]] = {}
+  for s in range(S):
+    needs[s, Op.F] = [(fdone[p], x) for p, x in preds[s]]
+    needs[s, Op.B] = [(fdone[s], 0), *((bdone[c], x) for c, x in succs[s])]
+    needs[s, Op.W] = [(bdone[s], 0)]
+  # When each stage's next action of a kind may start, once its inputs are all done.
+  known: dict[Op, list[int | None]] = {k: [None] * S for k in kinds}
 
   def ready(k: Op, s: int, m: int, t: int) -> bool:
-    if k is Op.F:
-      return all(fdone[p][m] + x <= t for p, x in preds[s])
-    if k is Op.B:
-      return fdone[s][m] <= t and all(bdone[c][m] + x <= t for c, x in succs[s])
-    return bdone[s][m] <= t
+    at = known[k][s]
+    if at is None:
+      at = 0
+      for ends, x in needs[s, k]:
+        e = ends[m]
+        if e == never:
+          return False
+        at = max(at, e + x)
+      known[k][s] = at
+    return at <= t
 
-  nxt = {(s, k): 0 for s in range(S) for k in kinds}  # each stage runs each kind in order
+  nxt = {k: [0] * S for k in kinds}  # each stage runs each kind in order: the next one
   held = [0] * Q  # micro-batches holding activations on each place (F run, B or W not yet)
   orders: list[list[Action]] = [[] for _ in range(Q)]
   free = [0] * Q
+  # A place is looked at only at the times something it may run waits for arrives: its own
+  # last action ends, or an activation (cotangent) of a neighbouring stage reaches it. Between
+  # those times what it may run stays as it was (the readiness test, its in-flight count and
+  # its stages' next actions change only then), so the orders are those of looking at every
+  # free place at every time, in a fraction of the work on long pipelines.
+  wake: dict[int, set[int]] = {0: set(range(Q))}
   events: list[int] = [0]
+
+  def rouse(q: int, at: int) -> None:
+    if at not in wake:
+      wake[at] = set()
+      heapq.heappush(events, at)
+    wake[at].add(q)
+
   left = S * M * len(kinds)
   while left:
     t = heapq.heappop(events)
-    while events and events[0] == t:
-      heapq.heappop(events)
+    woken = sorted(wake.pop(t, ()))
     for force in (False, True):
       picked = False
-      for q in range(Q):
+      for q in woken:
         if free[q] > t:
           continue
-        cands = [
-          (k, st, nxt[st, k])
-          for st in members[q]
-          for k in kinds
-          if nxt[st, k] < M and ready(k, st, nxt[st, k], t)
-        ]
+        cands = []
+        for st in members[q]:
+          for k in kinds:
+            m = nxt[k][st]
+            if m < M and ready(k, st, m, t):
+              cands.append((k, st, m))
         pick = _choose(cands, prefer, held[q], bound[q], force)
         if pick is None:
           continue
         picked = True
         k, st, m = pick
-        nxt[st, k] += 1
+        nxt[k][st] += 1
+        known[k][st] = None
         orders[q].append(Action(k, st, m))
         left -= 1
         end = t + dur[k]
         done[k][st][m] = end
         free[q] = end
         held[q] += 1 if k is Op.F else -1 if k is kinds[-1] else 0
-        heapq.heappush(events, end)
-        if hop:
-          heapq.heappush(events, end + hop)  # where it reaches another place
+        rouse(q, end)
+        if k is Op.F:
+          for c, x in succs[st]:
+            rouse(place[c], end + x)
+        elif k is Op.B:
+          for p, x in preds[st]:
+            rouse(place[p], end + x)
       if picked or any(f > t for f in free) or events:
         break
+      # Nothing runs and nothing will arrive: every place held back only by its bound runs
+      # its next action anyway (below, ``force``).
+      woken = list(range(Q))
     else:  # pragma: no cover - a DAG always has a ready action when nothing runs
       raise ScheduleError(f"schedule {layout.name!r}: no place can run anything at time {t}")
   return orders
@@ -244,33 +277,46 @@ def _makespan(orders: Sequence[Sequence[Action]], layout: _Layout) -> int:
   in half units: F 2, B 4 (B 2 and W 2 where the layout splits the backward), an activation
   or cotangent between two places 1, a hand-over on one place 0."""
   g, places, split = layout.graph, layout.places, layout.split
+  S, M, Q = g.number_of_nodes(), layout.num_microbatches, len(orders)
   dur = {Op.F: 2, Op.B: 2 if split else 4, Op.W: 2}
-  end: dict[tuple[Op, int, int], int] = {}
-  nxt = [0] * len(orders)
-  free = [0] * len(orders)
-  left = sum(map(len, orders))
-  while left:
-    moved = False
-    for q, order in enumerate(orders):
-      while nxt[q] < len(order):
-        a = order[nxt[q]]
-        k, s, m = a.kind, a.stage, a.microbatch
-        if k is Op.F:
-          deps = [((Op.F, p, m), places[p] != places[s]) for p in g.predecessors(s)]
-        elif k is Op.B:
-          deps = [((Op.F, s, m), False)]
-          deps += [((Op.B, c, m), places[c] != places[s]) for c in g.successors(s)]
-        else:
-          deps = [((Op.B, s, m), False)]
-        if any(d not in end for d, _ in deps):
+  # What each kind of action of a stage waits for: (kind, stage, hop) per input, hop 1 for an
+  # activation or cotangent between two places.
+  needs: dict[tuple[Op, int], list[tuple[Op, int, int]]] = {}
+  for s in range(S):
+    needs[Op.F, s] = [(Op.F, p, int(places[p] != places[s])) for p in g.predecessors(s)]
+    needs[Op.B, s] = [(Op.F, s, 0)]
+    needs[Op.B, s] += [(Op.B, c, int(places[c] != places[s])) for c in g.successors(s)]
+    needs[Op.W, s] = [(Op.B, s, 0)]
+  never = -1
+  end = {k: [[never] * M for _ in range(S)] for k in (Op.F, Op.B, Op.W)}
+  nxt = [0] * Q
+  free = [0] * Q
+  # Each place runs its order as far as the ends it waits for are known, then waits on the
+  # first one missing; the place that writes that end wakes it. An action's end depends only
+  # on its place's previous action and its inputs, so the order of the replay does not matter.
+  waiting: dict[tuple[Op, int, int], list[int]] = {}
+  todo = list(range(Q))
+  while todo:
+    q = todo.pop()
+    order = orders[q]
+    while nxt[q] < len(order):
+      a = order[nxt[q]]
+      k, s, m = a.kind, a.stage, a.microbatch
+      start = free[q]
+      for dk, ds, x in needs[k, s]:
+        e = end[dk][ds][m]
+        if e == never:
+          waiting.setdefault((dk, ds, m), []).append(q)
           break
-        start = max([free[q], *(end[d] + int(x) for d, x in deps)])
-        end[k, s, m] = free[q] = start + dur[k]
+        start = max(start, e + x)
+      else:
+        end[k][s][m] = free[q] = start + dur[k]
         nxt[q] += 1
-        left -= 1
-        moved = True
-    if not moved:  # pragma: no cover - the orders come from list scheduling, free of deadlock
-      raise ScheduleError("the places' orders wait on each other")
+        todo.extend(waiting.pop((k, s, m), ()))
+        continue
+      break
+  if any(n < len(o) for n, o in zip(nxt, orders)):  # pragma: no cover - list scheduling's
+    raise ScheduleError("the places' orders wait on each other")  # orders are free of deadlock
   return max(free, default=0)
 
 
