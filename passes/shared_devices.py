@@ -43,6 +43,7 @@ and ``validate_schedule`` checks them as it checks every schedule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from collections.abc import Callable, Sequence
 
@@ -116,8 +117,23 @@ def _shared_schedule(
   num_microbatches: int,
   places: Sequence[int] | None,
 ) -> Schedule:
+  places = tuple(places) if places is not None else tuple(range(num_stages))
+  return _scheduled(name, num_stages, tuple(edges), num_microbatches, places)
+
+
+# A schedule depends only on the stage graph, the places and M, not on what the stages hold:
+# a planner that prices several plans of one shape (the same chain cut at other layers) lists
+# their orders once. Schedules are immutable, so one may serve them all. A few are kept (one of
+# a long pipeline's holds over a hundred thousand actions).
+@functools.lru_cache(maxsize=8)
+def _scheduled(
+  name: str,
+  num_stages: int,
+  edges: tuple[tuple[int, int], ...],
+  num_microbatches: int,
+  places: tuple[int, ...],
+) -> Schedule:
   S, M = num_stages, num_microbatches
-  places = tuple(places) if places is not None else tuple(range(S))
   if len(places) != S:
     raise ScheduleError(f"places {list(places)} must give one place to each of {S} stages")
   Q = max(places) + 1  # places

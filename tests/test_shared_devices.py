@@ -144,7 +144,9 @@ def test_interleaved_on_a_dag_does_not_wait_on_megatrons_warm_up(monkeypatch):
   monkeypatch.setattr(
     shared_devices, "_INTERLEAVED_VARIANTS", shared_devices._INTERLEAVED_VARIANTS[:1]
   )
+  shared_devices._scheduled.cache_clear()  # schedules listed under all the rules
   megatron = {M: time(M) for M in (2, 4)}
+  shared_devices._scheduled.cache_clear()
   assert chosen == {2: 22.0, 4: 36.0}
   assert megatron == {2: 23.0, 4: 41.0}
 
@@ -585,6 +587,82 @@ def test_auto_searches_only_where_the_bubble_leaves_room_and_keeps_only_a_clear_
   assert eager.stages_per_device > 1
   assert eager.predicted["iteration_time"] <= best.predicted["iteration_time"] * 1.0001
   assert never.stages_per_device == 1
+
+
+def test_auto_searches_four_stages_per_device_only_where_two_gained(monkeypatch):
+  """``"auto"`` plans for v = 4 (the largest virtual cluster, the most stages to simulate)
+  only where some v = 2 plan was predicted faster than v = 1. With no plan of shared devices
+  to be had (every candidate refused), the planner is never asked for v = 4's."""
+  from gpp_jax.passes.partition import shared
+
+  g, B = mg.chain(batch_size=32, layers=16, hidden=4096), 32
+  cluster = v100_cluster(8)
+  asked = []
+
+  def counting(graph, cl, batch, **k):
+    asked.append((cl.num_devices, k.get("num_microbatches")))
+    return PLANNERS["graphpipe"](graph, cl, batch, **k)
+
+  searched = plan_with_shared_devices(
+    counting, g, cluster, B, num_microbatches=8, stages_per_device="auto"
+  )
+  if searched.stages_per_device > 1:  # v = 2 gained: v = 4 was searched too
+    assert (32, 8) in asked or (8, 32) in asked
+  asked.clear()
+  monkeypatch.setattr(shared, "fold", lambda *a, **k: None)  # no stages may share devices
+  alone = plan_with_shared_devices(
+    counting, g, cluster, B, num_microbatches=8, stages_per_device="auto"
+  )
+  assert alone.stages_per_device == 1
+  assert (8, 8) in asked and (16, 8) in asked  # v = 1, v = 2's virtual cluster
+  assert all(n != 32 and m != 32 for n, m in asked)  # nothing for v = 4
+
+
+def test_stages_per_device_is_chosen_by_prediction_where_not_given():
+  """Not given, ``stages_per_device`` is ``"auto"`` on accelerators and 1 on CPU devices, for
+  ``graph_pipeline``'s planner (by name or the planner itself) and the ``gpp_jax.plan``
+  command line; given, it is what it says."""
+  import dataclasses
+
+  from gpp_jax.cli import plan as plan_cli
+  from gpp_jax.passes.partition.shared import default_stages_per_device
+  from gpp_jax.runtime.options import Options
+  from gpp_jax.runtime.planning import make_plan
+
+  assert default_stages_per_device(v100_cluster(8)) == "auto"
+  assert default_stages_per_device(cpu_cluster(8)) == 1
+  g, B = mg.chain(batch_size=32, layers=16, hidden=4096), 32
+  auto = PLANNERS["graphpipe"](g, v100_cluster(8), B, num_microbatches=8, stages_per_device="auto")
+  assert auto.stages_per_device > 1  # the bubble of 8 micro-batches on 8 stages, interleaved
+  opts = Options(
+    num_microbatches=8,
+    devices=tuple(jax.devices()[:8]),
+    planner="graphpipe",
+    cluster=v100_cluster(8),
+  )
+  for planner in ("graphpipe", PLANNERS["graphpipe"]):
+    chosen = make_plan(g, B, dataclasses.replace(opts, planner=planner))
+    assert chosen.stages_per_device == auto.stages_per_device
+    assert [st.layers for st in chosen.stages] == [st.layers for st in auto.stages]
+  asked = dataclasses.replace(opts, planner_options={"stages_per_device": 1})
+  assert make_plan(g, B, asked).stages_per_device == 1
+  on_cpu = dataclasses.replace(opts, cluster=cpu_cluster(8))
+  assert make_plan(g, B, on_cpu).stages_per_device == 1
+  # The planning command line: the report says what was asked of the planners.
+  tiny = dict(model="chain", preset="tiny", num_devices=4, planners=("graphpipe",))
+  assert plan_cli.compare(plan_cli.PlanOptions(**tiny))["stages_per_device"] == "auto"
+  assert plan_cli.compare(plan_cli.PlanOptions(**tiny, cluster="cpu"))["stages_per_device"] == 1
+  one = plan_cli.compare(plan_cli.PlanOptions(**tiny, stages_per_device="1"))
+  assert one["stages_per_device"] == 1 and one["results"][0]["stages_per_device"] == 1
+  # gpp_jax.train's flag: not given, the decorator's default; given, what it says.
+  from absl import app
+
+  stages_per_device_option = plan_cli.stages_per_device_option
+  assert stages_per_device_option(None) == {}
+  assert stages_per_device_option("1") == {"stages_per_device": 1}
+  assert stages_per_device_option("auto") == {"stages_per_device": "auto"}
+  with pytest.raises(app.UsageError, match="--stages_per_device must be"):
+    stages_per_device_option("0")
 
 
 def test_the_virtual_cluster_is_also_planned_at_the_micro_batches_its_candidate_runs():

@@ -54,6 +54,7 @@ from gpp_jax.experiments.planner_runs import (
 )
 from gpp_jax.ir.plan import Plan
 from gpp_jax.passes.partition import PLANNERS
+from gpp_jax.passes.partition.shared import default_stages_per_device
 from gpp_jax.runtime.memory import parse_bytes
 
 if TYPE_CHECKING:
@@ -106,9 +107,10 @@ def define_flags() -> None:
   )
   flags.DEFINE_string(
     "stages_per_device",
-    "1",
+    None,
     "stages each device may run: 1, a larger number (Megatron-style interleaving on the stage "
-    "DAG, schedule interleaved-1f1b), or auto (each planner chooses 1, 2 or 4 by prediction)",
+    "DAG, schedule interleaved-1f1b), or auto (each planner chooses 1, 2 or 4 by prediction); "
+    "default: auto on accelerator clusters, 1 on the cpu preset",
   )
   flags.DEFINE_string("json", None, "also write the results to this JSON file")
   flags.DEFINE_string(
@@ -145,8 +147,8 @@ class PlanOptions:
     batch_size: the mini-batch (None: ``default_batch_size``).
     num_microbatches: fixed number of micro-batches (None: each planner sweeps).
     memory_limit: bytes a plan may use per device, a number or "512MiB" (None: the preset's).
-    stages_per_device: 1, a larger number or "auto", as the flag gives it ("1", the flag's
-      default, lets ``plan_layout`` choose among 1, 2 and 4).
+    stages_per_device: 1, a larger number or "auto", as the flag gives it; None (the flag's
+      default): ``shared.default_stages_per_device`` of the cluster, "auto" on accelerators.
     json: also write the results to this file.
     layout, mesh: ``--model=gpt`` only: plan exactly this layout, or over this mesh.
     gpt_layers, gpt_hidden, gpt_heads, seq_len, vocab_size: the GPT's shape (``gpt_shape``).
@@ -162,7 +164,7 @@ class PlanOptions:
   batch_size: int | None = None
   num_microbatches: int | None = None
   memory_limit: int | str | None = None
-  stages_per_device: int | str = "1"
+  stages_per_device: int | str | None = None
   json: str | None = None
   layout: str | None = None
   mesh: str | None = None
@@ -248,9 +250,10 @@ def prepare(options: PlanOptions) -> tuple[nx.DiGraph, Cluster, int]:
   return graph, cl, batch
 
 
-def parse_stages_per_device(value: int | str) -> int | str:
-  """``--stages_per_device``: a positive integer or ``auto``; ValueError naming both else."""
-  if value == "auto":
+def parse_stages_per_device(value: int | str | None) -> int | str | None:
+  """``--stages_per_device``: a positive integer or ``auto`` (None where not given);
+  ValueError naming both else."""
+  if value is None or value == "auto":
     return value
   try:
     v = int(value)
@@ -259,6 +262,17 @@ def parse_stages_per_device(value: int | str) -> int | str:
   if v < 1:
     raise ValueError(f"--stages_per_device must be a positive integer or auto, got {value!r}")
   return v
+
+
+def stages_per_device_option(value: str | None) -> dict:
+  """``--stages_per_device`` as ``graph_pipeline``'s planner option (none where not given:
+  the planner's default, ``shared.default_stages_per_device``); a bad value is a usage error
+  naming the flag."""
+  try:
+    v = parse_stages_per_device(value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  return {} if v is None else {"stages_per_device": v}
 
 
 def compare(options: PlanOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -270,6 +284,8 @@ def compare(options: PlanOptions, progress: Callable[[str], None] | None = None)
   graph, cl, batch = prepare(options)
   planners, num_microbatches = options.planners, options.num_microbatches
   per_device = parse_stages_per_device(options.stages_per_device)
+  if per_device is None:
+    per_device = default_stages_per_device(cl)
   planner_options = {} if per_device == 1 else {"stages_per_device": per_device}
   rows = []
   t0 = time.perf_counter()
@@ -391,14 +407,13 @@ def plan_layout(options: PlanOptions) -> list[dict[str, Any]]:
   """The records of the GPT's ``options.layout`` (``experiments.megatron.predict_layout``):
   one per plan, with ``planner`` ("layout"), ``iteration_ms``, ``samples_per_s`` and
   ``tflops_per_device`` (the paper's FLOPs per iteration / time / devices), the best of 1, 2
-  and 4 stages per device where ``options.stages_per_device`` is "auto" or the flag's default
-  "1". ValueError naming a flag that is malformed or missing."""
+  and 4 stages per device where ``options.stages_per_device`` is "auto" or not given.
+  ValueError naming a flag that is malformed or missing."""
   from gpp_jax.experiments.megatron import Row, predict_layout
 
   layout = parse_layout(options.layout or "")
   spd = parse_stages_per_device(options.stages_per_device)
   shape = gpt_shape(options, "--layout")
-  auto = spd == "auto" or options.stages_per_device == "1"
   assert options.batch_size is not None  # gpt_shape checked it
   row = Row(
     0.0,
@@ -413,7 +428,7 @@ def plan_layout(options: PlanOptions) -> list[dict[str, Any]]:
     seq=shape.seq,
     vocab=shape.vocab,
   )
-  vs = (1, 2, 4) if auto else (int(spd),)
+  vs = (1, 2, 4) if spd is None or spd == "auto" else (int(spd),)
   rec = predict_layout(row, options.cluster, options.microbatch_size, vs)
   plan = rec.pop("plan")
   return [{**rec, "plan": plan}]
@@ -489,6 +504,10 @@ def plan_mesh(options: PlanOptions) -> list[dict[str, Any]]:
   rc = row_cluster(make_cluster(options.cluster, num_devices), tp)
   graph = gpt_graph(shape, batch_size, tp)
   flops = paper_flops(batch_size, shape.seq, shape.layers, shape.hidden, shape.vocab)
+  per_device = parse_stages_per_device(options.stages_per_device)
+  if per_device is None:
+    per_device = default_stages_per_device(rc)
+  planner_options = {} if per_device == 1 else {"stages_per_device": per_device}
   out: list[dict[str, Any]] = []
   for name in options.planners:
     t0 = time.perf_counter()
@@ -500,6 +519,7 @@ def plan_mesh(options: PlanOptions) -> list[dict[str, Any]]:
       keep_plan=True,
       cost_model=MEGATRON_COST_MODEL,
       max_microbatches=4096,
+      **planner_options,
     )
     if "error" in row:
       out.append({"planner": name, "error": row["error"], "seconds": row["seconds"]})
@@ -509,6 +529,7 @@ def plan_mesh(options: PlanOptions) -> list[dict[str, Any]]:
       {
         "planner": name,
         "mesh": f"{names[0]}:{rows},{names[1]}:{tp}",
+        "stages_per_device": row.get("stages_per_device", 1),
         "iteration_ms": T * 1e3,
         "samples_per_s": batch_size / T,
         "tflops_per_device": flops / T / num_devices / 1e12,
@@ -537,7 +558,8 @@ def mesh_main(options: PlanOptions) -> None:
     print(
       f"{r['iteration_ms'] / 1e3:.3f} s an iteration, {r['samples_per_s']:.1f} sequences/s, "
       f"{r['tflops_per_device']:.1f} TFLOP/s per GPU (modelled; the Megatron-LM paper's FLOP "
-      f"count); the GPT's FLOPs and parameters {r['costs']}\n"
+      f"count), {counted(r['stages_per_device'], 'stage')} per device; the GPT's FLOPs and "
+      f"parameters {r['costs']}\n"
     )
   if options.json:
     out = [{k: (v.to_dict() if isinstance(v, Plan) else v) for k, v in r.items()} for r in records]

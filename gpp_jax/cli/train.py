@@ -91,10 +91,10 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_string(
   "stages_per_device",
-  "1",
+  None,
   "stages each device may run: 1, a larger number (the planner's stages interleaved over the "
   "devices, schedule interleaved-1f1b unless --schedule names another), or auto (the planner "
-  "chooses 1, 2 or 4 by prediction)",
+  "chooses 1, 2 or 4 by prediction); default: auto on GPUs, 1 on CPU devices",
 )
 flags.DEFINE_integer("steps", 200, "training steps")
 flags.DEFINE_float("learning_rate", 1e-3, "AdamW learning rate")
@@ -318,18 +318,6 @@ def save_checkpoint(directory: str, state: dict, step: int, num_batches: int) ->
   logging.info("saved checkpoint %s", path)
 
 
-def stages_per_device_option(value: str) -> dict:
-  """``--stages_per_device`` as the planner option (none for 1); a bad value is a usage
-  error naming the flag."""
-  from gpp_jax.cli.plan import parse_stages_per_device
-
-  try:
-    v = parse_stages_per_device(value)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  return {} if v == 1 else {"stages_per_device": v}
-
-
 def main(argv: list[str]) -> None:
   from gpp_jax.errors import GppError
 
@@ -356,6 +344,7 @@ def _pipeline_from_flags() -> tuple[Any, Any, Any]:
   """(the zoo run, its ``graph_pipeline``, the cluster preset) as the flags ask: the devices,
   the model and optimizer, the mesh, and every option of the pipeline."""
   import gpp_jax
+  from gpp_jax.cli.plan import stages_per_device_option
   from gpp_jax.cost.cluster import make_cluster, process_cluster
   from gpp_jax.experiments import zoo
 

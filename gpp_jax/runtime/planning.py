@@ -20,7 +20,8 @@ from gpp_jax.ir import layer_graph as lg
 from gpp_jax.ir.plan import Plan, has_mixed_microbatches, validate_plan
 from gpp_jax.passes.partition import KeywordPlanner, get_planner
 from gpp_jax.passes.partition.manual import ManualPlan
-from gpp_jax.passes.partition.problem import planner_name, too_few_stages_error
+from gpp_jax.passes.partition.problem import ProblemPlanner, planner_name, too_few_stages_error
+from gpp_jax.passes.partition.shared import default_stages_per_device
 from gpp_jax.passes.simulation import simulate, simulate_on_host
 from gpp_jax.runtime.options import Options
 from gpp_jax.runtime.sharding import check_rows
@@ -94,10 +95,13 @@ def run_planner(
   M = opts.num_microbatches
   k = opts.min_stages
   p = opts.planner
-  if isinstance(p, str):
-    fn = get_planner(p)
+  if isinstance(p, (str, ProblemPlanner)):  # a built-in planner, by name or itself
+    fn = get_planner(p) if isinstance(p, str) else p
     with_host = {} if host is None else {"host": host}
-    with_stages = {"min_stages": k} if k > 1 else {}
+    with_stages: dict[str, Any] = {"min_stages": k} if k > 1 else {}
+    # Stages per device by prediction on accelerators, one on CPU devices, unless given.
+    if isinstance(fn, ProblemPlanner):
+      with_stages["stages_per_device"] = default_stages_per_device(cluster)
     plan = fn(
       lg.scaled(graph, batch_size),
       cluster,

@@ -28,9 +28,14 @@ of its stages'; the fastest within memory is kept. With ``stages_per_device="aut
 planner chooses v among 1, 2 and 4 by that prediction, keeping v > 1 only where it is
 predicted ``auto_min_gain`` faster (10% on CPU devices, 3% on accelerators), and searching
 for it only where the plan of one stage per device leaves room for that gain in its bubble
-(``bubble_leaves_room``). It is not the default: where it searches it plans up to six times
-and simulates every candidate (5-55x the search time of v = 1 at 32 devices), and on CPU
-devices every v = 2 measured so far ran slower than v = 1 (docs/results/schedules.md).
+(``bubble_leaves_room``), and for v = 4 only where some v = 2 plan was predicted faster
+than v = 1. Where it searches it plans up to five times more and simulates every candidate.
+
+Where the user gives no ``stages_per_device``, ``graph_pipeline`` and the command lines ask
+for ``"auto"`` on accelerators and for 1 on CPU devices (``default_stages_per_device``): on
+CPU devices every v = 2 measured ran slower than v = 1 where the model predicted it faster
+(docs/results/schedules.md). A planner called directly plans one stage per device unless
+asked.
 """
 
 from __future__ import annotations
@@ -57,6 +62,17 @@ AUTO_STAGES_PER_DEVICE = (1, 2, 4)
 # host thread issues v times the instructions. On accelerators planned devices-only, 3%.
 AUTO_MIN_GAIN = 0.10
 AUTO_MIN_GAIN_DEVICES = 0.03
+
+
+def default_stages_per_device(cluster: Cluster) -> int | str:
+  """What ``stages_per_device`` is where the user gives none (``graph_pipeline``'s planner,
+  the ``gpp_jax.plan`` and ``gpp_jax.train`` command lines): ``"auto"`` (v chosen by
+  prediction) on accelerators, 1 on CPU devices. On CPU devices one host thread issues every
+  instruction and the devices share its cores: every v = 2 measured there ran slower than
+  v = 1 (0.74-0.96x), where the model gave it 1.03-1.25x (docs/results/schedules.md), so the
+  prediction ``"auto"`` would choose by is not to be trusted there. A planner called
+  directly plans one stage per device unless asked."""
+  return 1 if cluster.device.name == CPU.name else "auto"
 
 
 def auto_min_gain(cluster: Cluster, host: Any = None) -> float:
@@ -355,6 +371,11 @@ def plan_with_shared_devices(
   for v in choices:
     if v == 1:
       continue
+    if auto and v > 2 and best is one:
+      # Two stages per device gained nothing: four, which halve the stages again and add
+      # as many transfers, are not searched (their virtual cluster is the largest search).
+      tried.append(f"v={v}: not searched, v=2 was not predicted faster than v=1")
+      break
     split_both(one, v, "the stages cut and interleaved")
     # The planner's plan for v times as many micro-batches, cut into v and run at M: its
     # stages and widths are chosen for the bubble of v M micro-batches, about the bubble
