@@ -10,9 +10,11 @@ for ``--steps`` steps, and the step time is the median over the logged intervals
 first. Printed per model: the chosen candidate, whether its time is measured (a timing
 trial) or modelled (the cost model, calibrated), the time it was chosen by, the trial's own
 seconds (``Planned.measured``), the host's time outside the step that the prediction adds
-(``HostCosts.outside``), the loop's measured step time, and the prediction's error against
-it; once per ``--round_calls`` (the trials' runs issued back to back per round, 1 being
-each run waited for). Every row runs in a process of its own; ``--repeats`` runs each
+(``HostCosts.outside``: measured on the step's own path, ``cached_partial``'s), the loop's
+measured step time, the prediction's error against it, and for comparison the decorated
+call's time outside the step on the same objects (``GraphPipeline.seconds_outside``);
+once per ``--round_calls`` (the trials' runs issued back to back per round, 1 being each
+run waited for). Every row runs in a process of its own; ``--repeats`` runs each
 (model, round) that many times, and a last line per pair gives the median of its errors
 (sub-millisecond steps on shared cores move between processes: one run does not settle 10%).
 """
@@ -79,6 +81,12 @@ def child(cfg: dict) -> dict:
       intervals.append((now - t) / n)
       t, n = now, 0
   loop = statistics.median(intervals[1:] or intervals)
+  # The decorated call's time outside the program on the same objects, for comparison (the
+  # loop calls ``cached_partial``, whose path the prediction was made with).
+  from gpp_jax.runtime.capture_step import functionalize
+
+  full = (run.model, run.optimizer, data[0])
+  pure, leaves = functionalize(run.train_step, full)
   return {
     "model": cfg["model"],
     "round_calls": cfg["round_calls"],
@@ -87,6 +95,7 @@ def child(cfg: dict) -> dict:
     "predicted_ms": planned.predicted_s * 1e3,
     "trial_ms": planned.measured.get(planned.chosen, float("nan")) * 1e3,
     "outside_ms": (planned.host.outside if planned.host is not None else 0.0) * 1e3,
+    "decorated_outside_ms": pp.seconds_outside(full, pure, leaves) * 1e3,
     "loop_ms": loop * 1e3,
   }
 
@@ -102,7 +111,7 @@ def main(argv):
   )
   print(
     f"{'model':11s} {'round':>5s} {'chosen':26s} {'how':9s} {'predicted':>9s} {'trial':>7s}"
-    f" {'outside':>8s} {'loop':>7s} {'error':>7s}"
+    f" {'outside':>8s} {'loop':>7s} {'error':>7s} {'decorated outside':>17s}"
   )
   for model in FLAGS.models:
     for calls in FLAGS.round_calls:
@@ -144,7 +153,8 @@ def _row(model: str, calls: str) -> float | None:
   err = r["predicted_ms"] / r["loop_ms"] - 1
   print(
     f"{model:11s} {calls:>5s} {r['chosen']:26s} {r['how']:9s} {r['predicted_ms']:8.2f}ms"
-    f" {r['trial_ms']:6.2f}ms {r['outside_ms']:7.2f}ms {r['loop_ms']:6.2f}ms {err:+7.0%}",
+    f" {r['trial_ms']:6.2f}ms {r['outside_ms']:7.2f}ms {r['loop_ms']:6.2f}ms {err:+7.0%}"
+    f" {r['decorated_outside_ms']:15.2f}ms",
     flush=True,
   )
   return err

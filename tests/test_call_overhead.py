@@ -116,3 +116,42 @@ def test_steady_state_call_puts_nothing_already_where_it_goes(monkeypatch):
     ref(ref_model, ref_opt, batch)
   assert max_diff(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param)) <= 1e-5
   assert max_diff(nnx.state(opt), nnx.state(ref_opt)) <= 1e-5
+
+
+def test_a_calibrated_step_is_predicted_with_the_time_outside_of_its_own_call_path(monkeypatch):
+  """With calibrate=True the host's time outside the program per call is measured on the
+  step's own arguments, on the path it is called by, in place of the host probe's (a small
+  functional step's): through ``cached_partial`` the Variables read and written, through the
+  decorated call the NNX objects split and written back too (more). Measuring leaves the
+  objects' values as they were."""
+  import functools
+
+  from gpp_jax.cost.host import HostCosts
+  from gpp_jax.runtime import host as host_mod
+  from gpp_jax.runtime.capture_step import functionalize
+
+  ops = ("F", "B", "W", "UPDATE", "SEND", "RECV", "STEP")
+  probed = HostCosts(per_op=dict.fromkeys(ops, 1e-5), outside=1.0, parallel=1.0, cores=2)
+  monkeypatch.setattr(host_mod, "measure_host", lambda devices, *_: probed)
+  batch = _batch()
+  outside = {}
+  for how in ("decorated", "cached"):
+    model, opt = _fresh(0)
+    pp = gpp_jax.graph_pipeline(step, num_microbatches=1, devices=jax.devices()[:1], calibrate=True)
+    call = pp.cached_partial(model, opt) if how == "cached" else functools.partial(pp, model, opt)
+    call(batch)
+    planned = pp.compiled.planned
+    outside[how] = planned.host.outside
+    if planned.predicted_how == "measured":  # the trial's time, with the path's outside
+      assert planned.predicted_s >= outside[how]
+  assert 0.0 < outside["cached"] < outside["decorated"] < probed.outside
+  # Measuring runs nothing and changes nothing.
+  model, opt = _fresh(1)
+  fast = pp.cached_partial(model, opt)
+  full = (model, opt, batch)
+  pure, leaves = functionalize(step, full)
+  before = jax.tree.leaves(nnx.state((model, opt)))
+  assert fast.seconds_outside(full, pure.graph_positions, leaves) > 0.0
+  assert pp.seconds_outside(full, pure, leaves) > 0.0
+  after = jax.tree.leaves(nnx.state((model, opt)))
+  assert len(before) == len(after) and all(a is b for a, b in zip(before, after))

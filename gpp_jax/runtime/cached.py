@@ -14,6 +14,8 @@ structure or shape, or whose Variables changed shape or dtype, goes the full way
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,64 +61,111 @@ class CachedStep:
     full = self.cached_args + args
     e = self._entry
     if e is not None:
-      others = tuple(a for i, a in enumerate(full) if i not in e.positions)
-      leaves, tree = jax.tree.flatten(others)
-      if tree == e.others_tree:
-        values = [v.get_raw_value() for v in e.variables]
-        n = len(values)
-        # Values this object wrote last call have the shapes checked then; only what the
-        # user replaced since (a checkpoint restore, say) and the other arguments are checked.
-        unchanged = e.written is not None and all(a is b for a, b in zip(values, e.written))
-        flat = values + leaves
-        avals = e.avals
-        if all(_aval(x) == avals[k] for k, x in enumerate(flat) if not unchanged or k >= n):
-          outs = self.pipeline.run_compiled(e.compiled, flat)
-          new = outs[e.nout :]
-          write_values(e.variables, new, e.fast_write)
-          e.written = new
-          return e.out_def.unflatten(outs[: e.nout])
+      done, out = self._steady(e, full, self.pipeline.run_compiled)
+      if done:
+        return out
     return self._full_call(full)
+
+  @staticmethod
+  def _steady(e: _Entry, full: tuple, run: Any) -> tuple[bool, Any]:
+    """The call by the entry: the Variables' values read, ``run(compiled, flat)`` for the
+    flat outputs, the new state written to them. (False, None) where the arguments no longer
+    match the entry (another structure, shape or dtype)."""
+    others = tuple(a for i, a in enumerate(full) if i not in e.positions)
+    leaves, tree = jax.tree.flatten(others)
+    if tree != e.others_tree:
+      return False, None
+    values = [v.get_raw_value() for v in e.variables]
+    n = len(values)
+    # Values this object wrote last call have the shapes checked then; only what the user
+    # replaced since (a checkpoint restore, say) and the other arguments are checked.
+    unchanged = e.written is not None and all(a is b for a, b in zip(values, e.written))
+    flat = values + leaves
+    avals = e.avals
+    if not all(_aval(x) == avals[k] for k, x in enumerate(flat) if not unchanged or k >= n):
+      return False, None
+    outs = run(e.compiled, flat)
+    new = outs[e.nout :]
+    write_values(e.variables, new, e.fast_write)
+    e.written = new
+    return True, e.out_def.unflatten(outs[: e.nout])
 
   def _full_call(self, full: tuple):
     """The pipeline's own path; afterwards, the entry later calls take when they can."""
     pipeline = self.pipeline
     pure, leaves = functionalize(pipeline.fn, full)
-    c = pipeline.compiled_for(full, pure, leaves)
+    c = pipeline.compiled_for(
+      full, pure, leaves, lambda: self.seconds_outside(full, pure.graph_positions, leaves)
+    )
     outs = pipeline.run_compiled(c, leaves)
     out, new_state = jax.tree.unflatten(c.out_tree, outs)
     positions = pure.graph_positions
     if positions:
       nnx.update(tuple(full[i] for i in positions), new_state)
-    self._entry = self._make_entry(full, positions, leaves, c)
+    self._entry = _make_entry(full, len(self.cached_args), positions, leaves, c, c.out_tree)
     return out
 
-  def _make_entry(self, full, positions, leaves, c) -> _Entry | None:
-    if not positions or any(i >= len(self.cached_args) for i in positions):
-      return None  # nothing to cache, or NNX objects among the per-call arguments
-    _, state = nnx.split(tuple(full[i] for i in positions))
-    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    others = tuple(a for i, a in enumerate(full) if i not in positions)
-    other_leaves, others_tree = jax.tree.flatten(others)
-    out_def, state_def = c.out_tree.children()
-    if (
-      len(variables) + len(other_leaves) != len(leaves)
-      or not all(isinstance(v, nnx.Variable) for v in variables)
-      # Arrays held directly (not array references, which are written in place).
-      or not all(isinstance(v.get_raw_value(), jax.Array) for v in variables)
-      or state_def != jax.tree.structure(state)
-    ):
+  def seconds_outside(self, full: tuple, positions: tuple[int, ...], leaves: list) -> float | None:
+    """Host seconds per call of this step's steady path outside the program, on the
+    arguments ``full`` (bound and per call; ``positions``: the NNX objects among them,
+    ``leaves``: the flat step arguments): the Variables read, the other arguments flattened
+    and checked, the new state written (the values read, so nothing changes), with the
+    program left out. None where the path would not be taken (``_make_entry``)."""
+    _, state = nnx.split(tuple(full[i] for i in positions)) if positions else (None, None)
+    out_tree = jax.tree.structure(((), state))  # no outputs of the step's own, the state
+    e = _make_entry(full, len(self.cached_args), positions, leaves, None, out_tree)
+    if e is None:
       return None
-    flat = [v.get_raw_value() for v in variables] + other_leaves
-    return _Entry(
-      positions=tuple(positions),
-      variables=variables,
-      others_tree=others_tree,
-      avals=[_aval(x) for x in flat],
-      compiled=c,
-      out_def=out_def,
-      nout=out_def.num_leaves,
-      fast_write=all(writable_directly(v) for v in variables),
-    )
+    nvars = len(e.variables)
+    return median_seconds(lambda: self._steady(e, full, lambda _, flat: flat[:nvars]))
+
+
+OUTSIDE_REPEATS = 21  # calls timed for ``seconds_outside``, the median taken
+
+
+def median_seconds(call: Any, repeats: int = OUTSIDE_REPEATS) -> float:
+  """The median seconds of ``repeats`` calls of ``call`` (after one to warm up)."""
+  call()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    call()
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def _make_entry(full, bound, positions, leaves, c, out_tree) -> _Entry | None:
+  """The entry later calls with arguments ``full`` (the first ``bound`` of them bound) take:
+  the NNX objects at ``positions`` split once, their Variables kept; ``c`` the compiled step
+  and ``out_tree`` its outputs' tree (the step's own, then the new state). None where the
+  direct path does not apply: no NNX object, one among the per-call arguments, a state whose
+  structure or leaves differ from the step's arguments, or values that are not arrays."""
+  if not positions or any(i >= bound for i in positions):
+    return None  # nothing to cache, or NNX objects among the per-call arguments
+  _, state = nnx.split(tuple(full[i] for i in positions))
+  variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  others = tuple(a for i, a in enumerate(full) if i not in positions)
+  other_leaves, others_tree = jax.tree.flatten(others)
+  out_def, state_def = out_tree.children()
+  if (
+    len(variables) + len(other_leaves) != len(leaves)
+    or not all(isinstance(v, nnx.Variable) for v in variables)
+    # Arrays held directly (not array references, which are written in place).
+    or not all(isinstance(v.get_raw_value(), jax.Array) for v in variables)
+    or state_def != jax.tree.structure(state)
+  ):
+    return None
+  flat = [v.get_raw_value() for v in variables] + other_leaves
+  return _Entry(
+    positions=tuple(positions),
+    variables=variables,
+    others_tree=others_tree,
+    avals=[_aval(x) for x in flat],
+    compiled=c,
+    out_def=out_def,
+    nout=out_def.num_leaves,
+    fast_write=all(writable_directly(v) for v in variables),
+  )
 
 
 def writable_directly(v) -> bool:

@@ -222,7 +222,12 @@ class Trials:
 TRIAL_ROUNDS = 2  # rounds of timing in turns after the trials (``Trials.interleave``)
 
 
-def plan_step(captured: Captured, opts: Options, timing: TimingTrials | None = None) -> Planned:
+def plan_step(
+  captured: Captured,
+  opts: Options,
+  timing: TimingTrials | None = None,
+  outside: float | None = None,
+) -> Planned:
   """Calibrates (if asked), plans, validates; with several processes, checks that every
   process has the same plan.
 
@@ -235,6 +240,10 @@ def plan_step(captured: Captured, opts: Options, timing: TimingTrials | None = N
   leaves out the candidates of fewer stages. Without calibration (layer times estimated, the
   host not measured) the planner's plan is kept and a faster baseline only noted. A plan the
   user gives is run as it is, with the same prediction.
+
+  The host's time outside the program per call is ``outside`` where given (measured on the
+  step's own arguments, on the path it is called by: ``GraphPipeline.seconds_outside``,
+  ``CachedStep.seconds_outside``), else the host probe's (a small functional step's).
 
   When calibrating, the planner searches with the host's measured costs (``make_plan(host=)``
   with a ``MachineCalibration``: every plan it compares is predicted for this machine), after
@@ -273,6 +282,8 @@ def plan_step(captured: Captured, opts: Options, timing: TimingTrials | None = N
     graph = calibration.apply(graph)
     if opts.host_probe is not None:
       host = probe_host(opts)
+      if host is not None and outside is not None:  # the step's own call path
+        host = dataclasses.replace(host, outside=outside)
       opts = with_measured_link(opts, host)
       machine = MachineCalibration(host) if host is not None else None
   if calibration is not None and machine is not None and not given:

@@ -139,9 +139,15 @@ class StepTrials:
 
 
 def compile_step(
-  pure: PureStep, args: Sequence[Any], leaves: Sequence[Any], opts: Options
+  pure: PureStep,
+  args: Sequence[Any],
+  leaves: Sequence[Any],
+  opts: Options,
+  outside: float | None = None,
 ) -> CompiledStep:
-  """The compile chain, top to bottom."""
+  """The compile chain, top to bottom. ``outside``: the host's seconds per call outside the
+  program on the path the step is called by (``GraphPipeline.seconds_outside``), in place of
+  the host probe's where calibrating."""
   captured = capture(pure, args, leaves, opts)
 
   # One capture per micro-batch size: the trial's and the final build's trace the step once.
@@ -165,7 +171,7 @@ def compile_step(
       Planned(plan, captured.layering.graph), dataclasses.replace(opts, planner=plan), True
     )
 
-  planned = plan_step(captured, opts, StepTrials(build_trial, leaves))
+  planned = plan_step(captured, opts, StepTrials(build_trial, leaves), outside=outside)
   if planned.trial is not None:  # its options: the user's, at the trial's micro-batches
     kept = planned.trial
     return dataclasses.replace(

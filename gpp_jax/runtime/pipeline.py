@@ -29,7 +29,7 @@ from gpp_jax.ir.program import Program
 from gpp_jax.passes.calibrate import Calibration
 from gpp_jax.passes.weight_versions import weight_delays
 from gpp_jax.runtime.build import CompiledStep
-from gpp_jax.runtime.cached import CachedStep, writable_directly, write_values
+from gpp_jax.runtime.cached import CachedStep, median_seconds, writable_directly, write_values
 from gpp_jax.runtime.capture_step import functionalize, with_keywords
 from gpp_jax.runtime.captured import canonical_dtype, capture
 from gpp_jax.runtime.compile import compile_step
@@ -224,8 +224,11 @@ class GraphPipeline:
     return capture(pure, args, leaves, self.opts).layering.graph
 
   # ------------------------------------------------------------------ running
-  def compiled_for(self, args, pure, leaves) -> CompiledStep:
-    """The compiled step for these step arguments (built on first use of their shapes)."""
+  def compiled_for(self, args, pure, leaves, outside: Callable | None = None) -> CompiledStep:
+    """The compiled step for these step arguments (built on first use of their shapes).
+    ``outside``: what measures the host's seconds per call outside the program on the path
+    the call came by (``seconds_outside``, the decorated call's, by default), which a step
+    calibrated in one process is predicted with."""
     key = (
       pure.in_tree,
       tuple(_leaf_key(x) for x in leaves),
@@ -236,8 +239,13 @@ class GraphPipeline:
     c = self._compiled.get(key)
     if c is None:
       signature = argument_signature(args, pure.graph_positions)
+      path = None
+      if self.opts.calibrate and self.opts.host_probe is not None and jax.process_count() == 1:
+        path = outside() if outside is not None else None
+        if path is None:  # the decorated call's path (also a CachedStep's that cannot cache)
+          path = self.seconds_outside(args, pure, leaves)
       try:
-        c = compile_step(pure, args, leaves, self.opts)
+        c = compile_step(pure, args, leaves, self.opts, outside=path)
       except GppError:
         raise
       except Exception as e:
@@ -250,6 +258,25 @@ class GraphPipeline:
       self._signatures.append(signature)
     self._last = c
     return c
+
+  def seconds_outside(self, args, pure, leaves) -> float:
+    """Host seconds per call of the decorated call outside the program, on these step
+    arguments: the arguments split and flattened (``functionalize``) and keyed for the
+    compiled step, and the new state written back (the values read, so nothing changes) or a
+    functional step's outputs unflattened, with the program left out. Less than the call
+    costs in all (the executor's own bookkeeping outside its instructions is the trial's)."""
+    state_leaves = jax.tree.leaves(pure.state) if pure.graph_positions else []
+    fake = _OutTree(jax.tree.structure(((), pure.state)))
+
+    def call():
+      p, flat = functionalize(self.fn, args)
+      tuple(_leaf_key(x) for x in flat)
+      if p.graph_positions:
+        _write_back(fake, p, args, state_leaves)
+      else:
+        jax.tree.unflatten(p.in_tree, flat)
+
+    return median_seconds(call)
 
   def run_compiled(self, c: CompiledStep, leaves) -> list:
     """Runs one step of ``c`` on the flat step arguments; returns the flat outputs."""
@@ -397,7 +424,14 @@ def _leaf_key(x: Any) -> tuple:
   return tuple(np.shape(x)), canonical_dtype(x)
 
 
-def _write_back(c: CompiledStep, pure: Any, args: tuple, outs: list) -> Any:
+@dataclasses.dataclass(frozen=True)
+class _OutTree:
+  """A compiled step's output tree alone (what ``_write_back`` reads of it)."""
+
+  out_tree: Any
+
+
+def _write_back(c: Any, pure: Any, args: tuple, outs: list) -> Any:
   """The step's output, the NNX objects given updated with the new state ``outs`` ends with.
 
   The new values go straight into the objects' Variables (those ``functionalize``'s split
