@@ -94,7 +94,8 @@ flags.DEFINE_string(
   None,
   "stages each device may run: 1, a larger number (the planner's stages interleaved over the "
   "devices, schedule interleaved-1f1b unless --schedule names another), or auto (the planner "
-  "chooses 1, 2 or 4 by prediction); default: auto on GPUs, 1 on CPU devices",
+  "chooses 1, 2 or 4 by prediction); default: auto on GPUs (or a GPU --cluster preset), 1 on "
+  "CPU devices",
 )
 flags.DEFINE_integer("steps", 200, "training steps")
 flags.DEFINE_float("learning_rate", 1e-3, "AdamW learning rate")

@@ -29,7 +29,8 @@ planner chooses v among 1, 2 and 4 by that prediction, keeping v > 1 only where 
 predicted ``auto_min_gain`` faster (10% on CPU devices, 3% on accelerators), and searching
 for it only where the plan of one stage per device leaves room for that gain in its bubble
 (``bubble_leaves_room``), and for v = 4 only where some v = 2 plan was predicted faster
-than v = 1. Where it searches it plans up to five times more and simulates every candidate.
+than v = 1. Where it searches it plans up to three more times per v and simulates every
+candidate.
 
 Where the user gives no ``stages_per_device``, ``graph_pipeline`` and the command lines ask
 for ``"auto"`` on accelerators and for 1 on CPU devices (``default_stages_per_device``): on
