@@ -275,6 +275,13 @@ def stages_per_device_option(value: str | None) -> dict:
   return {} if v is None else {"stages_per_device": v}
 
 
+def stages_per_device_for(options: PlanOptions, cluster: Cluster) -> int | str:
+  """What the planners are asked for on ``cluster``: ``--stages_per_device``, else the
+  default (``shared.default_stages_per_device``: "auto" on accelerators, 1 on CPU devices)."""
+  v = parse_stages_per_device(options.stages_per_device)
+  return default_stages_per_device(cluster) if v is None else v
+
+
 def compare(options: PlanOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
   """Runs ``options.planners`` on one model and cluster; returns the configuration and one row
   per planner (``planner_runs.run_planner`` rows, each with its ``plan`` when it planned). Bad
@@ -283,9 +290,7 @@ def compare(options: PlanOptions, progress: Callable[[str], None] | None = None)
   seconds."""
   graph, cl, batch = prepare(options)
   planners, num_microbatches = options.planners, options.num_microbatches
-  per_device = parse_stages_per_device(options.stages_per_device)
-  if per_device is None:
-    per_device = default_stages_per_device(cl)
+  per_device = stages_per_device_for(options, cl)
   planner_options = {} if per_device == 1 else {"stages_per_device": per_device}
   rows = []
   t0 = time.perf_counter()
@@ -504,9 +509,7 @@ def plan_mesh(options: PlanOptions) -> list[dict[str, Any]]:
   rc = row_cluster(make_cluster(options.cluster, num_devices), tp)
   graph = gpt_graph(shape, batch_size, tp)
   flops = paper_flops(batch_size, shape.seq, shape.layers, shape.hidden, shape.vocab)
-  per_device = parse_stages_per_device(options.stages_per_device)
-  if per_device is None:
-    per_device = default_stages_per_device(rc)
+  per_device = stages_per_device_for(options, rc)
   planner_options = {} if per_device == 1 else {"stages_per_device": per_device}
   out: list[dict[str, Any]] = []
   for name in options.planners:

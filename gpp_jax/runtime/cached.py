@@ -94,9 +94,7 @@ class CachedStep:
     """The pipeline's own path; afterwards, the entry later calls take when they can."""
     pipeline = self.pipeline
     pure, leaves = functionalize(pipeline.fn, full)
-    c = pipeline.compiled_for(
-      full, pure, leaves, lambda: self.seconds_outside(full, pure.graph_positions, leaves)
-    )
+    c = pipeline.compiled_for(full, pure, leaves, lambda: self.seconds_outside(full, pure, leaves))
     outs = pipeline.run_compiled(c, leaves)
     out, new_state = jax.tree.unflatten(c.out_tree, outs)
     positions = pure.graph_positions
@@ -105,15 +103,14 @@ class CachedStep:
     self._entry = _make_entry(full, len(self.cached_args), positions, leaves, c, c.out_tree)
     return out
 
-  def seconds_outside(self, full: tuple, positions: tuple[int, ...], leaves: list) -> float | None:
+  def seconds_outside(self, full: tuple, pure: Any, leaves: list) -> float | None:
     """Host seconds per call of this step's steady path outside the program, on the
-    arguments ``full`` (bound and per call; ``positions``: the NNX objects among them,
-    ``leaves``: the flat step arguments): the Variables read, the other arguments flattened
-    and checked, the new state written (the values read, so nothing changes), with the
-    program left out. None where the path would not be taken (``_make_entry``)."""
-    _, state = nnx.split(tuple(full[i] for i in positions)) if positions else (None, None)
-    out_tree = jax.tree.structure(((), state))  # no outputs of the step's own, the state
-    e = _make_entry(full, len(self.cached_args), positions, leaves, None, out_tree)
+    arguments ``full`` (bound and per call; ``pure``, ``leaves``: ``functionalize``'s of
+    them): the Variables read, the other arguments flattened and checked, the new state
+    written (the values read, so nothing changes), with the program left out. None where the
+    path would not be taken (``_make_entry``)."""
+    out_tree = jax.tree.structure(((), pure.state))  # no outputs of the step's own, the state
+    e = _make_entry(full, len(self.cached_args), pure.graph_positions, leaves, None, out_tree)
     if e is None:
       return None
     nvars = len(e.variables)

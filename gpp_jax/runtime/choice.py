@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import jax
@@ -226,7 +226,7 @@ def plan_step(
   captured: Captured,
   opts: Options,
   timing: TimingTrials | None = None,
-  outside: float | None = None,
+  call_outside: Callable[[], float | None] | None = None,
 ) -> Planned:
   """Calibrates (if asked), plans, validates; with several processes, checks that every
   process has the same plan.
@@ -241,9 +241,10 @@ def plan_step(
   host not measured) the planner's plan is kept and a faster baseline only noted. A plan the
   user gives is run as it is, with the same prediction.
 
-  The host's time outside the program per call is ``outside`` where given (measured on the
-  step's own arguments, on the path it is called by: ``GraphPipeline.seconds_outside``,
-  ``CachedStep.seconds_outside``), else the host probe's (a small functional step's).
+  The host's time outside the program per call is what ``call_outside`` measures where given, in
+  one process (on the step's own arguments, on the path it is called by:
+  ``GraphPipeline.seconds_outside``, ``CachedStep.seconds_outside``), else the host probe's
+  (a small functional step's; with several processes, process 0's, so that all plan alike).
 
   When calibrating, the planner searches with the host's measured costs (``make_plan(host=)``
   with a ``MachineCalibration``: every plan it compares is predicted for this machine), after
@@ -282,8 +283,10 @@ def plan_step(
     graph = calibration.apply(graph)
     if opts.host_probe is not None:
       host = probe_host(opts)
-      if host is not None and outside is not None:  # the step's own call path
-        host = dataclasses.replace(host, outside=outside)
+      if host is not None and call_outside is not None and jax.process_count() == 1:
+        path = call_outside()
+        if path is not None:  # the step's own call path
+          host = dataclasses.replace(host, outside=path)
       opts = with_measured_link(opts, host)
       machine = MachineCalibration(host) if host is not None else None
   if calibration is not None and machine is not None and not given:

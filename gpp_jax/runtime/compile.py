@@ -143,11 +143,11 @@ def compile_step(
   args: Sequence[Any],
   leaves: Sequence[Any],
   opts: Options,
-  outside: float | None = None,
+  outside: Callable[[], float | None] | None = None,
 ) -> CompiledStep:
-  """The compile chain, top to bottom. ``outside``: the host's seconds per call outside the
-  program on the path the step is called by (``GraphPipeline.seconds_outside``), in place of
-  the host probe's where calibrating."""
+  """The compile chain, top to bottom. ``outside``: measures the host's seconds per call
+  outside the program on the path the step is called by (``GraphPipeline.seconds_outside``),
+  in place of the host probe's where calibrating (``choice.plan_step``)."""
   captured = capture(pure, args, leaves, opts)
 
   # One capture per micro-batch size: the trial's and the final build's trace the step once.
@@ -171,7 +171,7 @@ def compile_step(
       Planned(plan, captured.layering.graph), dataclasses.replace(opts, planner=plan), True
     )
 
-  planned = plan_step(captured, opts, StepTrials(build_trial, leaves), outside=outside)
+  planned = plan_step(captured, opts, StepTrials(build_trial, leaves), call_outside=outside)
   if planned.trial is not None:  # its options: the user's, at the trial's micro-batches
     kept = planned.trial
     return dataclasses.replace(

@@ -227,8 +227,9 @@ class GraphPipeline:
   def compiled_for(self, args, pure, leaves, outside: Callable | None = None) -> CompiledStep:
     """The compiled step for these step arguments (built on first use of their shapes).
     ``outside``: what measures the host's seconds per call outside the program on the path
-    the call came by (``seconds_outside``, the decorated call's, by default), which a step
-    calibrated in one process is predicted with."""
+    the call came by, None where that path is not taken (the decorated call's,
+    ``seconds_outside``, then and by default); the choice measures it where it uses the
+    host's costs (``choice.plan_step``)."""
     key = (
       pure.in_tree,
       tuple(_leaf_key(x) for x in leaves),
@@ -239,13 +240,14 @@ class GraphPipeline:
     c = self._compiled.get(key)
     if c is None:
       signature = argument_signature(args, pure.graph_positions)
-      path = None
-      if self.opts.calibrate and self.opts.host_probe is not None and jax.process_count() == 1:
-        path = outside() if outside is not None else None
-        if path is None:  # the decorated call's path (also a CachedStep's that cannot cache)
-          path = self.seconds_outside(args, pure, leaves)
+
+      def path_outside() -> float:
+        got = outside() if outside is not None else None
+        # The decorated call's path (also a CachedStep's that cannot cache).
+        return got if got is not None else self.seconds_outside(args, pure, leaves)
+
       try:
-        c = compile_step(pure, args, leaves, self.opts, outside=path)
+        c = compile_step(pure, args, leaves, self.opts, outside=path_outside)
       except GppError:
         raise
       except Exception as e:
