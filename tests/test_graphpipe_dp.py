@@ -13,7 +13,7 @@ from gpp_jax.experiments import model_graphs as mg
 from gpp_jax.passes.partition import PLANNERS
 from gpp_jax.passes.partition.graphpipe.dp import MinMaxDP
 from gpp_jax.passes.partition.graphpipe.search import microbatch_context, sp_tree
-from gpp_jax.passes.partition.pipedream import chain_dp
+from gpp_jax.passes.partition.pipedream import chain_dp, chain_fits
 from gpp_jax.passes.partition.plan_assembly import (
   assemble_plan,
   data_parallel_degrees,
@@ -73,6 +73,37 @@ def test_frontier_is_exact_on_chains(seed, layers, k, b, memory):
       assert got[e] == pytest.approx(want[e], rel=1e-12)
     else:
       assert got[e] == math.inf
+
+
+@pytest.mark.parametrize(
+  "seed,layers,k,b", [(0, 5, 4, 96), (1, 6, 4, 48), (2, 5, 3, 64), (3, 4, 8, 24)]
+)
+def test_the_memory_checks_before_a_dp_agree_with_the_plans_that_fit(seed, layers, k, b):
+  """The planners skip a DP where a cheap check says nothing fits (``chain_fits`` on chains,
+  ``CostModel.memory_rules_out`` on any graph): over memories from too little to enough, the
+  chain check is exact against brute force, and the general one rules out no size brute force
+  or GraphPipe's DP finds a plan for, while ruling out some it does not."""
+  # Narrow layers and many samples: the stashed activations weigh as much as the weights,
+  # so how many micro-batches each stage holds decides what fits.
+  B = 768
+  g = mg.random_branches(
+    seed, branches=1, max_branch_layers=layers, fork=True, join=True, batch_size=B, hidden=32
+  )
+  cluster = cpu_cluster(k)
+  seen, ruled_out = set(), 0
+  for memory in np.geomspace(1e3, 1e7, 32):
+    ctx, root, dp = setup(g, cluster, B, b, float(memory))
+    rc = RangeCosts(ctx.costs, ctx.cm, ctx.cluster, ctx.b, ctx.B, ctx.dps)
+    fits = any(math.isfinite(x) for x in brute_force_chain(ctx))
+    seen.add(fits)
+    assert chain_fits(rc, ctx.dps) == fits, memory
+    assert bool(dp.frontier(root)) == fits, memory
+    rules_out = ctx.cm.memory_rules_out(
+      ctx.costs.held_param_bytes, ctx.costs.saved_ps, ctx.b, ctx.dps, ctx.K, float(memory)
+    )
+    assert not (fits and rules_out), memory
+    ruled_out += rules_out
+  assert seen == {True, False} and ruled_out > 0
 
 
 def stage_tps(ctx, layers: list[int], d: int) -> float:

@@ -197,6 +197,30 @@ class CostModel:
       saved_bytes_per_sample, microbatch, dp, in_flight
     )
 
+  def memory_rules_out(
+    self,
+    param_bytes: np.ndarray,
+    saved_bytes_per_sample: np.ndarray,
+    microbatch: float,
+    dps: Sequence[int],
+    num_devices: int,
+    memory_per_device: float,
+  ) -> bool:
+    """True where no plan of stages on ``dps`` devices each (layers' weights replicated in a
+    stage, ``stage_memory``) can fit ``num_devices`` devices at ``microbatch``: a bound that
+    planners check before a search which would find none. Some layer (per-layer byte arrays)
+    does not fit alone on the most devices, or the stages together need more than all
+    devices hold: a stage of d devices holds its weights on each and at least one
+    micro-batch's stash split over them, d x static + microbatch x saved bytes, and d is no
+    less than the fewest of ``dps``."""
+    static = self.static_memory(np.asarray(param_bytes, dtype=float))
+    saved = np.asarray(saved_bytes_per_sample, dtype=float)
+    alone = static + self.activation_memory(saved, microbatch, max(dps), 1)  # type: ignore[arg-type]
+    if np.any(alone > memory_per_device):
+      return True
+    need = min(dps) * float(static.sum()) + microbatch * float(saved.sum())
+    return need > num_devices * memory_per_device
+
   def combine(self, compute: float, comm: float) -> float:
     """A stage's busy time per micro-batch from its compute and transfer times."""
     return compute + comm if self.tps_formula == "sum" else max(compute, comm)

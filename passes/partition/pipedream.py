@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -78,6 +79,8 @@ def chain_dp(rc: RangeCosts, replicate: bool = True, unit: int = 1) -> tuple[np.
   A = np.full((n + 1, Ks + 1, S + 1), math.inf)
   A[n, :, 0] = 0.0
   dps = [d for d in (rc.dps if replicate else [1]) if d % unit == 0 and d <= K]
+  if not chain_fits(rc, dps):
+    return A, dps  # nothing fits: every entry but the empty tail's stays inf
   s_in = np.minimum(np.arange(1, S + 1), M)  # in-flight of the stage s-th from the end
   for i in range(n - 1, -1, -1):
     # Layers i.. make at most n - i stages: A[j, :, s - 1] is inf for s > n - i at every
@@ -95,6 +98,33 @@ def chain_dp(rc: RangeCosts, replicate: bool = True, unit: int = 1) -> tuple[np.
       A[i, u:, 1 : top + 1] = np.minimum(A[i, u:, 1 : top + 1], val)
     A[i] = np.minimum.accumulate(A[i], axis=0)
   return A, dps
+
+
+def chain_fits(rc: RangeCosts, dps: Sequence[int], slack: float = 0.0) -> bool:
+  """Whether some chain of ranges of ``rc`` with stages on ``dps`` devices each fits the
+  cluster's devices and their memory (by ``chain_dp``'s rule, the stage s-th from the end
+  holding min(s, M) micro-batches): a DP over (first layer, stages from there to the end) of
+  the fewest devices, without the slots and times ``chain_dp`` tables, so it answers in a
+  fraction of that where nothing fits. ``slack``: memory counted up to (1 + slack) times the
+  device's, for a caller whose sums round otherwise."""
+  if not dps:
+    return False
+  n, K = rc.n, rc.cluster.num_devices
+  M = rc.B // rc.b
+  cap = rc.cluster.memory_per_device * (1 + slack)
+  S = min(K // min(dps), n)
+  s_in = np.minimum(np.arange(1, S + 1), M)
+  fewest = np.full((n + 1, S + 1), math.inf)  # fewest[j, s]: layers j.. in s stages
+  fewest[n, 0] = 0.0
+  for i in range(n - 1, -1, -1):
+    top = min(S, n - i)
+    static = rc.cm.static_memory(rc.params[i, i + 1 :])[:, None]  # (L, 1) for j = i+1..n
+    need = np.full((n - i, top), math.inf)  # the fewest devices of a stage i..j-1, per s
+    for d in sorted(dps, reverse=True):
+      mem = static + rc.saved[i, i + 1 :][:, None] * rc.b / d * s_in[None, :top]
+      need = np.where(mem <= cap, float(d), need)
+    fewest[i, 1 : top + 1] = (need + fewest[i + 1 :, :top]).min(axis=0)
+  return bool((fewest[0, 1:] <= K).any())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

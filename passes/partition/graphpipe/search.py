@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import networkx as nx
 import numpy as np
 
 from gpp_jax.cost.cost_model import LayerCosts
@@ -26,6 +27,7 @@ from gpp_jax.passes.partition.pipedream import (
   ChainSearch,
   PipeDreamOptions,
   chain_candidates,
+  chain_fits,
   chain_table,
 )
 from gpp_jax.passes.partition.plan_assembly import (
@@ -41,6 +43,7 @@ from gpp_jax.passes.partition.problem import (
   device_unit,
   no_plan_with_stages_error,
 )
+from gpp_jax.passes.partition.range_costs import RangeCosts
 from gpp_jax.passes.partition.refine import REFINE_WITHIN, polish
 from gpp_jax.passes.series_parallel import SPDecomposition, sp_decompose
 
@@ -268,6 +271,12 @@ class DPRuns:
     self.problem, self.opts, self.root = problem, opts, root
     self.unit = device_unit(problem.num_devices, opts.device_grid)
     self.runs = 0
+    g = problem.layer_graph
+    # On a chain of layers every stage DAG is a chain of ranges, so where PipeDream's chain
+    # DP (the same memory rule, the device counts a superset) fits nothing, neither does this.
+    self.chain = nx.is_weakly_connected(g) and all(
+      g.in_degree(v) <= 1 and g.out_degree(v) <= 1 for v in g
+    )
 
   def context(self, b: int, dps: list[int]) -> MicrobatchContext:
     return microbatch_context(self.problem, b, dps, unit=self.unit)
@@ -275,7 +284,19 @@ class DPRuns:
   def run(self, ctx: MicrobatchContext, cap: float) -> MinMaxDP | None:
     """The DP's tables for ``ctx``; strategies whose bottleneck alone (B * TPS) is above
     ``cap`` (``prune`` times the best simulated time) are dropped early."""
-    if not ctx.dps:
+    p = self.problem
+    if not ctx.dps or p.cost_model.memory_rules_out(
+      p.costs.held_param_bytes,
+      p.costs.saved_ps,
+      ctx.b,
+      ctx.dps,
+      p.num_devices,
+      p.cluster.memory_per_device,
+    ):
+      return None
+    if self.chain and not chain_fits(
+      RangeCosts(p.costs, p.cost_model, p.cluster, ctx.b, p.batch_size, ctx.dps), ctx.dps, 1e-9
+    ):
       return None
     self.runs += 1
     dp = MinMaxDP(
