@@ -97,6 +97,25 @@ def test_choose_labels_the_timed_one_call_steps_measured_and_the_pipeline_modell
   assert set(devices_only.how.values()) == {"modelled"}
 
 
+def test_a_timed_one_call_step_is_predicted_at_its_trial_where_the_fit_hit_its_floor():
+  """Plain jit timed faster than the fusion's floor lets the model price it (the factor held
+  at ``FUSION_FLOOR``): its time in the choice is still its trial's plus the host's time
+  outside the step, labelled measured, and it is chosen over a slower pipeline by it."""
+  g, cluster = chain(2e-3), cpu_cluster(2, 8 * 2**30)
+  h = host(1e-4, 2.0, outside=2e-4)
+  cands = candidates(g)
+  B = g.graph["batch_size"]
+  at = cp.Predictor(lg.scaled(g, B), cluster)
+  fast = 1e-5
+  fitted = cp.calibrate_fusion(at, cp.MachineCalibration(h), cp.Timed(cands["plain jit"], fast))
+  modelled = at.seconds(cands["plain jit"], fitted)
+  assert modelled > 2 * (fast + 2e-4)  # the floor held: the model cannot reach the trial
+  c = cp.choose(cands, lg.scaled(g, B), cluster, fitted, {"plain jit": fast})
+  assert c.how["plain jit"] == "measured"
+  assert c.predicted["plain jit"] == pytest.approx(fast + 2e-4, rel=1e-9)
+  assert c.how["pipeline"] == "modelled" and c.name == "plain jit"
+
+
 @pytest.fixture(scope="module")
 def dag():
   tx = optax.adam(1e-2)

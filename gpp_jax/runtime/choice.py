@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -616,12 +615,6 @@ def checked_by_trial(
   )
 
 
-# A candidate's prediction counts as its trial's where the two agree to this (relative): the
-# fits (``calibrate_fusion``, ``calibrate_spmd``) solve for it exactly, and miss it only where
-# a floor held the factor (the prediction is then the model's, calibrated).
-SAME_AS_TRIAL = 1e-3
-
-
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """What ``choose`` decided.
@@ -631,8 +624,8 @@ class Choice:
     predicted: seconds per step of each candidate that fits the memory budget (the
       ``"pipeline"`` always), as compared.
     how: per name of ``predicted``, where its time comes from: ``"measured"`` where it is a
-      timing trial's of that very candidate (the fits make a timed one-call step's
-      prediction its measurement plus the host's time outside the step; gradient
+      timing trial's of that very candidate (with the host's costs, a timed one-call step's
+      prediction is its measurement plus the host's time outside the step; gradient
       accumulation measured faster than its one-call step is that step's measured time
       scaled by the two measurements), ``"modelled"`` where it is the cost model's
       (simulator's) prediction, calibrated or not, whether or not the candidate was timed
@@ -683,9 +676,9 @@ def choose(
   docs/results/fidelity.md): it is then predicted at the one-call step's prediction times the
   ratio of the two measurements.
 
-  Each time is labelled (``Choice.how``): measured where it is the candidate's own trial's
-  (``measured``, plus the host's time outside the step, which the fits add), else
-  modelled."""
+  With the host's costs, a one-call step that was timed is predicted at its trial
+  (``measured``) plus the host's time outside the step, labelled measured (``Choice.how``);
+  every other time is modelled."""
   predicted = {}
   for name, p in candidates.items():
     seconds, fits = predict_seconds(p, graph, cluster, host)
@@ -700,15 +693,17 @@ def choose(
     if k in predicted:
       in_one_call.setdefault(one_stage_width(candidates[k]), k)
   timed = measured or {}
-  outside = host.outside if host is not None else 0.0
-  how: dict[str, How] = {
-    k: MEASURED
-    if host is not None
-    and k in timed
-    and math.isclose(t, timed[k] + outside, rel_tol=SAME_AS_TRIAL)
-    else MODELLED
-    for k, t in predicted.items()
-  }
+  how: dict[str, How] = dict.fromkeys(predicted, MODELLED)
+  if host is not None:
+    # A one-call step that was timed is predicted at its trial's time plus the host's outside
+    # the step. The fits solve for that, except where a floor held the factor (tiny steps, on
+    # which the calibrated model then prices plain jit above its trial); the trial times the
+    # very step.
+    for k in predicted:
+      p = candidates[k]
+      if k in timed and p.num_stages == 1 and p.num_microbatches <= 1:
+        predicted[k] = timed[k] + host.outside
+        how[k] = MEASURED
   choosable = []
   for k in predicted:
     p = candidates[k]
