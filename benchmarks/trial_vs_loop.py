@@ -11,7 +11,8 @@ first. Printed per model: the chosen candidate, whether its time is measured (a 
 trial) or modelled (the cost model, calibrated), the time it was chosen by, the trial's own
 seconds (``Planned.measured``), the host's time outside the step that the prediction adds
 (``HostCosts.outside``: measured on the step's own path, ``cached_partial``'s), the loop's
-measured step time, the prediction's error against it, and for comparison the decorated
+measured step time (and the range of its logged intervals' own step times: how far the loop
+moves by itself), the prediction's error against it, and for comparison the decorated
 call's time outside the step on the same objects (``GraphPipeline.seconds_outside``);
 once per ``--round_calls`` (the trials' runs issued back to back per round, 1 being each
 run waited for). Every row runs in a process of its own; ``--repeats`` runs each
@@ -80,7 +81,8 @@ def child(cfg: dict) -> dict:
       now = time.perf_counter()
       intervals.append((now - t) / n)
       t, n = now, 0
-  loop = statistics.median(intervals[1:] or intervals)
+  steady = intervals[1:] or intervals
+  loop = statistics.median(steady)
   # The decorated call's time outside the program on the same objects, for comparison (the
   # loop calls ``cached_partial``, whose path the prediction was made with).
   from gpp_jax.runtime.capture_step import functionalize
@@ -97,6 +99,7 @@ def child(cfg: dict) -> dict:
     "outside_ms": (planned.host.outside if planned.host is not None else 0.0) * 1e3,
     "decorated_outside_ms": pp.seconds_outside(full, pure, leaves) * 1e3,
     "loop_ms": loop * 1e3,
+    "loop_range_ms": [min(steady) * 1e3, max(steady) * 1e3],
   }
 
 
@@ -112,6 +115,7 @@ def main(argv):
   print(
     f"{'model':11s} {'round':>5s} {'chosen':26s} {'how':9s} {'predicted':>9s} {'trial':>7s}"
     f" {'outside':>8s} {'loop':>7s} {'error':>7s} {'decorated outside':>17s}"
+    f" {'loop intervals':>15s}"
   )
   for model in FLAGS.models:
     for calls in FLAGS.round_calls:
@@ -154,7 +158,8 @@ def _row(model: str, calls: str) -> float | None:
   print(
     f"{model:11s} {calls:>5s} {r['chosen']:26s} {r['how']:9s} {r['predicted_ms']:8.2f}ms"
     f" {r['trial_ms']:6.2f}ms {r['outside_ms']:7.2f}ms {r['loop_ms']:6.2f}ms {err:+7.0%}"
-    f" {r['decorated_outside_ms']:15.2f}ms",
+    f" {r['decorated_outside_ms']:15.2f}ms"
+    f" {r['loop_range_ms'][0]:6.2f}-{r['loop_range_ms'][1]:.2f}ms",
     flush=True,
   )
   return err
