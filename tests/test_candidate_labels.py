@@ -116,6 +116,21 @@ def test_a_timed_one_call_step_is_predicted_at_its_trial_where_the_fit_hit_its_f
   assert c.how["pipeline"] == "modelled" and c.name == "plain jit"
 
 
+def test_a_tie_goes_to_the_pipeline_then_to_a_measured_time():
+  """Predictions within ``TIE`` of the fastest are a tie: a modelled time a few bits under a
+  measured one does not take the step from it, and the planner's plan wins any tie."""
+  from gpp_jax.runtime.choice import fastest
+
+  t = 0.0102
+  under = t * (1 - 1e-15)
+  how = {"jit data parallel": "measured", "jit fsdp": "modelled", "pipeline": "modelled"}
+  names = ["jit data parallel", "jit fsdp"]
+  assert fastest(names, {"jit data parallel": t, "jit fsdp": under}, how) == "jit data parallel"
+  assert fastest(names, {"jit data parallel": t, "jit fsdp": 0.99 * t}, how) == "jit fsdp"
+  both = {"jit data parallel": t, "jit fsdp": under, "pipeline": t * (1 + 1e-12)}
+  assert fastest([*names, "pipeline"], both, how) == "pipeline"
+
+
 @pytest.fixture(scope="module")
 def dag():
   tx = optax.adam(1e-2)

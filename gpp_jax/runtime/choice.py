@@ -662,7 +662,8 @@ def choose(
   time comes from (``Choice``), over ``graph`` (scaled to the batch) on ``cluster`` with the
   host's costs (``predict_seconds``).
   Candidates whose predicted memory does not fit are left out, except ``"pipeline"`` (the
-  planner's own plan, which fits by construction or was asked for); on a tie it wins.
+  planner's own plan, which fits by construction or was asked for); on a tie (``TIE``) it
+  wins, then a measured time over a modelled one.
 
   Gradient accumulation (one stage, several micro-batches) is the one-call step's
   computation in pieces: it saves memory, mostly not time (the loop measured 1.3-2.6x plain
@@ -714,8 +715,21 @@ def choose(
       predicted[k] = predicted[base] * timed[k] / timed[base]
       how[k] = how[base]  # the one-call step's time, scaled by the two trials
       choosable.append(k)  # measured faster than the one-call step
-  name = min(choosable, key=lambda k: (predicted[k], k != "pipeline"))
-  return Choice(name, predicted, how)
+  return Choice(fastest(choosable, predicted, how), predicted, how)
+
+
+def fastest(names: Sequence[str], predicted: Mapping[str, float], how: Mapping[str, How]) -> str:
+  """The name of ``names`` predicted fastest; among those tied with it (``TIE``) the
+  planner's plan (``"pipeline"``), then a measured time over a modelled one."""
+  best = min(predicted[k] for k in names)
+  tied = [k for k in names if predicted[k] <= best * (1 + TIE)]
+  return min(tied, key=lambda k: (k != "pipeline", how[k] != MEASURED, predicted[k]))
+
+
+# Predictions this close (relative) are a tie, which the planner's plan wins, then a measured
+# time over a modelled one: a baseline's trial and another's fitted model of the same step
+# differ in the last bits, and which of them is smaller should not decide the step.
+TIE = 1e-9
 
 
 def baseline_plans(
