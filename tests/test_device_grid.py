@@ -141,3 +141,26 @@ def test_sizes_the_grid_leaves_out_are_searched_in_slots_they_allow(monkeypatch)
   monkeypatch.setattr(search, "finer_for_missed_sizes", lambda *a: [])
   coarse = PLANNERS["graphpipe"](g, cluster, B)
   assert plan.predicted["iteration_time"] <= coarse.predicted["iteration_time"]
+
+
+def test_a_fixed_micro_batch_the_grid_leaves_out_is_halved_only_so_far(monkeypatch):
+  """The micro-batch fixed at 3 samples: no degree of 3 (1 or 3 devices a stage) is a multiple
+  of the grid's slots (4 on 96 devices, 8 on 192), nor of their halves. The grid is halved
+  while the DP stays within four grids' worth of slots: on 96 devices down to single devices
+  (one DP of 96 slots); on 192 not (it would be 192 slots; at 630 virtual devices such a DP
+  took 68 s for the one size), and the size is searched in slots of 3 (64)."""
+  from gpp_jax.passes.partition.graphpipe import search
+
+  slots: list[int] = []
+  run = search.DPRuns.run
+
+  def recording(self, ctx, cap):
+    slots.append(ctx.K)
+    return run(self, ctx, cap)
+
+  monkeypatch.setattr(search.DPRuns, "run", recording)
+  for devices, most in ((96, 96), (192, 64)):
+    slots.clear()
+    g, B = mg.chain(batch_size=3 * devices, layers=12, hidden=2048), 3 * devices
+    plan = PLANNERS["graphpipe"](g, v100_cluster(devices), B, num_microbatches=devices)
+    assert plan.num_microbatches == devices and set(slots) == {most}, (devices, slots)

@@ -414,8 +414,18 @@ def finer_grid_may_plan(runs: DPRuns, sizes: Sequence[int]) -> bool:
   p, u = runs.problem, runs.unit
   if u <= 1:
     return False
-  if len(missed_degrees(runs, sizes)) == len(sizes):  # the sizes are distinct
-    return True
+  missed = missed_degrees(runs, sizes)
+  if len(missed) == len(sizes):  # the sizes are distinct
+    # Halved while the DP stays within HALVED_SLOTS grids' worth of slots; beyond that,
+    # ``finer_for_missed_sizes`` searches each size in slots of one of its own degrees
+    # (halving down to single devices made a DP of 630 slots: 68 s for one size).
+    grid = runs.opts.device_grid or p.num_devices
+    if p.num_devices // (u // 2) <= HALVED_SLOTS * grid:
+      return True
+    if any(
+      all(p.num_devices // d > MISSED_SIZE_SLOTS * grid for d in ds) for ds in missed.values()
+    ):
+      return True
   stages, held = 1, 0.0
   for x in p.cost_model.static_memory(p.costs.held_param_bytes):
     if held > 0 and held + x > p.memory_limit:
@@ -464,6 +474,7 @@ def finer_for_missed_sizes(
 
 
 MISSED_SIZE_SLOTS = 2  # a size the grid left out is searched in at most this many grids' slots
+HALVED_SLOTS = 4  # where every size is left out, the grid is halved up to this many grids' slots
 
 
 def no_replication(runs: DPRuns, cands: Candidates) -> None:
