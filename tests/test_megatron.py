@@ -247,3 +247,24 @@ def test_fsdp_gathers_half_precision_weights_layer_by_layer_behind_the_compute()
     )
   # At one sequence a GPU the gathers set the pace: the forward is about their sum.
   assert pc.forward[0] == pytest.approx(sum(comm), rel=0.05)
+
+
+def test_the_reproduction_plans_graphpipe_as_the_plan_cli_does_by_default(monkeypatch):
+  """GraphPipe's own plan in the reproduction is planned as ``gpp_jax.plan`` plans on GPUs
+  when ``--stages_per_device`` is not given (``"auto"``: v by prediction), and its row says
+  which v it took."""
+  from gpp_jax.experiments import published
+  from gpp_jax.passes import partition
+
+  asked = []
+  planner = partition.PLANNERS["graphpipe"]
+
+  def recording(*args, **kw):
+    asked.append(kw.get("stages_per_device"))
+    return planner(*args, **kw)
+
+  monkeypatch.setitem(partition.PLANNERS, "graphpipe", recording)
+  (rec,) = published.compare((TABLE_1[0],))
+  assert asked == ["auto"]
+  assert rec["graphpipe_stages_per_device"] == 1 and rec["graphpipe_tflops"] > 0
+  assert "1 stage on 32 rows, v 1, M 1" in published.markdown([rec])

@@ -56,17 +56,21 @@ def graphpipe_own(
   row: Row,
   cluster: str = "a100",
   num_microbatches: int | None = None,
-  stages_per_device: int = 1,
+  stages_per_device: int | str | None = None,
 ) -> dict[str, Any]:
   """GraphPipe's own plan for ``row`` on the paper's tensor-parallel size (it chooses the
   stages, their rows and the micro-batches; ``num_microbatches`` fixes their number instead
-  of its sweep; ``stages_per_device`` above 1 lets that many stages share a row): teraFLOP/s
-  per GPU, stages, micro-batches, rows used, how its stages share rows and its search
-  seconds, or the reason it found none."""
+  of its sweep; ``stages_per_device``: how many stages may share a row, by default what
+  ``gpp_jax.plan`` asks on the cluster, ``shared.default_stages_per_device``: ``"auto"`` on
+  GPUs, v chosen by prediction): teraFLOP/s per GPU, stages, micro-batches, stages per row,
+  rows used, how its stages share rows and its search seconds, or the reason it found none."""
   from gpp_jax.cost.cluster import make_cluster
   from gpp_jax.passes.partition import PLANNERS
+  from gpp_jax.passes.partition.shared import default_stages_per_device
 
   rows = row_cluster(make_cluster(cluster, row.gpus), row.tp)
+  if stages_per_device is None:
+    stages_per_device = default_stages_per_device(rows)
   graph = gpt_graph(row.shape, row.batch, row.tp)
   t0 = time.perf_counter()
   try:
@@ -88,6 +92,7 @@ def graphpipe_own(
     "iteration_ms": T * 1e3,
     "stages": plan.num_stages,
     "microbatches": plan.num_microbatches,
+    "stages_per_device": plan.stages_per_device,
     "rows_used": len({d for s in plan.stages for d in s.devices}),
     "rows": rows.num_devices,
     "most_layers": max(sum(l.startswith("layer") for l in s.layers) for s in plan.stages),
@@ -258,8 +263,8 @@ def _own(r: dict[str, Any], prefix: str = "graphpipe_") -> str:
   if ratio is not None:
     return (
       f"{r[f'{prefix}tflops']:.1f} ({ratio:.2f}x; {counted(r[f'{prefix}stages'], 'stage')} on "
-      f"{r[f'{prefix}rows_used']} rows, M {r[f'{prefix}microbatches']}; "
-      f"{r[f'{prefix}seconds']:.1f} s)"
+      f"{r[f'{prefix}rows_used']} rows, v {r[f'{prefix}stages_per_device']}, M "
+      f"{r[f'{prefix}microbatches']}; {r[f'{prefix}seconds']:.1f} s)"
     )
   if f"{prefix}error" in r:
     return f"none: {r[f'{prefix}error']}"
@@ -324,8 +329,11 @@ def shortfall_text(records: Sequence[dict[str, Any]]) -> list[str]:
       + ", ".join(f"{r['params_b']}B" for r in inter)
       + " (Megatron's interleaved schedule: each pipeline rank runs two stages of half the "
       f"layers, so the pipeline fills and drains in half the time): {gain} over its own v = 1. "
-      "GraphPipe's plans keep one stage per device unless asked; with `stages_per_device=2` "
-      "(second GraphPipe column) "
+      "GraphPipe's own plan there: "
+      + ", ".join(
+        f"{r['params_b']}B v = {r.get('graphpipe_stages_per_device', '-')}" for r in inter
+      )
+      + "; with `stages_per_device=2` (second GraphPipe column) "
       + "; ".join(
         f"{r['params_b']}B: {_ratio(r, 'graphpipe_v2_'):.2f}x in "
         f"{r['graphpipe_v2_seconds']:.1f} s ({r['graphpipe_v2_shared_devices']})"
@@ -346,43 +354,59 @@ def markdown(records: Sequence[dict[str, Any]]) -> str:
     "paper's (TP, PP as published, DP the rest, micro-batches of one sequence); v is the "
     "number of stages per device of the interleaved schedule, the fastest of 1, 2, 4. Rows "
     "marked * are the four the GPU efficiency model's level was set on. GraphPipe's own plan: "
-    "its search on the paper's tensor-parallel size (stages, their rows and the micro-batches "
-    "its own), modelled the same way: TFLOP/s per GPU, and its throughput over the layout's "
-    f"(x). Where that is below {DIAGNOSE_BELOW}x, GraphPipe's plan with two stages per device "
+    "its search on the paper's tensor-parallel size (stages, their rows, the micro-batches and "
+    "the stages per row v its own, as `gpp_jax.plan` plans on GPUs by default: v of 1, 2 or 4 "
+    'by prediction, `stages_per_device="auto"`), modelled the same way: TFLOP/s per GPU, and '
+    "its throughput over the layout's (x), with its search seconds. Where that is below "
+    f"{DIAGNOSE_BELOW}x, GraphPipe's plan with two stages per device "
     "(`stages_per_device=2`, its own micro-batches), and its search with the layout's number "
     "of micro-batches M given (a diagnosis, not its own plan).",
     "",
-    "| params | GPUs | batch | layout | v | M | iteration s | published TFLOP/s | "
-    "predicted TFLOP/s | error | plan s | GraphPipe's own plan, modelled | "
-    "GraphPipe, 2 stages per device, modelled | GraphPipe at the layout's M, modelled |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
+  # The diagnosis columns only where some row has them.
+  diagnosed = any("graphpipe_v2_seconds" in r or "graphpipe_at_m_seconds" in r for r in records)
+  head = (
+    "| params | GPUs | batch | layout | v | M | iteration s | published TFLOP/s | "
+    "predicted TFLOP/s | error | plan s | GraphPipe's own plan, modelled |"
+  )
+  if diagnosed:
+    head += " GraphPipe, 2 stages per device, modelled | GraphPipe at the layout's M, modelled |"
+  lines += [head, "|---" * (14 if diagnosed else 12) + "|"]
   for r in records:
     star = "*" if r["fitted_on"] else ""
-    lines.append(
+    row = (
       f"| {r['params_b']}B{star} | {r['gpus']} | {r['batch']} | {r['layout']} | "
       f"{r['stages_per_device']} | {r['num_microbatches']} | {r['iteration_ms'] / 1e3:.2f} | "
       f"{r['published_tflops']:.0f} | {r['tflops_per_device']:.1f} | {r['error'] * 100:+.1f}% | "
-      f"{r['seconds']:.1f} | {_own(r)} | {_own(r, 'graphpipe_v2_')} | "
-      f"{_own(r, 'graphpipe_at_m_')} |"
+      f"{r['seconds']:.1f} | {_own(r)} |"
     )
+    if diagnosed:
+      row += f" {_own(r, 'graphpipe_v2_')} | {_own(r, 'graphpipe_at_m_')} |"
+    lines.append(row)
   worst = max(abs(r["error"]) for r in records)
   lines += ["", f"Largest error: {worst * 100:.1f}% over {len(records)} rows."]
   if any("graphpipe_seconds" in r for r in records):
     ratios = [x for x in map(_ratio, records) if x is not None]
-    best = [max(_ratio(r) or 0.0, _ratio(r, "graphpipe_v2_") or 0.0) for r in records]
-    slowest = max(
-      r.get("graphpipe_seconds", 0.0) + r.get("graphpipe_v2_seconds", 0.0) for r in records
-    )
+    slowest = max(r.get("graphpipe_seconds", 0.0) for r in records)
+    shared = [r for r in records if r.get("graphpipe_stages_per_device", 1) > 1]
     lines += [
       "",
       f"GraphPipe's own plan over the layout: {min(ratios):.2f}x to {max(ratios):.2f}x "
-      f"(plans for {len(ratios)} of {len(records)} rows). The better of its plans with one "
-      f"and with two stages per device: {min(best):.2f}x to {max(best):.2f}x, at most "
-      f"{slowest:.1f} s of search a row (both searches).",
-      "",
-      *shortfall_text(records),
+      f"(plans for {len(ratios)} of {len(records)} rows), at most {slowest:.1f} s of search "
+      "a row; with several stages per row at "
+      + (
+        ", ".join(f"{r['params_b']}B (v = {r['graphpipe_stages_per_device']})" for r in shared)
+        or "no row"
+      )
+      + ".",
     ]
+    if any("graphpipe_v2_seconds" in r for r in records):
+      best = [max(_ratio(r) or 0.0, _ratio(r, "graphpipe_v2_") or 0.0) for r in records]
+      lines[-1] += (
+        f" The better of it and its plan with two stages per device: {min(best):.2f}x to "
+        f"{max(best):.2f}x."
+      )
+    lines += ["", *shortfall_text(records)]
   return "\n".join(lines) + "\n"
 
 
