@@ -294,8 +294,9 @@ class DPRuns:
       p.cluster.memory_per_device,
     ):
       return None
+    # The ranges' bytes alone (no per-degree times: ``chain_fits`` reads none).
     if self.chain and not chain_fits(
-      RangeCosts(p.costs, p.cost_model, p.cluster, ctx.b, p.batch_size, ctx.dps), ctx.dps, 1e-9
+      RangeCosts(p.costs, p.cost_model, p.cluster, ctx.b, p.batch_size, []), ctx.dps, 1e-9
     ):
       return None
     self.runs += 1
@@ -422,9 +423,7 @@ def finer_grid_may_plan(runs: DPRuns, sizes: Sequence[int]) -> bool:
     grid = runs.opts.device_grid or p.num_devices
     if p.num_devices // (u // 2) <= HALVED_SLOTS * grid:
       return True
-    if any(
-      all(p.num_devices // d > MISSED_SIZE_SLOTS * grid for d in ds) for ds in missed.values()
-    ):
+    if any(missed_size_unit(ds, p.num_devices, grid) is None for ds in missed.values()):
       return True
   stages, held = 1, 0.0
   for x in p.cost_model.static_memory(p.costs.held_param_bytes):
@@ -460,9 +459,9 @@ def finer_for_missed_sizes(
     return []
   by_unit: dict[int, list[int]] = {}
   for b, degrees in missed_degrees(runs, sizes).items():
-    fits = [d for d in degrees if p.num_devices // d <= MISSED_SIZE_SLOTS * opts.device_grid]
-    if fits:
-      by_unit.setdefault(min(fits), []).append(b)
+    slot = missed_size_unit(degrees, p.num_devices, opts.device_grid)
+    if slot is not None:
+      by_unit.setdefault(slot, []).append(b)
   unit, out = runs.unit, []
   try:
     for u in sorted(by_unit, reverse=True):
@@ -471,6 +470,14 @@ def finer_for_missed_sizes(
   finally:
     runs.unit = unit
   return out
+
+
+def missed_size_unit(degrees: Sequence[int], num_devices: int, grid: int) -> int | None:
+  """The device unit ``finer_for_missed_sizes`` searches a size the grid left out in: the
+  smallest of its data-parallel ``degrees`` that keeps the DP within ``MISSED_SIZE_SLOTS``
+  grids' worth of slots; None where none does."""
+  fits = [d for d in degrees if num_devices // d <= MISSED_SIZE_SLOTS * grid]
+  return min(fits) if fits else None
 
 
 MISSED_SIZE_SLOTS = 2  # a size the grid left out is searched in at most this many grids' slots
