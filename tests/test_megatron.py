@@ -249,6 +249,42 @@ def test_fsdp_gathers_half_precision_weights_layer_by_layer_behind_the_compute()
   assert pc.forward[0] == pytest.approx(sum(comm), rel=0.05)
 
 
+def test_zero3_with_recomputation_gathers_each_layer_twice_in_the_backward():
+  """DeepSpeed's ZeRO-3 hooks gather a layer for its recomputed forward and again for its
+  backward (``fsdp_backward_gathers=2``); one gather serves both by default. Where the
+  gathers set the pace (a sequence a GPU) the backward is about three collectives a layer
+  instead of two; where the compute is about as long (four a GPU) it hides most of it."""
+  import dataclasses
+
+  from gpp_jax.cost.cost_model import CostModel, fsdp_gathered_bytes, fsdp_stage_times, layer_costs
+  from gpp_jax.experiments.megatron import MEGATRON_COST_MODEL as cm
+  from gpp_jax.experiments.published import ZERO3_COST_MODEL as z3
+
+  assert z3 == dataclasses.replace(cm, fsdp_backward_gathers=2)
+  with pytest.raises(ValueError, match="fsdp_backward_gathers"):
+    CostModel(fsdp_backward_gathers=3)
+  g = gpt_graph(GPTShape(8, 12288, 96), 1536)
+  costs = layer_costs(g)
+  idx = list(range(len(costs)))
+  for gpus, mb in ((1536, 1), (384, 4)):
+    cluster = make_cluster("a100", gpus)
+    link = cluster.group_link(tuple(range(gpus)))
+    comm = sum(cm.allgather_time(float(b), gpus, link) for b in fsdp_gathered_bytes(costs, idx))
+    _, tb = cm.layer_times(costs, cluster.device, mb)
+    once = fsdp_stage_times(cm, costs, cluster.device, idx, mb, gpus, link)
+    twice = fsdp_stage_times(z3, costs, cluster.device, idx, mb, gpus, link)
+    assert twice[0] == once[0]  # the forward gathers once either way
+    assert max(float(tb.sum()), 3 * comm) <= twice[1] * (1 + 1e-9)
+    assert twice[1] <= (float(tb.sum()) + 3 * comm) * (1 + 1e-9)
+    serial = fsdp_stage_times(z3, costs, cluster.device, idx, mb, gpus, link, overlap=False)
+    assert serial[1] == pytest.approx(float(tb.sum()) + 3 * comm)
+    if mb == 1:
+      assert once[1] == pytest.approx(2 * comm, rel=0.1)
+      assert twice[1] == pytest.approx(3 * comm, rel=0.1)
+    else:  # the compute about as long as three collectives: the second gather mostly hidden
+      assert once[1] < twice[1] < 1.1 * once[1]
+
+
 def test_the_reproduction_plans_graphpipe_as_the_plan_cli_does_by_default(monkeypatch):
   """GraphPipe's own plan in the reproduction is planned as ``gpp_jax.plan`` plans on GPUs
   when ``--stages_per_device`` is not given (``"auto"``: v by prediction), and its row says

@@ -76,6 +76,11 @@ class CostModel:
     update_traffic: parameter-sized arrays the optimizer update reads and writes.
     tps_formula: how planners combine a stage's compute and its transfers into a time per
       sample: "sum" (no overlap, conservative, as PipeDream's planner) or "max" (full overlap).
+    fsdp_backward_gathers: how many times an FSDP (ZeRO-3) backward all-gathers a layer's
+      parameters: 1 where one gather serves the recomputed forward and the backward (XLA's,
+      the gather inside a ``jax.checkpoint``'d layer), 2 where the recomputation gathers
+      them for itself and releases them before the backward gathers them again (DeepSpeed's
+      ZeRO-3 hooks with activation checkpointing: ``fsdp_stage_times``).
   """
 
   gradient_factor: float = 1.0
@@ -83,10 +88,13 @@ class CostModel:
   backward_factor: float = 2.0
   update_traffic: float = 7.0
   tps_formula: str = "sum"
+  fsdp_backward_gathers: int = 1
 
   def __post_init__(self):
     if self.tps_formula not in ("sum", "max"):
       raise ValueError(f"tps_formula must be 'sum' or 'max', got {self.tps_formula!r}")
+    if self.fsdp_backward_gathers not in (1, 2):
+      raise ValueError(f"fsdp_backward_gathers must be 1 or 2, got {self.fsdp_backward_gathers!r}")
 
   # -- per-layer and per-stage times -------------------------------------------------------
   def layer_times(

@@ -44,7 +44,9 @@ def fsdp_stage_times(
   topological order, reversed for the backward) compute one after another while the link
   all-gathers each layer's parameters (``fsdp_gathered_bytes``) ahead of it, one layer
   prefetched, and in the backward reduce-scatters each layer's gradients once it has run
-  (``overlapped_time``). The first gather and the last reduce-scatter are exposed; where the
+  (``overlapped_time``). The backward gathers each layer ``cm.fsdp_backward_gathers`` times
+  (twice where its recomputed forward gathers and releases the parameters before the backward
+  gathers them again). The first gather and the last reduce-scatter are exposed; where the
   gathers are slower than the compute, they set the pace. ``overlap=False``: nothing hidden,
   every gather and reduce-scatter added to the compute (a bound)."""
   order = sorted(int(i) for i in idx)
@@ -53,9 +55,11 @@ def fsdp_stage_times(
   comm = [cm.allgather_time(float(b), dp, link) for b in gathered]
   fc = [float(tf[i]) for i in order]
   bc = [float(tb[i]) for i in order[::-1]]
+  gathers = cm.fsdp_backward_gathers
   if not overlap:
-    return sum(fc) + sum(comm), sum(bc) + 2 * sum(comm)
-  return overlapped_time(fc, comm), overlapped_time(bc, comm[::-1], comm[::-1])
+    return sum(fc) + sum(comm), sum(bc) + (gathers + 1) * sum(comm)
+  back = comm[::-1]
+  return overlapped_time(fc, comm), overlapped_time(bc, [gathers * c for c in back], back)
 
 
 def overlapped_time(
