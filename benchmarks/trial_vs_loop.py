@@ -18,6 +18,13 @@ once per ``--round_calls`` (the trials' runs issued back to back per round, 1 be
 run waited for). Every row runs in a process of its own; ``--repeats`` runs each
 (model, round) that many times, and a last line per pair gives the median of its errors
 (sub-millisecond steps on shared cores move between processes: one run does not settle 10%).
+
+Then, in the same process, the chosen step's timing trial (``build.time_step``, as the plan
+choice ran it, plus the same outside time) and a window of ``--log_every`` loop steps
+alternate ``--alternations`` times: each trial is compared with the loop window right after
+it, so that what the trial times is set against the loop on the same machine state, apart
+from the drift between planning and training. Printed per row: the median of those errors,
+their range and how many are within 10%.
 """
 
 import json
@@ -42,6 +49,9 @@ flags.DEFINE_list(
   ["16"],
   "trials timed with up to each of these many runs issued back to back per round "
   "(runtime.build.ROUND_CALLS; 1: each run waited for), one row each",
+)
+flags.DEFINE_integer(
+  "alternations", 5, "trial / loop-window pairs timed after the loop in the same process"
 )
 flags.DEFINE_integer("repeats", 1, "processes per (model, round); the median error is printed")
 flags.DEFINE_string("child", None, "internal: run one model and print its record as JSON")
@@ -83,10 +93,23 @@ def child(cfg: dict) -> dict:
       t, n = now, 0
   steady = intervals[1:] or intervals
   loop = statistics.median(steady)
-  # The decorated call's time outside the program on the same objects, for comparison (the
-  # loop calls ``cached_partial``, whose path the prediction was made with).
+  # The chosen step's trial and a loop window, alternated: each trial against the loop
+  # window right after it.
   from gpp_jax.runtime.capture_step import functionalize
 
+  outside = planned.host.outside if planned.host is not None else 0.0
+  pairs = []
+  for _ in range(cfg["alternations"]):
+    _, now_leaves = functionalize(run.train_step, (run.model, run.optimizer, data[0]))
+    trial = build.time_step(pp.compiled, now_leaves, outside=outside) + outside
+    jax.block_until_ready(train(data[0]))
+    t = time.perf_counter()
+    for step in range(cfg["log_every"]):
+      loss = train(data[step % len(data)])
+    jax.block_until_ready(loss)
+    pairs.append((trial * 1e3, (time.perf_counter() - t) / cfg["log_every"] * 1e3))
+  # The decorated call's time outside the program on the same objects, for comparison (the
+  # loop calls ``cached_partial``, whose path the prediction was made with).
   full = (run.model, run.optimizer, data[0])
   pure, leaves = functionalize(run.train_step, full)
   return {
@@ -100,6 +123,7 @@ def child(cfg: dict) -> dict:
     "decorated_outside_ms": pp.seconds_outside(full, pure, leaves) * 1e3,
     "loop_ms": loop * 1e3,
     "loop_range_ms": [min(steady) * 1e3, max(steady) * 1e3],
+    "alternated_ms": pairs,
   }
 
 
@@ -141,6 +165,7 @@ def _row(model: str, calls: str) -> float | None:
     "num_microbatches": FLAGS.num_microbatches,
     "steps": FLAGS.steps,
     "log_every": FLAGS.log_every,
+    "alternations": FLAGS.alternations,
   }
   out = subprocess.run(
     [sys.executable, __file__, f"--child={json.dumps(cfg)}"],
@@ -162,6 +187,15 @@ def _row(model: str, calls: str) -> float | None:
     f" {r['loop_range_ms'][0]:6.2f}-{r['loop_range_ms'][1]:.2f}ms",
     flush=True,
   )
+  alt = [trial / loop - 1 for trial, loop in r["alternated_ms"]]
+  if alt:
+    near = sum(abs(e) <= 0.10 for e in alt)
+    print(
+      f"{'':11s} {'':>5s} alternated in this process: trial against the next loop window "
+      f"{statistics.median(alt):+.0%} median ({min(alt):+.0%} to {max(alt):+.0%}), "
+      f"{near} of {len(alt)} within 10%",
+      flush=True,
+    )
   return err
 
 
