@@ -143,6 +143,45 @@ def test_plan_cli_layout_writes_the_records(tmp_path):
   assert "Traceback" not in bad.stderr
 
 
+def test_a_gpt_shape_whose_heads_do_not_split_its_width_is_refused():
+  with pytest.raises(
+    ValueError, match=r"hidden size 2304 cannot have 25 attention heads.*24 or 32"
+  ):
+    GPTShape(24, 2304, 25)
+  with pytest.raises(ValueError, match="at least 1: layers=0"):
+    GPTShape(0, 2304, 24)
+  assert GPTShape(24, 2304, 24).heads == 24
+
+
+def test_plan_cli_plans_a_gpt_of_the_given_shape_over_rows_of_a_node(tmp_path):
+  """``--model=gpt`` with the GPT's shape and neither ``--mesh`` nor ``--layout``: the
+  planners plan that GPT (not the synthetic one of ``--shape``) over rows of a node's GPUs,
+  and say so; a shape that cannot be is refused before planning, without a traceback."""
+  out = tmp_path / "gpt.json"
+  args = [
+    "--model=gpt",
+    "--gpt_layers=24",
+    "--gpt_hidden=2304",
+    "--gpt_heads=24",
+    "--seq_len=2048",
+    "--vocab_size=51200",
+    "--batch_size=512",
+    "--cluster=a100",
+    "--num_devices=32",
+    "--planner=graphpipe",
+    f"--json={out}",
+  ]
+  proc = _plan_cli(args)
+  assert proc.returncode == 0, proc.stderr
+  assert "--mesh not given: the GPT is planned over --mesh=data:4,model:8" in proc.stdout
+  (r,) = json.loads(out.read_text())
+  assert r["planner"] == "graphpipe" and r["mesh"] == "data:4,model:8"
+  assert r["costs"] == "traced from gpp_jax.models.gpt" and r["tflops_per_device"] > 100
+  bad = _plan_cli([a.replace("heads=24", "heads=25") for a in args])
+  assert bad.returncode != 0 and "cannot have 25 attention heads" in bad.stderr
+  assert "Traceback" not in bad.stderr and "--mesh not given" not in bad.stdout
+
+
 @pytest.mark.slow
 def test_plan_cli_mesh_lets_the_planners_choose_the_stages(tmp_path):
   """``--mesh=data:R,model:t``: the planners choose stages over the R rows, each tensor

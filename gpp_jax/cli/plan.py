@@ -19,6 +19,11 @@ small widths);
 ``--shape=branches=16`` overrides a shape argument. The mini-batch defaults to
 ``planner_runs.PER_DEVICE_BATCH[model]`` samples per device.
 
+A GPT of any size (``--model=gpt`` with ``--gpt_layers``, ``--gpt_hidden``, ``--gpt_heads``,
+``--seq_len``, ``--vocab_size``, ``--batch_size``) is priced as Megatron-LM runs it
+(``experiments.megatron``): ``--layout=tp:8,pp:8`` simulates that layout; otherwise the
+planners choose its stages over ``--mesh=data:R,model:t`` (by default rows of a node's GPUs).
+
 Progress (which planner runs, how far, elapsed seconds) goes to stderr; the report to stdout.
 A bad flag value (unknown model or planner, a malformed ``--shape``, a ``--num_microbatches``
 that does not divide the mini-batch, an unwritable ``--json``) stops before planning with a
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -124,7 +130,8 @@ def define_flags() -> None:
     None,
     "--model=gpt only: the devices as a mesh, e.g. data:192,model:8: the planners choose the "
     "stages over the rows of the first axis (pipeline and data parallel), each stage tensor "
-    "parallel over the other (the model's Megatron-style specs), priced as --layout prices it",
+    "parallel over the other (the model's Megatron-style specs), priced as --layout prices it; "
+    "with the GPT's shape flags and neither --mesh nor --layout, rows of a node's GPUs",
   )
   flags.DEFINE_integer("gpt_layers", None, "--model=gpt: Transformer layers")
   flags.DEFINE_integer("gpt_hidden", None, "--model=gpt: hidden size")
@@ -446,6 +453,18 @@ def main(argv: Sequence[str]) -> None:
   if options.layout:
     layout_main(options)
     return
+  if options.model == "gpt" and not options.mesh and gives_gpt_shape(options):
+    # A GPT of the given shape: the planners search its stages, tensor parallelism inside a
+    # node and data parallelism, over rows of a node's GPUs.
+    try:
+      gpt_shape(options, "--model=gpt")
+      options = dataclasses.replace(options, mesh=default_gpt_mesh(options))
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+    print(
+      f"--mesh not given: the GPT is planned over --mesh={options.mesh} (tensor parallel "
+      "inside a node, at most its GPUs; pass --mesh or --layout to choose)\n"
+    )
   if options.mesh:
     mesh_main(options)
     return
@@ -463,6 +482,26 @@ def main(argv: Sequence[str]) -> None:
     print(f"\nwrote {options.json}")
 
 
+GPT_SHAPE_FLAGS = ("gpt_layers", "gpt_hidden", "gpt_heads", "seq_len", "vocab_size")
+
+
+def gives_gpt_shape(options: PlanOptions) -> bool:
+  """Whether any of the GPT's shape flags is given (``gpt_shape`` then needs them all)."""
+  return any(getattr(options, k) is not None for k in GPT_SHAPE_FLAGS)
+
+
+def default_gpt_mesh(options: PlanOptions) -> str:
+  """The mesh a GPT of a given shape is planned over without ``--mesh`` or ``--layout``:
+  rows of a node's GPUs (``data:N/g,model:g``, g the cluster's devices per node that divide
+  the N devices; 1 on a one-level cluster)."""
+  n = options.num_devices
+  if n < 1:
+    raise ValueError(f"--num_devices must be at least 1, got {n}")
+  per_node = make_cluster(options.cluster, n).devices_per_node or 1
+  g = math.gcd(per_node, n)
+  return f"data:{n // g},model:{g}"
+
+
 def gpt_shape(options: PlanOptions, flag: str) -> GPTShape:
   """The GPT's shape from ``options``, which also needs ``batch_size``: ValueError naming the
   missing flags, all required by ``flag``."""
@@ -470,8 +509,7 @@ def gpt_shape(options: PlanOptions, flag: str) -> GPTShape:
 
   if options.batch_size is None:
     raise ValueError(f"{flag} needs --batch_size (sequences per iteration)")
-  names = ("gpt_layers", "gpt_hidden", "gpt_heads", "seq_len", "vocab_size")
-  need = {k: getattr(options, k) for k in names}
+  need = {k: getattr(options, k) for k in GPT_SHAPE_FLAGS}
   missing = sorted(k for k, v in need.items() if v is None)
   if missing:
     pass_ = ", ".join("--" + m for m in missing)

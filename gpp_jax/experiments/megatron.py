@@ -58,6 +58,25 @@ class GPTShape:
   seq: int = SEQ_LEN
   vocab: int = VOCAB
 
+  def __post_init__(self):
+    sizes = dict(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq)
+    sizes["vocab"] = self.vocab
+    small = [f"{k}={v}" for k, v in sizes.items() if v < 1]
+    if small:
+      raise ValueError(f"a GPT's sizes must be at least 1: {', '.join(small)}")
+    if self.hidden % self.heads:
+      raise ValueError(
+        f"a GPT of hidden size {self.hidden} cannot have {self.heads} attention heads: the "
+        f"heads split the hidden size evenly (e.g. {_dividing_heads(self.hidden, self.heads)})"
+      )
+
+
+def _dividing_heads(hidden: int, heads: int) -> str:
+  """The head counts nearest ``heads`` that divide ``hidden``, for an error message."""
+  below = next(h for h in range(heads, 0, -1) if hidden % h == 0)
+  above = next((h for h in range(heads, hidden + 1) if hidden % h == 0), None)
+  return f"{below} or {above}" if above is not None and above != below else str(below)
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
