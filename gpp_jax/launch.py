@@ -1,4 +1,9 @@
-"""``python -m gpp_jax.launch``: runs `gpp_jax.cli.launch`."""
+"""Starts a local multi-process run on loopback, one process per core set or per GPU.
+
+  python -m gpp_jax.launch --num_processes=2 --devices_per_process=4 -- --model=mmt --steps=20
+
+Every flag: python -m gpp_jax.launch --helpfull (the CLI is ``gpp_jax.cli.launch``).
+"""
 
 from absl import app
 
