@@ -138,9 +138,27 @@ def test_plan_cli_layout_writes_the_records(tmp_path):
   for key in ("iteration_ms", "samples_per_s", "tflops_per_device"):
     assert isinstance(r[key], float) and r[key] > 0
   assert r["samples_per_s"] == pytest.approx(1024 / (r["iteration_ms"] / 1e3))
+  assert r["fits_memory"] is True and 0 < r["peak_memory_gib"] <= r["memory_per_gpu_gib"] == 80
+  assert "fits in a GPU's 80 GiB" in proc.stdout
   bad = _plan_cli([*args[:-2], "--layout=tp:8,zz:2"])
   assert bad.returncode != 0 and "expected tp:<int>,pp:<int>" in bad.stderr
   assert "Traceback" not in bad.stderr
+
+
+def test_a_layout_says_whether_it_fits_and_refuses_an_interleaving_it_cannot_run():
+  """The 1T row's GPT on one node in tp:8,pp:1 needs far more than a GPU holds, and says
+  so; more stages per device than a pipeline rank's layers split into is a ValueError naming
+  the fix, not an assertion."""
+  import dataclasses
+
+  big = dataclasses.replace(TABLE_1[-1], pp=1, gpus=8, batch=8)
+  r = predict_layout(big, stages_per_device=(1,))
+  assert not r["fits_memory"] and r["peak_memory_gib"] > 10 * r["memory_per_gpu_gib"]
+  assert predict_layout(TABLE_1[0])["fits_memory"]
+  with pytest.raises(ValueError, match=r"cannot run 3 stages per device: its 2 layers per"):
+    predict_layout(dataclasses.replace(TABLE_1[-1], batch=3072), stages_per_device=(3,))
+  with pytest.raises(ValueError, match="one pipeline rank does not interleave"):
+    predict_layout(big, stages_per_device=(2,))
 
 
 def test_a_gpt_shape_whose_heads_do_not_split_its_width_is_refused():

@@ -628,6 +628,16 @@ def layout_main(options: PlanOptions) -> None:
       f"{r['num_microbatches']} micro-batches; "
       f"the GPT's FLOPs and parameters {r['costs']}"
     )
+    fits = "fits" if r["fits_memory"] else "DOES NOT FIT"
+    print(
+      f"peak memory {r['peak_memory_gib']:.1f} GiB per GPU (modelled): {fits} in a GPU's "
+      f"{r['memory_per_gpu_gib']:.0f} GiB"
+      + (
+        ""
+        if r["fits_memory"]
+        else "; use more pipeline stages (pp), more GPUs or a smaller --microbatch_size"
+      )
+    )
   if options.json:
     out = [
       {k: v for k, v in r.items() if k != "plan"} | {"plan": r["plan"].to_dict()} for r in records

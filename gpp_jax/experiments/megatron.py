@@ -387,7 +387,9 @@ def predict_layout(
   micro-batches of ``microbatch`` sequences: the best of
   ``stages_per_device`` (those that divide the layers of a pipeline rank), as a record with
   ``iteration_ms``, ``samples_per_s``, ``tflops_per_device`` (the paper's FLOPs per iteration
-  / time / GPUs), ``iteration_ms_by_v`` (every v simulated) and the plan."""
+  / time / GPUs), ``iteration_ms_by_v`` (every v simulated), the modelled peak memory per GPU
+  against a GPU's (``peak_memory_gib``, ``memory_per_gpu_gib``, ``fits_memory``) and the plan.
+  ValueError where no v of ``stages_per_device`` applies."""
   from gpp_jax.passes.simulation import simulate
 
   cluster = make_cluster(cluster_name, row.gpus)
@@ -396,9 +398,18 @@ def predict_layout(
   best: dict[str, Any] | None = None
   by_v: dict[int, float] = {}
   per_rank = row.layers // row.pp
-  for v in stages_per_device:
-    if (row.pp == 1 and v > 1) or per_rank % v:
-      continue
+  usable = [v for v in stages_per_device if v == 1 or (row.pp > 1 and per_rank % v == 0)]
+  if not usable:
+    why = (
+      "one pipeline rank does not interleave"
+      if row.pp == 1
+      else f"its {per_rank} layers per pipeline rank do not split into that many"
+    )
+    raise ValueError(
+      f"tp:{row.tp},pp:{row.pp} cannot run {' or '.join(map(str, stages_per_device))} stages "
+      f"per device: {why}; pass --stages_per_device=1 or auto"
+    )
+  for v in usable:
     plan = layout_plan(graph, rows.num_devices, row.pp, microbatch, v)
     res = simulate(plan, graph, rows, cost_model=MEGATRON_COST_MODEL, timeline=False)
     T = res.iteration_time
@@ -416,11 +427,13 @@ def predict_layout(
       / row.gpus
       / 1e12,
       "peak_memory_gib": max(res.peak_memory.values(), default=0.0) / 2**30,
+      "memory_per_gpu_gib": rows.memory_per_device / 2**30,
+      "fits_memory": max(res.peak_memory.values(), default=0.0) <= rows.memory_per_device,
       "costs": graph.graph["costs"],
       "plan": plan,
     }
     if best is None or rec["iteration_ms"] < best["iteration_ms"]:
       best = rec
-  assert best is not None, f"no layout for {row}"
+  assert best is not None  # usable is not empty
   best["iteration_ms_by_v"] = by_v
   return best
