@@ -1,6 +1,7 @@
 """Megatron-LM's published GPT runs (SC'21, Table 1): the paper's formulas, the layout flag,
 the JSON records, and the simulator's predictions against the published figures."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -149,7 +150,6 @@ def test_a_layout_says_whether_it_fits_and_refuses_an_interleaving_it_cannot_run
   """The 1T row's GPT on one node in tp:8,pp:1 needs far more than a GPU holds, and says
   so; more stages per device than a pipeline rank's layers split into is a ValueError naming
   the fix, not an assertion."""
-  import dataclasses
 
   big = dataclasses.replace(TABLE_1[-1], pp=1, gpus=8, batch=8)
   r = predict_layout(big, stages_per_device=(1,))
@@ -159,6 +159,20 @@ def test_a_layout_says_whether_it_fits_and_refuses_an_interleaving_it_cannot_run
     predict_layout(dataclasses.replace(TABLE_1[-1], batch=3072), stages_per_device=(3,))
   with pytest.raises(ValueError, match="one pipeline rank does not interleave"):
     predict_layout(big, stages_per_device=(2,))
+
+
+def test_a_mesh_where_no_plan_fits_records_the_mesh_beside_the_error():
+  from gpp_jax.cli.plan import PlanOptions, default_gpt_mesh, plan_mesh
+
+  big = PlanOptions(
+    model="gpt", cluster="a100", num_devices=64, planners=("graphpipe",), batch_size=64,
+    gpt_layers=128, gpt_hidden=25600, gpt_heads=160, seq_len=2048, vocab_size=51200,
+  )  # fmt: skip
+  assert default_gpt_mesh(big) == "data:8,model:8"
+  assert default_gpt_mesh(dataclasses.replace(big, num_devices=36)) == "data:9,model:4"
+  assert default_gpt_mesh(dataclasses.replace(big, cluster="cpu")) == "data:64,model:1"
+  (r,) = plan_mesh(dataclasses.replace(big, mesh="data:8,model:8"))
+  assert r["mesh"] == "data:8,model:8" and "no plan fits" in r["error"]
 
 
 def test_a_gpt_shape_whose_heads_do_not_split_its_width_is_refused():
@@ -311,7 +325,6 @@ def test_zero3_with_recomputation_gathers_each_layer_twice_in_the_backward():
   backward (``fsdp_backward_gathers=2``); one gather serves both by default. Where the
   gathers set the pace (a sequence a GPU) the backward is about three collectives a layer
   instead of two; where the compute is about as long (four a GPU) it hides most of it."""
-  import dataclasses
 
   from gpp_jax.cost.cost_model import CostModel, fsdp_gathered_bytes, fsdp_stage_times, layer_costs
   from gpp_jax.experiments.megatron import MEGATRON_COST_MODEL as cm

@@ -563,7 +563,8 @@ def plan_mesh(options: PlanOptions) -> list[dict[str, Any]]:
       **planner_options,
     )
     if "error" in row:
-      out.append({"planner": name, "error": row["error"], "seconds": row["seconds"]})
+      where = f"{names[0]}:{rows},{names[1]}:{tp}"
+      out.append({"planner": name, "mesh": where, "error": row["error"], "seconds": row["seconds"]})
       continue
     T = row["iteration_time"]
     out.append(
@@ -593,7 +594,11 @@ def mesh_main(options: PlanOptions) -> None:
     raise app.UsageError(str(e)) from None
   for r in records:
     if "error" in r:
-      print(f"== {r['planner']}: no plan: {r['error']}\n")
+      width = r["mesh"].rpartition(":")[2]
+      print(
+        f"== {r['planner']}: no plan over --mesh={r['mesh']} (each device below is a row of "
+        f"{width} GPUs): {r['error']}\n"
+      )
       continue
     print(f"== {r['planner']} (search {r['seconds']:.2f} s) ==\n{r['plan']}")
     print(
