@@ -162,6 +162,7 @@ def test_train_reruns_a_saved_plan_exactly(tmp_path):
   [
     ("--model=resnet", "--model='resnet' is not one of"),
     ("--planner=nope", "--planner='nope' is not one of"),
+    ("--planner=manual", "a plan you write is given as --plan=PATH"),
     ("--batch_size=10", "does not split into --num_microbatches=8"),
     ("--plan=/nonexistent/plan.json", "no such file"),
   ],

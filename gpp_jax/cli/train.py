@@ -178,6 +178,11 @@ def _check_flags() -> None:
 
   choose("model", FLAGS.model, MODELS)
   choose("preset", FLAGS.preset, ("tiny", "paper"))
+  if FLAGS.plan is None and FLAGS.planner == "manual":
+    raise app.UsageError(
+      "--planner=manual: a plan you write is given as --plan=PATH (a plan.json, as a run "
+      "folder's; Plan.to_dict)"
+    )
   if FLAGS.plan is None:
     choose("planner", FLAGS.planner, PLANNERS)
   elif not os.path.isfile(FLAGS.plan):
