@@ -100,6 +100,16 @@ def _int_parameter(params, opt_state, batch):
   return params, opt_state, loss
 
 
+def _xy_step(params, opt_state, x, y):
+  """A step given the inputs and the labels as two arguments."""
+  return _steps_with_loss(lambda p, b: _mse(p, {"x": x, "y": b}))(params, opt_state, y)
+
+
+def _xy_as_the_batch(e: Env) -> None:
+  out = e.pp(_xy_step, batch_argnums=(2, 3))(e.params, e.opt_state, BATCH["x"], BATCH["y"])
+  assert max_diff(out, e.ref) <= 1e-5
+
+
 def _second_call(batch) -> Callable[[Env], Any]:
   """A row that calls the shared, already built step again with ``batch``."""
   return lambda e: e.good(e.params, e.opt_state, batch)
@@ -165,6 +175,10 @@ CATALOGUE = [
   Row("batch leaves of different lengths",
       lambda e: e.call({"x": BATCH["x"], "y": BATCH["y"][:4]}), BatchError, "share one leading"),
   Row("a batch without arrays", lambda e: e.call({}), BatchError, "hold no arrays"),
+  Row("inputs and labels as two arguments, the batch left at the last", lambda e: e.pp(_xy_step)(
+      e.params, e.opt_state, BATCH["x"], BATCH["y"]), BatchError,
+      r"argument 2 has the batch's leading dimension \(8\).*batch_argnums=\(2, 3\)"),
+  Row("inputs and labels as two arguments, both named the batch", _xy_as_the_batch, None),
   Row("batch_argnums out of range", lambda e: e.call(batch_argnums=5), ValueError,
       r"batch_argnums \(5,\) out of range for 3"),
   Row("run_steps given one batch, not a list", lambda e: e.good.run_steps(

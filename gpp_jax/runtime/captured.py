@@ -226,7 +226,8 @@ def batch_leaves(
   for i in pure.graph_positions:
     if i in bpos:
       raise CaptureError(f"argument {i} is an NNX object, not a batch; set batch_argnums")
-  batch_idx = [k for i, r in _other_arg_leaves(pure, args, nstate).items() if i in bpos for k in r]
+  others = _other_arg_leaves(pure, args, nstate)
+  batch_idx = [k for i, r in others.items() if i in bpos for k in r]
   if not batch_idx:
     raise BatchError(
       f"the batch arguments {bpos} hold no arrays; pass the batch there or set batch_argnums"
@@ -238,6 +239,8 @@ def batch_leaves(
     )
   B = sizes.pop()
   assert B is not None  # None in sizes raised above
+  if opts.batch_argnums is None:
+    _check_no_batch_left_whole(others, bpos, leaves, B, pure.num_positional)
   if B % M:
     raise BatchError(
       f"the batch of {B} examples does not split into {M} micro-batches; use a "
@@ -270,6 +273,28 @@ def donated_leaves(pure: PureStep, args: Sequence[Any], opts: Options) -> tuple[
     nstate = len(paths)
   out += [k for i, r in _other_arg_leaves(pure, args, nstate).items() if i in donate for k in r]
   return tuple(out)
+
+
+def _check_no_batch_left_whole(
+  others: dict[int, range], bpos: Sequence[int], leaves: Sequence[Any], B: int, npos: int
+) -> None:
+  """BatchError where, the batch being the last argument by default, another positional
+  argument looks like part of it: every one of its arrays has the batch's leading dimension
+  (``step(model, optimizer, x, y)``). Left whole it would meet micro-batches of the rest, a
+  shape error at best and a silently broadcast loss at worst."""
+  for i, r in others.items():
+    if i in bpos or (0 <= npos <= i) or not r:
+      continue
+    arrays = [leaves[k] for k in r]
+    if all(np.ndim(x) >= 1 and np.shape(x)[0] == B and not _is_key(x) for x in arrays):
+      last = bpos[-1]
+      raise BatchError(
+        f"argument {i} has the batch's leading dimension ({B}) in every array but is not "
+        f"split into micro-batches: by default the batch is the last positional argument "
+        f"({last}) alone. If argument {i} is part of the batch, pass "
+        f"batch_argnums=({i}, {last}) (or put the batch in one argument); if it is not, pass "
+        f"batch_argnums={last} to say so"
+      )
 
 
 def _other_arg_leaves(pure: PureStep, args: Sequence[Any], nstate: int) -> dict[int, range]:
