@@ -59,9 +59,8 @@ class GPTShape:
   vocab: int = VOCAB
 
   def __post_init__(self):
-    sizes = dict(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq)
-    sizes["vocab"] = self.vocab
-    small = [f"{k}={v}" for k, v in sizes.items() if v < 1]
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    small = [f"{k}={v}" for k, v in values.items() if v < 1]
     if small:
       raise ValueError(f"a GPT's sizes must be at least 1: {', '.join(small)}")
     if self.hidden % self.heads:

@@ -239,7 +239,7 @@ def batch_leaves(
     )
   B = sizes.pop()
   assert B is not None  # None in sizes raised above
-  if opts.batch_argnums is None:
+  if opts.batch_argnums is None and M > 1:
     _check_no_batch_left_whole(others, bpos, leaves, B, pure.num_positional)
   if B % M:
     raise BatchError(
@@ -278,10 +278,11 @@ def donated_leaves(pure: PureStep, args: Sequence[Any], opts: Options) -> tuple[
 def _check_no_batch_left_whole(
   others: dict[int, range], bpos: Sequence[int], leaves: Sequence[Any], B: int, npos: int
 ) -> None:
-  """BatchError where, the batch being the last argument by default, another positional
-  argument looks like part of it: every one of its arrays has the batch's leading dimension
-  (``step(model, optimizer, x, y)``). Left whole it would meet micro-batches of the rest, a
-  shape error at best and a silently broadcast loss at worst."""
+  """BatchError where, the batch being the last argument by default and split into several
+  micro-batches, another positional argument looks like part of it: every one of its arrays
+  has the batch's leading dimension (``step(model, optimizer, x, y)``). Left whole it would
+  meet micro-batches of the rest, a shape error at best and a silently broadcast loss at
+  worst."""
   for i, r in others.items():
     if i in bpos or (0 <= npos <= i) or not r:
       continue
