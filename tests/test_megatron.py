@@ -239,7 +239,7 @@ def test_plan_cli_mesh_lets_the_planners_choose_the_stages(tmp_path):
   assert [r["planner"] for r in records] == ["graphpipe", "pipedream"]
   for r in records:
     assert r["mesh"] == "data:8,model:8"
-    assert r["tflops_per_device"] > 0 and r["iteration_ms"] > 0
+    assert 0 < r["tflops_per_device"] < 312 and r["iteration_ms"] > 0  # under the A100's peak
     stages = r["plan"]["stages"]
     assert sum(len(s["devices"]) for s in stages) <= 8  # rows of the first axis
   bad = _plan_cli([*args[:-3], "--mesh=data:4,model:8"])

@@ -36,6 +36,7 @@ from gpp_jax.passes import shared_devices
 from gpp_jax.passes.lowering import lower_schedule
 from gpp_jax.passes.partition import PLANNERS
 from gpp_jax.passes.partition.shared import (
+  at_microbatches,
   balanced_cuts,
   fold,
   plan_with_shared_devices,
@@ -45,7 +46,7 @@ from gpp_jax.passes.partition.shared import (
 )
 from gpp_jax.passes.schedules import make_schedule
 from gpp_jax.passes.shared_devices import SHARED_SCHEDULES, round_robin_places
-from gpp_jax.passes.simulation import StageTimes, simulate_times
+from gpp_jax.passes.simulation import StageTimes, simulate, simulate_times
 
 TOL = 2e-5
 CHAIN4 = [(0, 1), (1, 2), (2, 3)]
@@ -687,3 +688,29 @@ def test_the_virtual_cluster_is_also_planned_at_the_micro_batches_its_candidate_
   )
   assert "at M" not in without.predicted["shared_devices"]
   assert plan.predicted["iteration_time"] < without.predicted["iteration_time"]
+
+
+def test_a_plan_given_other_micro_batches_is_priced_at_the_size_it_runs():
+  """A plan whose stages name one micro-batch size runs batch / num_microbatches samples a
+  micro-batch whatever that size (``stage_microbatch_sizes``), and the cost model prices it so:
+  a plan planned for 4 x as many micro-batches and given M again was priced at a quarter of
+  its samples (the 145.6B GPT over 1,536 A100s came out at 434 TFLOP/s per GPU, over the
+  A100's peak). The candidates of several stages per device are made to name the size they
+  run (``at_microbatches``), or left out where their devices do not split it."""
+  g = mg.chain(batch_size=1024, layers=8, hidden=1024)
+  cluster = v100_cluster(8)
+  layers = list(nx.topological_sort(g))
+
+  def plan(size: int, M: int) -> Plan:
+    stages = (Stage(0, tuple(layers[:4]), (0, 1), size), Stage(1, tuple(layers[4:]), (2, 3), size))
+    return Plan(stages, ((0, 1),), M, batch_size=1024)
+
+  stale, right = plan(16, 16), plan(64, 16)
+  t = simulate(stale, g, cluster).iteration_time
+  assert t == pytest.approx(simulate(right, g, cluster).iteration_time)  # 5% under before
+  fixed = at_microbatches(plan(16, 64), 16, 1024)
+  assert isinstance(fixed, Plan) and fixed.num_microbatches == 16
+  assert [s.microbatch_size for s in fixed.stages] == [64, 64]
+  assert "does not split over stage 0's devices" in at_microbatches(plan(16, 64), 1024, 1024)
+  mixed = stale.replace(stages=(stale.stages[0], right.stages[1]))
+  assert at_microbatches(mixed, 16, 1024).stages == mixed.stages  # per-stage sizes kept

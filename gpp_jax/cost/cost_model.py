@@ -60,6 +60,7 @@ from gpp_jax.cost.step_memory import (
   step_memory_terms,
 )
 from gpp_jax.ir.layer_graph import topo_layers
+from gpp_jax.ir.plan import has_mixed_microbatches
 
 # Bytes of one stage (float) or of many candidate stages at once (array), for the planners.
 _Bytes = TypeVar("_Bytes", float, np.ndarray)
@@ -546,8 +547,16 @@ class PlanCosts:
   edge_arrays: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)
 
 
-def plan_microbatch(plan, stage) -> float:
-  """Samples per micro-batch of ``stage`` in ``plan``."""
+def plan_microbatch(plan, stage, uniform: bool | None = None) -> float:
+  """Samples per micro-batch of ``stage`` in ``plan``, as the runtime runs it
+  (``ir.plan.stage_microbatch_sizes``): in a plan with a ``batch_size`` whose stages all name
+  one size (``uniform``; None: worked out here), batch / num_microbatches whatever size they
+  name, so that a plan given another number of micro-batches is priced at the size it runs;
+  otherwise the stage's own size."""
+  if uniform is None:
+    uniform = not has_mixed_microbatches(plan)
+  if plan.batch_size and uniform:
+    return plan.batch_size / plan.num_microbatches
   if stage.microbatch_size:
     return float(stage.microbatch_size)
   if plan.batch_size:
@@ -633,9 +642,10 @@ def plan_costs(
   # its output in the forward (row-parallel) or its input cotangent in the backward
   # (column-parallel) over the row's link.
   tp = layer_graph.graph.get("tensor_parallel") if how == "model" else None
+  uniform = not has_mixed_microbatches(plan)
   for s in plan.stages:
     idx, params, saved, frac = _stage_terms(costs, s.layers)
-    mb = plan_microbatch(plan, s)
+    mb = plan_microbatch(plan, s, uniform)
     # A stage that narrows the mesh (``Stage.inner``) runs each row as q rows of its own: q
     # times the data parallelism, 1/q of the tensor parallelism (``stage_narrowing``).
     q = stage_narrowing(layer_graph, s)

@@ -294,6 +294,21 @@ def shared_schedules(
   return tuple(dict.fromkeys(out))
 
 
+def at_microbatches(plan: Plan, M: int, batch: int | None) -> Plan | str:
+  """``plan`` run at M micro-batches of ``batch`` samples: its stages' sizes made
+  batch / M where it planned them for another number (as ``stage_microbatch_sizes`` runs a
+  plan whose stages name one size), or why it cannot be (a stage's devices do not split
+  that size)."""
+  if not batch or len({s.microbatch_size for s in plan.stages}) > 1:
+    return plan.replace(num_microbatches=M)
+  size = batch // M
+  for s in plan.stages:
+    if len(s.devices) > 1 and size % len(s.devices):
+      return f"a micro-batch of {size} samples does not split over stage {s.index}'s devices"
+  stages = tuple(dataclasses.replace(s, microbatch_size=size) for s in plan.stages)
+  return plan.replace(stages=stages, num_microbatches=M)
+
+
 def plan_with_shared_devices(
   planner: Any,
   layer_graph: nx.DiGraph,
@@ -340,8 +355,12 @@ def plan_with_shared_devices(
     if plan is None or plan.places() is None:
       tried.append(f"v={v} ({how}): no two stages share devices")
       return
+    sized = at_microbatches(plan, one.num_microbatches, batch)
+    if isinstance(sized, str):
+      tried.append(f"v={v} ({how}): {sized}")
+      return
     for name in shared:
-      cand = plan.replace(schedule=name, num_microbatches=one.num_microbatches)
+      cand = sized.replace(schedule=name)
       try:
         res = simulate(cand, layer_graph, cluster, cost_model=cost_model, timeline=False, host=host)
       except ScheduleError as e:
