@@ -51,7 +51,7 @@ from gpp_jax.cost.cluster import CPU, Cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.errors import PlanError, ScheduleError
 from gpp_jax.ir.layer_graph import topo_layers
-from gpp_jax.ir.plan import Plan, Stage, stage_edges
+from gpp_jax.ir.plan import Plan, Stage, has_mixed_microbatches, stage_edges
 from gpp_jax.passes.shared_devices import SHARED_SCHEDULES, stage_depths
 
 AUTO_STAGES_PER_DEVICE = (1, 2, 4)
@@ -299,7 +299,7 @@ def at_microbatches(plan: Plan, M: int, batch: int | None) -> Plan | str:
   batch / M where it planned them for another number (as ``stage_microbatch_sizes`` runs a
   plan whose stages name one size), or why it cannot be (a stage's devices do not split
   that size)."""
-  if not batch or len({s.microbatch_size for s in plan.stages}) > 1:
+  if not batch or has_mixed_microbatches(plan):
     return plan.replace(num_microbatches=M)
   size = batch // M
   for s in plan.stages:
