@@ -711,6 +711,8 @@ def test_a_plan_given_other_micro_batches_is_priced_at_the_size_it_runs():
   fixed = at_microbatches(plan(16, 64), 16, 1024)
   assert isinstance(fixed, Plan) and fixed.num_microbatches == 16
   assert [s.microbatch_size for s in fixed.stages] == [64, 64]
-  assert "does not split over stage 0's devices" in at_microbatches(plan(16, 64), 1024, 1024)
+  assert "stage 0 spans 2 devices but a micro-batch has 1 samples" in at_microbatches(
+    plan(16, 64), 1024, 1024
+  )
   mixed = stale.replace(stages=(stale.stages[0], right.stages[1]))
   assert at_microbatches(mixed, 16, 1024).stages == mixed.stages  # per-stage sizes kept

@@ -334,7 +334,7 @@ def stage_microbatch_counts(plan: Plan, batch_size: int) -> tuple[int, ...]:
   return tuple(batch_size // b for b in stage_microbatch_sizes(plan, batch_size))
 
 
-def _check_microbatch_sizes(plan: Plan, batch_size: int) -> None:
+def check_microbatch_sizes(plan: Plan, batch_size: int) -> None:
   """Per-stage sizes divide the batch, align along every stage edge (the larger a multiple of
   the smaller, so a chunk of one stage is a union of whole chunks of the other), and split
   over each data-parallel stage's devices."""
@@ -419,7 +419,7 @@ def validate_plan(
         f"{[s.microbatch_size for s in plan.stages]} but the plan has no batch_size; set "
         "Plan.batch_size so the sizes can be checked against the batch"
       )
-    _check_microbatch_sizes(plan, batch)
+    check_microbatch_sizes(plan, batch)
 
 
 def _check_layers(plan: Plan, layer_graph: nx.DiGraph) -> None:

@@ -51,7 +51,13 @@ from gpp_jax.cost.cluster import CPU, Cluster
 from gpp_jax.cost.cost_model import DEFAULT_COST_MODEL, layer_costs
 from gpp_jax.errors import PlanError, ScheduleError
 from gpp_jax.ir.layer_graph import topo_layers
-from gpp_jax.ir.plan import Plan, Stage, has_mixed_microbatches, stage_edges
+from gpp_jax.ir.plan import (
+  Plan,
+  Stage,
+  check_microbatch_sizes,
+  has_mixed_microbatches,
+  stage_edges,
+)
 from gpp_jax.passes.shared_devices import SHARED_SCHEDULES, stage_depths
 
 AUTO_STAGES_PER_DEVICE = (1, 2, 4)
@@ -297,16 +303,17 @@ def shared_schedules(
 def at_microbatches(plan: Plan, M: int, batch: int | None) -> Plan | str:
   """``plan`` run at M micro-batches of ``batch`` samples: its stages' sizes made
   batch / M where it planned them for another number (as ``stage_microbatch_sizes`` runs a
-  plan whose stages name one size), or why it cannot be (a stage's devices do not split
-  that size)."""
+  plan whose stages name one size), or why it cannot be (``check_microbatch_sizes``: a
+  stage's devices do not split that size)."""
   if not batch or has_mixed_microbatches(plan):
     return plan.replace(num_microbatches=M)
-  size = batch // M
-  for s in plan.stages:
-    if len(s.devices) > 1 and size % len(s.devices):
-      return f"a micro-batch of {size} samples does not split over stage {s.index}'s devices"
-  stages = tuple(dataclasses.replace(s, microbatch_size=size) for s in plan.stages)
-  return plan.replace(stages=stages, num_microbatches=M)
+  stages = tuple(dataclasses.replace(s, microbatch_size=batch // M) for s in plan.stages)
+  sized = plan.replace(stages=stages, num_microbatches=M)
+  try:
+    check_microbatch_sizes(sized, batch)
+  except PlanError as e:
+    return str(e)
+  return sized
 
 
 def plan_with_shared_devices(
