@@ -90,7 +90,7 @@ def chain_dp(rc: RangeCosts, replicate: bool = True, unit: int = 1) -> tuple[np.
     for d in dps:
       u = d // unit
       T = rc.tps(d)[i, i + 1 :]  # (L,)
-      mem = static + rc.saved[i, i + 1 :][:, None] * rc.b / d * s_in[None, :top]  # (L, top)
+      mem = _ranges_memory(rc, i, static, d, s_in[:top])  # (L, top)
       # The stage's TPS where it fits in memory, inf where it does not (L, top).
       T_ok = np.where(mem <= mem_cap, T[:, None], math.inf)
       sub = A[i + 1 :, : Ks + 1 - u, :top]  # (L, Ks+1-u, top): A[j, m-u, s-1]
@@ -98,6 +98,15 @@ def chain_dp(rc: RangeCosts, replicate: bool = True, unit: int = 1) -> tuple[np.
       A[i, u:, 1 : top + 1] = np.minimum(A[i, u:, 1 : top + 1], val)
     A[i] = np.minimum.accumulate(A[i], axis=0)
   return A, dps
+
+
+def _ranges_memory(
+  rc: RangeCosts, i: int, static: np.ndarray, d: int, in_flight: np.ndarray
+) -> np.ndarray:
+  """(L, S) bytes per device of the ranges i..j-1 (j = i+1..n; ``static``: their held bytes,
+  (L, 1)) on d devices, holding ``in_flight[s]`` micro-batches as the stage s+1-th from the
+  end: the memory rule of ``chain_dp`` and ``chain_fits``."""
+  return static + rc.saved[i, i + 1 :][:, None] * rc.b / d * in_flight[None, :]
 
 
 def chain_fits(rc: RangeCosts, dps: Sequence[int], slack: float = 0.0) -> bool:
@@ -121,8 +130,7 @@ def chain_fits(rc: RangeCosts, dps: Sequence[int], slack: float = 0.0) -> bool:
     static = rc.cm.static_memory(rc.params[i, i + 1 :])[:, None]  # (L, 1) for j = i+1..n
     need = np.full((n - i, top), math.inf)  # the fewest devices of a stage i..j-1, per s
     for d in sorted(dps, reverse=True):
-      mem = static + rc.saved[i, i + 1 :][:, None] * rc.b / d * s_in[None, :top]
-      need = np.where(mem <= cap, float(d), need)
+      need = np.where(_ranges_memory(rc, i, static, d, s_in[:top]) <= cap, float(d), need)
     fewest[i, 1 : top + 1] = (need + fewest[i + 1 :, :top]).min(axis=0)
   return bool((fewest[0, 1:] <= K).any())
 
