@@ -35,6 +35,22 @@ def _plan_cli(args: list[str]) -> subprocess.CompletedProcess:
   )
 
 
+def _gpt_args(layers: int, hidden: int, heads: int, batch: int, devices: int) -> list[str]:
+  """``gpp_jax.plan``'s flags for a GPT of this shape (sequence 2,048, vocabulary 51,200) and
+  batch on ``devices`` A100s."""
+  return [
+    "--model=gpt",
+    f"--gpt_layers={layers}",
+    f"--gpt_hidden={hidden}",
+    f"--gpt_heads={heads}",
+    "--seq_len=2048",
+    "--vocab_size=51200",
+    f"--batch_size={batch}",
+    "--cluster=a100",
+    f"--num_devices={devices}",
+  ]
+
+
 def test_parameter_count_is_the_papers_column():
   """Equation (2) gives every row's published parameter count (to its 0.1 billion)."""
   for row in TABLE_1:
@@ -117,15 +133,7 @@ def test_every_row_is_predicted_within_15_percent():
 def test_plan_cli_layout_writes_the_records(tmp_path):
   out = tmp_path / "rows.json"
   args = [
-    "--model=gpt",
-    "--gpt_layers=40",
-    "--gpt_hidden=6144",
-    "--gpt_heads=48",
-    "--seq_len=2048",
-    "--vocab_size=51200",
-    "--batch_size=1024",
-    "--cluster=a100",
-    "--num_devices=256",
+    *_gpt_args(40, 6144, 48, 1024, 256),
     "--layout=tp:8,pp:1",
     f"--json={out}",
   ]
@@ -191,15 +199,7 @@ def test_plan_cli_plans_a_gpt_of_the_given_shape_over_rows_of_a_node(tmp_path):
   and say so; a shape that cannot be is refused before planning, without a traceback."""
   out = tmp_path / "gpt.json"
   args = [
-    "--model=gpt",
-    "--gpt_layers=24",
-    "--gpt_hidden=2304",
-    "--gpt_heads=24",
-    "--seq_len=2048",
-    "--vocab_size=51200",
-    "--batch_size=512",
-    "--cluster=a100",
-    "--num_devices=32",
+    *_gpt_args(24, 2304, 24, 512, 32),
     "--planner=graphpipe",
     f"--json={out}",
   ]
@@ -220,15 +220,7 @@ def test_plan_cli_mesh_lets_the_planners_choose_the_stages(tmp_path):
   parallel over t GPUs; one JSON record per planner."""
   out = tmp_path / "mesh.json"
   args = [
-    "--model=gpt",
-    "--gpt_layers=40",
-    "--gpt_hidden=6144",
-    "--gpt_heads=48",
-    "--seq_len=2048",
-    "--vocab_size=51200",
-    "--batch_size=512",
-    "--cluster=a100",
-    "--num_devices=64",
+    *_gpt_args(40, 6144, 48, 512, 64),
     "--mesh=data:8,model:8",
     "--planner=graphpipe,pipedream",
     f"--json={out}",
